@@ -1,0 +1,102 @@
+"""Branch replay: the shared prefix forward once under `jax.vjp`, every branch's tail
+forward+backward against its cache, one prefix backward with the branch-summed cotangent.
+
+The gradient equals running every branch as its own full sequence; the work is P + R*T
+token positions instead of R*(P+T). This file knows nothing about Flax or the model: it
+takes two pure functions,
+
+  prefill_fn(params, prefix) -> cache            (float arrays only: it is vjp'd)
+  branch_loss_fn(params, cache, branch) -> (value, aux)   (one branch of every prompt)
+
+where `branch` is a pytree whose leaves carry a leading branch axis R (vmapped away).
+No `@jax.jit` here: callers jit, vmap and grad these functions as they need.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+
+Combine = Optional[Callable[[jax.Array], jax.Array]]
+
+
+def prefix_forward(prefill_fn, params, prefix):
+  """Step 1. The prefix forward, once. `prefix_vjp` holds its residuals; it is a pytree
+  (`jax.tree_util.Partial`), so it may be returned from one jit and consumed by another."""
+  return jax.vjp(lambda p: prefill_fn(p, prefix), params)
+
+
+def tails_value_and_grad(branch_loss_fn, params, cache, branches_R, *,
+                         branch_chunk: Optional[int] = None, combine: Combine = None):
+  """Step 2. Forward+backward of all tails against the cache.
+
+  Returns (loss, aux_R, dparams_tail, dcache). The branches are vmapped *inside* the grad,
+  so the cache is one unbatched input and its cotangent arrives already summed over R (as
+  do the parameter gradients: R parameter gradients are never materialised).
+
+  branch_chunk=C streams the R branches in R/C chunks under `lax.scan`, accumulating the
+  cache and parameter cotangents: peak tail memory scales with C, the gradient is the same.
+  Only additive objectives (combine=None) can stream.
+  """
+  R = jax.tree.leaves(branches_R)[0].shape[0]
+
+  def loss_of_branches(params, cache, branches):
+    values_R, aux_R = jax.vmap(branch_loss_fn, in_axes=(None, None, 0))(params, cache, branches)
+    loss = values_R.sum() if combine is None else combine(values_R)
+    return loss, aux_R
+
+  grad_fn = jax.value_and_grad(loss_of_branches, argnums=(0, 1), has_aux=True)
+  if branch_chunk is None or branch_chunk == R:
+    (loss, aux_R), (dparams, dcache) = grad_fn(params, cache, branches_R)
+    return loss, aux_R, dparams, dcache
+
+  if R % branch_chunk:
+    raise ValueError(f"replay.branch_chunk={branch_chunk}: expected a divisor of R={R}")
+  if combine is not None:
+    raise ValueError(f"replay.branch_chunk={branch_chunk}: streaming needs an additive "
+                     "objective (this one combines branches non-linearly); use branch_chunk=R")
+  n_chunks = R // branch_chunk
+  chunks = jax.tree.map(lambda x: x.reshape(n_chunks, branch_chunk, *x.shape[1:]), branches_R)
+
+  def body(carry, chunk):
+    loss_sum, dparams_sum, dcache_sum = carry
+    (loss, aux_C), (dparams, dcache) = grad_fn(params, cache, chunk)
+    carry = (loss_sum + loss, jax.tree.map(jnp.add, dparams_sum, dparams),
+             jax.tree.map(jnp.add, dcache_sum, dcache))
+    return carry, aux_C
+
+  zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
+  init = (jnp.zeros((), _loss_dtype(params)), zeros(params), zeros(cache))
+  (loss, dparams, dcache), aux = jax.lax.scan(body, init, chunks)
+  aux_R = jax.tree.map(lambda x: x.reshape(R, *x.shape[2:]), aux)
+  return loss, aux_R, dparams, dcache
+
+
+def _loss_dtype(params):
+  leaves = jax.tree.leaves(params)
+  return jnp.float64 if leaves and leaves[0].dtype == jnp.float64 else jnp.float32
+
+
+def value_and_grad(prefill_fn, branch_loss_fn, params, prefix, branches_R, *,
+                   branch_chunk: Optional[int] = None, combine: Combine = None,
+                   cache_constraint: Optional[Callable[[Any], Any]] = None):
+  """The whole method: returns (loss, aux_R, grads), grads equal to the naive gradient.
+
+  cache_constraint, if given, is applied to the cache where it crosses from the prefix to
+  the tails (a sharding constraint: the layout decision is visible where it matters).
+  """
+  # 1. Prefix forward, once; prefix_vjp keeps the residuals alive.
+  cache, prefix_vjp = prefix_forward(prefill_fn, params, prefix)
+  if cache_constraint is not None:
+    cache = cache_constraint(cache)
+  # 2. Tails: forward+backward of every branch against the shared cache; the cotangents
+  #    flowing into the cache (K/V, hidden states, trunk log-probs) arrive summed over R.
+  loss, aux_R, dparams_tail, dcache = tails_value_and_grad(
+      branch_loss_fn, params, cache, branches_R, branch_chunk=branch_chunk, combine=combine)
+  # 3. One prefix backward with the branch-summed cotangent.
+  (dparams_prefix,) = prefix_vjp(dcache)
+  # 4. The two halves of the gradient.
+  grads = jax.tree.map(jnp.add, dparams_tail, dparams_prefix)
+  return loss, aux_R, grads
