@@ -1,0 +1,242 @@
+"""Benchmark: one training step's loss+gradient, naive vs branch replay, as JSON lines.
+
+Each variant runs in its own subprocess (clean memory accounting): warm-up, then the median
+of --reps timed steps; peak RSS growth is the peak during the timed steps minus the RSS
+after imports. Ratios are measured in one run, so a noisy shared machine affects both sides.
+
+  python experiments/bench_replay.py                      # P=2048 T=128 R=16, small preset
+  python experiments/bench_replay.py --sweep              # P{512..4096} x T{64,128} x R{8,16}
+  python experiments/bench_replay.py --prefix_len=512 --tail_len=64 --branches=8 --reps=3
+
+Expected on the 2-core CPU (small preset, float32, P=2048 T=128 R=16): speedup ~0.9x
+flop_ratio (~8.6), replay peak memory well under 25% of naive's, grad_max_rel_err < 1e-5
+(see the README's results table for measured numbers).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+if __name__ == "__main__" and not (os.path.exists("/dev/nvidia0") or shutil.which("nvidia-smi")):
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # quiet on machines without a GPU
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_multi_integer("prefix_len", [2048], "P: shared prefix tokens (repeatable)")
+flags.DEFINE_multi_integer("tail_len", [128], "T: tail tokens per branch (repeatable)")
+flags.DEFINE_multi_integer("branches", [16], "R: branches per prompt (repeatable)")
+flags.DEFINE_integer("prompts", 1, "B: prompts per step")
+flags.DEFINE_integer("reps", 5, "timed repetitions after warm-up (median reported)")
+flags.DEFINE_bool("check_grads", True, "compare replay's gradient with naive's")
+flags.DEFINE_string("preset", "small", "model size preset (models.transformer.PRESETS)")
+flags.DEFINE_string("dtype", "float32", "compute and parameter dtype")
+flags.DEFINE_integer("branch_chunk", 0, "stream tails in chunks of C branches (0 = all R)")
+flags.DEFINE_bool("remat", False, "rematerialise layers (both paths)")
+flags.DEFINE_float("memory_cap_mb", 16000, "a variant whose compiled step needs more reports oom")
+flags.DEFINE_bool("sweep", False, "run the README sweep: P{512,1024,2048,4096} x T{64,128} x R{8,16}")
+flags.DEFINE_string("worker", "", "internal: run one variant ('naive' or 'replay') and print JSON")
+flags.DEFINE_string("grads_out", "", "internal: where a worker saves its gradient")
+flags.DEFINE_string("out", "", "also append the JSON lines to this file")
+
+
+def model_config():
+  from models import transformer as tfm
+  return tfm.preset(FLAGS.preset, dtype=FLAGS.dtype, param_dtype=FLAGS.dtype, remat=FLAGS.remat)
+
+
+def step_flops(cfg, B, R, P, T, mode):
+  """Matmul + attention FLOPs of one forward+backward (backward = 2x forward), as executed:
+  dense masked attention computes every query x key score."""
+  D, N, K, H, F, V, L = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                         cfg.mlp_hidden, cfg.vocab_size, cfg.n_layers)
+  per_token = L * (D * (N + 2 * K) * H + N * H * D + 3 * D * F)  # MACs per position
+  attn = lambda q, s: L * 2 * q * s * N * H  # QK^T and PV MACs
+  if mode == "naive":
+    macs = B * R * ((P + T) * per_token + attn(P + T, P + T) + T * D * V)
+  else:
+    macs = B * (P * per_token + attn(P, P)) + B * R * (T * per_token + attn(T, P + T) + T * D * V)
+  return 3 * 2 * macs
+
+
+def matmul_gflops(n=2048, reps=5):
+  import jax
+  import jax.numpy as jnp
+  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+  f = jax.jit(lambda x: x @ x)
+  f(a).block_until_ready()
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    f(a).block_until_ready()
+    times.append(time.perf_counter() - t0)
+  return 2 * n ** 3 / sorted(times)[len(times) // 2] / 1e9
+
+
+class PeakRSS:
+  """Samples this process's RSS in a thread; .peak is the maximum seen."""
+
+  def __init__(self, interval=0.002):
+    import psutil
+    self._proc, self._interval, self.peak, self._stop = psutil.Process(), interval, 0, False
+
+  def __enter__(self):
+    self.peak = self._proc.memory_info().rss
+    self._thread = threading.Thread(target=self._run, daemon=True)
+    self._thread.start()
+    return self
+
+  def _run(self):
+    while not self._stop:
+      self.peak = max(self.peak, self._proc.memory_info().rss)
+      time.sleep(self._interval)
+
+  def __exit__(self, *exc):
+    self._stop = True
+    self._thread.join()
+
+
+def run_worker(mode, P, T, R):
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import psutil
+  from branch_replay import losses, policy
+  from branch_replay.batch import ReplayBatch, validate
+  from models import transformer as tfm
+  jnp.zeros(()).block_until_ready()  # the backend is up: count from here
+  rss_after_imports = psutil.Process().memory_info().rss
+
+  cfg = model_config()
+  B = FLAGS.prompts
+  params = tfm.init_params(cfg, jax.random.key(0))
+  rng = np.random.default_rng(0)
+  dt = cfg.compute_dtype
+  batch = ReplayBatch(
+      prefix_BP=jnp.asarray(rng.integers(0, cfg.vocab_size, (B, P)), jnp.int32),
+      prefix_valid_BP=jnp.ones((B, P), bool),
+      tails_BRT=jnp.asarray(rng.integers(0, cfg.vocab_size, (B, R, T)), jnp.int32),
+      tail_valid_BRT=jnp.ones((B, R, T), bool),
+      advantages_BR=jnp.asarray(rng.normal(size=(B, R)), dt))
+  chunk = FLAGS.branch_chunk or None
+  validate(batch, cfg.vocab_size, chunk)
+  loss_cfg = losses.LossConfig()
+  step = jax.jit(lambda p, b: policy.loss_and_grad(p, b, cfg, loss_cfg, mode, chunk)[::2])
+  compiled = step.lower(params, batch).compile()
+  mem = compiled.memory_analysis()
+  need_mb = None
+  if mem is not None:
+    need_mb = (mem.temp_size_in_bytes + mem.argument_size_in_bytes +
+               mem.output_size_in_bytes) / 2 ** 20
+  result = dict(mode=mode, compiled_mb=None if need_mb is None else round(need_mb, 1))
+  if need_mb is not None and need_mb > FLAGS.memory_cap_mb:
+    result["oom"] = True
+    print(json.dumps(result), flush=True)
+    return
+  out = compiled(params, batch)
+  jax.block_until_ready(out)
+  del out
+  times = []
+  with PeakRSS() as rss:
+    for _ in range(FLAGS.reps):
+      t0 = time.perf_counter()
+      loss, grads = compiled(params, batch)
+      jax.block_until_ready(grads)
+      times.append(time.perf_counter() - t0)
+  result.update(seconds=float(np.median(times)), times=[round(t, 4) for t in times],
+                peak_mb=round((rss.peak - rss_after_imports) / 2 ** 20, 1),
+                loss=float(loss), backend=jax.default_backend(),
+                device=str(jax.devices()[0].device_kind))
+  stats = jax.devices()[0].memory_stats() or {}
+  if "peak_bytes_in_use" in stats:
+    result["device_peak_mb"] = round(stats["peak_bytes_in_use"] / 2 ** 20, 1)
+  if FLAGS.grads_out:
+    leaves = {str(i): np.asarray(x, np.float64) for i, x in enumerate(jax.tree.leaves(grads))}
+    np.savez(FLAGS.grads_out, **leaves)
+  print(json.dumps(result), flush=True)
+
+
+def spawn(mode, P, T, R, grads_out):
+  argv = [sys.executable, os.path.abspath(__file__), f"--worker={mode}", f"--prefix_len={P}",
+          f"--tail_len={T}", f"--branches={R}", f"--prompts={FLAGS.prompts}",
+          f"--reps={FLAGS.reps}", f"--preset={FLAGS.preset}", f"--dtype={FLAGS.dtype}",
+          f"--branch_chunk={FLAGS.branch_chunk}", f"--remat={FLAGS.remat}",
+          f"--memory_cap_mb={FLAGS.memory_cap_mb}", f"--grads_out={grads_out}"]
+  proc = subprocess.run(argv, capture_output=True, text=True)
+  lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+  if proc.returncode or not lines:
+    return dict(mode=mode, error=(proc.stderr or proc.stdout)[-2000:], returncode=proc.returncode)
+  return json.loads(lines[-1])
+
+
+def grad_max_rel_err(path_a, path_b):
+  import numpy as np
+  a, b = np.load(path_a), np.load(path_b)
+  return max(float(np.max(np.abs(a[k] - b[k])) / (np.max(np.abs(b[k])) + 1e-30)) for k in b)
+
+
+def main(argv):
+  del argv
+  if FLAGS.worker:
+    run_worker(FLAGS.worker, FLAGS.prefix_len[0], FLAGS.tail_len[0], FLAGS.branches[0])
+    return
+  cfg = model_config()
+  grid = ([(P, T, R) for P in (512, 1024, 2048, 4096) for T in (64, 128) for R in (8, 16)]
+          if FLAGS.sweep else
+          [(P, T, R) for P in FLAGS.prefix_len for T in FLAGS.tail_len for R in FLAGS.branches])
+  ceiling = matmul_gflops()
+  B = FLAGS.prompts
+  for P, T, R in grid:
+    with tempfile.TemporaryDirectory() as tmp:
+      paths = {m: os.path.join(tmp, f"{m}.npz") if FLAGS.check_grads else "" for m in
+               ("naive", "replay")}
+      runs = {m: spawn(m, P, T, R, paths[m]) for m in ("replay", "naive")}
+      replay_flops = step_flops(cfg, B, R, P, T, "replay")
+      naive_flops = step_flops(cfg, B, R, P, T, "naive")
+      rep, nai = runs["replay"], runs["naive"]
+      row = dict(prefix_len=P, tail_len=T, branches=R, prompts=B, preset=FLAGS.preset,
+                 dtype=FLAGS.dtype, branch_chunk=FLAGS.branch_chunk or R,
+                 token_ratio=round(R * (P + T) / (P + R * T), 3),
+                 flop_ratio=round(naive_flops / replay_flops, 3),
+                 replay_s=rep.get("seconds"), naive_s="oom" if nai.get("oom") else nai.get("seconds"),
+                 replay_peak_mb=rep.get("peak_mb"),
+                 naive_peak_mb="oom" if nai.get("oom") else nai.get("peak_mb"),
+                 replay_compiled_mb=rep.get("compiled_mb"), naive_compiled_mb=nai.get("compiled_mb"),
+                 matmul_gflops=round(ceiling, 1), backend=rep.get("backend"),
+                 device=rep.get("device"), date=time.strftime("%Y-%m-%d"))
+      if rep.get("seconds"):
+        row["replay_gflops"] = round(replay_flops / rep["seconds"] / 1e9, 1)
+      if rep.get("seconds") and nai.get("seconds"):
+        row["speedup"] = round(nai["seconds"] / rep["seconds"], 3)
+        row["speedup_over_flop_ratio"] = round(row["speedup"] / row["flop_ratio"], 3)
+        if nai.get("peak_mb"):
+          row["peak_mem_ratio"] = round(rep["peak_mb"] / nai["peak_mb"], 3)
+      else:
+        row["speedup"] = None
+      for m in ("replay", "naive"):
+        if "device_peak_mb" in runs[m]:
+          row[f"{m}_device_peak_mb"] = runs[m]["device_peak_mb"]
+        if "error" in runs[m]:
+          row[f"{m}_error"] = runs[m]["error"]
+      if FLAGS.check_grads and os.path.exists(paths["naive"]) and os.path.exists(paths["replay"]):
+        row["grad_max_rel_err"] = grad_max_rel_err(paths["replay"], paths["naive"])
+        row["loss_abs_err"] = abs(rep["loss"] - nai["loss"])
+      else:
+        row["grad_max_rel_err"] = None
+    line = json.dumps(row)
+    print(line, flush=True)
+    if FLAGS.out:
+      with open(FLAGS.out, "a") as f:
+        f.write(line + "\n")
+
+
+if __name__ == "__main__":
+  app.run(main)
