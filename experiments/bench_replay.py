@@ -130,7 +130,13 @@ def run_worker(mode, P, T, R):
   validate(batch, cfg.vocab_size, chunk)
   loss_cfg = losses.LossConfig()
   step = jax.jit(lambda p, b: policy.loss_and_grad(p, b, cfg, loss_cfg, mode, chunk)[::2])
-  compiled = step.lower(params, batch).compile()
+  try:
+    compiled = step.lower(params, batch).compile()
+  except jax.errors.JaxRuntimeError as e:  # e.g. the compiler's autotuner cannot allocate
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    print(json.dumps(dict(mode=mode, oom=True)), flush=True)
+    return
   mem = compiled.memory_analysis()
   need_mb = None
   if mem is not None:
@@ -141,16 +147,21 @@ def run_worker(mode, P, T, R):
     result["oom"] = True
     print(json.dumps(result), flush=True)
     return
-  out = compiled(params, batch)
-  jax.block_until_ready(out)
-  del out
   times = []
-  with PeakRSS() as rss:
-    for _ in range(FLAGS.reps):
-      t0 = time.perf_counter()
-      loss, grads = compiled(params, batch)
-      jax.block_until_ready(grads)
-      times.append(time.perf_counter() - t0)
+  try:
+    jax.block_until_ready(compiled(params, batch))  # warm-up
+    with PeakRSS() as rss:
+      for _ in range(FLAGS.reps):
+        t0 = time.perf_counter()
+        loss, grads = compiled(params, batch)
+        jax.block_until_ready(grads)
+        times.append(time.perf_counter() - t0)
+  except jax.errors.JaxRuntimeError as e:  # the estimate fit, the allocation did not
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    result["oom"] = True
+    print(json.dumps(result), flush=True)
+    return
   result.update(seconds=float(np.median(times)), times=[round(t, 4) for t in times],
                 peak_mb=round((rss.peak - rss_after_imports) / 2 ** 20, 1),
                 loss=float(loss), backend=jax.default_backend(),

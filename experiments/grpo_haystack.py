@@ -1,0 +1,36 @@
+"""GRPO through branch replay on a long-prompt key->value retrieval task (the default run).
+
+  python run.py                        # this experiment, ~3 min on a 2-core CPU
+  python run.py --set=task.prompt_len=1024 --set=train.rl_steps=300   # longer haystacks
+
+A 2-layer d=64 model (char tokenizer, 79 ids) first warms up for 600 supervised steps on
+*short* haystacks (32 tokens; one shared prefix, one tail per key, through the same
+engine), where it learns the retrieval circuit almost perfectly; on the 256-token haystacks
+of the RL phase it only half works (attention to the one right record is diluted by the
+long filler). GRPO with 8 branches per prompt on the long prompts then raises it.
+Expected (seed 0): sampled reward/mean ~0.4 over the first RL steps -> ~0.9 over the last;
+greedy eval reward on 128 held-out long prompts ~0.4 -> ~0.9; the RL training steps compute
+~5x fewer token positions than the naive twin (prefix once instead of once per branch).
+"""
+
+from branch_replay.config import Config, ReplayConfig, TrainConfig
+from branch_replay.losses import LossConfig
+from branch_replay.sampler import SamplerConfig
+from branch_replay.tasks import TaskConfig
+from branch_replay.tokenizer import TOKENIZER
+from models.transformer import ModelConfig
+
+
+def get_config() -> Config:
+  return Config(
+      model=ModelConfig(vocab_size=TOKENIZER.vocab_size, d_model=64, n_layers=2, n_heads=4,
+                        n_kv_heads=4, head_dim=16, mlp_hidden=128),
+      loss=LossConfig(name="grpo", aggregation="token_mean", epsilon=0.2),
+      replay=ReplayConfig(mode="replay"),
+      train=TrainConfig(seed=0, sft_steps=600, sft_batch_size=32, sft_learning_rate=3e-3,
+                        rl_steps=200, batch_size=8, n_branches=8, learning_rate=1e-3,
+                        checkpoint_every=50, keep_checkpoints=2, eval_size=128),
+      sampler=SamplerConfig(max_new_tokens=3, temperature=1.0),
+      task=TaskConfig(name="haystack", prompt_len=256, n_keys=4, value_len=1,
+                      sft_prompt_len=32),
+  )
