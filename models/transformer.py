@@ -299,8 +299,9 @@ def window_allowed(q_positions_BT: Array, k_positions_BS: Array, window: int) ->
 
 
 def keep_window(kv: KV, window: Optional[int]) -> KV:
-  """A sliding-window layer's prefix cache: only the last `window` (left-padded) positions,
-  all a later query can reach. The dropped keys get a zero cotangent through the slice."""
+  """A sliding-window layer's prefix cache: only the last `window` (left-padded) positions.
+  A later query reaches at most the last window-1 of them; one more keeps the length the
+  configured window. The dropped keys get a zero cotangent through the slice."""
   S = kv.k_BSKH.shape[1]
   if window is None or window >= S:
     return kv
@@ -394,9 +395,12 @@ class Block(nn.Module):
     window = cfg.layer_window(self.index)
     if window is not None:
       allowed_BTT &= window_allowed(positions_BT, positions_BT, window)
-    # Context parallelism (sharding.py): queries keep their sequence shard and each layer
-    # all-gathers its K/V. Logical names only; no-ops unless logical_axis_rules are set.
+    # Context parallelism (sharding.py): q, K, V are computed on this device's sequence
+    # shard, then each layer all-gathers its K/V. Logical names only; no-ops unless
+    # flax logical_axis_rules are set (the sharded prefix).
     q_BTNH = nn.with_logical_constraint(q_BTNH, ("batch", "seq", "heads", "head_dim"))
+    own = KV(*(nn.with_logical_constraint(t_BTKH, ("batch", "seq", "kv_heads", "head_dim"))
+               for t_BTKH in own))
     gathered = KV(*(nn.with_logical_constraint(t_BTKH, ("batch", None, "kv_heads", "head_dim"))
                     for t_BTKH in own))
     segments = list(context) + [Segment(gathered, allowed_BTT)]
