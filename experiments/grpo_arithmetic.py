@@ -3,9 +3,11 @@
   python run.py --experiment=grpo_arithmetic --workdir=runs/arithmetic
 
 Short prompts (7 tokens), so branch replay saves little here: this experiment exercises the
-trainer on a second verifiable task rather than the long-context regime. A short supervised
-warm-up teaches the format and part of the carries; GRPO (8 branches per prompt) then
-raises the exact-match reward. Expected numbers: see the README (measured on the 2-core CPU).
+trainer on a second verifiable task rather than the long-context regime. A 450-step supervised
+warm-up teaches the format and part of the sums; GRPO (16 prompts x 8 branches, lr 3e-4:
+1e-3 stalls and 3e-3 collapses here) then raises the exact-match reward.
+Expected (seed 0): sampled reward/mean 0.204 over the first 10 RL steps -> 0.305 over the
+last 10; greedy reward on 128 held-out sums 0.344 -> 0.469; ~1.5 min on the 2-core CPU.
 """
 
 from branch_replay.config import Config, ReplayConfig, TrainConfig
@@ -22,8 +24,8 @@ def get_config() -> Config:
                         n_kv_heads=4, head_dim=16, mlp_hidden=128),
       loss=LossConfig(name="grpo", aggregation="token_mean", epsilon=0.2),
       replay=ReplayConfig(mode="replay"),
-      train=TrainConfig(seed=0, sft_steps=300, sft_batch_size=64, sft_learning_rate=3e-3,
-                        rl_steps=150, batch_size=16, n_branches=8, learning_rate=1e-3,
+      train=TrainConfig(seed=0, sft_steps=450, sft_batch_size=64, sft_learning_rate=3e-3,
+                        rl_steps=150, batch_size=16, n_branches=8, learning_rate=3e-4,
                         checkpoint_every=50, keep_checkpoints=2, eval_size=128),
       sampler=SamplerConfig(max_new_tokens=4, temperature=1.0),
       task=TaskConfig(name="arithmetic", n_digits=2),

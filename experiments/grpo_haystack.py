@@ -1,16 +1,17 @@
 """GRPO through branch replay on a long-prompt key->value retrieval task (the default run).
 
-  python run.py                        # this experiment, ~3 min on a 2-core CPU
-  python run.py --set=task.prompt_len=1024 --set=train.rl_steps=300   # longer haystacks
+  python run.py                        # this experiment, ~2 min on a 2-core CPU
+  python run.py --set=task.prompt_len=1024 --workdir=runs/long   # longer haystacks (not run end to end)
 
 A 2-layer d=64 model (char tokenizer, 79 ids) first warms up for 600 supervised steps on
 *short* haystacks (32 tokens; one shared prefix, one tail per key, through the same
 engine), where it learns the retrieval circuit almost perfectly; on the 256-token haystacks
 of the RL phase it only half works (attention to the one right record is diluted by the
 long filler). GRPO with 8 branches per prompt on the long prompts then raises it.
-Expected (seed 0): sampled reward/mean ~0.4 over the first RL steps -> ~0.9 over the last;
-greedy eval reward on 128 held-out long prompts ~0.4 -> ~0.9; the RL training steps compute
-~5x fewer token positions than the naive twin (prefix once instead of once per branch).
+Expected (seed 0, deterministic): sampled reward/mean 0.608 over the first 10 RL steps ->
+0.828 over the last 10; greedy reward on 128 held-out 256-token prompts 0.414 -> 0.945.
+The RL steps compute 7.4x fewer token positions than the naive twin (4.2x counting the
+warm-up). About 2 minutes end to end on the 2-core CPU (1 min 51 s measured, shared).
 """
 
 from branch_replay.config import Config, ReplayConfig, TrainConfig

@@ -1,0 +1,186 @@
+"""The run's configuration: frozen nested dataclasses that validate themselves, and the
+`--set=section.field=value` override parser (an unknown section or field fails at once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import typing
+from typing import Optional, Sequence
+
+from branch_replay.losses import LossConfig
+from branch_replay.sampler import SamplerConfig
+from branch_replay.tasks import TaskConfig
+from branch_replay.tokenizer import TOKENIZER
+from models.transformer import ModelConfig
+
+MODES = ("replay", "naive")
+TRAINABLE_LOSSES = ("grpo", "ppo", "pg")  # DPO needs preference pairs, not sampled groups
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayConfig:
+  mode: str = "replay"  # replay | naive (every branch as its own sequence, for A/B)
+  branch_chunk: Optional[int] = None  # stream the R branches in chunks of this size
+
+  def __post_init__(self):
+    if self.mode not in MODES:
+      raise ValueError(f"replay.mode={self.mode!r}: expected one of {MODES}")
+    if self.branch_chunk is not None and (not isinstance(self.branch_chunk, int)
+                                          or self.branch_chunk < 1):
+      raise ValueError(f"replay.branch_chunk={self.branch_chunk!r}: expected None or an int >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  seed: int = 0
+  sft_steps: int = 0  # supervised warm-up steps (through the same engine) before RL
+  rl_steps: int = 50
+  batch_size: int = 8  # B prompts per RL step
+  n_branches: int = 8  # R sampled branches per prompt (the GRPO group)
+  sft_batch_size: int = 16  # prefixes per warm-up step
+  learning_rate: float = 1e-3  # RL
+  sft_learning_rate: float = 3e-3
+  weight_decay: float = 0.0
+  grad_clip: float = 1.0
+  advantage_std: bool = True  # GRPO: divide by the group std (False: Dr. GRPO, centred only)
+  checkpoint_every: int = 50
+  keep_checkpoints: int = 2
+  eval_size: int = 64  # held-out prompts scored greedily before and after RL (0 = off)
+  progress: bool = True  # tqdm bar on the terminal
+  plot: bool = True  # workdir/metrics.png at the end
+
+  def __post_init__(self):
+    for name in ("sft_steps", "rl_steps", "eval_size"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 0:
+        raise ValueError(f"train.{name}={value!r}: expected an int >= 0")
+    for name in ("batch_size", "n_branches", "sft_batch_size", "checkpoint_every",
+                 "keep_checkpoints"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"train.{name}={value!r}: expected an int >= 1")
+    for name in ("learning_rate", "sft_learning_rate", "grad_clip"):
+      value = getattr(self, name)
+      if not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+        raise ValueError(f"train.{name}={value!r}: expected a finite number > 0")
+    if not 0 <= self.weight_decay < float("inf"):
+      raise ValueError(f"train.weight_decay={self.weight_decay!r}: expected >= 0")
+
+  @property
+  def total_steps(self) -> int:
+    return self.sft_steps + self.rl_steps
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  model: ModelConfig = ModelConfig(vocab_size=TOKENIZER.vocab_size)
+  loss: LossConfig = LossConfig()
+  replay: ReplayConfig = ReplayConfig()
+  train: TrainConfig = TrainConfig()
+  sampler: SamplerConfig = SamplerConfig()
+  task: TaskConfig = TaskConfig()
+  mesh: str = ""  # e.g. "data:2,fsdp:2"; "" = one device
+
+  def __post_init__(self):
+    if self.model.vocab_size < TOKENIZER.vocab_size:
+      raise ValueError(f"model.vocab_size={self.model.vocab_size}: expected >= the "
+                       f"tokenizer's {TOKENIZER.vocab_size}")
+    if self.loss.name not in TRAINABLE_LOSSES:
+      raise ValueError(f"loss.name={self.loss.name!r}: the trainer samples groups; expected "
+                       f"one of {TRAINABLE_LOSSES}")
+    if self.loss.name == "grpo" and self.train.n_branches < 2:
+      raise ValueError(f"train.n_branches={self.train.n_branches}: GRPO normalises over a "
+                       "group, expected >= 2")
+    chunk = self.replay.branch_chunk
+    if chunk is not None and self.train.n_branches % chunk:
+      raise ValueError(f"replay.branch_chunk={chunk}: expected a divisor of "
+                       f"train.n_branches={self.train.n_branches}")
+    if self.mesh and not re.fullmatch(r"[a-z]+:\d+(,[a-z]+:\d+)*", self.mesh):
+      raise ValueError(f"mesh={self.mesh!r}: expected '' or 'axis:size,...' e.g. 'data:2,fsdp:2'")
+
+
+# ----------------------------------------------------------------------------- overrides
+
+
+def _parse(text: str, hint, where: str):
+  origin = typing.get_origin(hint)
+  if origin is typing.Union or type(hint).__name__ == "UnionType":
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if text.lower() in ("none", "null"):
+      return None
+    return _parse(text, args[0], where)
+  if hint is bool:
+    if text.lower() in ("true", "1", "yes"):
+      return True
+    if text.lower() in ("false", "0", "no"):
+      return False
+    raise ValueError(f"{where}={text!r}: expected true or false")
+  if hint in (int, float):
+    try:
+      return hint(text)
+    except ValueError:
+      raise ValueError(f"{where}={text!r}: expected {hint.__name__}") from None
+  if hint is str:
+    return text
+  raise ValueError(f"{where}: cannot be set from the command line (type {hint})")
+
+
+def apply_overrides(cfg: Config, overrides: Sequence[str]) -> Config:
+  """`section.field=value` strings applied in order; validation runs on the result."""
+  for item in overrides:
+    if "=" not in item:
+      raise ValueError(f"--set {item!r}: expected section.field=value")
+    path, text = item.split("=", 1)
+    parts = path.strip().split(".")
+    top = {f.name: f for f in dataclasses.fields(Config)}
+    if parts[0] not in top:
+      raise ValueError(f"--set {path!r}: unknown config section {parts[0]!r}; expected one "
+                       f"of {sorted(top)}")
+    if len(parts) == 1:
+      if dataclasses.is_dataclass(getattr(cfg, parts[0])):
+        raise ValueError(f"--set {path!r}: {parts[0]!r} is a section; set one of its fields")
+      hints = typing.get_type_hints(Config)
+      cfg = dataclasses.replace(cfg, **{parts[0]: _parse(text, hints[parts[0]], path)})
+      continue
+    if len(parts) != 2 or not dataclasses.is_dataclass(getattr(cfg, parts[0])):
+      raise ValueError(f"--set {path!r}: expected section.field")
+    section = getattr(cfg, parts[0])
+    names = [f.name for f in dataclasses.fields(section)]
+    if parts[1] not in names:
+      raise ValueError(f"--set {path!r}: unknown field {parts[1]!r} of {parts[0]}; expected "
+                       f"one of {names}")
+    hint = typing.get_type_hints(type(section))[parts[1]]
+    section = dataclasses.replace(section, **{parts[1]: _parse(text, hint, path)})
+    cfg = dataclasses.replace(cfg, **{parts[0]: section})
+  return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+  return dataclasses.asdict(cfg)
+
+
+def from_dict(d: dict) -> Config:
+  kinds = {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}
+  kwargs = {k: (kinds[k](**v) if dataclasses.is_dataclass(kinds[k]) else v) for k, v in d.items()}
+  return Config(**kwargs)
+
+
+# Fields a resumed run may change; any other difference means the checkpoint belongs to
+# another experiment.
+RESUMABLE = ("train.rl_steps", "train.checkpoint_every", "train.keep_checkpoints",
+             "train.eval_size", "train.progress", "train.plot", "replay.mode",
+             "replay.branch_chunk", "mesh")
+
+
+def incompatible(saved: dict, cfg: Config) -> list[str]:
+  """'field: saved X, now Y' for every difference that forbids resuming."""
+  now = json.loads(json.dumps(to_dict(cfg)))
+  flat = lambda d: {f"{s}.{k}" if isinstance(v, dict) else s: vv
+                    for s, v in d.items()
+                    for k, vv in (v.items() if isinstance(v, dict) else [(None, v)])}
+  a, b = flat(saved), flat(now)
+  return [f"{k}: saved {a.get(k)!r}, now {b.get(k)!r}"
+          for k in sorted(set(a) | set(b)) if k not in RESUMABLE and a.get(k) != b.get(k)]

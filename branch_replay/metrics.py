@@ -1,0 +1,70 @@
+"""Metrics: an append-only JSON-lines file (one record per step, slash names) and a plot."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+
+class MetricsWriter:
+  def __init__(self, path: str):
+    self.path = path
+
+  def write(self, record: dict) -> None:
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+             for k, v in record.items()}
+    with open(self.path, "a") as f:
+      f.write(json.dumps(clean, sort_keys=True) + "\n")
+      f.flush()
+
+
+def read(path: str) -> list[dict]:
+  """Records in order; a step logged twice (a crash after it, then a resume) keeps its last."""
+  if not os.path.exists(path):
+    return []
+  by_key = {}
+  with open(path) as f:
+    for line in f:
+      line = line.strip()
+      if line:
+        rec = json.loads(line)
+        by_key[(rec.get("step"), rec.get("kind", "train"))] = rec
+  return sorted(by_key.values(), key=lambda r: (r.get("step", 0), r.get("kind", "train")))
+
+
+def plot(records: list[dict], path: str) -> str:
+  """Reward (RL steps) and step time against the step, to a PNG."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  train = [r for r in records if r.get("kind", "train") == "train"]
+  rl = [r for r in train if r.get("reward/mean") is not None]
+  fig, (ax_r, ax_t) = plt.subplots(1, 2, figsize=(10, 3.5))
+  if rl:
+    steps = [r["step"] for r in rl]
+    mean = [r["reward/mean"] for r in rl]
+    ax_r.plot(steps, mean, alpha=0.35, label="reward/mean (sampled)")
+    window = 10
+    smooth = [sum(mean[max(0, i - window + 1):i + 1]) / len(mean[max(0, i - window + 1):i + 1])
+              for i in range(len(mean))]
+    ax_r.plot(steps, smooth, label=f"running mean ({window} steps)")
+  evals = [r for r in records if r.get("kind") == "eval"]
+  if evals:
+    ax_r.plot([r["step"] for r in evals], [r["eval/greedy_reward"] for r in evals], "o--",
+              label="eval/greedy_reward")
+  ax_r.set_xlabel("step")
+  ax_r.set_ylabel("reward")
+  ax_r.legend(loc="lower right")
+  ax_t.plot([r["step"] for r in train], [r.get("time/step_s") for r in train], label="train step")
+  ax_t.plot([r["step"] for r in train], [r.get("time/sample_s") or 0.0 for r in train],
+            label="sampling")
+  ax_t.set_xlabel("step")
+  ax_t.set_ylabel("seconds (log)")
+  ax_t.set_yscale("log")
+  ax_t.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return path

@@ -1,0 +1,58 @@
+"""Train a policy with GRPO through branch replay.
+
+  python run.py                                   # the default: experiments/grpo_haystack.py
+  python run.py --experiment=grpo_arithmetic --set=train.rl_steps=100 --workdir=/tmp/arith
+  python run.py --mode=naive                      # the same run through the naive twin
+
+Re-running with the same --workdir resumes from its latest checkpoint.
+"""
+
+import glob
+import importlib
+import os
+import shutil
+import sys
+
+from absl import app, flags, logging
+
+if shutil.which("nvidia-smi") is None and not glob.glob("/dev/nvidia*"):
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # no GPU: skip the CUDA plugin's probe
+
+flags.DEFINE_string("experiment", "grpo_haystack", "Module in experiments/ with get_config().")
+flags.DEFINE_multi_string("set", [], "Config override section.field=value (repeatable).")
+flags.DEFINE_string("workdir", "runs/default", "Checkpoints, metrics.jsonl and the plot go here.")
+flags.DEFINE_enum("mode", None, ["replay", "naive"], "Override replay.mode.")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+  logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  from branch_replay import config as config_lib
+  here = os.path.dirname(os.path.abspath(__file__))
+  names = sorted(os.path.basename(p)[:-3]
+                 for p in glob.glob(os.path.join(here, "experiments", "[!_]*.py"))
+                 if "def get_config(" in open(p).read())
+  if FLAGS.experiment not in names:
+    raise app.UsageError(f"--experiment={FLAGS.experiment!r}: unknown; expected one of {names}")
+  module = importlib.import_module(f"experiments.{FLAGS.experiment}")
+  overrides = list(FLAGS.set) + ([f"replay.mode={FLAGS.mode}"] if FLAGS.mode else [])
+  try:
+    cfg = config_lib.apply_overrides(module.get_config(), overrides)
+  except ValueError as e:
+    raise app.UsageError(str(e))
+  from branch_replay import train
+  try:
+    summary = train.run(cfg, FLAGS.workdir)
+  except (ValueError, FloatingPointError) as e:
+    sys.exit(f"error: {e}")
+  except KeyboardInterrupt:
+    sys.exit(f"interrupted: run again with --workdir={FLAGS.workdir} to resume from its "
+             "latest checkpoint")
+  print(train.format_summary(summary))
+
+
+if __name__ == "__main__":
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  app.run(main)

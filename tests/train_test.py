@@ -1,0 +1,156 @@
+"""The trainer end to end on a tiny model: a 3-step run, resume == uninterrupted, replay ==
+naive, determinism, and the bad-input paths (workdir, NaN, incompatible checkpoint, CLI)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from branch_replay import checkpoint, metrics, policy, train
+from branch_replay.config import Config, apply_overrides
+from models import transformer as tfm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REQUIRED = ("step", "reward/mean", "reward/std", "loss/policy", "kl", "entropy", "grad/norm",
+            "replay/prefix_tokens", "replay/tail_tokens", "replay/naive_equiv_tokens",
+            "time/step_s", "time/sample_s")
+
+
+def tiny(*overrides):
+  return apply_overrides(Config(model=tfm.preset("tiny")), [
+      "task.prompt_len=20", "task.n_keys=2", "train.sft_steps=1", "train.rl_steps=2",
+      "train.batch_size=2", "train.n_branches=4", "train.sft_batch_size=2",
+      "sampler.max_new_tokens=2", "train.eval_size=0", "train.progress=false",
+      "train.plot=false", "train.checkpoint_every=1", "train.learning_rate=3e-3",
+      *overrides])
+
+
+def _train_records(workdir):
+  return [r for r in metrics.read(os.path.join(workdir, "metrics.jsonl"))
+          if r.get("kind") == "train"]
+
+
+def _untimed(records):
+  return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in records]
+
+
+def test_three_step_run_end_to_end_and_same_seed_same_metrics(tmp_path):
+  cfg = tiny("train.eval_size=4", "train.plot=true", "loss.kl_coef=0.05",
+             "train.checkpoint_every=2", "sampler.trunk_len=1")
+  s = train.run(cfg, str(tmp_path / "a"))
+  recs = _train_records(s["workdir"])
+  assert [r["step"] for r in recs] == [0, 1, 2]
+  assert [r["phase"] for r in recs] == ["sft", "rl", "rl"]
+  for r in recs[1:]:
+    assert all(k in r for k in REQUIRED), sorted(r)
+    assert 0.0 <= r["reward/mean"] <= 1.0 and np.isfinite(r["loss/policy"])
+    # B*P prefix positions + B*R*T tail positions vs B*R*(P+T) for the naive twin.
+    P = 20 + 1  # prompt + trunk
+    assert (r["replay/prefix_tokens"], r["replay/tail_tokens"],
+            r["replay/naive_equiv_tokens"]) == (2 * P, 2 * 4 * 2, 2 * 4 * (P + 2))
+  evals = [r for r in metrics.read(s["metrics"]) if r.get("kind") == "eval"]
+  assert [r["step"] for r in evals] == [1, 3]
+  assert sorted(os.listdir(s["checkpoint"])) == ["2", "3"]
+  assert os.path.getsize(s["plot"]) > 1000
+  assert "token positions computed" in train.format_summary(s)
+  # The same seed in a fresh workdir gives the same metrics.
+  s2 = train.run(cfg, str(tmp_path / "b"))
+  assert _untimed(_train_records(s2["workdir"])) == _untimed(recs)
+  # A different seed does not.
+  s3 = train.run(apply_overrides(cfg, ["train.seed=1"]), str(tmp_path / "c"))
+  assert _untimed(_train_records(s3["workdir"])) != _untimed(recs)
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+  full = train.run(tiny("train.rl_steps=3"), str(tmp_path / "full"))
+  workdir = str(tmp_path / "resumed")
+  train.run(tiny("train.rl_steps=1"), workdir)  # stops after step 2 (checkpoint 2)
+  resumed = train.run(tiny("train.rl_steps=3"), workdir)  # restores 2, runs 2, 3
+  recs = _train_records(workdir)
+  assert [r["step"] for r in recs] == [0, 1, 2, 3]
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6),
+               full["final_params"], resumed["final_params"])
+  assert _untimed(recs) == _untimed(_train_records(full["workdir"]))
+
+
+def test_replay_and_naive_modes_agree(tmp_path):
+  a = train.run(tiny("train.rl_steps=2"), str(tmp_path / "replay"))
+  b = train.run(tiny("train.rl_steps=2", "replay.mode=naive"), str(tmp_path / "naive"))
+  ra, rb = _train_records(a["workdir"]), _train_records(b["workdir"])
+  assert len(ra) == len(rb) == 3
+  for x, y in zip(ra, rb):
+    assert x.get("reward/mean") == y.get("reward/mean")
+    np.testing.assert_allclose(x["loss/policy"], y["loss/policy"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(x["grad/norm"], y["grad/norm"], rtol=1e-4, atol=1e-6)
+    assert x["replay/naive_equiv_tokens"] == y["replay/computed_tokens"]
+    assert x["replay/computed_tokens"] < y["replay/computed_tokens"]
+  # (Parameters are not compared: Adam divides by sqrt(v), so float32 rounding in a
+  # near-zero gradient entry becomes an O(lr) difference. tests/replay_test.py holds the
+  # gradients themselves to tight tolerances.)
+
+
+def test_unwritable_workdir_fails_before_compute(tmp_path):
+  blocker = tmp_path / "file"
+  blocker.write_text("x")
+  with pytest.raises(ValueError, match="--workdir=.*not a writable directory"):
+    train.run(tiny(), str(blocker / "sub"))
+
+
+def test_incompatible_checkpoint_is_an_error(tmp_path):
+  workdir = str(tmp_path / "w")
+  train.run(tiny("train.rl_steps=1"), workdir)
+  with pytest.raises(ValueError, match=r"incompatible config: model.d_model: saved 32, now 64"):
+    train.run(tiny("model.d_model=64"), workdir)
+  with pytest.raises(ValueError, match=r"train.n_branches: saved 4, now 2"):
+    train.run(tiny("train.n_branches=2"), workdir)
+
+
+def test_nan_loss_stops_with_step_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
+  workdir = str(tmp_path / "w")
+  good = train.run(tiny("train.rl_steps=1"), workdir)  # checkpoints 1, 2
+
+  def nan_loss(*args, **kwargs):
+    loss, aux, grads = real(*args, **kwargs)
+    return loss * jnp.nan, aux, grads
+
+  real = policy.loss_and_grad
+  monkeypatch.setattr(policy, "loss_and_grad", nan_loss)
+  train._compiled.cache_clear()
+  try:
+    with pytest.raises(FloatingPointError, match="loss/policy is nan at step 2.*last good "
+                       "checkpoint is step 2"):
+      train.run(tiny("train.rl_steps=3"), workdir)
+  finally:
+    train._compiled.cache_clear()
+  cfg = tiny()
+  ckpt = checkpoint.Checkpointer(workdir, cfg)
+  assert ckpt.latest_step() == 2
+  restored = ckpt.restore(2, train._state_dict(train.init_state(cfg)))
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+               restored["params"], good["final_params"])
+
+
+def _cli(*args):
+  return subprocess.run([sys.executable, os.path.join(ROOT, "run.py"), *args], cwd=ROOT,
+                        capture_output=True, text=True, timeout=120,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--experiment=nope"], "--experiment='nope': unknown; expected one of ["),
+    (["--set=train.n_branchez=8"], "unknown field 'n_branchez' of train"),
+    (["--set=task.name=sorting"], "task.name='sorting'"),
+    (["--bogus=1"], "Unknown command line flag 'bogus'"),
+    (["--mode=fast"], "--mode"),
+])
+def test_cli_usage_errors_name_the_culprit(args, message):
+  out = _cli(*args)
+  assert out.returncode != 0
+  assert message in out.stderr + out.stdout, out.stderr[-2000:]
+  if "nope" in args[0]:
+    assert "grpo_haystack" in out.stderr
