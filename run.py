@@ -3,6 +3,9 @@
   python run.py                                   # the default: experiments/grpo_haystack.py
   python run.py --experiment=grpo_arithmetic --set=train.rl_steps=100 --workdir=/tmp/arith
   python run.py --mode=naive                      # the same run through the naive twin
+  python run.py --mesh=data:2,fsdp:2,context:2    # sharded over 8 devices (branch_replay/sharding.py)
+  python run.py --mesh=... --coordinator_address=HOST0:1234 --num_processes=N --process_id=I
+                                                  # one per host, all with the same flags
 
 Re-running with the same --workdir resumes from its latest checkpoint.
 """
@@ -22,6 +25,10 @@ flags.DEFINE_string("experiment", "grpo_haystack", "Module in experiments/ with 
 flags.DEFINE_multi_string("set", [], "Config override section.field=value (repeatable).")
 flags.DEFINE_string("workdir", "runs/default", "Checkpoints, metrics.jsonl and the plot go here.")
 flags.DEFINE_enum("mode", None, ["replay", "naive"], "Override replay.mode.")
+flags.DEFINE_string("mesh", None, "Device mesh, e.g. data:2,fsdp:2,context:2 (sets mesh=).")
+flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0.")
+flags.DEFINE_integer("num_processes", None, "Multi-host: how many processes.")
+flags.DEFINE_integer("process_id", None, "Multi-host: this process's index.")
 FLAGS = flags.FLAGS
 
 
@@ -29,6 +36,10 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if FLAGS.coordinator_address or FLAGS.num_processes:  # before JAX touches a device
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU runs
+    jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   from branch_replay import config as config_lib
   here = os.path.dirname(os.path.abspath(__file__))
   names = sorted(os.path.basename(p)[:-3]
@@ -38,6 +49,7 @@ def main(argv):
     raise app.UsageError(f"--experiment={FLAGS.experiment!r}: unknown; expected one of {names}")
   module = importlib.import_module(f"experiments.{FLAGS.experiment}")
   overrides = list(FLAGS.set) + ([f"replay.mode={FLAGS.mode}"] if FLAGS.mode else [])
+  overrides += [f"mesh={FLAGS.mesh}"] if FLAGS.mesh is not None else []
   try:
     cfg = config_lib.apply_overrides(module.get_config(), overrides)
   except ValueError as e:
@@ -50,7 +62,9 @@ def main(argv):
   except KeyboardInterrupt:
     sys.exit(f"interrupted: run again with --workdir={FLAGS.workdir} to resume from its "
              "latest checkpoint")
-  print(train.format_summary(summary))
+  import jax
+  if jax.process_index() == 0:  # multi-host: one summary
+    print(train.format_summary(summary))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 
 import orbax.checkpoint as ocp
 
@@ -16,7 +17,7 @@ def check_workdir(workdir: str) -> str:
   path = os.path.abspath(workdir)
   try:
     os.makedirs(path, exist_ok=True)
-    probe = os.path.join(path, ".write_probe")
+    probe = os.path.join(path, f".write_probe.{socket.gethostname()}.{os.getpid()}")
     with open(probe, "w") as f:
       f.write("ok")
     os.remove(probe)
@@ -52,7 +53,7 @@ class Checkpointer:
         raise ValueError(f"--workdir={self.workdir}: its checkpoint (step "
                          f"{self.latest_step()}) comes from an incompatible config: "
                          + "; ".join(diffs) + ". Use a fresh --workdir or the saved config.")
-    tmp = path + ".tmp"
+    tmp = f"{path}.{socket.gethostname()}.{os.getpid()}.tmp"  # processes write alike
     with open(tmp, "w") as f:
       json.dump(config_lib.to_dict(self.cfg), f, indent=2)
     os.replace(tmp, path)

@@ -58,7 +58,10 @@ def tails_value_and_grad(branch_loss_fn, params, cache, branches_R, *,
     raise ValueError(f"replay.branch_chunk={branch_chunk}: streaming needs an additive "
                      "objective (this one combines branches non-linearly); use branch_chunk=R")
   n_chunks = R // branch_chunk
-  chunks = jax.tree.map(lambda x: x.reshape(n_chunks, branch_chunk, *x.shape[1:]), branches_R)
+  # Chunk k holds branches k, k + n_chunks, ...: a branch axis split over devices (sharding.py)
+  # stays split within every chunk.
+  chunks = jax.tree.map(
+      lambda x: jnp.swapaxes(x.reshape(branch_chunk, n_chunks, *x.shape[1:]), 0, 1), branches_R)
 
   def body(carry, chunk):
     loss_sum, dparams_sum, dcache_sum = carry
@@ -70,7 +73,7 @@ def tails_value_and_grad(branch_loss_fn, params, cache, branches_R, *,
   zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
   init = (jnp.zeros((), _loss_dtype(params)), zeros(params), zeros(cache))
   (loss, dparams, dcache), aux = jax.lax.scan(body, init, chunks)
-  aux_R = jax.tree.map(lambda x: x.reshape(R, *x.shape[2:]), aux)
+  aux_R = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1).reshape(R, *x.shape[2:]), aux)
   return loss, aux_R, dparams, dcache
 
 

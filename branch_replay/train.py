@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from branch_replay import checkpoint, losses, metrics, policy, sampler, tasks
+from branch_replay import checkpoint, losses, metrics, policy, sampler, sharding, tasks
 from branch_replay.batch import ReplayBatch, validate
 from branch_replay.config import Config
 from branch_replay.tasks import TaskConfig
@@ -53,16 +53,28 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
 
 
 def shardings(tree, kind: str, cfg: Config):
-  """Where arrays live, kind 'state' or 'batch': the one placement decision of the trainer
-  (mesh sharding plugs in here). Today: the first device, whole arrays."""
+  """Where arrays live, kind 'state' or 'batch': the one placement decision of the trainer.
+  With cfg.mesh, the mesh's (sharding.py: FSDP/tensor params and optimizer state, batches
+  by prompt and branch); else the first device, whole arrays."""
   if cfg.mesh:
-    raise ValueError(f"mesh={cfg.mesh!r}: sharded training is not available yet; use mesh=''")
-  del kind
+    mesh = sharding.make_mesh(cfg.mesh)
+    if kind == "state":
+      params = sharding.param_shardings(mesh, cfg.model)
+      return tree.replace(
+          params=params, step=sharding.replicated(mesh), rng=sharding.replicated(mesh),
+          opt_state=sharding.opt_state_shardings(mesh, make_optimizer(cfg), tree.opt_state,
+                                                 params),
+          ref_params=None if tree.ref_params is None else params)
+    if isinstance(tree, ReplayBatch):
+      return sharding.batch_shardings(mesh, tree)
+    return sharding.prompt_shardings(mesh, tree)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   return jax.tree.map(lambda _: device, tree)
 
 
 def place(tree, kind: str, cfg: Config):
+  if cfg.mesh:  # host data -> global arrays, on one process or several
+    return sharding.put(tree, shardings(tree, kind, cfg))
   return jax.device_put(tree, shardings(tree, kind, cfg))
 
 
@@ -87,8 +99,12 @@ def make_train_step(cfg: Config, phase: str = "rl"):
   branch_chunk = cfg.replay.branch_chunk if phase == "rl" else None
 
   def train_step(state: TrainState, batch: ReplayBatch):
-    loss, aux_BR, grads = policy.loss_and_grad(state.params, batch, cfg.model, loss_cfg,
-                                               mode=cfg.replay.mode, branch_chunk=branch_chunk)
+    if cfg.mesh and cfg.replay.mode == "replay":
+      loss, aux_BR, grads = sharding.sharded_loss_and_grad(
+          sharding.make_mesh(cfg.mesh), state.params, batch, cfg.model, loss_cfg, branch_chunk)
+    else:
+      loss, aux_BR, grads = policy.loss_and_grad(state.params, batch, cfg.model, loss_cfg,
+                                                 mode=cfg.replay.mode, branch_chunk=branch_chunk)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     n = jnp.maximum(aux_BR["tokens"].sum(), 1)
@@ -135,17 +151,20 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int):
   t0 = time.time()
   examples = _examples(task, cfg.train.seed, step, cfg.train.batch_size)
   prompt_BP, valid_BP = tasks.encode_left([e.prompt for e in examples], task.max_prompt_len)
-  prompt_BP, valid_BP = place((prompt_BP, valid_BP), "batch", cfg)
+  placed_BP, placed_valid_BP = place((prompt_BP, valid_BP), "batch", cfg)
   key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), step)
-  samples = jax.block_until_ready(fns.sample(state.params, prompt_BP=prompt_BP,
-                                             prompt_valid_BP=valid_BP, key=key))
+  samples = jax.block_until_ready(fns.sample(state.params, prompt_BP=placed_BP,
+                                             prompt_valid_BP=placed_valid_BP, key=key))
+  if cfg.mesh:  # every process decodes and rewards all samples (they may span hosts)
+    samples = sharding.to_host(samples)
   sample_s = time.time() - t0
   rewards_BR = rewards_of(task, examples, completions(samples))
   advantages_BR = losses.group_advantages(jnp.asarray(rewards_BR),
                                           use_std=cfg.train.advantage_std)
   batch = sampler.to_batch(prompt_BP, valid_BP, samples, advantages_BR)
   if state.ref_params is not None:  # k3 KL: reference log-probs, one shared-prefix forward
-    ref_BRT, ref_trunk_BW = fns.score(state.ref_params, batch=batch)
+    scored = fns.score(state.ref_params, batch=place(batch, "batch", cfg))
+    ref_BRT, ref_trunk_BW = sharding.to_host(scored) if cfg.mesh else scored
     batch = batch.replace(ref_logp_BRT=ref_BRT,
                           trunk_ref_logp_BW=ref_trunk_BW if batch.trunk_len else None)
   validate(batch, cfg.model.vocab_size, cfg.replay.branch_chunk)
@@ -221,7 +240,9 @@ def run(cfg: Config, workdir: str) -> dict:
   if ckpt.latest_step() is not None:
     start = ckpt.latest_step()
     state = TrainState(**ckpt.restore(start, _state_dict(state)))
-  writer = metrics.MetricsWriter(os.path.join(workdir, "metrics.jsonl"))
+  # Several processes (multi-host) run this loop alike; only process 0 writes metrics.
+  chief = jax.process_index() == 0
+  writer = metrics.MetricsWriter(os.path.join(workdir, "metrics.jsonl") if chief else os.devnull)
   t = cfg.train
 
   fns = _compiled(_compile_key(cfg))
@@ -232,12 +253,14 @@ def run(cfg: Config, workdir: str) -> dict:
                                             task.max_prompt_len)
     s = fns.greedy(state.params, prompt_BP=prompt_BP, prompt_valid_BP=valid_BP,
                   key=jax.random.key(0))
+    s = sharding.to_host(s) if cfg.mesh else s
     reward = float(rewards_of(task, eval_examples, completions(s)).mean())
     writer.write({"step": step, "kind": "eval", "eval/greedy_reward": reward})
     return reward
 
   from tqdm import tqdm
-  bar = tqdm(total=t.total_steps, initial=start, disable=not t.progress, dynamic_ncols=True,
+  bar = tqdm(total=t.total_steps, initial=start, disable=not (t.progress and chief),
+             dynamic_ncols=True,
              desc="train")
   for step in range(start, t.total_steps):
     t0 = time.time()
@@ -283,7 +306,8 @@ def run(cfg: Config, workdir: str) -> dict:
     evaluate(state, t.total_steps)
     records = metrics.read(writer.path)
   ckpt.close()
-  plot_path = metrics.plot(records, os.path.join(workdir, "metrics.png")) if t.plot else None
+  plot_path = (metrics.plot(records, os.path.join(workdir, "metrics.png"))
+               if t.plot and chief else None)
   summary = summarize(records, cfg)
   summary.update(workdir=workdir, checkpoint=ckpt.directory, metrics=writer.path,
                  plot=plot_path, wall_s=time.time() - t_start,

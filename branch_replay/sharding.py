@@ -1,0 +1,312 @@
+"""Mesh axes, the one logical->mesh RULES table, and branch replay on a mesh (GSPMD).
+
+Parameters and activations carry logical names; `RULES` maps them to the four mesh axes.
+Layout of one replay step:
+  prefix      prompts over (data, fsdp), sequence over `context` (context-parallel prefix);
+  tails       prompts over (data, fsdp), branches over `context` (the devices that shared
+              the prefix sequence split the branches);
+  parameters  `embed` over fsdp (FSDP), heads/mlp/vocab over `tensor`; optimizer state
+              follows the parameters.
+
+Context parallelism is a per-layer all-gather of K/V: inside the prefix each device keeps
+its P/c queries and residual stream, and each layer all-gathers that layer's keys and
+values (exact: the softmax sees every key). Per layer and per prompt a device receives
+(c-1)/c * 2*P*K*H elements in the forward (again where the cache crosses to the tails)
+and the K/V cotangents (summed over branch shards) go back by reduce-scatter (XLA on CPU
+emits an all-reduce: twice that) in the backward; notes/issue4_readme.md has the numbers.
+With model.remat the backward gathers once more. A ring scheme would
+overlap that traffic with compute and never hold a layer's full K/V, at the price of an
+online-softmax backward; the all-gather is simpler, exact, and the full K/V is what the
+tails need anyway.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from branch_replay import losses, policy, replay
+from branch_replay.batch import ReplayBatch
+from models import transformer as tfm
+
+# The mesh axes, declared once (role words; sizes come from a spec such as "fsdp:4,context:2").
+AXES = ("data", "fsdp", "tensor", "context")
+
+# Logical name -> mesh axes, in flax's priority order: a rule applies if its mesh axes are
+# still free in that array. Model code names only the logical side.
+RULES = (
+    ("batch", ("data", "fsdp")),  # prompts: data parallel (FSDP devices split the batch too)
+    ("branch", "context"),  # tails: branches over the devices that split the prefix sequence
+    ("seq", "context"),  # prefix sequence (context parallelism); tails are not seq-sharded
+    ("embed", "fsdp"),  # parameters: FSDP shards d_model
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("head_dim", None),
+)
+
+# Logical names of every ReplayBatch field (batch-major, as the batch stores them).
+BATCH_AXES = dict(
+    prefix_BP=("batch", "seq"),
+    prefix_valid_BP=("batch", "seq"),
+    tails_BRT=("batch", "branch", None),
+    tail_valid_BRT=("batch", "branch", None),
+    advantages_BR=("batch", "branch"),
+    old_logp_BRT=("batch", "branch", None),
+    trunk_old_logp_BW=("batch", None),
+    ref_logp_BRT=("batch", "branch", None),
+    trunk_ref_logp_BW=("batch", None),
+)
+
+# Where the prefix cache crosses to the tails: K/V gathered over the sequence (every tail
+# token attends to every prefix key), still split by prompt and kv head.
+CACHE_AXES = dict(kv=("batch", None, "kv_heads", "head_dim"), h_last_BD=("batch", None),
+                  trunk_logp_BW=("batch", None))
+
+
+# ----------------------------------------------------------------------------- the mesh
+
+
+def parse_mesh_spec(spec: str, n_devices: int) -> dict[str, int]:
+  """'data:2,fsdp:2,context:2' -> {axis: size} over all of AXES (absent axes are 1).
+
+  One axis may be -1: it takes the devices the others leave. The sizes must multiply to
+  n_devices; otherwise ValueError naming both numbers.
+  """
+  sizes = {axis: 1 for axis in AXES}
+  seen = set()
+  for item in filter(None, (s.strip() for s in spec.split(","))):
+    name, sep, value = item.partition(":")
+    name = name.strip()
+    if not sep or name not in AXES:
+      raise ValueError(f"mesh={spec!r}: bad entry {item!r}: expected axis:size with axis "
+                       f"in {AXES}")
+    if name in seen:
+      raise ValueError(f"mesh={spec!r}: axis {name!r} given twice")
+    seen.add(name)
+    try:
+      size = int(value)
+    except ValueError:
+      raise ValueError(f"mesh={spec!r}: size of {name!r} is {value!r}: expected an int") from None
+    if size < 1 and size != -1:
+      raise ValueError(f"mesh={spec!r}: size of {name!r} is {size}: expected >= 1 (or -1 once)")
+    sizes[name] = size
+  free = [axis for axis, size in sizes.items() if size == -1]
+  if len(free) > 1:
+    raise ValueError(f"mesh={spec!r}: at most one axis may be -1, got {free}")
+  fixed = math.prod(size for size in sizes.values() if size != -1)
+  if free:
+    if n_devices % fixed:
+      raise ValueError(f"mesh={spec!r}: the fixed axes multiply to {fixed}, which does not "
+                       f"divide the {n_devices} devices")
+    sizes[free[0]] = n_devices // fixed
+  elif fixed != n_devices:
+    raise ValueError(f"mesh={spec!r}: axis sizes multiply to {fixed}, but there are "
+                     f"{n_devices} devices")
+  return sizes
+
+
+def make_mesh(spec: str, devices: Optional[Sequence[Any]] = None) -> Mesh:
+  """A mesh over `devices` (default: every device of every process), Auto axis types
+  (GSPMD propagates shardings from the inputs and our constraints)."""
+  devices = jax.devices() if devices is None else list(devices)
+  sizes = parse_mesh_spec(spec, len(devices))
+  return jax.make_mesh(tuple(sizes[a] for a in AXES), AXES,
+                       axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+
+
+def logical_spec(names: Sequence[Optional[str]]) -> PartitionSpec:
+  """Logical axis names of one array -> its mesh PartitionSpec under RULES."""
+  return nn.logical_to_mesh_axes(tuple(names), RULES)
+
+
+def axis_size(mesh: Mesh, entry) -> int:
+  if entry is None:
+    return 1
+  entry = entry if isinstance(entry, tuple) else (entry,)
+  return math.prod(mesh.shape[a] for a in entry)
+
+
+def check_divisible(what: str, shape: Sequence[int], spec: PartitionSpec, mesh: Mesh) -> None:
+  """Every sharded dimension must divide the product of its mesh axes: ValueError naming
+  the leaf, the dimension and both numbers."""
+  for dim, (size, entry) in enumerate(zip(shape, tuple(spec) + (None,) * len(shape))):
+    n = axis_size(mesh, entry)
+    if size % n:
+      raise ValueError(f"{what}: dimension {dim} has size {size}, not divisible by the {n} "
+                       f"devices of mesh axes {entry} (mesh {dict(mesh.shape)})")
+
+
+def _sharding(mesh, what, shape, names):
+  spec = logical_spec(names)
+  check_divisible(what, shape, spec, mesh)
+  return NamedSharding(mesh, spec)
+
+
+# ----------------------------------------------------------------------------- shardings
+
+
+def param_shardings(mesh: Mesh, model_cfg: tfm.ModelConfig):
+  """A NamedSharding for every parameter leaf (from `param_axes`), divisibility checked."""
+  axes = tfm.param_axes(model_cfg)
+  shapes = jax.eval_shape(lambda: tfm.init_params(model_cfg, jax.random.key(0)))
+  return jax.tree_util.tree_map_with_path(
+      lambda path, names, leaf: _sharding(mesh, "params" + jax.tree_util.keystr(path),
+                                          leaf.shape, names),
+      axes, shapes, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def opt_state_shardings(mesh: Mesh, optimizer, opt_state, p_shardings):
+  """Optimizer state sharded like the parameters (FSDP moments); non-parameter leaves
+  (step counts) replicated. `opt_state` may be abstract (jax.eval_shape)."""
+  return optax.tree_map_params(optimizer, lambda _, sharding: sharding, opt_state, p_shardings,
+                               transform_non_params=lambda _: replicated(mesh))
+
+
+def batch_shardings(mesh: Mesh, batch: ReplayBatch) -> ReplayBatch:
+  """A ReplayBatch of NamedShardings (None fields stay None), divisibility checked."""
+  fields = {}
+  for name, names in BATCH_AXES.items():
+    arr = getattr(batch, name)
+    fields[name] = None if arr is None else _sharding(mesh, f"batch.{name}", np.shape(arr),
+                                                      names)
+  return batch.replace(**fields)
+
+
+def prompt_shardings(mesh: Mesh, tree):
+  """Prompt-major arrays ([B, ...], e.g. prompts for the sampler): split by `batch`."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: _sharding(mesh, "prompts" + jax.tree_util.keystr(path), np.shape(x),
+                                ("batch",) + (None,) * (np.ndim(x) - 1)), tree)
+
+
+def put(tree, shardings):
+  """Host arrays (identical on every process) -> global arrays with these shardings.
+  Works on one process and across several (each process fills its own shards); arrays
+  that already span several processes are resharded."""
+  def one(x, sharding):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      return jax.device_put(x, sharding)
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+  return jax.tree.map(one, tree, shardings)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, PartitionSpec())
+
+
+def to_host(tree):
+  """Global arrays -> numpy on every process (an all-gather across processes when the
+  arrays span several), e.g. sampled tokens that every host decodes and rewards."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    tree = multihost_utils.process_allgather(tree, tiled=True)
+  return jax.tree.map(np.asarray, tree)
+
+
+def constrain(tree, shardings):
+  return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
+
+
+def cache_constraint(mesh: Mesh):
+  """The layout decision where the prefix cache crosses to the tails (see CACHE_AXES)."""
+  def apply(cache):
+    return dict(
+        kv=jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
+            x, NamedSharding(mesh, logical_spec(CACHE_AXES["kv"]))), cache["kv"]),
+        **{k: jax.lax.with_sharding_constraint(
+            cache[k], NamedSharding(mesh, logical_spec(CACHE_AXES[k])))
+           for k in ("h_last_BD", "trunk_logp_BW")})
+  return apply
+
+
+# ----------------------------------------------------------------------------- replay
+
+
+def sharded_prefill(mesh: Mesh, prefill_fn):
+  """prefill_fn with the model's logical constraints switched on (flax logical_axis_rules):
+  the prefix runs context-parallel. Only the prefix is traced under the rules, so the
+  tails keep the layout they get from the batch (branches over `context`)."""
+  def fn(params, prefix):
+    with nn.logical_axis_rules(RULES), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return prefill_fn(params, prefix)
+  return fn
+
+
+def sharded_loss_and_grad(mesh: Mesh, params, batch: ReplayBatch, model_cfg: tfm.ModelConfig,
+                          loss_cfg: losses.LossConfig, branch_chunk: Optional[int] = None):
+  """Branch replay on `mesh` (call it inside one jit): (loss, aux_BR, grads).
+
+  Equal to `policy.loss_and_grad(..., mode='replay')` on one device. The tails' cache
+  cotangent is summed across the branch shards by the partitioner (an all-reduce /
+  reduce-scatter over `context`) before the single prefix VJP; grads come out sharded
+  like the parameters.
+
+  branch_chunk streams the branches in chunks under lax.scan (replay.py); chunks are strided
+  over R, so each chunk's branches stay split over `context` (branch_chunk must be a
+  multiple of the `context` size for that).
+  """
+  p_shardings = param_shardings(mesh, model_cfg)
+  params = constrain(params, p_shardings)
+  batch = constrain(batch, batch_shardings(mesh, batch))
+  prefill_fn, branch_loss_fn, prefix, branches_R = policy.replay_fns(model_cfg, loss_cfg, batch)
+  combine = loss_cfg.objective.combine
+  loss, aux_R, grads = replay.value_and_grad(
+      sharded_prefill(mesh, prefill_fn), branch_loss_fn, params, prefix, branches_R,
+      branch_chunk=branch_chunk,
+      combine=None if combine is None else (lambda values_RB: combine(values_RB, loss_cfg)),
+      cache_constraint=cache_constraint(mesh))
+  aux_BR = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), aux_R)
+  return loss, aux_BR, constrain(grads, p_shardings)
+
+
+def prefix_residuals(mesh: Mesh, params, batch: ReplayBatch, model_cfg: tfm.ModelConfig,
+                     loss_cfg: losses.LossConfig):
+  """Step 1 alone, on the mesh: (cache, prefix_vjp). prefix_vjp's leaves are the residuals
+  the prefix backward keeps alive; jit this to inspect their shardings."""
+  params = constrain(params, param_shardings(mesh, model_cfg))
+  batch = constrain(batch, batch_shardings(mesh, batch))
+  prefill_fn, _, prefix, _ = policy.replay_fns(model_cfg, loss_cfg, batch)
+  return replay.prefix_forward(sharded_prefill(mesh, prefill_fn), params, prefix)
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def per_device_bytes(tree) -> int:
+  """Bytes of `tree`'s arrays held by the most loaded device."""
+  per_device: dict[Any, int] = {}
+  for x in jax.tree.leaves(tree):
+    if not hasattr(x, "sharding"):
+      continue
+    for device, index in x.sharding.devices_indices_map(x.shape).items():
+      shape = [len(range(*s.indices(n))) for s, n in zip(index, x.shape)]
+      per_device[device] = per_device.get(device, 0) + math.prod(shape) * x.dtype.itemsize
+  return max(per_device.values(), default=0)
+
+
+def memory_report(compiled) -> dict[str, int]:
+  """Per-device bytes of a compiled (SPMD) executable, from its memory_analysis():
+  arguments, outputs, temporaries (activations, residuals, collectives' buffers), code,
+  and their sum less aliased (donated) bytes: what one device must hold."""
+  m = compiled.memory_analysis()
+  report = dict(argument_bytes=int(m.argument_size_in_bytes),
+                output_bytes=int(m.output_size_in_bytes),
+                temp_bytes=int(m.temp_size_in_bytes),
+                alias_bytes=int(m.alias_size_in_bytes),
+                code_bytes=int(m.generated_code_size_in_bytes))
+  report["total_bytes"] = (report["argument_bytes"] + report["output_bytes"] +
+                           report["temp_bytes"] - report["alias_bytes"] + report["code_bytes"])
+  peak = getattr(m, "peak_memory_in_bytes", 0)
+  if peak:
+    report["peak_bytes"] = int(peak)
+  return report
