@@ -3,6 +3,7 @@
   python run.py                                   # the default: experiments/grpo_haystack.py
   python run.py --experiment=grpo_arithmetic --set=train.rl_steps=100 --workdir=/tmp/arith
   python run.py --mode=naive                      # the same run through the naive twin
+  python run.py --model_dir=PATH                  # train an imported Hugging Face checkpoint
   python run.py --mesh=data:2,fsdp:2,context:2    # sharded over 8 devices (branch_replay/sharding.py)
   python run.py --mesh=... --coordinator_address=HOST0:1234 --num_processes=N --process_id=I
                                                   # one per host, all with the same flags
@@ -29,6 +30,9 @@ flags.DEFINE_string("mesh", None, "Device mesh, e.g. data:2,fsdp:2,context:2 (se
 flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0.")
 flags.DEFINE_integer("num_processes", None, "Multi-host: how many processes.")
 flags.DEFINE_integer("process_id", None, "Multi-host: this process's index.")
+flags.DEFINE_string("model_dir", None, "A Hugging Face folder (config.json, *.safetensors, "
+                    "optional tokenizer.json) to train from instead of the experiment's model.")
+flags.DEFINE_enum("model_dtype", "float32", ["float32", "bfloat16"], "dtype of --model_dir.")
 FLAGS = flags.FLAGS
 
 
@@ -50,13 +54,24 @@ def main(argv):
   module = importlib.import_module(f"experiments.{FLAGS.experiment}")
   overrides = list(FLAGS.set) + ([f"replay.mode={FLAGS.mode}"] if FLAGS.mode else [])
   overrides += [f"mesh={FLAGS.mesh}"] if FLAGS.mesh is not None else []
+  base, init_params, tokenizer = module.get_config(), None, None
+  if FLAGS.model_dir:  # an imported Hugging Face checkpoint (models/hf.py) replaces the model
+    import dataclasses
+    from branch_replay import tokenizer as tokenizer_lib
+    from models import hf
+    try:
+      model_cfg, init_params = hf.load(FLAGS.model_dir, dtype=FLAGS.model_dtype)
+      tokenizer = tokenizer_lib.from_model_dir(FLAGS.model_dir, hf.read_config(FLAGS.model_dir))
+    except ValueError as e:
+      raise app.UsageError(f"--model_dir={FLAGS.model_dir}: {e}")
+    base = dataclasses.replace(base, model=model_cfg)
   try:
-    cfg = config_lib.apply_overrides(module.get_config(), overrides)
+    cfg = config_lib.apply_overrides(base, overrides)
   except ValueError as e:
     raise app.UsageError(str(e))
   from branch_replay import train
   try:
-    summary = train.run(cfg, FLAGS.workdir)
+    summary = train.run(cfg, FLAGS.workdir, init_params=init_params, tokenizer=tokenizer)
   except (ValueError, FloatingPointError) as e:
     sys.exit(f"error: {e}")
   except KeyboardInterrupt:

@@ -60,3 +60,56 @@ class CharTokenizer:
 
 
 TOKENIZER = CharTokenizer()
+
+
+class HFTokenizer:
+  """A Hugging Face `tokenizer.json` (through the optional `tokenizers` library) behind the
+  CharTokenizer interface, so the tasks, the sampler's stop token and the rewards use the
+  imported checkpoint's own vocabulary. Special ids come from the checkpoint's config.json."""
+
+  def __init__(self, tokenizer, bos_id: int, eos_id: int, pad_id: int | None = None):
+    self._tok = tokenizer
+    self.bos_id, self.eos_id = int(bos_id), int(eos_id)
+    self.pad_id = self.eos_id if pad_id is None else int(pad_id)
+
+  @property
+  def vocab_size(self) -> int:
+    return self._tok.get_vocab_size(with_added_tokens=True)
+
+  def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
+    ids = self._tok.encode(text, add_special_tokens=False).ids
+    return ([self.bos_id] if bos else []) + list(ids) + ([self.eos_id] if eos else [])
+
+  def decode(self, ids: Iterable[int], *, stop_at_eos: bool = True, strict: bool = True) -> str:
+    out = []
+    for i in ids:
+      i = int(i)
+      if i == self.eos_id and stop_at_eos:
+        break
+      if i >= self.vocab_size:
+        if strict:
+          raise ValueError(f"tokenizer.decode: id {i} out of range [0, {self.vocab_size})")
+        continue
+      if i in (self.bos_id, self.pad_id, self.eos_id):  # as CharTokenizer: specials dropped
+        continue
+      out.append(i)
+    return self._tok.decode(out, skip_special_tokens=True)
+
+  def decode_batch(self, ids_NT: Sequence[Sequence[int]]) -> list[str]:
+    return [self.decode(row, strict=False) for row in ids_NT]
+
+
+def from_model_dir(model_dir: str, hf_config: dict):
+  """The checkpoint's tokenizer.json as an HFTokenizer, or None when it has none (or the
+  `tokenizers` library is missing): the caller then keeps the character tokenizer."""
+  from models import hf  # the only place that imports `tokenizers`
+  tok = hf.load_tokenizer(model_dir)
+  if tok is None:
+    return None
+  first = lambda v: v[0] if isinstance(v, (list, tuple)) else v
+  eos = first(hf_config.get("eos_token_id"))
+  bos = first(hf_config.get("bos_token_id"))
+  if eos is None:
+    raise ValueError(f"{model_dir}/config.json: eos_token_id is missing; the sampler needs a "
+                     "stop token")
+  return HFTokenizer(tok, eos if bos is None else bos, eos, first(hf_config.get("pad_token_id")))

@@ -78,18 +78,25 @@ def place(tree, kind: str, cfg: Config):
   return jax.device_put(tree, shardings(tree, kind, cfg))
 
 
-def init_state(cfg: Config) -> TrainState:
-  """Shapes first (eval_shape), then placement, then the arrays (created where they live)."""
+def init_state(cfg: Config, init_params=None) -> TrainState:
+  """Shapes first (eval_shape), then placement, then the arrays (created where they live).
+  init_params (e.g. an imported checkpoint, `models.hf.load`) replace the random init."""
 
-  def init():
+  def init(init_params):
     init_key, rng = jax.random.split(jax.random.key(cfg.train.seed))
-    params = tfm.init_params(cfg.model, init_key)
+    params = tfm.init_params(cfg.model, init_key) if init_params is None else init_params
     ref = jax.tree.map(jnp.copy, params) if cfg.loss.kl_coef else None
     return TrainState(params, make_optimizer(cfg).init(params), jnp.zeros((), jnp.int32),
                       jax.random.key_data(rng), ref)
 
-  shapes = jax.eval_shape(init)
-  return jax.jit(init, out_shardings=shardings(shapes, "state", cfg))()
+  if init_params is not None:
+    expected = jax.eval_shape(lambda: tfm.init_params(cfg.model, jax.random.key(0)))
+    got = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), init_params)
+    if jax.tree.structure(got) != jax.tree.structure(expected) or got != expected:
+      raise ValueError("init_params: the parameter tree does not match model config "
+                       f"{cfg.model} (shapes/dtypes differ)")
+  shapes = jax.eval_shape(init, init_params)
+  return jax.jit(init, out_shardings=shardings(shapes, "state", cfg))(init_params)
 
 
 def make_train_step(cfg: Config, phase: str = "rl"):
@@ -119,12 +126,13 @@ def make_train_step(cfg: Config, phase: str = "rl"):
 # ----------------------------------------------------------------------------- batches
 
 
-def sft_batch(task, rng: np.random.Generator, cfg: Config) -> ReplayBatch:
+def sft_batch(task, rng: np.random.Generator, cfg: Config, tok=TOKENIZER) -> ReplayBatch:
   """Warm-up batch: the task's long prefix shared by its reference answers (one per tail)."""
   items = [task.supervised(rng) for _ in range(cfg.train.sft_batch_size)]
-  prefix_BP, prefix_valid_BP = tasks.encode_left([p for p, _ in items], task.sft_prompt_len)
+  prefix_BP, prefix_valid_BP = tasks.encode_left([p for p, _ in items], task.sft_prompt_len,
+                                                 tok)
   T = task.max_answer_len + 3  # `?KEY` + answer + EOS at most
-  tails = [tasks.encode_right(t, T) for _, t in items]
+  tails = [tasks.encode_right(t, T, tok) for _, t in items]
   tails_BRT = np.stack([t for t, _ in tails])
   valid_BRT = np.stack([v for _, v in tails])
   return ReplayBatch(prefix_BP=prefix_BP, prefix_valid_BP=prefix_valid_BP, tails_BRT=tails_BRT,
@@ -132,11 +140,11 @@ def sft_batch(task, rng: np.random.Generator, cfg: Config) -> ReplayBatch:
                      advantages_BR=np.ones(tails_BRT.shape[:2], np.float32))
 
 
-def completions(samples: sampler.Samples) -> list[list[str]]:
+def completions(samples: sampler.Samples, tok=TOKENIZER) -> list[list[str]]:
   """Decoded trunk + branch text (up to EOS) for every prompt and branch."""
   trunk_BW = np.asarray(samples.trunk_BW)
   tokens_BRT = np.asarray(samples.tokens_BRT)
-  return [[TOKENIZER.decode(np.concatenate([trunk_BW[b], row]), strict=False) for row in tokens_BRT[b]]
+  return [[tok.decode(np.concatenate([trunk_BW[b], row]), strict=False) for row in tokens_BRT[b]]
           for b in range(tokens_BRT.shape[0])]
 
 
@@ -145,12 +153,13 @@ def rewards_of(task, examples, texts) -> np.ndarray:
                     np.float32)
 
 
-def rl_batch(fns, state: TrainState, task, cfg: Config, step: int):
+def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER):
   """Sample R branches of B fresh prompts, reward them, and assemble the GRPO batch:
   prefix = prompt (+ trunk), tails = branches, old log-probs = the sampler's."""
   t0 = time.time()
   examples = _examples(task, cfg.train.seed, step, cfg.train.batch_size)
-  prompt_BP, valid_BP = tasks.encode_left([e.prompt for e in examples], task.max_prompt_len)
+  prompt_BP, valid_BP = tasks.encode_left([e.prompt for e in examples], task.max_prompt_len,
+                                          tok)
   placed_BP, placed_valid_BP = place((prompt_BP, valid_BP), "batch", cfg)
   key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), step)
   samples = jax.block_until_ready(fns.sample(state.params, prompt_BP=placed_BP,
@@ -158,7 +167,7 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int):
   if cfg.mesh:  # every process decodes and rewards all samples (they may span hosts)
     samples = sharding.to_host(samples)
   sample_s = time.time() - t0
-  rewards_BR = rewards_of(task, examples, completions(samples))
+  rewards_BR = rewards_of(task, examples, completions(samples, tok))
   advantages_BR = losses.group_advantages(jnp.asarray(rewards_BR),
                                           use_std=cfg.train.advantage_std)
   batch = sampler.to_batch(prompt_BP, valid_BP, samples, advantages_BR)
@@ -212,30 +221,39 @@ def _compile_key(cfg: Config) -> Config:
 
 
 @functools.lru_cache(maxsize=8)
-def _compiled(cfg: Config) -> _Fns:
+def _compiled(cfg: Config, eos_id: int = TOKENIZER.eos_id) -> _Fns:
   """The jitted functions of a config, kept across `run` calls in one process (a notebook,
   the tests), so a second run of the same model does not compile again."""
   greedy = sampler.SamplerConfig(max_new_tokens=cfg.sampler.max_new_tokens, temperature=0.0,
                                  trunk_len=cfg.sampler.trunk_len)
   sample = functools.partial(sampler.sample, model_cfg=cfg.model, n_branches=cfg.train.n_branches,
-                             stop_tokens=(TOKENIZER.eos_id,))
+                             stop_tokens=(eos_id,))
   return _Fns(
       rl_step=jax.jit(make_train_step(cfg, "rl"), donate_argnums=0),
       sft_step=jax.jit(make_train_step(cfg, "sft"), donate_argnums=0),
       sample=jax.jit(functools.partial(sample, cfg=cfg.sampler)),
       greedy=jax.jit(functools.partial(sampler.sample, model_cfg=cfg.model, cfg=greedy,
-                                       n_branches=1, stop_tokens=(TOKENIZER.eos_id,))),
+                                       n_branches=1, stop_tokens=(eos_id,))),
       score=jax.jit(functools.partial(sampler.score, model_cfg=cfg.model)))
 
 
-def run(cfg: Config, workdir: str) -> dict:
-  """Train (resuming from `workdir` if it holds a checkpoint); returns the summary."""
+def run(cfg: Config, workdir: str, *, init_params=None, tokenizer=None) -> dict:
+  """Train (resuming from `workdir` if it holds a checkpoint); returns the summary.
+
+  init_params: start from these (an imported checkpoint) instead of a random init; a
+  checkpoint in `workdir` still takes precedence (resume). tokenizer: the text <-> ids map of
+  the tasks (default: the shipped character tokenizer; `tokenizer.from_model_dir` for an
+  imported checkpoint's tokenizer.json)."""
+  tok = TOKENIZER if tokenizer is None else tokenizer
+  if tok.vocab_size > cfg.model.vocab_size:
+    raise ValueError(f"model.vocab_size={cfg.model.vocab_size}: expected >= the tokenizer's "
+                     f"{tok.vocab_size}")
   t_start = time.time()
   workdir = checkpoint.check_workdir(workdir)  # before any compute
   task = tasks.make(cfg.task)
   ckpt = checkpoint.Checkpointer(workdir, cfg)
   ckpt.check_config()
-  state = init_state(cfg)
+  state = init_state(cfg, init_params)
   start = 0
   if ckpt.latest_step() is not None:
     start = ckpt.latest_step()
@@ -245,16 +263,16 @@ def run(cfg: Config, workdir: str) -> dict:
   writer = metrics.MetricsWriter(os.path.join(workdir, "metrics.jsonl") if chief else os.devnull)
   t = cfg.train
 
-  fns = _compiled(_compile_key(cfg))
+  fns = _compiled(_compile_key(cfg), tok.eos_id)
   eval_examples = _examples(task, t.seed, 2**31, t.eval_size) if t.eval_size else []
 
   def evaluate(state, step):
     prompt_BP, valid_BP = tasks.encode_left([e.prompt for e in eval_examples],
-                                            task.max_prompt_len)
+                                            task.max_prompt_len, tok)
     s = fns.greedy(state.params, prompt_BP=prompt_BP, prompt_valid_BP=valid_BP,
                   key=jax.random.key(0))
     s = sharding.to_host(s) if cfg.mesh else s
-    reward = float(rewards_of(task, eval_examples, completions(s)).mean())
+    reward = float(rewards_of(task, eval_examples, completions(s, tok)).mean())
     writer.write({"step": step, "kind": "eval", "eval/greedy_reward": reward})
     return reward
 
@@ -267,7 +285,7 @@ def run(cfg: Config, workdir: str) -> dict:
     rec = {"step": step, "kind": "train"}
     if step < t.sft_steps:
       rec["phase"] = "sft"
-      batch = sft_batch(task, np.random.default_rng([t.seed, step]), cfg)
+      batch = sft_batch(task, np.random.default_rng([t.seed, step]), cfg, tok)
       validate(batch, cfg.model.vocab_size)
       step_fn = fns.sft_step
       rec["time/sample_s"] = 0.0
@@ -279,7 +297,7 @@ def run(cfg: Config, workdir: str) -> dict:
           bar.write(f"step {step}: greedy eval reward before RL {rec_eval:.3f}")
         if state.ref_params is not None:  # the reference policy: the policy as RL begins
           state = state.replace(ref_params=jax.tree.map(jnp.copy, state.params))
-      batch, sampled = rl_batch(fns, state, task, cfg, step)
+      batch, sampled = rl_batch(fns, state, task, cfg, step, tok)
       rec.update(sampled)
       step_fn = fns.rl_step
     batch = place(batch, "batch", cfg)
