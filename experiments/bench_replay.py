@@ -7,6 +7,9 @@ after imports. Ratios are measured in one run, so a noisy shared machine affects
   python experiments/bench_replay.py                      # P=2048 T=128 R=16, small preset
   python experiments/bench_replay.py --sweep              # P{512..4096} x T{64,128} x R{8,16}
   python experiments/bench_replay.py --prefix_len=512 --tail_len=64 --branches=8 --reps=3
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 \
+    python experiments/bench_replay.py --mesh=data:2,fsdp:2,context:2 --prefix_len=512 \
+    --tail_len=64 --branches=8 --prompts=4   # + per-device memory of each compiled step
 
 Expected on the 2-core CPU (small preset, float32, P=2048 T=128 R=16): speedup ~0.9x
 flop_ratio (~8.6), replay peak memory well under 25% of naive's, grad_max_rel_err < 1e-5
@@ -46,6 +49,8 @@ flags.DEFINE_bool("sweep", False, "run the README sweep: P{512,1024,2048,4096} x
 flags.DEFINE_string("worker", "", "internal: run one variant ('naive' or 'replay') and print JSON")
 flags.DEFINE_string("grads_out", "", "internal: where a worker saves its gradient")
 flags.DEFINE_string("out", "", "also append the JSON lines to this file")
+flags.DEFINE_string("mesh", "", "device mesh for both paths, e.g. context:8 or data:2,fsdp:2,"
+                    "context:2 (on a CPU: XLA_FLAGS=--xla_force_host_platform_device_count=8)")
 
 
 def model_config():
@@ -130,6 +135,14 @@ def run_worker(mode, P, T, R):
   validate(batch, cfg.vocab_size, chunk)
   loss_cfg = losses.LossConfig()
   step = jax.jit(lambda p, b: policy.loss_and_grad(p, b, cfg, loss_cfg, mode, chunk)[::2])
+  if FLAGS.mesh:  # both paths on the mesh: params FSDP/tensor-sharded, batch by the RULES
+    from branch_replay import sharding
+    mesh = sharding.make_mesh(FLAGS.mesh)
+    params = sharding.put(params, sharding.param_shardings(mesh, cfg))
+    batch = sharding.put(batch, sharding.batch_shardings(mesh, batch))
+    if mode == "replay":
+      step = jax.jit(lambda p, b: sharding.sharded_loss_and_grad(mesh, p, b, cfg, loss_cfg,
+                                                                 chunk)[::2])
   try:
     compiled = step.lower(params, batch).compile()
   except jax.errors.JaxRuntimeError as e:  # e.g. the compiler's autotuner cannot allocate
@@ -143,6 +156,10 @@ def run_worker(mode, P, T, R):
     need_mb = (mem.temp_size_in_bytes + mem.argument_size_in_bytes +
                mem.output_size_in_bytes) / 2 ** 20
   result = dict(mode=mode, compiled_mb=None if need_mb is None else round(need_mb, 1))
+  if FLAGS.mesh:  # what one device must hold, from the compiled SPMD executable
+    report = sharding.memory_report(compiled)
+    result["per_device_mb"] = round(report["total_bytes"] / 2 ** 20, 1)
+    result["per_device_temp_mb"] = round(report["temp_bytes"] / 2 ** 20, 1)
   if need_mb is not None and need_mb > FLAGS.memory_cap_mb:
     result["oom"] = True
     print(json.dumps(result), flush=True)
@@ -180,7 +197,8 @@ def spawn(mode, P, T, R, grads_out):
           f"--tail_len={T}", f"--branches={R}", f"--prompts={FLAGS.prompts}",
           f"--reps={FLAGS.reps}", f"--preset={FLAGS.preset}", f"--dtype={FLAGS.dtype}",
           f"--branch_chunk={FLAGS.branch_chunk}", f"--remat={FLAGS.remat}",
-          f"--memory_cap_mb={FLAGS.memory_cap_mb}", f"--grads_out={grads_out}"]
+          f"--memory_cap_mb={FLAGS.memory_cap_mb}", f"--grads_out={grads_out}",
+          f"--mesh={FLAGS.mesh}"]
   proc = subprocess.run(argv, capture_output=True, text=True)
   lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
   if proc.returncode or not lines:
@@ -232,7 +250,12 @@ def main(argv):
           row["peak_mem_ratio"] = round(rep["peak_mb"] / nai["peak_mb"], 3)
       else:
         row["speedup"] = None
+      if FLAGS.mesh:
+        row["mesh"] = FLAGS.mesh
       for m in ("replay", "naive"):
+        for key in ("per_device_mb", "per_device_temp_mb"):
+          if key in runs[m]:
+            row[f"{m}_{key}"] = runs[m][key]
         if "device_peak_mb" in runs[m]:
           row[f"{m}_device_peak_mb"] = runs[m]["device_peak_mb"]
         if "error" in runs[m]:
