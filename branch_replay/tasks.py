@@ -126,27 +126,24 @@ def make(cfg: TaskConfig):
   return TASKS[cfg.name](cfg)
 
 
+def _encode(texts, length: int, tokenizer, left: bool, what: str):
+  ids_BL = np.full((len(texts), length), tokenizer.pad_id, np.int32)
+  valid_BL = np.zeros((len(texts), length), bool)
+  for b, text in enumerate(texts):
+    ids = tokenizer.encode(text, bos=left, eos=not left)
+    if len(ids) > length:
+      raise ValueError(f"task {what} {b}: {len(ids)} tokens, expected <= {length}")
+    span = slice(length - len(ids), length) if left else slice(0, len(ids))
+    ids_BL[b, span] = ids
+    valid_BL[b, span] = True
+  return ids_BL, valid_BL
+
+
 def encode_left(texts, length: int, tokenizer=TOKENIZER):
   """BOS + text, left-padded: ids and validity, numpy [B, length] (prefixes end aligned)."""
-  ids_BP = np.full((len(texts), length), tokenizer.pad_id, np.int32)
-  valid_BP = np.zeros((len(texts), length), bool)
-  for b, text in enumerate(texts):
-    ids = tokenizer.encode(text, bos=True)
-    if len(ids) > length:
-      raise ValueError(f"task prompt {b}: {len(ids)} tokens, expected <= {length}")
-    ids_BP[b, length - len(ids):] = ids
-    valid_BP[b, length - len(ids):] = True
-  return ids_BP, valid_BP
+  return _encode(texts, length, tokenizer, left=True, what="prompt")
 
 
 def encode_right(texts, length: int, tokenizer=TOKENIZER):
   """text + EOS, right-padded: ids and validity, numpy [B, length] (tails start aligned)."""
-  ids_BT = np.full((len(texts), length), tokenizer.pad_id, np.int32)
-  valid_BT = np.zeros((len(texts), length), bool)
-  for b, text in enumerate(texts):
-    ids = tokenizer.encode(text, eos=True)
-    if len(ids) > length:
-      raise ValueError(f"task answer {b}: {len(ids)} tokens, expected <= {length}")
-    ids_BT[b, :len(ids)] = ids
-    valid_BT[b, :len(ids)] = True
-  return ids_BT, valid_BT
+  return _encode(texts, length, tokenizer, left=False, what="answer")

@@ -74,27 +74,32 @@ def free_port():
     return s.getsockname()[1]
 
 
-def test_two_processes_equal_one_process(tmp_path):
-  import numpy as np
-
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=4")
-  address = f"localhost:{free_port()}"
-  procs = [subprocess.Popen(
-      [sys.executable, os.path.abspath(__file__), f"--coordinator_address={address}",
-       "--num_processes=2", f"--process_id={i}", f"--out={tmp_path}"],
-      env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-      for i in range(2)]
+def run_two_processes(argv, env, timeout):
+  """Start `python argv --process_id=i` for i in 0, 1; wait; assert both exit 0; the logs."""
+  procs = [subprocess.Popen([sys.executable, *argv, f"--process_id={i}"], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for i in range(2)]
   logs = []
   try:
     for proc in procs:
-      logs.append(proc.communicate(timeout=400)[0])
+      logs.append(proc.communicate(timeout=timeout)[0])
   finally:
     for proc in procs:
       if proc.poll() is None:
         proc.kill()
   for proc, log in zip(procs, logs):
     assert proc.returncode == 0, log[-4000:]
+  return logs
+
+
+def test_two_processes_equal_one_process(tmp_path):
+  import numpy as np
+
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  address = f"localhost:{free_port()}"
+  run_two_processes([os.path.abspath(__file__), f"--coordinator_address={address}",
+                     "--num_processes=2", f"--out={tmp_path}"], env, timeout=400)
 
   two = dict(np.load(tmp_path / "step.npz"))
   one = train_step_outputs(MESH)  # this process: 8 devices (conftest)
@@ -124,28 +129,16 @@ def test_run_py_on_two_processes(tmp_path):
                "train.sft_steps=0", "train.rl_steps=2", "train.batch_size=4",
                "train.n_branches=4", "sampler.max_new_tokens=2", "train.eval_size=0",
                "train.progress=false", "train.plot=false", "train.checkpoint_every=1"]
-  procs = [subprocess.Popen(
-      [sys.executable, os.path.join(ROOT, "run.py"), "--experiment=grpo_haystack",
-       f"--workdir={tmp_path}", "--mesh=data:2,fsdp:2,tensor:2",
-       f"--coordinator_address={address}", "--num_processes=2", f"--process_id={i}",
-       *[f"--set={o}" for o in overrides]],
-      env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-      for i in range(2)]
-  logs = []
-  try:
-    for proc in procs:
-      logs.append(proc.communicate(timeout=500)[0])
-  finally:
-    for proc in procs:
-      if proc.poll() is None:
-        proc.kill()
-  for proc, log in zip(procs, logs):
-    assert proc.returncode == 0, log[-4000:]
+  logs = run_two_processes(
+      [os.path.join(ROOT, "run.py"), "--experiment=grpo_haystack", f"--workdir={tmp_path}",
+       "--mesh=data:2,fsdp:2,tensor:2", f"--coordinator_address={address}",
+       "--num_processes=2", *[f"--set={o}" for o in overrides]], env, timeout=500)
   import json
   with open(tmp_path / "metrics.jsonl") as f:
     records = [json.loads(line) for line in f if line.strip()]
   assert [r["step"] for r in records if r.get("kind") == "train"] == [0, 1]  # written once
   assert sorted(os.listdir(tmp_path / "checkpoints"))[-1] == "2"
+  assert sum("token positions computed" in log for log in logs) == 1  # one summary
 
 
 if __name__ == "__main__":
