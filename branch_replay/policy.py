@@ -59,7 +59,8 @@ def branch_value(tail_logp_BT, tail_entropy_BT, trunk_logp_BW, branch, trunk, lo
   return value_B, aux
 
 
-def _combine(loss_cfg):
+def combine_fn(loss_cfg):
+  """The objective's branch-combining function for `replay.value_and_grad` (None = sum)."""
   fn = loss_cfg.objective.combine
   return None if fn is None else (lambda values_RB: fn(values_RB, loss_cfg))
 
@@ -96,7 +97,7 @@ def replay_loss_and_grad(params, batch: ReplayBatch, model_cfg: tfm.ModelConfig,
   prefill_fn, branch_loss_fn, prefix, branches_R = replay_fns(model_cfg, loss_cfg, batch)
   loss, aux_R, grads = replay.value_and_grad(
       prefill_fn, branch_loss_fn, params, prefix, branches_R, branch_chunk=branch_chunk,
-      combine=_combine(loss_cfg), cache_constraint=cache_constraint)
+      combine=combine_fn(loss_cfg), cache_constraint=cache_constraint)
   return loss, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), aux_R), grads
 
 
@@ -122,7 +123,7 @@ def naive_loss(params, batch: ReplayBatch, model_cfg: tfm.ModelConfig,
 
   values_RB, aux_R = jax.vmap(one_branch)(r_first(logp_NT), r_first(entropy_NT),
                                           r_first(trunk_logp_NW), branches_R)
-  combine = _combine(loss_cfg)
+  combine = combine_fn(loss_cfg)
   loss = values_RB.sum() if combine is None else combine(values_RB)
   return loss, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), aux_R)
 

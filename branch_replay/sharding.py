@@ -259,11 +259,9 @@ def sharded_loss_and_grad(mesh: Mesh, params, batch: ReplayBatch, model_cfg: tfm
   params = constrain(params, p_shardings)
   batch = constrain(batch, batch_shardings(mesh, batch))
   prefill_fn, branch_loss_fn, prefix, branches_R = policy.replay_fns(model_cfg, loss_cfg, batch)
-  combine = loss_cfg.objective.combine
   loss, aux_R, grads = replay.value_and_grad(
       sharded_prefill(mesh, prefill_fn), branch_loss_fn, params, prefix, branches_R,
-      branch_chunk=branch_chunk,
-      combine=None if combine is None else (lambda values_RB: combine(values_RB, loss_cfg)),
+      branch_chunk=branch_chunk, combine=policy.combine_fn(loss_cfg),
       cache_constraint=cache_constraint(mesh))
   aux_BR = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), aux_R)
   return loss, aux_BR, constrain(grads, p_shardings)
