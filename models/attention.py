@@ -24,9 +24,12 @@ Two implementations behind one signature (`impl`):
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import NamedTuple, Optional, Sequence
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 
 Array = jax.Array
@@ -107,13 +110,323 @@ def attend_dense(q_BTNH, q_pos_BT, q_valid_BT, segments, *, scale=None, softcap=
   return out_BTKGH.reshape(Bq, T, N, H).astype(q_BTNH.dtype)
 
 
+# ---------------------------------------------------------------------------------------------
+# Blockwise attention. Per segment the queries are put in a canonical layout
+#   q_BKQH  [Bk, K, Tq*G, H]: rows (t, gi) t-major, Tq = g*T padded to nq*bq query positions,
+# keys/values k_BKSH [Bk, K, Sp, H] (Sp = S padded to nk*bk), so one tile's scores are a batched
+# matmul [Bk, K, bq*G, H] x [Bk, K, bk, H] -> [Bk, K, bq*G, bk] with the kv-head axis leading
+# and the query group folded into the rows (no repeated K/V).
+
+
+class _Static(NamedTuple):
+  causal: tuple  # per segment
+  scale: float
+  softcap: Optional[float]
+  window: Optional[int]
+  block_q: int
+  block_k: int
+
+
+def _cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def _blocks(n: int, block: int) -> tuple[int, int]:
+  """(number of blocks, block size) covering n with the fewest blocks of at most `block`,
+  balanced (sizes rounded up to a multiple of 8 when that stays within `block`)."""
+  nb = _cdiv(n, block)
+  b = _cdiv(n, nb)
+  if b % 8 and _cdiv(b, 8) * 8 <= block:
+    b = _cdiv(b, 8) * 8
+  return nb, b
+
+
+def _pad_axis(x, axis: int, to: int, value=0):
+  pad = to - x.shape[axis]
+  if pad == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, pad)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def _fold(x_BT_, g: int, K: int, Tp: int):
+  """[Bq, T, N, *rest] -> [Bq/g, K, Tp*G, *rest]: g consecutive rows folded into one query
+  axis (padded to Tp positions), the kv head leading, the group G folded into the rows."""
+  Bq, T, N = x_BT_.shape[:3]
+  rest = x_BT_.shape[3:]
+  G = N // K
+  x = _pad_axis(x_BT_.reshape(Bq // g, g * T, K, G, *rest), 1, Tp)
+  x = jnp.moveaxis(x, 2, 1)
+  return x.reshape(Bq // g, K, Tp * G, *rest)
+
+
+def _unfold(x_BKQ_, g: int, T: int, G: int):
+  """Inverse of `_fold` (drops the padded positions): -> [Bk*g, T, K*G, *rest]."""
+  Bk, K, QG = x_BKQ_.shape[:3]
+  rest = x_BKQ_.shape[3:]
+  x = x_BKQ_.reshape(Bk, K, QG // G, G, *rest)[:, :, :g * T]
+  x = jnp.moveaxis(x, 1, 2)
+  return x.reshape(Bk * g, T, K * G, *rest)
+
+
+class _Seg(NamedTuple):
+  """One segment in the canonical layout, with its tile schedule."""
+  q_BKQH: Array  # scaled queries
+  qpos_BQ: Array
+  qvalid_BQ: Array
+  k_BKSH: Array
+  v_BKSH: Array
+  kpos_BS: Array
+  kvalid_BS: Array
+  lo_I: Array  # key blocks [lo[i], hi[i]) hold every allowed key of query block i
+  hi_I: Array
+  g: int
+  bq: int
+  bk: int
+  causal: bool
+
+
+def _prepare(st: _Static, qs_BTNH, q_pos_BT, q_valid_BT, k, v, kpos, kvalid, causal) -> _Seg:
+  Bq, T, N, H = qs_BTNH.shape
+  Bk, S, K, _ = k.shape
+  g = Bq // Bk
+  nq, bq = _blocks(g * T, st.block_q)
+  nk, bk = _blocks(S, st.block_k)
+  Tp, Sp = nq * bq, nk * bk
+  q_BKQH = _fold(qs_BTNH, g, K, Tp)
+  qpos_BQ = _pad_axis(q_pos_BT.reshape(Bk, g * T), 1, Tp)
+  qvalid_BQ = _pad_axis(q_valid_BT.reshape(Bk, g * T), 1, Tp, False)
+  k_BKSH = jnp.moveaxis(_pad_axis(k, 1, Sp), 2, 1)
+  v_BKSH = jnp.moveaxis(_pad_axis(v, 1, Sp), 2, 1)
+  kpos_BS = _pad_axis(kpos, 1, Sp)
+  kvalid_BS = _pad_axis(kvalid, 1, Sp, False)
+  # The schedule: tile (i, j) is needed when some row has a valid query in block i and a
+  # valid key in block j that the window lets it see (exact: the closest pair is the block's
+  # smallest query position against the key block's largest key position), and, for the
+  # causal segment, when key block j starts at or before query block i ends (static).
+  qv_BIq = qvalid_BQ.reshape(Bk, nq, bq)
+  kv_BJk = kvalid_BS.reshape(Bk, nk, bk)
+  need_BIJ = qv_BIq.any(-1)[:, :, None] & kv_BJk.any(-1)[:, None, :]
+  if st.window is not None:
+    big = jnp.iinfo(qpos_BQ.dtype).max
+    qmin_BI = jnp.where(qv_BIq, qpos_BQ.reshape(Bk, nq, bq), big).min(-1)
+    kmax_BJ = jnp.where(kv_BJk, kpos_BS.reshape(Bk, nk, bk), -big).max(-1)
+    qmin_BI = jnp.where(qv_BIq.any(-1), qmin_BI, 0)
+    kmax_BJ = jnp.where(kv_BJk.any(-1), kmax_BJ, 0)
+    need_BIJ &= qmin_BI[:, :, None] - kmax_BJ[:, None, :] < st.window
+  need_IJ = need_BIJ.any(0)
+  if causal:
+    i, j = jnp.arange(nq)[:, None], jnp.arange(nk)[None, :]
+    need_IJ &= j * bk <= (i + 1) * bq - 1
+  any_I = need_IJ.any(1)
+  lo_I = jnp.where(any_I, jnp.argmax(need_IJ, axis=1), 0).astype(jnp.int32)
+  hi_I = jnp.where(any_I, nk - jnp.argmax(need_IJ[:, ::-1], axis=1), 0).astype(jnp.int32)
+  return _Seg(q_BKQH, qpos_BQ, qvalid_BQ, k_BKSH, v_BKSH, kpos_BS, kvalid_BS, lo_I, hi_I,
+              g, bq, bk, causal)
+
+
+def _tile(st: _Static, sg: _Seg, i, j, q_BKQH, acc):
+  """Scores of query block i against key block j: (masked scores, capped scores), both
+  [Bk, K, bq*G, bk] in acc; masked entries are -inf."""
+  bq, bk = sg.bq, sg.bk
+  k_BKSH = lax.dynamic_slice_in_dim(sg.k_BKSH, j * bk, bk, axis=2)
+  s_BKQS = jnp.einsum("BKQH,BKSH->BKQS", q_BKQH, k_BKSH, preferred_element_type=acc)
+  if st.softcap is not None:
+    s_BKQS = jnp.tanh(s_BKQS / st.softcap) * st.softcap
+  qvalid_Bq = lax.dynamic_slice_in_dim(sg.qvalid_BQ, i * bq, bq, axis=1)
+  kvalid_Bk = lax.dynamic_slice_in_dim(sg.kvalid_BS, j * bk, bk, axis=1)
+  allowed_Bqk = qvalid_Bq[:, :, None] & kvalid_Bk[:, None, :]
+  if sg.causal:
+    qi = i * bq + jnp.arange(bq)
+    kj = j * bk + jnp.arange(bk)
+    allowed_Bqk &= (qi[:, None] >= kj[None, :])[None]
+  if st.window is not None:
+    qpos_Bq = lax.dynamic_slice_in_dim(sg.qpos_BQ, i * bq, bq, axis=1)
+    kpos_Bk = lax.dynamic_slice_in_dim(sg.kpos_BS, j * bk, bk, axis=1)
+    allowed_Bqk &= qpos_Bq[:, :, None] - kpos_Bk[:, None, :] < st.window
+  B, K, QG, _ = s_BKQS.shape
+  G = QG // bq
+  masked = jnp.where(allowed_Bqk[:, None, :, None, :], s_BKQS.reshape(B, K, bq, G, bk), -jnp.inf)
+  return masked.reshape(B, K, QG, bk), s_BKQS
+
+
+def _segment_fwd(st: _Static, sg: _Seg, acc):
+  """Online softmax over the scheduled key blocks: normalised o [Bk, K, Q, H], lse [Bk, K, Q]
+  (rows with no allowed key: o = 0, lse = -inf)."""
+  B, K, Q, H = sg.q_BKQH.shape
+  G = Q // sg.qvalid_BQ.shape[1]
+  R = sg.bq * G  # rows of one query block
+  nq = Q // R
+  vdt = sg.v_BKSH.dtype
+
+  def q_block(i, carry):
+    o_BKQH, lse_BKQ = carry
+    q_BKRH = lax.dynamic_slice_in_dim(sg.q_BKQH, i * R, R, axis=2)
+
+    def k_block(j, c):
+      m_BKR, l_BKR, a_BKRH = c
+      s_BKRS, _ = _tile(st, sg, i, j, q_BKRH, acc)
+      m_new = jnp.maximum(m_BKR, s_BKRS.max(-1))
+      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      p_BKRS = jnp.exp(s_BKRS - m_safe[..., None])
+      alpha = jnp.exp(m_BKR - m_safe)
+      v_BKSH = lax.dynamic_slice_in_dim(sg.v_BKSH, j * sg.bk, sg.bk, axis=2)
+      pv_BKRH = jnp.einsum("BKRS,BKSH->BKRH", p_BKRS.astype(vdt), v_BKSH,
+                           preferred_element_type=acc)
+      return m_new, alpha * l_BKR + p_BKRS.sum(-1), alpha[..., None] * a_BKRH + pv_BKRH
+
+    init = (jnp.full((B, K, R), -jnp.inf, acc), jnp.zeros((B, K, R), acc),
+            jnp.zeros((B, K, R, H), acc))
+    m_BKR, l_BKR, a_BKRH = lax.fori_loop(sg.lo_I[i], sg.hi_I[i], k_block, init)
+    some = l_BKR > 0
+    l_safe = jnp.where(some, l_BKR, 1.0)
+    o_BKRH = jnp.where(some[..., None], a_BKRH / l_safe[..., None], 0.0)
+    lse_BKR = jnp.where(some, m_BKR + jnp.log(l_safe), -jnp.inf)
+    return (lax.dynamic_update_slice_in_dim(o_BKQH, o_BKRH, i * R, axis=2),
+            lax.dynamic_update_slice_in_dim(lse_BKQ, lse_BKR, i * R, axis=2))
+
+  init = (jnp.zeros((B, K, Q, H), acc), jnp.full((B, K, Q), -jnp.inf, acc))
+  return lax.fori_loop(0, nq, q_block, init)
+
+
+def _segment_bwd(st: _Static, sg: _Seg, lse_BKQ, do_BKQH, d_BKQ, acc):
+  """Flash backward of one segment with the global lse: (dq of the scaled queries, dk, dv),
+  in acc, canonical layout."""
+  B, K, Q, H = sg.q_BKQH.shape
+  G = Q // sg.qvalid_BQ.shape[1]
+  R = sg.bq * G
+  nq = Q // R
+  bk = sg.bk
+  qdt, vdt = sg.q_BKQH.dtype, sg.v_BKSH.dtype
+  lse_BKQ = jnp.where(lse_BKQ == -jnp.inf, 0.0, lse_BKQ)  # such rows have no allowed key
+
+  def q_block(i, carry):
+    dq_BKQH, dk_BKSH, dv_BKSH = carry
+    q_BKRH = lax.dynamic_slice_in_dim(sg.q_BKQH, i * R, R, axis=2)
+    do_BKRH = lax.dynamic_slice_in_dim(do_BKQH, i * R, R, axis=2)
+    lse_BKR = lax.dynamic_slice_in_dim(lse_BKQ, i * R, R, axis=2)
+    d_BKR = lax.dynamic_slice_in_dim(d_BKQ, i * R, R, axis=2)
+
+    def k_block(j, c):
+      dq_BKRH, dk_BKSH, dv_BKSH = c
+      s_BKRS, capped_BKRS = _tile(st, sg, i, j, q_BKRH, acc)
+      p_BKRS = jnp.exp(s_BKRS - lse_BKR[..., None])
+      k_BKsH = lax.dynamic_slice_in_dim(sg.k_BKSH, j * bk, bk, axis=2)
+      v_BKsH = lax.dynamic_slice_in_dim(sg.v_BKSH, j * bk, bk, axis=2)
+      dv_BKsH = jnp.einsum("BKRS,BKRH->BKSH", p_BKRS.astype(do_BKRH.dtype), do_BKRH,
+                           preferred_element_type=acc)
+      dp_BKRS = jnp.einsum("BKRH,BKSH->BKRS", do_BKRH, v_BKsH, preferred_element_type=acc)
+      ds_BKRS = p_BKRS * (dp_BKRS - d_BKR[..., None])
+      if st.softcap is not None:
+        t_BKRS = capped_BKRS / st.softcap
+        ds_BKRS = ds_BKRS * (1.0 - t_BKRS * t_BKRS)
+      ds_BKRS = ds_BKRS.astype(qdt)
+      dq_BKRH = dq_BKRH + jnp.einsum("BKRS,BKSH->BKRH", ds_BKRS, k_BKsH,
+                                     preferred_element_type=acc)
+      dk_BKsH = jnp.einsum("BKRS,BKRH->BKSH", ds_BKRS, q_BKRH, preferred_element_type=acc)
+      add = lambda buf, x: lax.dynamic_update_slice_in_dim(
+          buf, lax.dynamic_slice_in_dim(buf, j * bk, bk, axis=2) + x, j * bk, axis=2)
+      return dq_BKRH, add(dk_BKSH, dk_BKsH), add(dv_BKSH, dv_BKsH)
+
+    init = (jnp.zeros((B, K, R, H), acc), dk_BKSH, dv_BKSH)
+    dq_BKRH, dk_BKSH, dv_BKSH = lax.fori_loop(sg.lo_I[i], sg.hi_I[i], k_block, init)
+    return lax.dynamic_update_slice_in_dim(dq_BKQH, dq_BKRH, i * R, axis=2), dk_BKSH, dv_BKSH
+
+  zeros_k = jnp.zeros(sg.k_BKSH.shape, acc)
+  return lax.fori_loop(0, nq, q_block, (jnp.zeros((B, K, Q, H), acc), zeros_k, zeros_k))
+
+
+def _scaled(st: _Static, q_BTNH):
+  return (q_BTNH * jnp.asarray(st.scale, _acc_dtype(q_BTNH.dtype))).astype(q_BTNH.dtype)
+
+
+def _prepare_all(st: _Static, q_BTNH, q_pos_BT, q_valid_BT, segs):
+  qs_BTNH = _scaled(st, q_BTNH)
+  return [_prepare(st, qs_BTNH, q_pos_BT, q_valid_BT, *seg, causal)
+          for seg, causal in zip(segs, st.causal)]
+
+
+def _blockwise_fwd(st: _Static, q_BTNH, q_pos_BT, q_valid_BT, segs):
+  Bq, T, N, H = q_BTNH.shape
+  acc = _acc_dtype(q_BTNH.dtype)
+  o_parts, lse_parts = [], []
+  for sg in _prepare_all(st, q_BTNH, q_pos_BT, q_valid_BT, segs):
+    K = sg.k_BKSH.shape[1]
+    o_BKQH, lse_BKQ = _segment_fwd(st, sg, acc)
+    o_parts.append(_unfold(o_BKQH, sg.g, T, N // K))
+    lse_parts.append(_unfold(lse_BKQ, sg.g, T, N // K))
+  # Merge the segments' partial softmaxes by log-sum-exp.
+  lse_LBTN = jnp.stack(lse_parts)
+  m_BTN = lse_LBTN.max(0)
+  m_safe = jnp.where(m_BTN == -jnp.inf, 0.0, m_BTN)
+  w_LBTN = jnp.exp(lse_LBTN - m_safe)
+  total_BTN = w_LBTN.sum(0)
+  some = total_BTN > 0
+  lse_BTN = jnp.where(some, m_safe + jnp.log(jnp.where(some, total_BTN, 1.0)), -jnp.inf)
+  w_LBTN = w_LBTN / jnp.where(some, total_BTN, 1.0)
+  o_BTNH = sum(w_BTN[..., None] * o for w_BTN, o in zip(w_LBTN, o_parts))
+  return o_BTNH.astype(q_BTNH.dtype), lse_BTN
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _blockwise(st: _Static, q_BTNH, q_pos_BT, q_valid_BT, segs):
+  return _blockwise_fwd(st, q_BTNH, q_pos_BT, q_valid_BT, segs)[0]
+
+
+def _blockwise_vjp_fwd(st, q_BTNH, q_pos_BT, q_valid_BT, segs):
+  o_BTNH, lse_BTN = _blockwise_fwd(st, q_BTNH, q_pos_BT, q_valid_BT, segs)
+  return o_BTNH, (q_BTNH, q_pos_BT, q_valid_BT, segs, o_BTNH, lse_BTN)
+
+
+def _blockwise_vjp_bwd(st, res, do_BTNH):
+  q_BTNH, q_pos_BT, q_valid_BT, segs, o_BTNH, lse_BTN = res
+  Bq, T, N, H = q_BTNH.shape
+  acc = _acc_dtype(q_BTNH.dtype)
+  d_BTN = jnp.sum(do_BTNH.astype(acc) * o_BTNH.astype(acc), axis=-1)
+  dq_BTNH = jnp.zeros(q_BTNH.shape, acc)
+  dsegs = []
+  for sg in _prepare_all(st, q_BTNH, q_pos_BT, q_valid_BT, segs):
+    Bk, K, Q, _ = sg.q_BKQH.shape
+    Tp = sg.qvalid_BQ.shape[1]
+    fold = lambda x: _fold(x, sg.g, K, Tp)
+    dq_BKQH, dk_BKSH, dv_BKSH = _segment_bwd(st, sg, fold(lse_BTN),
+                                             fold(do_BTNH.astype(q_BTNH.dtype)),
+                                             fold(d_BTN), acc)
+    dq_BTNH = dq_BTNH + _unfold(dq_BKQH, sg.g, T, N // K)
+    S = segs[len(dsegs)][0].shape[1]
+    kdt = segs[len(dsegs)][0].dtype
+    unk = lambda x: jnp.moveaxis(x, 1, 2)[:, :S].astype(kdt)
+    dsegs.append((unk(dk_BKSH), unk(dv_BKSH), None, None))
+  dq_BTNH = (dq_BTNH * st.scale).astype(q_BTNH.dtype)
+  return dq_BTNH, None, None, tuple(dsegs)
+
+
+_blockwise.defvjp(_blockwise_vjp_fwd, _blockwise_vjp_bwd)
+
+
+def _check_blocks(block_q, block_k) -> None:
+  for name, b in (("model.attention_block_q", block_q), ("model.attention_block_k", block_k)):
+    if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+      raise ValueError(f"{name}={b!r}: expected a positive integer (query/key positions per "
+                       "attention tile)")
+
+
 def attend(q_BTNH, q_pos_BT, q_valid_BT, segments: Sequence[KeySegment], *,
            scale: Optional[float] = None, softcap: Optional[float] = None,
-           window: Optional[int] = None, impl: str = "dense", block_q: int = 512,
+           window: Optional[int] = None, impl: str = "blockwise", block_q: int = 512,
            block_k: int = 512) -> Array:
   """Attention of q over the concatenation of `segments` (see the module docstring)."""
   check(q_BTNH, segments, impl)
+  _check_blocks(block_q, block_k)
   if impl == "dense":
     return attend_dense(q_BTNH, q_pos_BT, q_valid_BT, segments, scale=scale, softcap=softcap,
                         window=window)
-  raise NotImplementedError("blockwise attention: in progress")
+  H = q_BTNH.shape[-1]
+  st = _Static(causal=tuple(bool(s.causal) for s in segments),
+               scale=float(1.0 / math.sqrt(H) if scale is None else scale),
+               softcap=None if softcap is None else float(softcap),
+               window=None if window is None else int(window), block_q=block_q,
+               block_k=block_k)
+  segs = tuple((s.k_BSKH, s.v_BSKH, s.pos_BS, s.valid_BS) for s in segments)
+  return _blockwise(st, q_BTNH, q_pos_BT, q_valid_BT, segs)
