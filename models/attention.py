@@ -181,6 +181,7 @@ class _Seg(NamedTuple):
   kvalid_BS: Array
   lo_I: Array  # key blocks [lo[i], hi[i]) hold every allowed key of query block i
   hi_I: Array
+  full_IJ: Array  # tile (i, j) allows every pair: its scores need no mask
   g: int
   bq: int
   bk: int
@@ -216,24 +217,33 @@ def _prepare(st: _Static, qs_BTNH, q_pos_BT, q_valid_BT, k, v, kpos, kvalid, cau
     kmax_BJ = jnp.where(kv_BJk.any(-1), kmax_BJ, 0)
     need_BIJ &= qmin_BI[:, :, None] - kmax_BJ[:, None, :] < st.window
   need_IJ = need_BIJ.any(0)
+  full_BIJ = qv_BIq.all(-1)[:, :, None] & kv_BJk.all(-1)[:, None, :]
+  if st.window is not None:
+    qmax_BI = qpos_BQ.reshape(Bk, nq, bq).max(-1)
+    kmin_BJ = kpos_BS.reshape(Bk, nk, bk).min(-1)
+    full_BIJ &= qmax_BI[:, :, None] - kmin_BJ[:, None, :] < st.window
+  full_IJ = full_BIJ.all(0)
   if causal:
     i, j = jnp.arange(nq)[:, None], jnp.arange(nk)[None, :]
     need_IJ &= j * bk <= (i + 1) * bq - 1
+    full_IJ &= (j + 1) * bk - 1 <= i * bq
   any_I = need_IJ.any(1)
   lo_I = jnp.where(any_I, jnp.argmax(need_IJ, axis=1), 0).astype(jnp.int32)
   hi_I = jnp.where(any_I, nk - jnp.argmax(need_IJ[:, ::-1], axis=1), 0).astype(jnp.int32)
   return _Seg(q_BKQH, qpos_BQ, qvalid_BQ, k_BKSH, v_BKSH, kpos_BS, kvalid_BS, lo_I, hi_I,
-              g, bq, bk, causal)
+              full_IJ, g, bq, bk, causal)
 
 
-def _tile(st: _Static, sg: _Seg, i, j, q_BKQH, acc):
+def _tile(st: _Static, sg: _Seg, i, j, q_BKQH, acc, masked=True):
   """Scores of query block i against key block j: (masked scores, capped scores), both
-  [Bk, K, bq*G, bk] in acc; masked entries are -inf."""
+  [Bk, K, bq*G, bk] in acc; masked entries are -inf (masked=False: a full tile)."""
   bq, bk = sg.bq, sg.bk
   k_BKSH = lax.dynamic_slice_in_dim(sg.k_BKSH, j * bk, bk, axis=2)
   s_BKQS = jnp.einsum("BKQH,BKSH->BKQS", q_BKQH, k_BKSH, preferred_element_type=acc)
   if st.softcap is not None:
     s_BKQS = jnp.tanh(s_BKQS / st.softcap) * st.softcap
+  if not masked:
+    return s_BKQS, s_BKQS
   qvalid_Bq = lax.dynamic_slice_in_dim(sg.qvalid_BQ, i * bq, bq, axis=1)
   kvalid_Bk = lax.dynamic_slice_in_dim(sg.kvalid_BS, j * bk, bk, axis=1)
   allowed_Bqk = qvalid_Bq[:, :, None] & kvalid_Bk[:, None, :]
@@ -251,6 +261,11 @@ def _tile(st: _Static, sg: _Seg, i, j, q_BKQH, acc):
   return masked.reshape(B, K, QG, bk), s_BKQS
 
 
+def _mask_if_needed(sg: _Seg, i, j, fn):
+  """fn(masked) for tile (i, j), skipping the mask where the tile allows every pair."""
+  return lax.cond(sg.full_IJ[i, j], lambda: fn(False), lambda: fn(True))
+
+
 def _segment_fwd(st: _Static, sg: _Seg, acc):
   """Online softmax over the scheduled key blocks: normalised o [Bk, K, Q, H], lse [Bk, K, Q]
   (rows with no allowed key: o = 0, lse = -inf)."""
@@ -265,8 +280,11 @@ def _segment_fwd(st: _Static, sg: _Seg, acc):
     q_BKRH = lax.dynamic_slice_in_dim(sg.q_BKQH, i * R, R, axis=2)
 
     def k_block(j, c):
+      return _mask_if_needed(sg, i, j, lambda masked: k_step(j, c, masked))
+
+    def k_step(j, c, masked):
       m_BKR, l_BKR, a_BKRH = c
-      s_BKRS, _ = _tile(st, sg, i, j, q_BKRH, acc)
+      s_BKRS, _ = _tile(st, sg, i, j, q_BKRH, acc, masked)
       m_new = jnp.maximum(m_BKR, s_BKRS.max(-1))
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
       p_BKRS = jnp.exp(s_BKRS - m_safe[..., None])
@@ -308,9 +326,8 @@ def _segment_bwd(st: _Static, sg: _Seg, lse_BKQ, do_BKQH, d_BKQ, acc):
     lse_BKR = lax.dynamic_slice_in_dim(lse_BKQ, i * R, R, axis=2)
     d_BKR = lax.dynamic_slice_in_dim(d_BKQ, i * R, R, axis=2)
 
-    def k_block(j, c):
-      dq_BKRH, dk_BKSH, dv_BKSH = c
-      s_BKRS, capped_BKRS = _tile(st, sg, i, j, q_BKRH, acc)
+    def tile_grads(j, masked):
+      s_BKRS, capped_BKRS = _tile(st, sg, i, j, q_BKRH, acc, masked)
       p_BKRS = jnp.exp(s_BKRS - lse_BKR[..., None])
       k_BKsH = lax.dynamic_slice_in_dim(sg.k_BKSH, j * bk, bk, axis=2)
       v_BKsH = lax.dynamic_slice_in_dim(sg.v_BKSH, j * bk, bk, axis=2)
@@ -322,12 +339,16 @@ def _segment_bwd(st: _Static, sg: _Seg, lse_BKQ, do_BKQH, d_BKQ, acc):
         t_BKRS = capped_BKRS / st.softcap
         ds_BKRS = ds_BKRS * (1.0 - t_BKRS * t_BKRS)
       ds_BKRS = ds_BKRS.astype(qdt)
-      dq_BKRH = dq_BKRH + jnp.einsum("BKRS,BKSH->BKRH", ds_BKRS, k_BKsH,
-                                     preferred_element_type=acc)
+      dq_BKRH = jnp.einsum("BKRS,BKSH->BKRH", ds_BKRS, k_BKsH, preferred_element_type=acc)
       dk_BKsH = jnp.einsum("BKRS,BKRH->BKSH", ds_BKRS, q_BKRH, preferred_element_type=acc)
+      return dq_BKRH, dk_BKsH, dv_BKsH
+
+    def k_block(j, c):
+      dq_BKRH, dk_BKSH, dv_BKSH = c
+      dq_tile, dk_BKsH, dv_BKsH = _mask_if_needed(sg, i, j, functools.partial(tile_grads, j))
       add = lambda buf, x: lax.dynamic_update_slice_in_dim(
           buf, lax.dynamic_slice_in_dim(buf, j * bk, bk, axis=2) + x, j * bk, axis=2)
-      return dq_BKRH, add(dk_BKSH, dk_BKsH), add(dv_BKSH, dv_BKsH)
+      return dq_BKRH + dq_tile, add(dk_BKSH, dk_BKsH), add(dv_BKSH, dv_BKsH)
 
     init = (jnp.zeros((B, K, R, H), acc), dk_BKSH, dv_BKSH)
     dq_BKRH, dk_BKSH, dv_BKSH = lax.fori_loop(sg.lo_I[i], sg.hi_I[i], k_block, init)
