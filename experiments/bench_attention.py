@@ -3,7 +3,10 @@
 Prefix self-attention of the small preset (N=4 query heads, K=2 kv heads, H=64), float32,
 one prompt: the gradient of sum(o * w) w.r.t. q, k, v under one jax.jit. Prints one JSON line
 per (impl, P, block sizes): compile seconds, the median of --reps fwd+bwd seconds, and useful
-GFLOP/s counting causal attention once (fwd 4*P*P/2*N*H, fwd+bwd 2.5x that), and a float32
+GFLOP/s counting causal attention once (fwd 4*P*P/2*N*H, fwd+bwd 2.5x that), the process's
+CPU seconds per step and its busiest thread's CPU seconds per step (both less sensitive to
+other jobs than wall time; the busiest thread approximates the wall time on an idle machine),
+and a float32
 matmul's GFLOP/s measured in the same run (the machine's reference rate: the CPU is shared
 and noisy, so compare rows of one run).
 
@@ -38,14 +41,26 @@ flags.DEFINE_enum("mode", "prefix", ["prefix", "tail"],
 flags.DEFINE_integer("tail_len", 128, "T (tail mode)")
 flags.DEFINE_integer("branches", 16, "R (tail mode)")
 flags.DEFINE_multi_string("impl", ["dense", "blockwise"], "implementations (repeatable)")
-flags.DEFINE_multi_string("blocks", ["128x128", "256x256", "256x512", "512x256", "512x512",
-                                     "1024x512"], "block_q x block_k for blockwise")
+flags.DEFINE_multi_string("blocks", ["64x64", "64x128", "128x64", "128x128", "256x256",
+                                     "512x512"], "block_q x block_k for blockwise")
 flags.DEFINE_integer("heads", 4, "N")
 flags.DEFINE_integer("kv_heads", 2, "K")
 flags.DEFINE_integer("head_dim", 64, "H")
 flags.DEFINE_integer("reps", 3, "timed repetitions (median)")
 flags.DEFINE_integer("window", 0, "sliding window (0: none)")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "q/k/v dtype")
+
+
+def thread_ticks():
+  """CPU clock ticks used so far by each thread of this process (Linux)."""
+  out = {}
+  for t in os.listdir("/proc/self/task"):
+    try:
+      fields = open(f"/proc/self/task/{t}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+      continue
+    out[t] = int(fields[11]) + int(fields[12])
+  return out
 
 
 def matmul_gflops(n=1024, reps=5):
@@ -103,16 +118,22 @@ def bench(impl, P, block_q, block_k):
   step = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(q, kvs).compile()
   compile_s = time.perf_counter() - t
   jax.block_until_ready(step(q, kvs))
-  times = []
+  times, cpu = [], []
+  ticks0 = thread_ticks()
   for _ in range(FLAGS.reps):
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     jax.block_until_ready(step(q, kvs))
     times.append(time.perf_counter() - t)
+    cpu.append(time.process_time() - c)
+  ticks1 = thread_ticks()
+  busiest = max(ticks1[t] - ticks0.get(t, 0) for t in ticks1) / os.sysconf("SC_CLK_TCK")
   sec = float(np.median(times))
   return dict(impl=impl, mode=FLAGS.mode, P=P, T=FLAGS.tail_len if FLAGS.mode == "tail" else P,
               R=FLAGS.branches if FLAGS.mode == "tail" else 1, block_q=block_q,
               block_k=block_k, dtype=FLAGS.dtype, window=window, compile_s=round(compile_s, 2),
               fwd_bwd_s=round(sec, 4), min_s=round(min(times), 4),
+              cpu_s=round(float(np.median(cpu)), 4),
+              busiest_thread_s=round(busiest / FLAGS.reps, 4),
               useful_gflops=round(useful_flops(P) / sec / 1e9, 2))
 
 

@@ -118,6 +118,9 @@ def attend_dense(q_BTNH, q_pos_BT, q_valid_BT, segments, *, scale=None, softcap=
 # and the query group folded into the rows (no repeated K/V).
 
 
+MIN_TILE = 1 << 14  # scores per tile below which key blocks grow (see _prepare)
+
+
 class _Static(NamedTuple):
   causal: tuple  # per segment
   scale: float
@@ -125,6 +128,7 @@ class _Static(NamedTuple):
   window: Optional[int]
   block_q: int
   block_k: int
+  min_tile: int = 0
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -193,7 +197,9 @@ def _prepare(st: _Static, qs_BTNH, q_pos_BT, q_valid_BT, k, v, kpos, kvalid, cau
   Bk, S, K, _ = k.shape
   g = Bq // Bk
   nq, bq = _blocks(g * T, st.block_q)
-  nk, bk = _blocks(S, st.block_k)
+  # Few query rows (decoding): longer key blocks, so a tile still holds ~MIN_TILE scores
+  # instead of looping over many tiny tiles.
+  nk, bk = _blocks(S, max(st.block_k, st.min_tile // (Bk * N * bq)))
   Tp, Sp = nq * bq, nk * bk
   q_BKQH = _fold(qs_BTNH, g, K, Tp)
   qpos_BQ = _pad_axis(q_pos_BT.reshape(Bk, g * T), 1, Tp)
@@ -234,31 +240,39 @@ def _prepare(st: _Static, qs_BTNH, q_pos_BT, q_valid_BT, k, v, kpos, kvalid, cau
               full_IJ, g, bq, bk, causal)
 
 
-def _tile(st: _Static, sg: _Seg, i, j, q_BKQH, acc, masked=True):
-  """Scores of query block i against key block j: (masked scores, capped scores), both
-  [Bk, K, bq*G, bk] in acc; masked entries are -inf (masked=False: a full tile)."""
+def _tile(st: _Static, sg: _Seg, i, j, q_BKRH, acc, masked=True, keys_major=False):
+  """Scores of query block i (rows q_BKRH) against key block j: (masked, capped) scores in
+  acc, [Bk, K, bq*G, bk] (keys_major: [Bk, K, bk, bq*G], so the backward's dK/dV products
+  are plain matmuls); masked entries are -inf (masked=False: a full tile, no mask)."""
   bq, bk = sg.bq, sg.bk
   k_BKSH = lax.dynamic_slice_in_dim(sg.k_BKSH, j * bk, bk, axis=2)
-  s_BKQS = jnp.einsum("BKQH,BKSH->BKQS", q_BKQH, k_BKSH, preferred_element_type=acc)
+  if keys_major:
+    s = jnp.einsum("BKSH,BKRH->BKSR", k_BKSH, q_BKRH, preferred_element_type=acc)
+  else:
+    s = jnp.einsum("BKRH,BKSH->BKRS", q_BKRH, k_BKSH, preferred_element_type=acc)
   if st.softcap is not None:
-    s_BKQS = jnp.tanh(s_BKQS / st.softcap) * st.softcap
+    s = jnp.tanh(s / st.softcap) * st.softcap
   if not masked:
-    return s_BKQS, s_BKQS
+    return s, s
   qvalid_Bq = lax.dynamic_slice_in_dim(sg.qvalid_BQ, i * bq, bq, axis=1)
   kvalid_Bk = lax.dynamic_slice_in_dim(sg.kvalid_BS, j * bk, bk, axis=1)
-  allowed_Bqk = qvalid_Bq[:, :, None] & kvalid_Bk[:, None, :]
+  allowed_Bkq = kvalid_Bk[:, :, None] & qvalid_Bq[:, None, :]
   if sg.causal:
     qi = i * bq + jnp.arange(bq)
     kj = j * bk + jnp.arange(bk)
-    allowed_Bqk &= (qi[:, None] >= kj[None, :])[None]
+    allowed_Bkq &= (kj[:, None] <= qi[None, :])[None]
   if st.window is not None:
     qpos_Bq = lax.dynamic_slice_in_dim(sg.qpos_BQ, i * bq, bq, axis=1)
     kpos_Bk = lax.dynamic_slice_in_dim(sg.kpos_BS, j * bk, bk, axis=1)
-    allowed_Bqk &= qpos_Bq[:, :, None] - kpos_Bk[:, None, :] < st.window
-  B, K, QG, _ = s_BKQS.shape
-  G = QG // bq
-  masked = jnp.where(allowed_Bqk[:, None, :, None, :], s_BKQS.reshape(B, K, bq, G, bk), -jnp.inf)
-  return masked.reshape(B, K, QG, bk), s_BKQS
+    allowed_Bkq &= qpos_Bq[:, None, :] - kpos_Bk[:, :, None] < st.window
+  B, K = s.shape[:2]
+  G = q_BKRH.shape[2] // bq
+  if keys_major:  # rows (key), columns (query, group)
+    out = jnp.where(allowed_Bkq[:, None, :, :, None], s.reshape(B, K, bk, bq, G), -jnp.inf)
+  else:  # rows (query, group), columns (key)
+    allowed_Bqk = jnp.swapaxes(allowed_Bkq, 1, 2)
+    out = jnp.where(allowed_Bqk[:, None, :, None, :], s.reshape(B, K, bq, G, bk), -jnp.inf)
+  return out.reshape(s.shape), s
 
 
 def _mask_if_needed(sg: _Seg, i, j, fn):
@@ -327,20 +341,21 @@ def _segment_bwd(st: _Static, sg: _Seg, lse_BKQ, do_BKQH, d_BKQ, acc):
     d_BKR = lax.dynamic_slice_in_dim(d_BKQ, i * R, R, axis=2)
 
     def tile_grads(j, masked):
-      s_BKRS, capped_BKRS = _tile(st, sg, i, j, q_BKRH, acc, masked)
-      p_BKRS = jnp.exp(s_BKRS - lse_BKR[..., None])
+      # Key-major tiles [Bk, K, bk, R]: dV = P^T dO and dK = dS^T Q are plain matmuls.
+      s_BKSR, capped_BKSR = _tile(st, sg, i, j, q_BKRH, acc, masked, keys_major=True)
+      p_BKSR = jnp.exp(s_BKSR - lse_BKR[:, :, None, :])
       k_BKsH = lax.dynamic_slice_in_dim(sg.k_BKSH, j * bk, bk, axis=2)
       v_BKsH = lax.dynamic_slice_in_dim(sg.v_BKSH, j * bk, bk, axis=2)
-      dv_BKsH = jnp.einsum("BKRS,BKRH->BKSH", p_BKRS.astype(do_BKRH.dtype), do_BKRH,
+      dv_BKsH = jnp.einsum("BKSR,BKRH->BKSH", p_BKSR.astype(do_BKRH.dtype), do_BKRH,
                            preferred_element_type=acc)
-      dp_BKRS = jnp.einsum("BKRH,BKSH->BKRS", do_BKRH, v_BKsH, preferred_element_type=acc)
-      ds_BKRS = p_BKRS * (dp_BKRS - d_BKR[..., None])
-      if st.softcap is not None:
-        t_BKRS = capped_BKRS / st.softcap
-        ds_BKRS = ds_BKRS * (1.0 - t_BKRS * t_BKRS)
-      ds_BKRS = ds_BKRS.astype(qdt)
-      dq_BKRH = jnp.einsum("BKRS,BKSH->BKRH", ds_BKRS, k_BKsH, preferred_element_type=acc)
-      dk_BKsH = jnp.einsum("BKRS,BKRH->BKSH", ds_BKRS, q_BKRH, preferred_element_type=acc)
+      dp_BKSR = jnp.einsum("BKSH,BKRH->BKSR", v_BKsH, do_BKRH, preferred_element_type=acc)
+      ds_BKSR = p_BKSR * (dp_BKSR - d_BKR[:, :, None, :])
+      if st.softcap is not None:  # through s = cap * tanh(s_raw / cap)
+        t_BKSR = capped_BKSR / st.softcap
+        ds_BKSR = ds_BKSR * (1.0 - t_BKSR * t_BKSR)
+      ds_BKSR = ds_BKSR.astype(qdt)
+      dq_BKRH = jnp.einsum("BKSR,BKSH->BKRH", ds_BKSR, k_BKsH, preferred_element_type=acc)
+      dk_BKsH = jnp.einsum("BKSR,BKRH->BKSH", ds_BKSR, q_BKRH, preferred_element_type=acc)
       return dq_BKRH, dk_BKsH, dv_BKsH
 
     def k_block(j, c):
@@ -435,8 +450,8 @@ def _check_blocks(block_q, block_k) -> None:
 
 def attend(q_BTNH, q_pos_BT, q_valid_BT, segments: Sequence[KeySegment], *,
            scale: Optional[float] = None, softcap: Optional[float] = None,
-           window: Optional[int] = None, impl: str = "blockwise", block_q: int = 512,
-           block_k: int = 512) -> Array:
+           window: Optional[int] = None, impl: str = "blockwise", block_q: int = 128,
+           block_k: int = 64) -> Array:
   """Attention of q over the concatenation of `segments` (see the module docstring)."""
   check(q_BTNH, segments, impl)
   _check_blocks(block_q, block_k)
@@ -448,6 +463,6 @@ def attend(q_BTNH, q_pos_BT, q_valid_BT, segments: Sequence[KeySegment], *,
                scale=float(1.0 / math.sqrt(H) if scale is None else scale),
                softcap=None if softcap is None else float(softcap),
                window=None if window is None else int(window), block_q=block_q,
-               block_k=block_k)
+               block_k=block_k, min_tile=MIN_TILE)
   segs = tuple((s.k_BSKH, s.v_BSKH, s.pos_BS, s.valid_BS) for s in segments)
   return _blockwise(st, q_BTNH, q_pos_BT, q_valid_BT, segs)

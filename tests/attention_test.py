@@ -15,6 +15,12 @@ from models import attention
 KS = attention.KeySegment
 
 
+@pytest.fixture(autouse=True)
+def exact_block_sizes(monkeypatch):
+  """Tiny test shapes would otherwise get one long key block (attention.MIN_TILE)."""
+  monkeypatch.setattr(attention, "MIN_TILE", 0)
+
+
 def _positions(valid_BS, start_B=None):
   """RoPE convention: a key's position is the count of valid keys before it (+ start)."""
   pos_BS = np.cumsum(valid_BS, axis=1) - valid_BS
@@ -157,8 +163,11 @@ def test_bfloat16_close_to_dense():
                              atol=2e-2)
 
 
-def test_vmap_over_branches_with_shared_prefix_unbatched():
-  """The sampler's decode step: vmapped over branches, the prefix segment unbatched."""
+@pytest.mark.parametrize("min_tile", [0, 1 << 14])
+def test_vmap_over_branches_with_shared_prefix_unbatched(min_tile, monkeypatch):
+  """The sampler's decode step: vmapped over branches, the prefix segment unbatched
+  (min_tile > 0: the key blocks grow to one tile, as they do by default when decoding)."""
+  monkeypatch.setattr(attention, "MIN_TILE", min_tile)
   q, q_pos, q_valid, segs = _tail_case(np.random.default_rng(5), jnp.float32, B=1, R=4, T=1,
                                        pad_left=(4,))
   prefix, own = segs
