@@ -422,23 +422,37 @@ def _blockwise_vjp_bwd(st, res, do_BTNH):
   d_BTN = jnp.sum(do_BTNH.astype(acc) * o_BTNH.astype(acc), axis=-1)
   dq_BTNH = jnp.zeros(q_BTNH.shape, acc)
   dsegs = []
-  for sg in _prepare_all(st, q_BTNH, q_pos_BT, q_valid_BT, segs):
-    Bk, K, Q, _ = sg.q_BKQH.shape
-    Tp = sg.qvalid_BQ.shape[1]
+  for sg, (k_BSKH, v_BSKH, _, _) in zip(_prepare_all(st, q_BTNH, q_pos_BT, q_valid_BT, segs),
+                                        segs):
+    K, Tp = k_BSKH.shape[2], sg.qvalid_BQ.shape[1]
     fold = lambda x: _fold(x, sg.g, K, Tp)
     dq_BKQH, dk_BKSH, dv_BKSH = _segment_bwd(st, sg, fold(lse_BTN),
                                              fold(do_BTNH.astype(q_BTNH.dtype)),
                                              fold(d_BTN), acc)
     dq_BTNH = dq_BTNH + _unfold(dq_BKQH, sg.g, T, N // K)
-    S = segs[len(dsegs)][0].shape[1]
-    kdt = segs[len(dsegs)][0].dtype
-    unk = lambda x: jnp.moveaxis(x, 1, 2)[:, :S].astype(kdt)
-    dsegs.append((unk(dk_BKSH), unk(dv_BKSH), None, None))
+    S = k_BSKH.shape[1]
+    dsegs.append((jnp.moveaxis(dk_BKSH, 1, 2)[:, :S].astype(k_BSKH.dtype),
+                  jnp.moveaxis(dv_BKSH, 1, 2)[:, :S].astype(v_BSKH.dtype), None, None))
   dq_BTNH = (dq_BTNH * st.scale).astype(q_BTNH.dtype)
   return dq_BTNH, None, None, tuple(dsegs)
 
 
 _blockwise.defvjp(_blockwise_vjp_fwd, _blockwise_vjp_bwd)
+
+
+def _check_masks(q_BTNH, q_pos_BT, q_valid_BT, segments) -> None:
+  """Positions and validity match the rows and lengths of their queries / keys."""
+  want = q_BTNH.shape[:2]
+  for name, x in (("q_pos_BT", q_pos_BT), ("q_valid_BT", q_valid_BT)):
+    if tuple(x.shape) != tuple(want):
+      raise ValueError(f"attention {name}: shape {x.shape}, expected {want} (queries "
+                       f"{q_BTNH.shape})")
+  for i, seg in enumerate(segments):
+    want = seg.k_BSKH.shape[:2]
+    for name, x in (("pos_BS", seg.pos_BS), ("valid_BS", seg.valid_BS)):
+      if tuple(x.shape) != tuple(want):
+        raise ValueError(f"attention segment {i} {name}: shape {x.shape}, expected {want} "
+                         f"(keys {seg.k_BSKH.shape})")
 
 
 def _check_blocks(block_q, block_k) -> None:
@@ -454,10 +468,14 @@ def attend(q_BTNH, q_pos_BT, q_valid_BT, segments: Sequence[KeySegment], *,
            block_k: int = 64) -> Array:
   """Attention of q over the concatenation of `segments` (see the module docstring)."""
   check(q_BTNH, segments, impl)
+  _check_masks(q_BTNH, q_pos_BT, q_valid_BT, segments)
   _check_blocks(block_q, block_k)
   if impl == "dense":
     return attend_dense(q_BTNH, q_pos_BT, q_valid_BT, segments, scale=scale, softcap=softcap,
                         window=window)
+  segments = [s for s in segments if s.k_BSKH.shape[1]]  # an empty segment adds no key
+  if not segments or not q_BTNH.size:
+    return jnp.zeros_like(q_BTNH)
   H = q_BTNH.shape[-1]
   st = _Static(causal=tuple(bool(s.causal) for s in segments),
                scale=float(1.0 / math.sqrt(H) if scale is None else scale),

@@ -240,8 +240,24 @@ def test_tail_temp_memory_flat_in_branches():
     ("model.attention_block_q", dict(block_q=0)),
     ("model.attention_block_k", dict(block_k=-4)),
     ("model.attention", dict(impl="flash")),
+    ("q_valid_BT", dict(q_valid=np.ones((2, 36), bool))),
+    ("segment 0 pos_BS", dict(pos=np.zeros((1, 37), np.int32))),
 ])
 def test_bad_input(field, kw):
   q, q_pos, q_valid, segs = _prefix_case(np.random.default_rng(8), jnp.float32)
+  q_valid = kw.pop("q_valid", q_valid)
+  if "pos" in kw:
+    segs = [segs[0]._replace(pos_BS=kw.pop("pos"))]
   with pytest.raises(ValueError, match=field):
     attention.attend(q, q_pos, q_valid, segs, **kw)
+
+
+def test_empty_segment_adds_no_key():
+  """A zero-length segment (e.g. no generated tokens yet) changes nothing; its K/V get 0."""
+  with jax.enable_x64(True):
+    q, q_pos, q_valid, segs = _tail_case(np.random.default_rng(9), jnp.float64, T=4)
+    B, _, K, H = segs[1].k_BSKH.shape
+    empty = KS(jnp.zeros((B, 0, K, H)), jnp.zeros((B, 0, K, H)), jnp.zeros((B, 0), int),
+               jnp.zeros((B, 0), bool))
+    _assert_match((q, q_pos, q_valid, [segs[0], empty, segs[1]]), 1e-10, block_q=4,
+                  block_k=8)
