@@ -32,7 +32,8 @@ flags.DEFINE_integer("num_processes", None, "Multi-host: how many processes.")
 flags.DEFINE_integer("process_id", None, "Multi-host: this process's index.")
 flags.DEFINE_string("model_dir", None, "A Hugging Face folder (config.json, *.safetensors, "
                     "optional tokenizer.json) to train from instead of the experiment's model.")
-flags.DEFINE_enum("model_dtype", "float32", ["float32", "bfloat16"], "dtype of --model_dir.")
+flags.DEFINE_enum("model_dtype", "float32", ["float32", "bfloat16"],
+                  "compute dtype of --model_dir (parameters and AdamW state stay float32)")
 FLAGS = flags.FLAGS
 
 

@@ -66,7 +66,8 @@ def combine_fn(loss_cfg):
 
 
 def replay_fns(model_cfg: tfm.ModelConfig, loss_cfg: losses.LossConfig, batch: ReplayBatch):
-  """(prefill_fn, branch_loss_fn, prefix, branches_R) for `replay.value_and_grad`."""
+  """(prefill_fn, branch_loss_fn, prefix, branches_R) for `replay.value_and_grad(...,
+  batched=True)`: branch_loss_fn takes all branches (leaves [R, B, ...]) at once."""
   branches_R, trunk = _branches(batch, loss_cfg)
   prefix_valid_BP = batch.prefix_valid_BP
 
@@ -77,14 +78,24 @@ def replay_fns(model_cfg: tfm.ModelConfig, loss_cfg: losses.LossConfig, batch: R
     # Everything the tails read from the prefix; its cotangent is summed over branches.
     return dict(kv=cache.kv, h_last_BD=cache.h_last_BD, trunk_logp_BW=trunk_logp_BW)
 
-  def branch_loss_fn(params, cache, branch):
+  def branch_loss_fn(params, cache, branches_R):
+    """Every branch at once (replay's `batched=True`): the tails run as B*R rows (b, r),
+    their attention folding a prompt's R*T queries against its one prefix K/V."""
+    tokens_RBT = branches_R["tokens_BT"]
+    R, B = tokens_RBT.shape[:2]
+    rows = lambda x_RB: jnp.swapaxes(x_RB, 0, 1).reshape(B * R, *x_RB.shape[2:])
+    unrows = lambda x_N: jnp.swapaxes(x_N.reshape(B, R, *x_N.shape[1:]), 0, 1)
     kv_cache = tfm.PrefixCache(cache["kv"], cache["h_last_BD"], None)
-    h_BTD = tfm.tail(params, model_cfg, kv_cache, prefix_valid_BP, branch["tokens_BT"],
-                     branch["valid_BT"])
+    tokens_NT = rows(tokens_RBT)
+    h_NTD = tfm.tail(params, model_cfg, kv_cache, prefix_valid_BP, tokens_NT,
+                     rows(branches_R["valid_BT"]))
     # Tail token t is predicted by the hidden state before it: the prefix's last for t=0.
-    h_pred_BTD = jnp.concatenate([cache["h_last_BD"][:, None], h_BTD[:, :-1]], axis=1)
-    logp_BT, entropy_BT = tfm.token_logps(params, model_cfg, h_pred_BTD, branch["tokens_BT"])
-    return branch_value(logp_BT, entropy_BT, cache["trunk_logp_BW"], branch, trunk, loss_cfg)
+    h_last_ND = jnp.repeat(cache["h_last_BD"], R, axis=0)
+    h_pred_NTD = jnp.concatenate([h_last_ND[:, None], h_NTD[:, :-1]], axis=1)
+    logp_NT, entropy_NT = tfm.token_logps(params, model_cfg, h_pred_NTD, tokens_NT)
+    value = lambda logp_BT, entropy_BT, branch: branch_value(
+        logp_BT, entropy_BT, cache["trunk_logp_BW"], branch, trunk, loss_cfg)
+    return jax.vmap(value)(unrows(logp_NT), unrows(entropy_NT), branches_R)
 
   prefix = dict(tokens_BP=batch.prefix_BP, valid_BP=batch.prefix_valid_BP)
   return prefill_fn, branch_loss_fn, prefix, branches_R
@@ -97,7 +108,7 @@ def replay_loss_and_grad(params, batch: ReplayBatch, model_cfg: tfm.ModelConfig,
   prefill_fn, branch_loss_fn, prefix, branches_R = replay_fns(model_cfg, loss_cfg, batch)
   loss, aux_R, grads = replay.value_and_grad(
       prefill_fn, branch_loss_fn, params, prefix, branches_R, branch_chunk=branch_chunk,
-      combine=combine_fn(loss_cfg), cache_constraint=cache_constraint)
+      combine=combine_fn(loss_cfg), cache_constraint=cache_constraint, batched=True)
   return loss, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), aux_R), grads
 
 

@@ -9,6 +9,12 @@ takes two pure functions,
   branch_loss_fn(params, cache, branch) -> (value, aux)   (one branch of every prompt)
 
 where `branch` is a pytree whose leaves carry a leading branch axis R (vmapped away).
+With `batched=True` the function instead takes every branch at once,
+  branch_loss_fn(params, cache, branches) -> (values_R, aux_R)    (leading axis R kept)
+for models that fold the branches into one computation (the transformer folds all R*T tail
+queries of a prompt against its one prefix K/V, so the cache's K/V cotangent comes out of
+the attention contraction already summed over branches; a vmapped custom-VJP kernel would
+build an [R, S, K, H] cotangent first). The method is the same.
 No `@jax.jit` here: callers jit, vmap and grad these functions as they need.
 """
 
@@ -29,7 +35,8 @@ def prefix_forward(prefill_fn, params, prefix):
 
 
 def tails_value_and_grad(branch_loss_fn, params, cache, branches_R, *,
-                         branch_chunk: Optional[int] = None, combine: Combine = None):
+                         branch_chunk: Optional[int] = None, combine: Combine = None,
+                         batched: bool = False):
   """Step 2. Forward+backward of all tails against the cache.
 
   Returns (loss, aux_R, dparams_tail, dcache). The branches are vmapped *inside* the grad,
@@ -42,8 +49,10 @@ def tails_value_and_grad(branch_loss_fn, params, cache, branches_R, *,
   """
   R = jax.tree.leaves(branches_R)[0].shape[0]
 
+  all_branches_fn = branch_loss_fn if batched else jax.vmap(branch_loss_fn, (None, None, 0))
+
   def loss_of_branches(params, cache, branches):
-    values_R, aux_R = jax.vmap(branch_loss_fn, in_axes=(None, None, 0))(params, cache, branches)
+    values_R, aux_R = all_branches_fn(params, cache, branches)
     loss = values_R.sum() if combine is None else combine(values_R)
     return loss, aux_R
 
@@ -66,15 +75,26 @@ def tails_value_and_grad(branch_loss_fn, params, cache, branches_R, *,
   def body(carry, chunk):
     loss_sum, dparams_sum, dcache_sum = carry
     (loss, aux_C), (dparams, dcache) = grad_fn(params, cache, chunk)
-    carry = (loss_sum + loss, jax.tree.map(jnp.add, dparams_sum, dparams),
-             jax.tree.map(jnp.add, dcache_sum, dcache))
+    carry = (loss_sum + loss, jax.tree.map(_add, dparams_sum, dparams),
+             jax.tree.map(_add, dcache_sum, dcache))
     return carry, aux_C
 
-  zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
+  # Sums over chunks run in float32 at least (bfloat16 leaves would round every chunk away).
+  zeros = lambda tree: jax.tree.map(lambda x: jnp.zeros(x.shape, _acc(x.dtype)), tree)
   init = (jnp.zeros((), _loss_dtype(params)), zeros(params), zeros(cache))
   (loss, dparams, dcache), aux = jax.lax.scan(body, init, chunks)
   aux_R = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1).reshape(R, *x.shape[2:]), aux)
   return loss, aux_R, dparams, dcache
+
+
+def _acc(dtype):
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+def _add(a, b):
+  """a + b in float32 at least (gradient sums: bf16 halves would lose the smaller one)."""
+  acc = jnp.promote_types(_acc(a.dtype), _acc(b.dtype))
+  return a.astype(acc) + b.astype(acc)
 
 
 def _loss_dtype(params):
@@ -84,7 +104,8 @@ def _loss_dtype(params):
 
 def value_and_grad(prefill_fn, branch_loss_fn, params, prefix, branches_R, *,
                    branch_chunk: Optional[int] = None, combine: Combine = None,
-                   cache_constraint: Optional[Callable[[Any], Any]] = None):
+                   cache_constraint: Optional[Callable[[Any], Any]] = None,
+                   batched: bool = False):
   """The whole method: returns (loss, aux_R, grads), grads equal to the naive gradient.
 
   cache_constraint, if given, is applied to the cache where it crosses from the prefix to
@@ -97,9 +118,10 @@ def value_and_grad(prefill_fn, branch_loss_fn, params, prefix, branches_R, *,
   # 2. Tails: forward+backward of every branch against the shared cache; the cotangents
   #    flowing into the cache (K/V, hidden states, trunk log-probs) arrive summed over R.
   loss, aux_R, dparams_tail, dcache = tails_value_and_grad(
-      branch_loss_fn, params, cache, branches_R, branch_chunk=branch_chunk, combine=combine)
+      branch_loss_fn, params, cache, branches_R, branch_chunk=branch_chunk, combine=combine,
+      batched=batched)
   # 3. One prefix backward with the branch-summed cotangent.
-  (dparams_prefix,) = prefix_vjp(dcache)
-  # 4. The two halves of the gradient.
-  grads = jax.tree.map(jnp.add, dparams_tail, dparams_prefix)
+  (dparams_prefix,) = prefix_vjp(jax.tree.map(lambda d, c: d.astype(c.dtype), dcache, cache))
+  # 4. The two halves of the gradient (summed in float32 at least).
+  grads = jax.tree.map(_add, dparams_tail, dparams_prefix)
   return loss, aux_R, grads

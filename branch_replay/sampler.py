@@ -169,14 +169,14 @@ def score(params, model_cfg: tfm.ModelConfig, batch: ReplayBatch):
   trunk_logp_BW, _ = tfm.token_logps(params, model_cfg, cache.trunk_h_BWD,
                                      batch.prefix_BP[:, P - W:])
 
-  def one_branch(tokens_BT, valid_BT):
-    h_BTD = tfm.tail(params, model_cfg, cache, batch.prefix_valid_BP, tokens_BT, valid_BT)
-    h_pred_BTD = jnp.concatenate([cache.h_last_BD[:, None], h_BTD[:, :-1]], axis=1)
-    logp_BT, _ = tfm.token_logps(params, model_cfg, h_pred_BTD, tokens_BT)
-    return jnp.where(valid_BT, logp_BT, 0.0)
-
-  logp_RBT = jax.vmap(one_branch, in_axes=(1, 1))(batch.tails_BRT, batch.tail_valid_BRT)
-  return jnp.swapaxes(logp_RBT, 0, 1), trunk_logp_BW
+  B, R, T = batch.tails_BRT.shape
+  tokens_NT = batch.tails_BRT.reshape(B * R, T)  # rows (b, r): all branches in one call
+  valid_NT = batch.tail_valid_BRT.reshape(B * R, T)
+  h_NTD = tfm.tail(params, model_cfg, cache, batch.prefix_valid_BP, tokens_NT, valid_NT)
+  h_last_ND = jnp.repeat(cache.h_last_BD, R, axis=0)
+  h_pred_NTD = jnp.concatenate([h_last_ND[:, None], h_NTD[:, :-1]], axis=1)
+  logp_NT, _ = tfm.token_logps(params, model_cfg, h_pred_NTD, tokens_NT)
+  return jnp.where(valid_NT, logp_NT, 0.0).reshape(B, R, T), trunk_logp_BW
 
 
 def to_batch(prompt_BP, prompt_valid_BP, samples: Samples, advantages_BR,

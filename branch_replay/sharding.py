@@ -262,7 +262,7 @@ def sharded_loss_and_grad(mesh: Mesh, params, batch: ReplayBatch, model_cfg: tfm
   loss, aux_R, grads = replay.value_and_grad(
       sharded_prefill(mesh, prefill_fn), branch_loss_fn, params, prefix, branches_R,
       branch_chunk=branch_chunk, combine=policy.combine_fn(loss_cfg),
-      cache_constraint=cache_constraint(mesh))
+      cache_constraint=cache_constraint(mesh), batched=True)
   aux_BR = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), aux_R)
   return loss, aux_BR, constrain(grads, p_shardings)
 

@@ -41,11 +41,20 @@ flags.DEFINE_integer("prompts", 1, "B: prompts per step")
 flags.DEFINE_integer("reps", 5, "timed repetitions after warm-up (median reported)")
 flags.DEFINE_bool("check_grads", True, "compare replay's gradient with naive's")
 flags.DEFINE_string("preset", "small", "model size preset (models.transformer.PRESETS)")
-flags.DEFINE_string("dtype", "float32", "compute and parameter dtype")
+flags.DEFINE_string("dtype", "float32", "compute dtype (both paths)")
+flags.DEFINE_string("param_dtype", "float32", "parameter (master weight) dtype")
 flags.DEFINE_integer("branch_chunk", 0, "stream tails in chunks of C branches (0 = all R)")
-flags.DEFINE_bool("remat", False, "rematerialise layers (both paths)")
+flags.DEFINE_string("remat", "none", "per-layer remat policy, both paths: none|full|dots|offload")
+flags.DEFINE_string("attention", "blockwise", "attention implementation, both paths")
+flags.DEFINE_integer("block_q", 0, "attention query block (0 = the model default)")
+flags.DEFINE_integer("block_k", 0, "attention key block (0 = the model default)")
+flags.DEFINE_integer("logits_chunk", 1024, "tokens per logits chunk, both paths (0 = unchunked)")
+flags.DEFINE_bool("scan_layers", True, "lax.scan over layers (both paths)")
 flags.DEFINE_float("memory_cap_mb", 16000, "a variant whose compiled step needs more reports oom")
-flags.DEFINE_bool("sweep", False, "run the README sweep: P{512,1024,2048,4096} x T{64,128} x R{8,16}")
+flags.DEFINE_bool("sweep", False, "run the README sweep: P{1K,2K,4K,8K} x T{128,512} x R{8,16}")
+flags.DEFINE_bool("frontier", False, "memory frontier: double P from the first --prefix_len "
+                  "until each path reports oom (under --memory_cap_mb of compiled or RSS peak)")
+flags.DEFINE_integer("frontier_max", 65536, "largest P the frontier tries")
 flags.DEFINE_string("worker", "", "internal: run one variant ('naive' or 'replay') and print JSON")
 flags.DEFINE_string("grads_out", "", "internal: where a worker saves its gradient")
 flags.DEFINE_string("out", "", "also append the JSON lines to this file")
@@ -55,20 +64,28 @@ flags.DEFINE_string("mesh", "", "device mesh for both paths, e.g. context:8 or d
 
 def model_config():
   from models import transformer as tfm
-  return tfm.preset(FLAGS.preset, dtype=FLAGS.dtype, param_dtype=FLAGS.dtype, remat=FLAGS.remat)
+  blocks = {k: v for k, v in (("attention_block_q", FLAGS.block_q),
+                              ("attention_block_k", FLAGS.block_k)) if v}
+  return tfm.preset(FLAGS.preset, dtype=FLAGS.dtype, param_dtype=FLAGS.param_dtype,
+                    remat=FLAGS.remat, attention=FLAGS.attention,
+                    logits_chunk=FLAGS.logits_chunk or None, scan_layers=FLAGS.scan_layers,
+                    **blocks)
 
 
 def step_flops(cfg, B, R, P, T, mode):
-  """Matmul + attention FLOPs of one forward+backward (backward = 2x forward), as executed:
-  dense masked attention computes every query x key score."""
+  """*Useful* matmul + attention FLOPs of one forward+backward (backward = 2x forward):
+  causal attention counts each allowed query x key pair once (not the masked half), and
+  remat's recomputation is not counted."""
   D, N, K, H, F, V, L = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                          cfg.mlp_hidden, cfg.vocab_size, cfg.n_layers)
   per_token = L * (D * (N + 2 * K) * H + N * H * D + 3 * D * F)  # MACs per position
-  attn = lambda q, s: L * 2 * q * s * N * H  # QK^T and PV MACs
+  pairs = lambda n: n * (n + 1) / 2  # causal query x key pairs of n positions
+  attn = lambda n_pairs: L * 2 * n_pairs * N * H  # QK^T and PV MACs
   if mode == "naive":
-    macs = B * R * ((P + T) * per_token + attn(P + T, P + T) + T * D * V)
+    macs = B * R * ((P + T) * per_token + attn(pairs(P + T)) + T * D * V)
   else:
-    macs = B * (P * per_token + attn(P, P)) + B * R * (T * per_token + attn(T, P + T) + T * D * V)
+    macs = (B * (P * per_token + attn(pairs(P)))
+            + B * R * (T * per_token + attn(T * P + pairs(T)) + T * D * V))
   return 3 * 2 * macs
 
 
@@ -196,6 +213,9 @@ def spawn(mode, P, T, R, grads_out):
   argv = [sys.executable, os.path.abspath(__file__), f"--worker={mode}", f"--prefix_len={P}",
           f"--tail_len={T}", f"--branches={R}", f"--prompts={FLAGS.prompts}",
           f"--reps={FLAGS.reps}", f"--preset={FLAGS.preset}", f"--dtype={FLAGS.dtype}",
+          f"--param_dtype={FLAGS.param_dtype}", f"--attention={FLAGS.attention}",
+          f"--block_q={FLAGS.block_q}", f"--block_k={FLAGS.block_k}",
+          f"--logits_chunk={FLAGS.logits_chunk}", f"--scan_layers={FLAGS.scan_layers}",
           f"--branch_chunk={FLAGS.branch_chunk}", f"--remat={FLAGS.remat}",
           f"--memory_cap_mb={FLAGS.memory_cap_mb}", f"--grads_out={grads_out}",
           f"--mesh={FLAGS.mesh}"]
@@ -218,7 +238,9 @@ def main(argv):
     run_worker(FLAGS.worker, FLAGS.prefix_len[0], FLAGS.tail_len[0], FLAGS.branches[0])
     return
   cfg = model_config()
-  grid = ([(P, T, R) for P in (512, 1024, 2048, 4096) for T in (64, 128) for R in (8, 16)]
+  if FLAGS.frontier:
+    return frontier(cfg)
+  grid = ([(P, T, R) for P in (1024, 2048, 4096, 8192) for T in (128, 512) for R in (8, 16)]
           if FLAGS.sweep else
           [(P, T, R) for P in FLAGS.prefix_len for T in FLAGS.tail_len for R in FLAGS.branches])
   ceiling = matmul_gflops()
@@ -232,7 +254,9 @@ def main(argv):
       naive_flops = step_flops(cfg, B, R, P, T, "naive")
       rep, nai = runs["replay"], runs["naive"]
       row = dict(prefix_len=P, tail_len=T, branches=R, prompts=B, preset=FLAGS.preset,
-                 dtype=FLAGS.dtype, branch_chunk=FLAGS.branch_chunk or R,
+                 dtype=FLAGS.dtype, param_dtype=FLAGS.param_dtype, attention=FLAGS.attention,
+                 remat=FLAGS.remat, logits_chunk=FLAGS.logits_chunk,
+                 branch_chunk=FLAGS.branch_chunk or R,
                  token_ratio=round(R * (P + T) / (P + R * T), 3),
                  flop_ratio=round(naive_flops / replay_flops, 3),
                  replay_s="oom" if rep.get("oom") else rep.get("seconds"), naive_s="oom" if nai.get("oom") else nai.get("seconds"),
@@ -265,11 +289,51 @@ def main(argv):
         row["loss_abs_err"] = abs(rep["loss"] - nai["loss"])
       else:
         row["grad_max_rel_err"] = None
-    line = json.dumps(row)
-    print(line, flush=True)
-    if FLAGS.out:
-      with open(FLAGS.out, "a") as f:
-        f.write(line + "\n")
+    emit(row)
+
+
+def emit(row):
+  row = dict(row, **provenance())
+  line = json.dumps(row)
+  print(line, flush=True)
+  if FLAGS.out:
+    with open(FLAGS.out, "a") as f:
+      f.write(line + "\n")
+
+
+def provenance():
+  """Where a results line came from: commit, command, machine."""
+  import platform
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  git = lambda *a: subprocess.run(["git", "-C", root, *a], capture_output=True,
+                                  text=True).stdout.strip()
+  return dict(commit=git("rev-parse", "--short", "HEAD"),
+              dirty=bool(git("status", "--porcelain", "--untracked-files=no")),
+              command=" ".join([os.path.relpath(sys.argv[0], root), *sys.argv[1:]]),
+              machine=f"{platform.machine()} {os.cpu_count()} cpus", host_load=os.getloadavg()[0])
+
+
+def frontier(cfg):
+  """The longest prefix each path runs: P doubles from --prefix_len until the step's compiled
+  footprint or its peak RSS growth passes --memory_cap_mb (the path then reports oom)."""
+  T, R, B = FLAGS.tail_len[0], FLAGS.branches[0], FLAGS.prompts
+  for mode in ("replay", "naive"):
+    P, best = FLAGS.prefix_len[0], None
+    while P <= FLAGS.frontier_max:
+      run = spawn(mode, P, T, R, "")
+      fits = (run.get("seconds") is not None and not run.get("oom")
+              and run.get("peak_mb", 0) <= FLAGS.memory_cap_mb)
+      emit(dict(kind="frontier_point", mode=mode, prefix_len=P, tail_len=T, branches=R,
+                prompts=B, preset=FLAGS.preset, dtype=FLAGS.dtype, fits=fits,
+                seconds=run.get("seconds"), peak_mb=run.get("peak_mb"),
+                compiled_mb=run.get("compiled_mb"), memory_cap_mb=FLAGS.memory_cap_mb,
+                error=run.get("error", "")[-300:]))
+      if not fits:
+        break
+      best = P
+      P *= 2
+    emit(dict(kind="frontier", mode=mode, max_prefix_len=best, tail_len=T, branches=R,
+              preset=FLAGS.preset, dtype=FLAGS.dtype, memory_cap_mb=FLAGS.memory_cap_mb))
 
 
 if __name__ == "__main__":

@@ -91,20 +91,29 @@ def attend_dense(q_BTNH, q_pos_BT, q_valid_BT, segments, *, scale=None, softcap=
   neg = jnp.finfo(acc).min
   scores, values, masks = [], [], []
   for seg in segments:
-    g = Bq // seg.k_BSKH.shape[0]
-    k_BSKH = jnp.repeat(seg.k_BSKH, g, axis=0)
-    s_BKTGS = jnp.einsum("BTKGH,BSKH->BKTGS", q_BTKGH, k_BSKH, preferred_element_type=acc)
+    Bk, S = seg.k_BSKH.shape[:2]
+    g = Bq // Bk
+    # The g query rows of a key row read it in one contraction (no per-row copy of K or V).
+    q_BgTKGH = q_BTKGH.reshape(Bk, g, *q_BTKGH.shape[1:])
+    s_BKTGS = jnp.einsum("BgTKGH,BSKH->BgKTGS", q_BgTKGH, seg.k_BSKH,
+                         preferred_element_type=acc).reshape(Bq, K, T, N // K, S)
     if softcap is not None:
       s_BKTGS = jnp.tanh(s_BKTGS / softcap) * softcap
     allowed_BTS = segment_mask(q_pos_BT, q_valid_BT, seg, window)
     scores.append(jnp.where(allowed_BTS[:, None, :, None, :], s_BKTGS, neg))
-    values.append(jnp.repeat(seg.v_BSKH, g, axis=0))
+    values.append(seg.v_BSKH)
     masks.append(allowed_BTS)
   s_BKTGS = jnp.concatenate(scores, axis=-1)
   p_BKTGS = jax.nn.softmax(s_BKTGS, axis=-1)
-  v_BSKH = jnp.concatenate(values, axis=1)
-  out_BTKGH = jnp.einsum("BKTGS,BSKH->BTKGH", p_BKTGS.astype(v_BSKH.dtype), v_BSKH,
-                         preferred_element_type=acc)
+  # PV per segment (no concatenated V: a shared segment under vmap is read, never copied).
+  out_BTKGH, start = 0.0, 0
+  for v_BSKH in values:
+    Bk, S = v_BSKH.shape[:2]
+    p_seg = p_BKTGS[..., start:start + S].astype(v_BSKH.dtype)
+    p_BgKTGS = p_seg.reshape(Bk, Bq // Bk, *p_seg.shape[1:])
+    out_BTKGH = out_BTKGH + jnp.einsum("BgKTGS,BSKH->BgTKGH", p_BgKTGS, v_BSKH,
+                                       preferred_element_type=acc).reshape(Bq, T, K, N // K, H)
+    start += S
   any_BT = jnp.any(jnp.concatenate(masks, axis=-1), axis=-1)
   out_BTKGH = jnp.where(any_BT[:, :, None, None, None], out_BTKGH, 0.0)
   return out_BTKGH.reshape(Bq, T, N, H).astype(q_BTNH.dtype)

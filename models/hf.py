@@ -139,8 +139,14 @@ def _layer_types(hf: dict, family: str, n_layers: int) -> list[str]:
   return types
 
 
-def config_from_hf(hf: dict, dtype: str = "float32") -> tfm.ModelConfig:
-  """A config.json dict -> ModelConfig (ValueError naming any value we cannot reproduce)."""
+def config_from_hf(hf: dict, dtype: str = "float32",
+                   param_dtype: Optional[str] = None) -> tfm.ModelConfig:
+  """A config.json dict -> ModelConfig (ValueError naming any value we cannot reproduce).
+
+  dtype is the compute dtype; parameters (and so AdamW state) are float32 masters unless
+  param_dtype says otherwise (float64 with a float64 compute dtype)."""
+  if param_dtype is None:
+    param_dtype = "float64" if dtype == "float64" else "float32"
   family = family_of(hf)
   for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
               "num_attention_heads"):
@@ -168,7 +174,7 @@ def config_from_hf(hf: dict, dtype: str = "float32") -> tfm.ModelConfig:
       mlp_hidden=hf["intermediate_size"], rope_theta=theta, rope_scaling=scaling,
       norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
       tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
-      dtype=dtype, param_dtype=dtype, qkv_bias=family == "qwen2",
+      dtype=dtype, param_dtype=param_dtype, qkv_bias=family == "qwen2",
       qk_norm=family in ("qwen3", "gemma3_text"),
       sliding_window=window,
       local_layers=None if len(local) in (0, L) else local)
@@ -201,7 +207,8 @@ def _family_for(cfg: tfm.ModelConfig) -> str:
 def _canonical(cfg: tfm.ModelConfig) -> dict:
   """Fields that decide the computation, with equivalent spellings made equal."""
   c = dataclasses.asdict(cfg)
-  for key in ("dtype", "param_dtype", "remat"):
+  for key in ("dtype", "param_dtype", "remat", "attention", "attention_block_q",
+              "attention_block_k", "logits_chunk", "scan_layers"):
     c.pop(key)
   if c["query_pre_attn_scalar"] is None:
     c["query_pre_attn_scalar"] = float(cfg.head_dim)
@@ -235,7 +242,7 @@ def config_to_hf(cfg: tfm.ModelConfig, family: Optional[str] = None,
       num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
       num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.norm_eps,
       tie_word_embeddings=cfg.tie_embeddings, rope_theta=cfg.rope_theta,
-      torch_dtype=cfg.param_dtype, dtype=cfg.param_dtype)  # transformers 4 and 5 spellings
+      torch_dtype=cfg.dtype, dtype=cfg.dtype)  # transformers 4 and 5 spellings
   hf.setdefault("max_position_embeddings", 8192)
   hf.pop("rope_parameters", None)
   s = cfg.rope_scaling
@@ -265,7 +272,7 @@ def config_to_hf(cfg: tfm.ModelConfig, family: Optional[str] = None,
                 max_window_layers=local[0] if local else cfg.n_layers, layer_types=types)
   # Export only what re-imports as the same model: a combination of options the family
   # lacks (e.g. soft-capping on Llama) is an error naming the options.
-  back = config_from_hf(hf, cfg.param_dtype)
+  back = config_from_hf(hf, cfg.dtype, cfg.param_dtype)
   want, got = _canonical(cfg), _canonical(back)
   diff = {k: (want[k], got[k]) for k in want if want[k] != got[k]}
   if diff:
@@ -355,15 +362,16 @@ def params_from_tensors(cfg: tfm.ModelConfig, get: Callable[[str], np.ndarray],
   return params
 
 
-def tensors_from_params(cfg: tfm.ModelConfig, params) -> dict[str, np.ndarray]:
-  """HF tensors (numpy, in the parameters' own dtype) from our parameter tree. Works on any
-  tree of the same structure (e.g. gradients)."""
+def tensors_from_params(cfg: tfm.ModelConfig, params,
+                        dtype: Optional[str] = None) -> dict[str, np.ndarray]:
+  """HF tensors (numpy, in `dtype`, default the leaves' own) from our parameter tree. Works
+  on any tree of the same structure (e.g. gradients)."""
   out = {}
   for name, t in tensor_layout(cfg).items():
     x = params
     for key in t.path:
       x = x[key]
-    x = np.asarray(x)
+    x = np.asarray(x if dtype is None else jnp.asarray(x, tfm.DTYPES[dtype]))
     x = x.reshape(t.hf_shape[::-1]).T if t.linear else x.reshape(t.hf_shape)
     out[name] = np.ascontiguousarray(x)
   return out
@@ -397,12 +405,15 @@ def read_config(model_dir: str) -> dict:
     return json.load(f)
 
 
-def load(model_dir: str, dtype: str = "float32"):
-  """A local Hugging Face folder -> (ModelConfig, params) with params (and the compute
-  dtype) in `dtype`: 'float32', 'bfloat16' or 'float64' (the latter needs jax x64)."""
-  if dtype not in tfm.DTYPES:
-    raise ValueError(f"dtype={dtype!r}: expected one of {sorted(tfm.DTYPES)}")
-  cfg = config_from_hf(read_config(model_dir), dtype)
+def load(model_dir: str, dtype: str = "float32", param_dtype: Optional[str] = None):
+  """A local Hugging Face folder -> (ModelConfig, params). `dtype` is the compute dtype
+  ('float32', 'bfloat16' or 'float64', the latter needs jax x64); the parameters are float32
+  "master weights" (exact for bf16 checkpoints) unless `param_dtype` says otherwise, so an
+  optimizer update at a fine-tuning learning rate is not rounded away."""
+  for name, value in (("dtype", dtype), ("param_dtype", param_dtype)):
+    if value is not None and value not in tfm.DTYPES:
+      raise ValueError(f"{name}={value!r}: expected one of {sorted(tfm.DTYPES)}")
+  cfg = config_from_hf(read_config(model_dir), dtype, param_dtype)
   where = {}
   for path in _safetensors_files(model_dir):
     with safetensors.safe_open(path, framework="numpy") as f:
@@ -413,7 +424,7 @@ def load(model_dir: str, dtype: str = "float32"):
     with safetensors.safe_open(where[name], framework="numpy") as f:
       return f.get_tensor(name)
 
-  return cfg, params_from_tensors(cfg, get, set(where), dtype)
+  return cfg, params_from_tensors(cfg, get, set(where), cfg.param_dtype)
 
 
 def save(model_dir: str, cfg: tfm.ModelConfig, params, family: Optional[str] = None,
@@ -423,7 +434,7 @@ def save(model_dir: str, cfg: tfm.ModelConfig, params, family: Optional[str] = N
   Qwen/Gemma/window options is written as Llama); `extra_config` carries keys to keep
   (e.g. the imported config.json's token ids)."""
   hf = config_to_hf(cfg, family, extra_config)
-  tensors = tensors_from_params(cfg, params)
+  tensors = tensors_from_params(cfg, params, cfg.dtype)  # in the compute dtype
   os.makedirs(model_dir, exist_ok=True)
   shards, size = [[]], 0
   for name, x in tensors.items():

@@ -1,28 +1,30 @@
 """Decoder-only transformer in Flax (Llama, Qwen2, Qwen3, Mistral, Gemma 2/3 via per-family
-options in ModelConfig; one code path), exposed as pure functions for branch replay.
+options in ModelConfig, models/config.py; one code path), exposed as pure functions for branch
+replay.
 
 Shape glossary (used in every variable suffix, einsum string and einops pattern):
-  B prompts · R branches · P prefix length · T tail/query length · S key length ·
-  W trunk length (scored tokens at the end of the prefix) · D d_model · N query heads ·
-  K kv heads · G query heads per kv head (N = K*G) · H head dim · F mlp hidden ·
-  V vocab · L layers
+  B prompts (or rows: a prompt's R branches are rows (b, r), row-major) · R branches ·
+  P prefix length · T tail/query length · S key length · W trunk length (scored tokens at the
+  end of the prefix) · D d_model · N query heads · K kv heads · G query heads per kv head
+  (N = K*G) · H head dim · F mlp hidden · V vocab · L layers
 
 The model knows nothing of RL. It exposes:
   prefill(params, cfg, tokens_BP, valid_BP) -> PrefixCache   (K/V per layer + hidden states)
-  tail(params, cfg, cache, prefix_valid_BP, tokens_BT, valid_BT) -> h_BTD      (positions P..P+T-1)
+  tail(params, cfg, cache, prefix_valid_BP, tokens_BT, valid_BT) -> h_BTD  (positions after the
+      prefix; tokens may hold g rows per prefix row: a prompt's branches, all in one call)
   forward(params, cfg, tokens_BS, valid_BS) -> h_BSD           (the naive full sequence)
-  token_logps(params, cfg, h_BTD, targets_BT) -> (logp_BT, entropy_BT)
-Attention takes a list of K/V *segments* and softmaxes over their concatenated scores, so a
+  token_logps(params, cfg, h_BTD, targets_BT) -> (logp_BT, entropy_BT)  (chunked over T)
+Attention (models/attention.py) takes a list of K/V *segments* with one joint softmax, so a
 tail (or a decode step) attends to the shared prefix cache without copying it per branch.
 The causal mask is built explicitly by index (never `is_causal`, which anchors top-left).
 Sliding-window layers mask keys by RoPE position (query position - key position < window)
 in every path alike, and the prefix cache of such a layer keeps only its last `window` keys.
+Layers run under `lax.scan` over periods of identical layers (`scan_layers`), each under the
+configured remat policy; the parameter tree stays per layer (`layer_i`), as Hugging Face's.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
 from typing import Any, NamedTuple, Optional, Sequence
 
@@ -30,149 +32,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from models import attention
+from models.config import (ACTIVATIONS, DTYPES, PRESETS, REMAT_POLICIES,  # noqa: F401
+                           ROPE_SCALING_TYPES, ModelConfig, RopeScaling, preset)
+
 Array = jax.Array
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float64": jnp.float64}
-ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
-ROPE_SCALING_TYPES = ("linear", "llama3")
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-  """RoPE frequency scaling: 'linear' (every frequency / factor, Gemma 3) or 'llama3'
-  (low frequencies / factor, high ones kept, a smooth ramp between; Llama 3.1+)."""
-
-  type: str = "llama3"
-  factor: float = 8.0
-  low_freq_factor: float = 1.0  # llama3 only
-  high_freq_factor: float = 4.0  # llama3 only
-  original_max_positions: int = 8192  # llama3 only
-
-  def __post_init__(self):
-    if self.type not in ROPE_SCALING_TYPES:
-      raise ValueError(f"model.rope_scaling.type={self.type!r}: unsupported RoPE scaling; "
-                       f"expected one of {ROPE_SCALING_TYPES}")
-    if not self.factor > 0:
-      raise ValueError(f"model.rope_scaling.factor={self.factor}: expected > 0")
-    if self.type == "llama3" and not (0 < self.low_freq_factor < self.high_freq_factor):
-      raise ValueError(f"model.rope_scaling: low_freq_factor={self.low_freq_factor}, "
-                       f"high_freq_factor={self.high_freq_factor}: expected 0 < low < high")
-    if self.type == "llama3" and not self.original_max_positions > 0:
-      raise ValueError(f"model.rope_scaling.original_max_positions="
-                       f"{self.original_max_positions}: expected > 0")
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-  """A decoder-only transformer. Defaults are Llama and the 'small' preset (fast on a 2-core
-  CPU); the per-family options below switch on Qwen2/Qwen3/Mistral/Gemma behaviour."""
-
-  vocab_size: int = 1024
-  d_model: int = 256
-  n_layers: int = 4
-  n_heads: int = 4
-  n_kv_heads: int = 2
-  head_dim: int = 64
-  mlp_hidden: int = 704
-  rope_theta: float = 10000.0
-  norm_eps: float = 1e-6
-  tie_embeddings: bool = False
-  dtype: str = "float32"  # compute dtype of activations
-  param_dtype: str = "float32"
-  remat: bool = False  # rematerialise each layer in the backward (both paths alike)
-  # Per-family options; the defaults are Llama.
-  qkv_bias: bool = False  # Qwen2: biases on the q, k, v projections
-  qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head's q and k, before RoPE
-  sliding_window: Optional[int] = None  # local layers see keys with q_pos - k_pos < window
-  local_layers: Optional[tuple[int, ...]] = None  # sliding layers; None: all (if a window)
-  rope_scaling: Optional[RopeScaling] = None  # scaling of the global layers' RoPE
-  local_rope_theta: Optional[float] = None  # Gemma 3: local layers' own base, no scaling
-  attn_logit_softcap: Optional[float] = None  # Gemma 2: scores -> cap * tanh(scores / cap)
-  final_logit_softcap: Optional[float] = None  # Gemma 2: the same on the output logits
-  post_norms: bool = False  # Gemma: RMSNorm of the attention and MLP outputs before the add
-  scale_embeddings: bool = False  # Gemma: embeddings * sqrt(d_model)
-  norm_offset: float = 0.0  # Gemma: RMSNorm multiplies by (norm_offset + scale)
-  activation: str = "silu"  # MLP gate: silu (SwiGLU) | gelu_tanh (GeGLU, Gemma)
-  query_pre_attn_scalar: Optional[float] = None  # Gemma: scores / sqrt(this); None: head_dim
-
-  def __post_init__(self):
-    if isinstance(self.local_layers, list):
-      object.__setattr__(self, "local_layers", tuple(self.local_layers))
-    if isinstance(self.rope_scaling, dict):
-      object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
-    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                 "mlp_hidden"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or value < 1:
-        raise ValueError(f"model.{name}: expected a positive int, got {value!r}")
-    if self.n_heads % self.n_kv_heads:
-      raise ValueError(f"model.n_heads={self.n_heads}: expected a multiple of "
-                       f"model.n_kv_heads={self.n_kv_heads}")
-    if self.head_dim % 2:
-      raise ValueError(f"model.head_dim={self.head_dim}: expected an even number (RoPE)")
-    for name in ("dtype", "param_dtype"):
-      if getattr(self, name) not in DTYPES:
-        raise ValueError(f"model.{name}={getattr(self, name)!r}: expected one of {sorted(DTYPES)}")
-    if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
-                                            or self.sliding_window < 1):
-      raise ValueError(f"model.sliding_window={self.sliding_window!r}: expected None or a "
-                       "positive int")
-    if self.local_layers is not None:
-      if self.sliding_window is None:
-        raise ValueError(f"model.local_layers={self.local_layers}: given without "
-                         "model.sliding_window")
-      bad = [i for i in self.local_layers if not isinstance(i, int) or not 0 <= i < self.n_layers]
-      if bad or len(set(self.local_layers)) != len(self.local_layers):
-        raise ValueError(f"model.local_layers={self.local_layers}: expected distinct layer "
-                         f"indices in [0, n_layers={self.n_layers})")
-    if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
-      raise ValueError(f"model.rope_scaling={self.rope_scaling!r}: expected None or RopeScaling")
-    for name in ("local_rope_theta", "attn_logit_softcap", "final_logit_softcap",
-                 "query_pre_attn_scalar"):
-      value = getattr(self, name)
-      if value is not None and not value > 0:
-        raise ValueError(f"model.{name}={value!r}: expected None or > 0")
-    if self.activation not in ACTIVATIONS:
-      raise ValueError(f"model.activation={self.activation!r}: expected one of "
-                       f"{sorted(ACTIVATIONS)}")
-
-  def layer_window(self, layer: int) -> Optional[int]:
-    """The sliding window of layer `layer`, or None for a global (full attention) layer."""
-    if self.sliding_window is None:
-      return None
-    if self.local_layers is None or layer in self.local_layers:
-      return self.sliding_window
-    return None
-
-  def layer_rope(self, layer: int) -> tuple[float, Optional[RopeScaling]]:
-    """(theta, scaling) of layer `layer`'s RoPE."""
-    if self.local_rope_theta is not None and self.layer_window(layer) is not None:
-      return self.local_rope_theta, None
-    return self.rope_theta, self.rope_scaling
-
-  @property
-  def compute_dtype(self):
-    return DTYPES[self.dtype]
-
-  @property
-  def weight_dtype(self):
-    return DTYPES[self.param_dtype]
-
-
-PRESETS = {
-    "tiny": dict(vocab_size=128, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-                 mlp_hidden=64),
-    "small": dict(),  # the defaults above
-    "medium": dict(d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=64,
-                   mlp_hidden=1408, vocab_size=4096),
-    "large": dict(d_model=2048, n_layers=16, n_heads=16, n_kv_heads=8, head_dim=128,
-                  mlp_hidden=5632, vocab_size=32000),
-}
-
-
-def preset(name: str, **overrides) -> ModelConfig:
-  if name not in PRESETS:
-    raise ValueError(f"model preset {name!r}: expected one of {sorted(PRESETS)}")
-  return ModelConfig(**{**PRESETS[name], **overrides})
 
 
 # ----------------------------------------------------------------------------- pieces
@@ -182,12 +46,6 @@ class KV(NamedTuple):
   """One layer's keys and values (RoPE already applied to k)."""
   k_BSKH: Array
   v_BSKH: Array
-
-
-class Segment(NamedTuple):
-  """Keys/values a query block may attend to, with the boolean mask allowed_BTS."""
-  kv: KV
-  allowed_BTS: Array
 
 
 class PrefixCache(NamedTuple):
@@ -234,68 +92,6 @@ def rope(x_BTNH: Array, positions_BT: Array, theta: float,
   x1, x2 = jnp.split(x, 2, axis=-1)
   rotated = jnp.concatenate([-x2, x1], axis=-1)
   return (x * cos + rotated * sin).astype(x_BTNH.dtype)
-
-
-def attend(q_BTNH: Array, segments: Sequence[Segment], scale: Optional[float] = None,
-           softcap: Optional[float] = None) -> Array:
-  """Softmax attention of q over the concatenation of K/V segments, one joint softmax.
-
-  Scores are computed per segment and concatenated along S (they are small), so a segment
-  shared across a vmapped branch axis is read, never copied. Rows with no allowed key
-  (padding queries) output zeros. fp32 scores and softmax: bf16 loses the tail at long S.
-  scale defaults to 1/sqrt(H); softcap (Gemma 2) maps scores to cap * tanh(scores / cap).
-  """
-  B, T, N, H = q_BTNH.shape
-  K = segments[0].kv.k_BSKH.shape[2]
-  acc = jnp.float64 if q_BTNH.dtype == jnp.float64 else jnp.float32
-  if scale is None:
-    scale = 1.0 / jnp.sqrt(jnp.asarray(H, acc))
-  # Scale q (T*N*H values), not the scores (T*N*S). Layout BKTGS: XLA:CPU runs these
-  # batched dots ~2x faster than BKGTS, and the softmax axis S stays innermost.
-  q_BTKGH = (q_BTNH.reshape(B, T, K, N // K, H) * scale).astype(q_BTNH.dtype)
-  neg = jnp.finfo(acc).min
-  scores = []
-  for (k_BSKH, _), allowed_BTS in segments:
-    s_BKTGS = jnp.einsum("BTKGH,BSKH->BKTGS", q_BTKGH, k_BSKH, preferred_element_type=acc)
-    if softcap is not None:
-      s_BKTGS = jnp.tanh(s_BKTGS / softcap) * softcap
-    scores.append(jnp.where(allowed_BTS[:, None, :, None, :], s_BKTGS, neg))
-  s_BKTGS = jnp.concatenate(scores, axis=-1)
-  # Softmax with the normalisation applied after PV (on T*N*H values, not T*N*S); the max
-  # is a constant for the gradient (softmax is shift-invariant).
-  max_BKTG1 = jax.lax.stop_gradient(jnp.max(s_BKTGS, axis=-1, keepdims=True))
-  e_BKTGS = jnp.exp(s_BKTGS - max_BKTG1)
-  denom_BTKG = jnp.einsum("BKTGS->BTKG", e_BKTGS)
-  out_BTKGH = 0.0
-  start = 0
-  for (_, v_BSKH), _ in segments:
-    S = v_BSKH.shape[1]
-    e_seg = e_BKTGS[..., start:start + S].astype(v_BSKH.dtype)
-    out_BTKGH = out_BTKGH + jnp.einsum("BKTGS,BSKH->BTKGH", e_seg, v_BSKH,
-                                       preferred_element_type=acc)
-    start += S
-  out_BTKGH = out_BTKGH / denom_BTKG[..., None]
-  # Rows with no allowed key are padding queries: they output zeros (and get no gradient).
-  any_BT = jnp.any(jnp.concatenate([a for _, a in segments], axis=-1), axis=-1)
-  out_BTKGH = jnp.where(any_BT[:, :, None, None, None], out_BTKGH, 0.0)
-  return out_BTKGH.reshape(B, T, N, H).astype(q_BTNH.dtype)
-
-
-def causal_allowed(valid_BT: Array) -> Array:
-  """Own-segment mask: key j <= query i (by index), both valid."""
-  T = valid_BT.shape[1]
-  causal_TT = jnp.tril(jnp.ones((T, T), bool))
-  return causal_TT[None] & valid_BT[:, None, :] & valid_BT[:, :, None]
-
-
-def context_allowed(q_valid_BT: Array, k_valid_BS: Array) -> Array:
-  """Mask for keys that all precede the queries (a prefix cache): valid key, valid query."""
-  return q_valid_BT[:, :, None] & k_valid_BS[:, None, :]
-
-
-def window_allowed(q_positions_BT: Array, k_positions_BS: Array, window: int) -> Array:
-  """Sliding window by RoPE position: the query and the window-1 positions before it."""
-  return q_positions_BT[:, :, None] - k_positions_BS[:, None, :] < window
 
 
 def keep_window(kv: KV, window: Optional[int]) -> KV:
@@ -372,9 +168,9 @@ class Block(nn.Module):
       self.post_attn_norm = norm()
       self.post_mlp_norm = norm()
 
-  def __call__(self, x_BTD, positions_BT, valid_BT, context: Sequence[Segment]):
-    """Returns (x_BTD, own KV). `context` are the segments before this block of queries
-    (their masks already include this layer's window)."""
+  def __call__(self, x_BTD, positions_BT, valid_BT, context: Sequence[attention.KeySegment]):
+    """Returns (x_BTD, own KV). `context` are the key segments before this block of queries
+    (a shared prefix cache, a branch's generated tokens, ...)."""
     cfg = self.cfg
     dt = x_BTD.dtype
     h_BTD = self.attn_norm(x_BTD)
@@ -391,10 +187,6 @@ class Block(nn.Module):
     q_BTNH = rope(q_BTNH, positions_BT, theta, scaling)
     k_BTKH = rope(k_BTKH, positions_BT, theta, scaling)
     own = KV(k_BTKH, v_BTKH)
-    allowed_BTT = causal_allowed(valid_BT)
-    window = cfg.layer_window(self.index)
-    if window is not None:
-      allowed_BTT &= window_allowed(positions_BT, positions_BT, window)
     # Context parallelism (sharding.py): q, K, V are computed on this device's sequence
     # shard, then each layer all-gathers its K/V. Logical names only; no-ops unless
     # flax logical_axis_rules are set (the sharded prefix).
@@ -403,9 +195,12 @@ class Block(nn.Module):
                for t_BTKH in own))
     gathered = KV(*(nn.with_logical_constraint(t_BTKH, ("batch", None, "kv_heads", "head_dim"))
                     for t_BTKH in own))
-    segments = list(context) + [Segment(gathered, allowed_BTT)]
+    segments = [*context, attention.KeySegment(*gathered, positions_BT, valid_BT, causal=True)]
     scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
-    a_BTNH = attend(q_BTNH, segments, scale, cfg.attn_logit_softcap)
+    a_BTNH = attention.attend(q_BTNH, positions_BT, valid_BT, segments, scale=scale,
+                              softcap=cfg.attn_logit_softcap,
+                              window=cfg.layer_window(self.index), impl=cfg.attention,
+                              block_q=cfg.attention_block_q, block_k=cfg.attention_block_k)
     a_BTD = jnp.einsum("BTNH,NHD->BTD", a_BTNH, self.w_o_NHD.astype(dt))
     x_BTD = x_BTD + (self.post_attn_norm(a_BTD) if cfg.post_norms else a_BTD)
     h_BTD = self.mlp_norm(x_BTD)
@@ -425,8 +220,7 @@ class Transformer(nn.Module):
     self.embed = nn.Embed(cfg.vocab_size, cfg.d_model, param_dtype=cfg.weight_dtype,
                           embedding_init=nn.with_logical_partitioning(
                               nn.initializers.normal(1.0), ("vocab", "embed")))
-    block = nn.remat(Block) if cfg.remat else Block
-    self.blocks = [block(cfg, i, name=f"layer_{i}") for i in range(cfg.n_layers)]
+    self.blocks = [Block(cfg, i, name=f"layer_{i}") for i in range(cfg.n_layers)]
     self.final_norm = RMSNorm(cfg.norm_eps, cfg.weight_dtype, cfg.norm_offset)
     if not cfg.tie_embeddings:
       self.lm_head = self.param(
@@ -439,33 +233,28 @@ class Transformer(nn.Module):
 
     context: segments that all precede these tokens, each a pair (per-layer tuple of KV,
     valid_BS): e.g. a shared prefix cache, then a branch's generated tokens when decoding.
-    Keys are attended where valid; the queries' own keys causally. A context key's position
-    is the count of valid context keys before it (the RoPE convention), which is what a
-    sliding-window layer masks by. A layer whose K/V is shorter than valid_BS (a sliding
-    layer's prefix cache, see `keep_window`) holds the last positions of that segment.
+    A segment may hold fewer rows than the tokens (rows divide): token rows [i*g, (i+1)*g)
+    read its row i (a prompt's g branches read the prompt's one cache). Keys are attended
+    where valid; the queries' own keys causally. A context key's position is the count of
+    valid context keys before it (the RoPE convention), which is what a sliding-window
+    layer masks by. A layer whose K/V is shorter than valid_BS (a sliding layer's prefix
+    cache, see `keep_window`) holds the last positions of that segment.
     """
     cfg = self.cfg
     x_BTD = self.embed(tokens_BT)
     if cfg.scale_embeddings:  # in the weight dtype, as Hugging Face (bf16 rounds sqrt(D))
       x_BTD = x_BTD * jnp.asarray(cfg.d_model ** 0.5, x_BTD.dtype)
     x_BTD = x_BTD.astype(cfg.compute_dtype)
-    keys, offset_B1 = [], 0
-    for kv_L, valid_BS in context:
-      keys.append((kv_L, valid_BS, positions_from_valid(valid_BS, offset_B1)))
-      offset_B1 = offset_B1 + jnp.sum(valid_BS.astype(jnp.int32), axis=1, keepdims=True)
-    own_kv = []
-    for i, block in enumerate(self.blocks):
-      window = cfg.layer_window(i)
-      segments = []
-      for kv_L, valid_BS, k_positions_BS in keys:
-        start = valid_BS.shape[1] - kv_L[i].k_BSKH.shape[1]
-        allowed_BTS = context_allowed(valid_BT, valid_BS[:, start:])
-        if window is not None:
-          allowed_BTS &= window_allowed(positions_BT, k_positions_BS[:, start:], window)
-        segments.append(Segment(kv_L[i], allowed_BTS))
-      x_BTD, kv = block(x_BTD, positions_BT, valid_BT, segments)
-      own_kv.append(kv)
-    return self.final_norm(x_BTD), tuple(own_kv)
+    if self.is_initializing():  # creates the per-layer parameters
+      own_kv = []
+      for i, block in enumerate(self.blocks):
+        x_BTD, kv = block(x_BTD, positions_BT, valid_BT, _layer_segments(cfg, i, context))
+        own_kv.append(kv)
+      own_kv = tuple(own_kv)
+    else:
+      x_BTD, own_kv = run_layers(self.variables["params"], cfg, x_BTD, positions_BT, valid_BT,
+                                 context)
+    return self.final_norm(x_BTD), own_kv
 
   def logits(self, h_BTD):
     w_DV = self.embed.embedding.T if self.cfg.tie_embeddings else self.lm_head
@@ -474,6 +263,100 @@ class Transformer(nn.Module):
                             preferred_element_type=acc)
     cap = self.cfg.final_logit_softcap
     return logits_BTV if cap is None else jnp.tanh(logits_BTV / cap) * cap
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+def _rows(x_B, rows: int):
+  """x repeated along axis 0 to `rows` rows (each row g = rows / len(x) times, in order)."""
+  return x_B if x_B.shape[0] == rows else jnp.repeat(x_B, rows // x_B.shape[0], axis=0)
+
+
+def context_keys(context):
+  """[(kv per layer, valid_BS, positions_BS)]: each context segment's key positions count the
+  valid keys of the segments before it (rows of later segments may be finer)."""
+  keys, offset_B1 = [], jnp.zeros((1, 1), jnp.int32)
+  for kv_L, valid_BS in context:
+    offset_B1 = _rows(offset_B1, valid_BS.shape[0]) if offset_B1.shape[0] > 1 else offset_B1
+    keys.append((kv_L, valid_BS, positions_from_valid(valid_BS, offset_B1)))
+    offset_B1 = offset_B1 + jnp.sum(valid_BS.astype(jnp.int32), axis=1, keepdims=True)
+  return keys
+
+
+def _layer_segments(cfg: ModelConfig, i: int, context, kv_of=None):
+  """Layer i's context key segments; `kv_of(segment index)` overrides the K/V (scan)."""
+  out = []
+  for c, (kv_L, valid_BS, positions_BS) in enumerate(context_keys(context)):
+    kv = kv_L[i] if kv_of is None else kv_of(c)
+    start = valid_BS.shape[1] - kv.k_BSKH.shape[1]
+    out.append(attention.KeySegment(kv.k_BSKH, kv.v_BSKH, positions_BS[:, start:],
+                                    valid_BS[:, start:]))
+  return out
+
+
+def _remat(fn, cfg: ModelConfig):
+  if cfg.remat == "none":
+    return fn
+  if cfg.remat == "full":
+    return jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
+  if cfg.remat == "dots":
+    return jax.checkpoint(fn, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+  if jax.default_backend() == "cpu":
+    raise ValueError("model.remat='offload': host offload of saved residuals needs a GPU or "
+                     f"TPU backend (this one is cpu); expected one of {REMAT_POLICIES[:3]}")
+  return jax.checkpoint(fn, policy=jax.checkpoint_policies.offload_dot_with_no_batch_dims(
+      "device", "pinned_host"))
+
+
+def run_layers(params, cfg: ModelConfig, x_BTD, positions_BT, valid_BT, context=()):
+  """Every decoder layer on x: (x_BTD, own K/V per layer).
+
+  With `scan_layers`, layers run under `lax.scan` over L // p repetitions of a p-layer group
+  (p = cfg.layer_period(): layers of one period position share window and RoPE), their
+  parameters and context K/V stacked on the fly; leftover layers run unrolled. Each layer
+  runs under the remat policy.
+  """
+  L = cfg.n_layers
+
+  def layer_fn(index):
+    def fn(layer_params, x_BTD, key_arrays):  # only arrays cross jax.checkpoint
+      segments = [attention.KeySegment(*arrays) for arrays in key_arrays]
+      return Block(cfg, index, parent=None).apply({"params": layer_params}, x_BTD,
+                                                  positions_BT, valid_BT, segments)
+    remat_fn = _remat(fn, cfg)
+    return lambda layer_params, x_BTD, segments: remat_fn(
+        layer_params, x_BTD, [tuple(seg[:4]) for seg in segments])
+
+  p = cfg.layer_period()
+  reps = L // p if cfg.scan_layers else 0
+  own_kv: list[Any] = [None] * L
+  if reps > 1:
+    stack = lambda *xs: jnp.stack(xs)
+    xs = [(jax.tree.map(stack, *[params[f"layer_{j * p + r}"] for j in range(reps)]),
+           [jax.tree.map(stack, *[kv_L[j * p + r] for j in range(reps)])
+            for kv_L, _ in context])
+          for r in range(p)]
+    fns = [layer_fn(r) for r in range(p)]
+
+    def body(x_BTD, xs_group):
+      kvs = []
+      for r, (layer_params, ctx_kv) in enumerate(xs_group):
+        segments = _layer_segments(cfg, r, context, kv_of=lambda c: ctx_kv[c])
+        x_BTD, kv = fns[r](layer_params, x_BTD, segments)
+        kvs.append(kv)
+      return x_BTD, kvs
+
+    x_BTD, kvs = jax.lax.scan(body, x_BTD, xs)
+    for j in range(reps):
+      for r in range(p):
+        own_kv[j * p + r] = jax.tree.map(lambda y: y[j], kvs[r])
+  else:
+    reps = 0
+  for i in range(reps * p, L):
+    x_BTD, own_kv[i] = layer_fn(i)(params[f"layer_{i}"], x_BTD,
+                                   _layer_segments(cfg, i, context))
+  return x_BTD, tuple(own_kv)
 
 
 # ----------------------------------------------------------------------------- pure functions
@@ -524,21 +407,43 @@ def prefill(params, cfg: ModelConfig, tokens_BP: Array, valid_BP: Array,
 
 def tail(params, cfg: ModelConfig, cache: PrefixCache, prefix_valid_BP: Array,
          tokens_BT: Array, valid_BT: Array) -> Array:
-  """Tail forward at positions P..P+T-1 against the prefix cache: hidden states h_BTD."""
+  """Tail forward against the prefix cache: hidden states h_BTD at the positions after the
+  prefix. tokens_BT may hold g rows per prefix row (rows (b, r), row-major): all branches of
+  a prompt in one call, their queries folded against the one prefix K/V in attention."""
   offset_B1 = jnp.sum(prefix_valid_BP.astype(jnp.int32), axis=1, keepdims=True)
-  positions_BT = positions_from_valid(valid_BT, offset_B1)
+  positions_BT = positions_from_valid(valid_BT, _rows(offset_B1, tokens_BT.shape[0]))
   h_BTD, _ = Transformer(cfg).apply({"params": params}, tokens_BT, positions_BT, valid_BT,
                                     [(cache.kv, prefix_valid_BP)])
   return h_BTD
 
 
-def token_logps(params, cfg: ModelConfig, h_BTD: Array, targets_BT: Array):
-  """log p(target) and the entropy of each predictive distribution, in fp32 (or fp64)."""
+def _token_logps(params, cfg: ModelConfig, h_BTD: Array, targets_BT: Array):
   logits_BTV = Transformer(cfg).apply({"params": params}, h_BTD, method=Transformer.logits)
   logp_BTV = jax.nn.log_softmax(logits_BTV, axis=-1)
   logp_BT = jnp.take_along_axis(logp_BTV, targets_BT[..., None], axis=-1)[..., 0]
   entropy_BT = -jnp.sum(jnp.exp(logp_BTV) * logp_BTV, axis=-1)
   return logp_BT, entropy_BT
+
+
+def token_logps(params, cfg: ModelConfig, h_BTD: Array, targets_BT: Array):
+  """log p(target) and the entropy of each predictive distribution, in fp32 (or fp64).
+
+  With `model.logits_chunk` = C, the T positions run in chunks of C under `lax.scan`, each
+  chunk rematerialised in the backward: at most one [B, C, V] logits block is ever alive.
+  """
+  B, T, D = h_BTD.shape
+  C = cfg.logits_chunk
+  if C is None or T <= C:
+    return _token_logps(params, cfg, h_BTD, targets_BT)
+  n = -(-T // C)
+  pad = n * C - T
+  h_nBCD = jnp.pad(h_BTD, ((0, 0), (0, pad), (0, 0))).reshape(B, n, C, D).swapaxes(0, 1)
+  t_nBC = jnp.pad(targets_BT, ((0, 0), (0, pad))).reshape(B, n, C).swapaxes(0, 1)
+  chunk_fn = jax.checkpoint(lambda h_BCD, t_BC: _token_logps(params, cfg, h_BCD, t_BC))
+  _, (logp_nBC, entropy_nBC) = jax.lax.scan(lambda c, xs: (c, chunk_fn(*xs)), None,
+                                            (h_nBCD, t_nBC))
+  unchunk = lambda x_nBC: x_nBC.swapaxes(0, 1).reshape(B, n * C)[:, :T]
+  return unchunk(logp_nBC), unchunk(entropy_nBC)
 
 
 def logits(params, cfg: ModelConfig, h_BTD: Array) -> Array:

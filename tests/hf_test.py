@@ -177,15 +177,25 @@ def test_export_reimport_is_bit_exact_and_transformers_loads_it(checkpoints, fam
 
 
 def test_bfloat16_import_export_round_trip(checkpoints, tmp_path):
-  folder, _ = checkpoints["gemma2"]
+  folder, _ = checkpoints["gemma2"]  # a float32 checkpoint
   cfg, params = hf.load(folder, dtype="bfloat16")
-  assert cfg.param_dtype == cfg.dtype == "bfloat16"
-  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
-  hf.save(str(tmp_path), cfg, params, extra_config=hf.read_config(folder))
-  assert json.load(open(tmp_path / "config.json"))["torch_dtype"] == "bfloat16"
+  # bfloat16 compute on float32 master weights: the checkpoint's values, unrounded.
+  assert (cfg.dtype, cfg.param_dtype) == ("bfloat16", "float32")
+  _, f32 = hf.load(folder)
+  assert all(jax.tree.leaves(jax.tree.map(
+      lambda a, b: a.dtype == jnp.float32 and np.array_equal(a, b), params, f32)))
+  # Export writes the compute dtype; bf16 -> f32 masters -> bf16 is then bit-exact.
+  hf.save(str(tmp_path / "a"), cfg, params, extra_config=hf.read_config(folder))
+  assert json.load(open(tmp_path / "a" / "config.json"))["torch_dtype"] == "bfloat16"
+  _, params_a = hf.load(str(tmp_path / "a"), dtype="bfloat16")
+  assert all(jax.tree.leaves(jax.tree.map(
+      lambda a, b: np.array_equal(a, b.astype(jnp.bfloat16).astype(jnp.float32)), params_a,
+      params)))
+  hf.save(str(tmp_path), cfg, params_a, extra_config=hf.read_config(folder))
   _, params2 = hf.load(str(tmp_path), dtype="bfloat16")
   assert all(jax.tree.leaves(jax.tree.map(
-      lambda a, b: a.dtype == b.dtype and np.array_equal(a, b), params, params2)))
+      lambda a, b: a.dtype == b.dtype and np.array_equal(a, b), params_a, params2)))
+  params = params_a
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
   assert reloaded.dtype == torch.bfloat16
   theirs = {n: p.detach().float().numpy() for n, p in reloaded.named_parameters()}

@@ -158,7 +158,7 @@ def test_staged_jits_equal_fused_and_prefix_compiles_once():
     @jax.jit
     def tail_stage(params, cache, batch):
       _, branch_loss_fn, _, branches_R = stages(batch)
-      return replay.tails_value_and_grad(branch_loss_fn, params, cache, branches_R)
+      return replay.tails_value_and_grad(branch_loss_fn, params, cache, branches_R, batched=True)
 
     @jax.jit
     def prefix_backward(prefix_vjp, dcache):

@@ -1,0 +1,193 @@
+"""Model configuration: one frozen dataclass for every supported family (Llama, Qwen2, Qwen3,
+Mistral, Gemma 2/3 as per-family options), the presets, and the compute/memory options
+(attention implementation and block sizes, layer scan, remat policy, chunked log-probs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional, Union
+
+import jax
+import jax.numpy as jnp
+
+from models import attention
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float64": jnp.float64}
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+ROPE_SCALING_TYPES = ("linear", "llama3")
+REMAT_POLICIES = ("none", "full", "dots", "offload")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """RoPE frequency scaling: 'linear' (every frequency / factor, Gemma 3) or 'llama3'
+  (low frequencies / factor, high ones kept, a smooth ramp between; Llama 3.1+)."""
+
+  type: str = "llama3"
+  factor: float = 8.0
+  low_freq_factor: float = 1.0  # llama3 only
+  high_freq_factor: float = 4.0  # llama3 only
+  original_max_positions: int = 8192  # llama3 only
+
+  def __post_init__(self):
+    if self.type not in ROPE_SCALING_TYPES:
+      raise ValueError(f"model.rope_scaling.type={self.type!r}: unsupported RoPE scaling; "
+                       f"expected one of {ROPE_SCALING_TYPES}")
+    if not self.factor > 0:
+      raise ValueError(f"model.rope_scaling.factor={self.factor}: expected > 0")
+    if self.type == "llama3" and not (0 < self.low_freq_factor < self.high_freq_factor):
+      raise ValueError(f"model.rope_scaling: low_freq_factor={self.low_freq_factor}, "
+                       f"high_freq_factor={self.high_freq_factor}: expected 0 < low < high")
+    if self.type == "llama3" and not self.original_max_positions > 0:
+      raise ValueError(f"model.rope_scaling.original_max_positions="
+                       f"{self.original_max_positions}: expected > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """A decoder-only transformer. Defaults are Llama and the 'small' preset (fast on a 2-core
+  CPU); the per-family options below switch on Qwen2/Qwen3/Mistral/Gemma behaviour."""
+
+  vocab_size: int = 1024
+  d_model: int = 256
+  n_layers: int = 4
+  n_heads: int = 4
+  n_kv_heads: int = 2
+  head_dim: int = 64
+  mlp_hidden: int = 704
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-6
+  tie_embeddings: bool = False
+  dtype: str = "float32"  # compute dtype of activations and matmuls
+  param_dtype: str = "float32"  # parameters and AdamW state ("master weights")
+  # Compute and memory options; both paths (replay and the naive twin) use the same ones.
+  remat: Union[bool, str] = "none"  # per layer: none | full | dots (save matmul outputs) |
+  #   offload (dots saved to host memory; GPU/TPU only). True/False mean full/none.
+  attention: str = "blockwise"  # blockwise (flash-style, custom VJP) | dense (the oracle)
+  attention_block_q: int = 128  # query rows per score tile (x G query heads per kv head)
+  attention_block_k: int = 64  # keys per score tile
+  logits_chunk: Optional[int] = 1024  # tokens per [chunk, V] logits block (None: all at once)
+  scan_layers: bool = True  # lax.scan over (periods of) identical layers: compile time flat in L
+  # Per-family options; the defaults are Llama.
+  qkv_bias: bool = False  # Qwen2: biases on the q, k, v projections
+  qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head's q and k, before RoPE
+  sliding_window: Optional[int] = None  # local layers see keys with q_pos - k_pos < window
+  local_layers: Optional[tuple[int, ...]] = None  # sliding layers; None: all (if a window)
+  rope_scaling: Optional[RopeScaling] = None  # scaling of the global layers' RoPE
+  local_rope_theta: Optional[float] = None  # Gemma 3: local layers' own base, no scaling
+  attn_logit_softcap: Optional[float] = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+  final_logit_softcap: Optional[float] = None  # Gemma 2: the same on the output logits
+  post_norms: bool = False  # Gemma: RMSNorm of the attention and MLP outputs before the add
+  scale_embeddings: bool = False  # Gemma: embeddings * sqrt(d_model)
+  norm_offset: float = 0.0  # Gemma: RMSNorm multiplies by (norm_offset + scale)
+  activation: str = "silu"  # MLP gate: silu (SwiGLU) | gelu_tanh (GeGLU, Gemma)
+  query_pre_attn_scalar: Optional[float] = None  # Gemma: scores / sqrt(this); None: head_dim
+
+  def __post_init__(self):
+    if isinstance(self.remat, bool):
+      object.__setattr__(self, "remat", "full" if self.remat else "none")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"model.remat={self.remat!r}: expected one of {REMAT_POLICIES}")
+    if self.attention not in attention.IMPLS:
+      raise ValueError(f"model.attention={self.attention!r}: expected one of {attention.IMPLS}")
+    for name in ("attention_block_q", "attention_block_k"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"model.{name}={value!r}: expected a positive int")
+    if self.logits_chunk is not None and (not isinstance(self.logits_chunk, int)
+                                          or self.logits_chunk < 1):
+      raise ValueError(f"model.logits_chunk={self.logits_chunk!r}: expected None or an int >= 1")
+    if isinstance(self.local_layers, list):
+      object.__setattr__(self, "local_layers", tuple(self.local_layers))
+    if isinstance(self.rope_scaling, dict):
+      object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                 "mlp_hidden"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"model.{name}: expected a positive int, got {value!r}")
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(f"model.n_heads={self.n_heads}: expected a multiple of "
+                       f"model.n_kv_heads={self.n_kv_heads}")
+    if self.head_dim % 2:
+      raise ValueError(f"model.head_dim={self.head_dim}: expected an even number (RoPE)")
+    for name in ("dtype", "param_dtype"):
+      if getattr(self, name) not in DTYPES:
+        raise ValueError(f"model.{name}={getattr(self, name)!r}: expected one of {sorted(DTYPES)}")
+    if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
+                                            or self.sliding_window < 1):
+      raise ValueError(f"model.sliding_window={self.sliding_window!r}: expected None or a "
+                       "positive int")
+    if self.local_layers is not None:
+      if self.sliding_window is None:
+        raise ValueError(f"model.local_layers={self.local_layers}: given without "
+                         "model.sliding_window")
+      bad = [i for i in self.local_layers if not isinstance(i, int) or not 0 <= i < self.n_layers]
+      if bad or len(set(self.local_layers)) != len(self.local_layers):
+        raise ValueError(f"model.local_layers={self.local_layers}: expected distinct layer "
+                         f"indices in [0, n_layers={self.n_layers})")
+    if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+      raise ValueError(f"model.rope_scaling={self.rope_scaling!r}: expected None or RopeScaling")
+    for name in ("local_rope_theta", "attn_logit_softcap", "final_logit_softcap",
+                 "query_pre_attn_scalar"):
+      value = getattr(self, name)
+      if value is not None and not value > 0:
+        raise ValueError(f"model.{name}={value!r}: expected None or > 0")
+    if self.activation not in ACTIVATIONS:
+      raise ValueError(f"model.activation={self.activation!r}: expected one of "
+                       f"{sorted(ACTIVATIONS)}")
+
+  def layer_window(self, layer: int) -> Optional[int]:
+    """The sliding window of layer `layer`, or None for a global (full attention) layer."""
+    if self.sliding_window is None:
+      return None
+    if self.local_layers is None or layer in self.local_layers:
+      return self.sliding_window
+    return None
+
+  def layer_rope(self, layer: int) -> tuple[float, Optional[RopeScaling]]:
+    """(theta, scaling) of layer `layer`'s RoPE."""
+    if self.local_rope_theta is not None and self.layer_window(layer) is not None:
+      return self.local_rope_theta, None
+    return self.rope_theta, self.rope_scaling
+
+  def layer_kind(self, layer: int):
+    """What makes two layers computationally different (their window and RoPE)."""
+    return self.layer_window(layer), self.layer_rope(layer)
+
+  def layer_period(self) -> int:
+    """The smallest p with kind(i) == kind(i mod p) for every layer: layers are scanned in
+    L // p repetitions of a p-layer group (Gemma 2: p=2, Gemma 3: p=6, Llama: p=1); the
+    L % p layers left over run unrolled after the scan."""
+    L = self.n_layers
+    for p in range(1, L + 1):
+      if all(self.layer_kind(i) == self.layer_kind(i % p) for i in range(L)):
+        return p
+    return L
+
+  @property
+  def compute_dtype(self):
+    return DTYPES[self.dtype]
+
+  @property
+  def weight_dtype(self):
+    return DTYPES[self.param_dtype]
+
+
+PRESETS = {
+    "tiny": dict(vocab_size=128, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                 mlp_hidden=64),
+    "small": dict(),  # the defaults above
+    "medium": dict(d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=64,
+                   mlp_hidden=1408, vocab_size=4096),
+    "large": dict(d_model=2048, n_layers=16, n_heads=16, n_kv_heads=8, head_dim=128,
+                  mlp_hidden=5632, vocab_size=32000),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+  if name not in PRESETS:
+    raise ValueError(f"model preset {name!r}: expected one of {sorted(PRESETS)}")
+  return ModelConfig(**{**PRESETS[name], **overrides})
