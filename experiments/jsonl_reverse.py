@@ -1,0 +1,33 @@
+"""GRPO on your own prompts: a JSON-lines file of "reverse this word" prompts, exact match.
+
+  python experiments/data/make_reverse.py        # writes experiments/data/reverse.jsonl
+  python run.py --experiment=jsonl_reverse --set=task.path=experiments/data/reverse.jsonl \
+      --set=task.reward=exact_match --workdir=runs/reverse
+
+400 prompts `reverse: kqz=` -> `zqk` (3-5 random letters); 40 (a seeded 10%) are held out
+for the greedy evaluation. The 2-layer d=64 model of the default run warms up on the
+`answer` field (supervised, through branch replay), then GRPO with 8 branches per prompt.
+Expected numbers: experiments/results/jsonl_reverse_*.jsonl (and the README).
+"""
+
+from branch_replay.config import Config, ReplayConfig, TrainConfig
+from branch_replay.losses import LossConfig
+from branch_replay.sampler import SamplerConfig
+from branch_replay.tasks import TaskConfig
+from branch_replay.tokenizer import TOKENIZER
+from models.transformer import ModelConfig
+
+
+def get_config() -> Config:
+  return Config(
+      model=ModelConfig(vocab_size=TOKENIZER.vocab_size, d_model=64, n_layers=2, n_heads=4,
+                        n_kv_heads=4, head_dim=16, mlp_hidden=128),
+      loss=LossConfig(name="grpo", aggregation="token_mean", epsilon=0.2),
+      replay=ReplayConfig(mode="replay"),
+      train=TrainConfig(seed=0, sft_steps=800, sft_batch_size=32, sft_learning_rate=3e-3,
+                        rl_steps=100, batch_size=8, n_branches=8, learning_rate=3e-4,
+                        checkpoint_every=100, keep_checkpoints=2, eval_size=40),
+      sampler=SamplerConfig(max_new_tokens=6, temperature=1.0),
+      task=TaskConfig(name="jsonl", path="experiments/data/reverse.jsonl", prompt_len=16,
+                      reward="exact_match"),
+  )
