@@ -21,6 +21,7 @@ import re
 from typing import Callable, Sequence
 
 import chex
+import einops
 import numpy as np
 
 
@@ -72,6 +73,7 @@ def compute(reward: Reward, examples: Sequence, completions_BR: Sequence[Sequenc
             **kwargs) -> np.ndarray:
   """Rewards [B, R] (float32) of R completions per example, in one call of the reward."""
   B, R = len(examples), len(completions_BR[0]) if len(completions_BR) else 0
+  # One call for all B*R pairs, flattened row-major: pair n = (b, r) with n = b*R + r.
   flat_examples = [ex for ex, row in zip(examples, completions_BR) for _ in row]
   flat_texts = [text for row in completions_BR for text in row]
   try:
@@ -96,7 +98,7 @@ def compute(reward: Reward, examples: Sequence, completions_BR: Sequence[Sequenc
                      f"{i // R} branch {i % R} (prompt {ex.prompt[-60:]!r}, completion "
                      f"{flat_texts[i][:60]!r}): expected a finite number; stopping rather "
                      "than training on it")
-  rewards_BR = values_N.reshape(B, R).astype(np.float32)
+  rewards_BR = einops.rearrange(values_N, "(B R) -> B R", B=B, R=R).astype(np.float32)
   chex.assert_shape(rewards_BR, (B, R))
   return rewards_BR
 

@@ -170,6 +170,11 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
   if cfg.mesh:  # every process decodes and rewards all samples (they may span hosts)
     samples = sharding.to_host(samples)
   sample_s = time.time() - t0
+  B, R, W = len(examples), cfg.train.n_branches, cfg.sampler.trunk_len
+  chex.assert_shape([samples.tokens_BRT, samples.valid_BRT, samples.logp_BRT],
+                    (B, R, cfg.sampler.max_new_tokens))
+  chex.assert_shape([samples.trunk_BW, samples.trunk_logp_BW], (B, W))
+  chex.assert_type([samples.tokens_BRT, samples.logp_BRT], [int, float])
   rewards_BR = rewards_of(task, examples, completions(samples, tok))
   advantages_BR = losses.group_advantages(jnp.asarray(rewards_BR),
                                           use_std=cfg.train.advantage_std)
@@ -370,6 +375,14 @@ def summarize(records, cfg: Config) -> dict:
   }
 
 
+def _shown(path):
+  """A path relative to the working directory when it lies under it (as it was given)."""
+  if not path:
+    return path
+  rel = os.path.relpath(path)
+  return path if rel.startswith("..") else rel
+
+
 def format_summary(s: dict) -> str:
   ratio = s["naive_equiv_tokens"] / max(s["computed_tokens"], 1)
   fmt = lambda x: "n/a" if x is None or x != x else f"{x:.3f}"
@@ -382,7 +395,7 @@ def format_summary(s: dict) -> str:
       f"{s['rl_computed_tokens']:,} vs {s['rl_naive_equiv_tokens']:,}, "
       f"{s['rl_naive_equiv_tokens'] / max(s['rl_computed_tokens'], 1):.1f}x)",
       f"time: {s['wall_s']:.0f} s wall ({s['train_time_s']:.0f} s in {s['steps']} steps)",
-      f"checkpoints: {s['checkpoint']}",
-      f"metrics: {s['metrics']}",
-      f"plot: {s['plot']}",
+      f"checkpoints: {_shown(s['checkpoint'])}",
+      f"metrics: {_shown(s['metrics'])}",
+      f"plot: {_shown(s['plot'])}",
   ])
