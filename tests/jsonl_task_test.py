@@ -187,3 +187,22 @@ def test_garbage_reward_stops_the_run(tmp_path):
   with pytest.raises(ValueError, match=rf"returned nan for {path}:\d example 0 branch 1"):
     train.run(cfg, str(tmp_path / "run"))
   assert not os.path.exists(tmp_path / "run" / "checkpoints" / "1")
+
+
+def test_run_py_names_the_bad_line_before_compute(tmp_path):
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  path = write(tmp_path / "d.jsonl", reverse_lines(3) + ['{"prompt": "abc"}'])
+  for sets, message in [
+      ([f"task.path={path}", "task.reward=exact_match"],
+       f"error: {path}:4: missing field 'answer'"),
+      ([f"task.path={path}", "task.reward=exactmatch"],
+       "task.reward='exactmatch': unknown reward; expected one of ['contains', 'exact_match'"),
+  ]:
+    out = subprocess.run(
+        [sys.executable, "run.py", "--set=task.name=jsonl", *[f"--set={s}" for s in sets],
+         f"--workdir={tmp_path / 'w'}"], cwd=root, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode != 0 and message in out.stderr, out.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "w" / "checkpoints")  # nothing ran
