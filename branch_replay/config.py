@@ -152,10 +152,10 @@ def apply_overrides(cfg: Config, overrides: Sequence[str]) -> Config:
       raise ValueError(f"--set {path!r}: expected section.field")
     section = getattr(cfg, parts[0])
     # A section may list its own settable fields (the task: its name + that task's options).
-    hints = (section.settable() if hasattr(section, "settable")
-             else typing.get_type_hints(type(section)))
-    names = [f.name for f in dataclasses.fields(section)] if not hasattr(
-        section, "settable") else list(hints)
+    settable = getattr(section, "settable", None)
+    hints = settable() if settable else {f.name: typing.get_type_hints(type(section))[f.name]
+                                         for f in dataclasses.fields(section)}
+    names = list(hints)
     if parts[1] not in names:
       raise ValueError(f"--set {path!r}: unknown field {parts[1]!r} of {parts[0]}; expected "
                        f"one of {names}")

@@ -31,6 +31,7 @@ class MetricsWriter:
       for k, v in record.items():
         if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
           self._tb.add_scalar(k, v, global_step=record.get("step", 0))
+      self._tb.flush()  # on disk with its JSON line (a run stopped by an error loses nothing)
 
   def close(self) -> None:
     if self._tb is not None:
