@@ -142,7 +142,8 @@ def test_run_py_on_two_processes(tmp_path):
 
 
 def test_finished_run_rerun_on_two_processes_does_not_hang(tmp_path):
-  """A 1-step run on two processes (one CPU device each, mesh data:2) with the greedy
+  """A 1-step run on two processes (one CPU device each, mesh fsdp:2: the parameters are
+  split across the processes, so greedy decoding is a collective) with the greedy
   evaluation on, then the same command again on the finished workdir: every process must
   agree on whether the final evaluation is still due (only process 0 can read
   metrics.jsonl), or one enters the collective alone and the other waits forever."""
@@ -159,7 +160,7 @@ def test_finished_run_rerun_on_two_processes_does_not_hang(tmp_path):
     address = f"localhost:{free_port()}"
     logs = run_two_processes(
         [os.path.join(ROOT, "run.py"), "--experiment=grpo_haystack", f"--workdir={tmp_path}",
-         "--mesh=data:2", f"--coordinator_address={address}", "--num_processes=2",
+         "--mesh=fsdp:2", f"--coordinator_address={address}", "--num_processes=2",
          *[f"--set={o}" for o in overrides]], env, timeout=400)
     assert sum("greedy eval reward before/after RL" in log for log in logs) == 1
     with open(tmp_path / "metrics.jsonl") as f:
