@@ -51,6 +51,7 @@ class TrainConfig:
   eval_size: int = 64  # held-out prompts scored greedily before and after RL (0 = off)
   progress: bool = True  # tqdm bar on the terminal
   plot: bool = True  # workdir/metrics.png at the end
+  tensorboard: bool = True  # TensorBoard event files beside metrics.jsonl (same keys)
 
   def __post_init__(self):
     for name in ("sft_steps", "rl_steps", "eval_size"):
@@ -129,7 +130,9 @@ def _parse(text: str, hint, where: str):
 
 
 def apply_overrides(cfg: Config, overrides: Sequence[str]) -> Config:
-  """`section.field=value` strings applied in order; validation runs on the result."""
+  """`section.field=value` strings applied in order (`task.name` first: the other task
+  fields are that task's options); validation runs on the result."""
+  overrides = sorted(overrides, key=lambda item: not item.strip().startswith("task.name="))
   for item in overrides:
     if "=" not in item:
       raise ValueError(f"--set {item!r}: expected section.field=value")
@@ -148,18 +151,24 @@ def apply_overrides(cfg: Config, overrides: Sequence[str]) -> Config:
     if len(parts) != 2 or not dataclasses.is_dataclass(getattr(cfg, parts[0])):
       raise ValueError(f"--set {path!r}: expected section.field")
     section = getattr(cfg, parts[0])
-    names = [f.name for f in dataclasses.fields(section)]
+    # A section may list its own settable fields (the task: its name + that task's options).
+    settable = getattr(section, "settable", None)
+    hints = settable() if settable else {f.name: typing.get_type_hints(type(section))[f.name]
+                                         for f in dataclasses.fields(section)}
+    names = list(hints)
     if parts[1] not in names:
       raise ValueError(f"--set {path!r}: unknown field {parts[1]!r} of {parts[0]}; expected "
                        f"one of {names}")
-    hint = typing.get_type_hints(type(section))[parts[1]]
+    hint = hints[parts[1]]
     section = dataclasses.replace(section, **{parts[1]: _parse(text, hint, path)})
     cfg = dataclasses.replace(cfg, **{parts[0]: section})
   return cfg
 
 
 def to_dict(cfg: Config) -> dict:
-  return dataclasses.asdict(cfg)
+  d = dataclasses.asdict(cfg)
+  d["task"] = cfg.task.to_dict()  # flat: name + that task's options
+  return d
 
 
 def from_dict(d: dict) -> Config:
@@ -171,7 +180,7 @@ def from_dict(d: dict) -> Config:
 # Fields a resumed run may change; any other difference means the checkpoint belongs to
 # another experiment.
 RESUMABLE = ("train.rl_steps", "train.checkpoint_every", "train.keep_checkpoints",
-             "train.eval_size", "train.progress", "train.plot", "replay.mode",
+             "train.eval_size", "train.progress", "train.plot", "train.tensorboard", "replay.mode",
              "replay.branch_chunk", "mesh")
 
 
@@ -182,5 +191,7 @@ def incompatible(saved: dict, cfg: Config) -> list[str]:
                     for s, v in d.items()
                     for k, vv in (v.items() if isinstance(v, dict) else [(None, v)])}
   a, b = flat(saved), flat(now)
+  if a.get("task.name") == b.get("task.name"):  # options another task had are not ours
+    a = {k: v for k, v in a.items() if not k.startswith("task.") or k in b}
   return [f"{k}: saved {a.get(k)!r}, now {b.get(k)!r}"
           for k in sorted(set(a) | set(b)) if k not in RESUMABLE and a.get(k) != b.get(k)]

@@ -1,4 +1,5 @@
-"""Metrics: an append-only JSON-lines file (one record per step, slash names) and a plot."""
+"""Metrics: an append-only JSON-lines file (one record per step, slash names), the same
+scalars as TensorBoard events beside it, and a plot."""
 
 from __future__ import annotations
 
@@ -8,8 +9,17 @@ import os
 
 
 class MetricsWriter:
-  def __init__(self, path: str):
+  """Appends records to `path`; with tensorboard=True also writes every numeric key of each
+  record as a TensorBoard scalar (same name, at the record's `step`) to an event file in the
+  same directory, so `tensorboard --logdir runs/` shows every run."""
+
+  def __init__(self, path: str, tensorboard: bool = False):
     self.path = path
+    self._tb = None
+    if tensorboard:
+      import tensorboardX
+      self._tb = tensorboardX.SummaryWriter(logdir=os.path.dirname(os.path.abspath(path)),
+                                            flush_secs=10)
 
   def write(self, record: dict) -> None:
     clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
@@ -17,6 +27,16 @@ class MetricsWriter:
     with open(self.path, "a") as f:
       f.write(json.dumps(clean, sort_keys=True) + "\n")
       f.flush()
+    if self._tb is not None:
+      for k, v in record.items():
+        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+          self._tb.add_scalar(k, v, global_step=record.get("step", 0))
+      self._tb.flush()  # on disk with its JSON line (a run stopped by an error loses nothing)
+
+  def close(self) -> None:
+    if self._tb is not None:
+      self._tb.close()
+      self._tb = None
 
 
 def read(path: str) -> list[dict]:
@@ -68,3 +88,25 @@ def plot(records: list[dict], path: str) -> str:
   fig.savefig(path, dpi=100)
   plt.close(fig)
   return path
+
+
+def read_tensorboard(directory: str) -> dict:
+  """{tag: [(step, value), ...]} from the event files in `directory`: TFRecord framing
+  (length, crc, event proto, crc) read directly, so no TensorFlow/TensorBoard is needed."""
+  import glob
+  import struct
+
+  from tensorboardX.proto import event_pb2
+
+  out = {}
+  for path in sorted(glob.glob(os.path.join(directory, "events.out.tfevents.*"))):
+    with open(path, "rb") as f:
+      data = f.read()
+    at = 0
+    while at + 12 <= len(data):
+      (length,) = struct.unpack("<Q", data[at:at + 8])
+      event = event_pb2.Event.FromString(data[at + 12:at + 12 + length])
+      at += 12 + length + 4
+      for value in event.summary.value:
+        out.setdefault(value.tag, []).append((event.step, value.simple_value))
+  return out

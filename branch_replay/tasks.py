@@ -5,69 +5,180 @@
               The answer depends only on tokens deep in the long shared prompt.
   arithmetic  short reasoning: `a+b=` with n-digit operands; the answer is the sum.
 
+  jsonl       your own prompts from a JSON-lines file (branch_replay/jsonl_task.py).
+
 A task draws `Example`s from a numpy Generator (deterministic per seed and step) and scores
-a completion string (decoded up to EOS) with `reward`: 1.0 exact match, else 0.0.
+completion strings (decoded up to EOS) with `rewards` (branch_replay/rewards.py; the
+built-ins: 1.0 exact match, else 0.0). Tasks register by name (`@register`), each with its
+own `Options` dataclass, so a new task is one file.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import string
+import typing
+from typing import Any, Optional
 
 import numpy as np
 
 from branch_replay.tokenizer import TOKENIZER
 
 
-@dataclasses.dataclass(frozen=True)
-class TaskConfig:
-  name: str = "haystack"
-  prompt_len: int = 256  # haystack: prompt tokens including BOS and the `?KEY` query
-  n_keys: int = 4  # haystack: records hidden in the filler
-  value_len: int = 1  # haystack: digits per value
-  n_digits: int = 2  # arithmetic: digits per operand
-  sft_prompt_len: int = 0  # haystack: warm-up prompt length (0 = prompt_len)
+TASKS: dict[str, type] = {}  # name -> task class (its options: the class's `Options`)
 
-  def __post_init__(self):
-    if self.name not in TASKS:
-      raise ValueError(f"task.name={self.name!r}: expected one of {sorted(TASKS)}")
-    for name in ("prompt_len", "n_keys", "value_len", "n_digits"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or value < 1:
-        raise ValueError(f"task.{name}={value!r}: expected a positive int")
-    if self.n_keys > len(string.ascii_uppercase):
-      raise ValueError(f"task.n_keys={self.n_keys}: expected <= 26 (one uppercase letter each)")
-    if not isinstance(self.sft_prompt_len, int) or self.sft_prompt_len < 0:
-      raise ValueError(f"task.sft_prompt_len={self.sft_prompt_len!r}: expected an int >= 0")
-    if self.name == "haystack":
-      need = 1 + self.n_keys * (1 + self.value_len) + 2
-      for name in ("prompt_len", "sft_prompt_len"):
-        value = getattr(self, name)
-        if value and value < need:
-          raise ValueError(f"task.{name}={value}: expected >= {need} to hold n_keys="
-                           f"{self.n_keys} records of value_len={self.value_len} + the query")
-    if self.n_digits > 9:
-      raise ValueError(f"task.n_digits={self.n_digits}: expected <= 9")
+
+@dataclasses.dataclass(frozen=True)
+class NoOptions:
+  pass
+
+
+def register(name: str):
+  """Class decorator: make a `Task` subclass available as `task.name=<name>`. Its options are
+  its nested frozen dataclass `Options` (settable as `--set=task.<field>=...`)."""
+  def wrap(cls):
+    if name in TASKS and TASKS[name] is not cls:
+      raise ValueError(f"task {name!r} is already registered ({TASKS[name]})")
+    if not dataclasses.is_dataclass(getattr(cls, "Options", NoOptions)):
+      raise ValueError(f"task {name!r}: {cls.__name__}.Options must be a dataclass")
+    TASKS[name] = cls
+    return cls
+  return wrap
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class TaskConfig:
+  """`name` picks the task; `options` is that task's own frozen dataclass (`TASKS[name].Options`).
+  Options are given flat, as before: TaskConfig(name="haystack", prompt_len=64) and
+  `--set=task.prompt_len=64` set `options.prompt_len`; `cfg.task.prompt_len` reads it."""
+  name: str = "haystack"
+  options: Any = None
+
+  def __init__(self, name: str = "haystack", options: Any = None, **fields):
+    if name not in TASKS:
+      raise ValueError(f"task.name={name!r}: expected one of {sorted(TASKS)} (a task from "
+                       "your own module registers itself with @tasks.register when imported)")
+    Options = getattr(TASKS[name], "Options", NoOptions)
+    if options is not None and not isinstance(options, Options):
+      # The task changed (`--set=task.name=...`): keep the options the user set that the
+      # new task also has, drop the rest.
+      names = {f.name for f in dataclasses.fields(Options)}
+      base = type(options)()
+      fields = {**{f.name: getattr(options, f.name) for f in dataclasses.fields(options)
+                   if f.name in names and getattr(options, f.name) != getattr(base, f.name)},
+                **fields}
+      options = None
+    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(Options)})
+    if unknown:
+      raise ValueError(f"task.{unknown[0]}: not an option of task {name!r}; expected one of "
+                       f"{['name'] + [f.name for f in dataclasses.fields(Options)]}")
+    options = Options() if options is None else options
+    if fields:
+      options = dataclasses.replace(options, **fields)
+    object.__setattr__(self, "name", name)
+    object.__setattr__(self, "options", options)
+
+  def __getattr__(self, key):  # cfg.task.prompt_len -> cfg.task.options.prompt_len
+    if key.startswith("__") or key == "options":
+      raise AttributeError(key)
+    return getattr(object.__getattribute__(self, "options"), key)
+
+  def settable(self) -> dict:
+    """field -> type for the `--set=task.field=value` parser."""
+    return {"name": str, **typing.get_type_hints(type(self.options))}
+
+  def to_dict(self) -> dict:
+    return {"name": self.name, **dataclasses.asdict(self.options)}
 
 
 @dataclasses.dataclass(frozen=True)
 class Example:
   prompt: str  # text after BOS
-  answer: str  # the exact expected completion (EOS not included)
+  answer: str  # the exact expected completion (EOS not included); "" when there is none
+  fields: Optional[dict] = dataclasses.field(default=None, compare=False)  # e.g. a JSON line
+  source: str = ""  # where it came from, for error messages ("data.jsonl:17")
+  prompt_ids: Optional[tuple] = None  # token ids (BOS included) when the task tokenized it
 
 
 def exact_match(example: Example, completion: str) -> float:
   return float(completion == example.answer)
 
 
-class Haystack:
+class Task:
+  """What the trainer needs of a task. Subclass, give it an `Options` dataclass, register it.
+
+    max_prompt_len   prompt tokens (BOS included) of an RL / eval prompt
+    sft_prompt_len   prefix tokens of a warm-up example
+    sft_tail_len     tokens of a warm-up tail (EOS included)
+    sample(rng) -> Example                 one training prompt (deterministic given rng)
+    supervised(rng) -> (prefix, [tail, ...])  warm-up: a prefix (str or Example) and the
+                                           texts its tails must continue it with
+    rewards(examples, completions_BR) -> [B, R] floats   (default: exact match)
+    eval_examples(seed, n) -> [Example]    held-out prompts for the greedy evaluation
+    check(cfg)                             raise ValueError before compute if the run's
+                                           config asks what the task cannot give
+  """
+
+  Options = NoOptions
+  reward_name = "exact_match"
+  reward_options: dict = {}
+
+  def __init__(self, options, tokenizer=TOKENIZER):
+    self.cfg = options
+    self.tokenizer = tokenizer
+
+  def sample(self, rng: np.random.Generator) -> Example:
+    raise NotImplementedError
+
+  def supervised(self, rng: np.random.Generator):
+    ex = self.sample(rng)
+    return ex, [ex.answer]
+
+  def rewards(self, examples, completions_BR) -> np.ndarray:
+    from branch_replay import rewards
+    return rewards.compute(rewards.get(self.reward_name), examples, completions_BR,
+                           **self.reward_options)
+
+  def eval_examples(self, seed: int, n: int) -> list:
+    rng = np.random.default_rng([seed, 2**31])  # a stream the training steps never use
+    return [self.sample(rng) for _ in range(n)]
+
+  def check(self, cfg) -> None:
+    pass
+
+
+@register("haystack")
+class Haystack(Task):
   """`?K` asks for the value of record `Kv` hidden in lowercase filler."""
 
-  def __init__(self, cfg: TaskConfig):
-    self.cfg = cfg
+  @dataclasses.dataclass(frozen=True)
+  class Options:
+    prompt_len: int = 256  # prompt tokens including BOS and the `?KEY` query
+    n_keys: int = 4  # records hidden in the filler
+    value_len: int = 1  # digits per value
+    sft_prompt_len: int = 0  # warm-up prompt length (0 = prompt_len)
+
+    def __post_init__(self):
+      for name in ("prompt_len", "n_keys", "value_len"):
+        _positive(name, getattr(self, name))
+      if self.n_keys > len(string.ascii_uppercase):
+        raise ValueError(f"task.n_keys={self.n_keys}: expected <= 26 (one uppercase letter "
+                         "each)")
+      if not isinstance(self.sft_prompt_len, int) or self.sft_prompt_len < 0:
+        raise ValueError(f"task.sft_prompt_len={self.sft_prompt_len!r}: expected an int >= 0")
+      need = 1 + self.n_keys * (1 + self.value_len) + 2
+      for name in ("prompt_len", "sft_prompt_len"):
+        value = getattr(self, name)
+        if value and value < need:
+          raise ValueError(f"task.{name}={value}: expected >= {need} to hold n_keys="
+                           f"{self.n_keys} records of value_len={self.value_len} + the query")
+
+  def __init__(self, cfg, tokenizer=TOKENIZER):
+    super().__init__(cfg, tokenizer)
     self.max_prompt_len = cfg.prompt_len  # BOS included
     self.max_answer_len = cfg.value_len  # characters, EOS excluded
     self.sft_prompt_len = cfg.sft_prompt_len or cfg.prompt_len
+    self.sft_tail_len = cfg.value_len + 3  # `?KEY` + value + EOS
 
   def sample(self, rng: np.random.Generator, prompt_len: int | None = None) -> Example:
     cfg = self.cfg
@@ -99,14 +210,25 @@ class Haystack:
     return haystack, tails
 
 
-class Arithmetic:
+@register("arithmetic")
+class Arithmetic(Task):
   """`a+b=` -> the decimal sum."""
 
-  def __init__(self, cfg: TaskConfig):
-    self.cfg = cfg
+  @dataclasses.dataclass(frozen=True)
+  class Options:
+    n_digits: int = 2  # digits per operand
+
+    def __post_init__(self):
+      _positive("n_digits", self.n_digits)
+      if self.n_digits > 9:
+        raise ValueError(f"task.n_digits={self.n_digits}: expected <= 9")
+
+  def __init__(self, cfg, tokenizer=TOKENIZER):
+    super().__init__(cfg, tokenizer)
     self.max_prompt_len = 1 + 2 * cfg.n_digits + 2
     self.max_answer_len = cfg.n_digits + 1
     self.sft_prompt_len = self.max_prompt_len
+    self.sft_tail_len = self.max_answer_len + 1  # the sum + EOS
 
   def sample(self, rng: np.random.Generator) -> Example:
     a, b = (int(x) for x in rng.integers(0, 10 ** self.cfg.n_digits, size=2))
@@ -119,11 +241,32 @@ class Arithmetic:
     return ex.prompt, [ex.answer]
 
 
-TASKS = {"haystack": Haystack, "arithmetic": Arithmetic}
+def _positive(name, value):
+  if not isinstance(value, int) or value < 1:
+    raise ValueError(f"task.{name}={value!r}: expected a positive int")
 
 
-def make(cfg: TaskConfig):
-  return TASKS[cfg.name](cfg)
+def make(cfg: TaskConfig, tokenizer=TOKENIZER) -> Task:
+  """The task of a config, built with the run's tokenizer (tasks that read files load and
+  check them here, before any compute)."""
+  return TASKS[cfg.name](cfg.options, tokenizer)
+
+
+def encode_prompts(items, length: int, tokenizer=TOKENIZER):
+  """Prompts (Examples, or prefix strings) as left-padded ids and validity [B, length]; an
+  Example's own `prompt_ids` (a task that tokenized, templated or truncated it) are used."""
+  ids_BL = np.full((len(items), length), tokenizer.pad_id, np.int32)
+  valid_BL = np.zeros((len(items), length), bool)
+  for b, item in enumerate(items):
+    if isinstance(item, Example) and item.prompt_ids is not None:
+      ids = list(item.prompt_ids)
+    else:
+      ids = tokenizer.encode(item.prompt if isinstance(item, Example) else item, bos=True)
+    if len(ids) > length:
+      raise ValueError(f"task prompt {b}: {len(ids)} tokens, expected <= {length}")
+    ids_BL[b, length - len(ids):] = ids
+    valid_BL[b, length - len(ids):] = True
+  return ids_BL, valid_BL
 
 
 def _encode(texts, length: int, tokenizer, left: bool, what: str):
@@ -147,3 +290,6 @@ def encode_left(texts, length: int, tokenizer=TOKENIZER):
 def encode_right(texts, length: int, tokenizer=TOKENIZER):
   """text + EOS, right-padded: ids and validity, numpy [B, length] (tails start aligned)."""
   return _encode(texts, length, tokenizer, left=False, what="answer")
+
+
+from branch_replay import jsonl_task  # noqa: E402,F401  (registers "jsonl")

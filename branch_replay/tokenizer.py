@@ -67,10 +67,12 @@ class HFTokenizer:
   CharTokenizer interface, so the tasks, the sampler's stop token and the rewards use the
   imported checkpoint's own vocabulary. Special ids come from the checkpoint's config.json."""
 
-  def __init__(self, tokenizer, bos_id: int, eos_id: int, pad_id: int | None = None):
+  def __init__(self, tokenizer, bos_id: int, eos_id: int, pad_id: int | None = None,
+               chat_template=None):
     self._tok = tokenizer
     self.bos_id, self.eos_id = int(bos_id), int(eos_id)
     self.pad_id = self.eos_id if pad_id is None else int(pad_id)
+    self.chat_template = chat_template  # branch_replay.chat.ChatTemplate or None
 
   @property
   def vocab_size(self) -> int:
@@ -112,4 +114,14 @@ def from_model_dir(model_dir: str, hf_config: dict):
   if eos is None:
     raise ValueError(f"{model_dir}/config.json: eos_token_id is missing; the sampler needs a "
                      "stop token")
-  return HFTokenizer(tok, eos if bos is None else bos, eos, first(hf_config.get("pad_token_id")))
+  from branch_replay import chat
+  bos = eos if bos is None else bos
+  template = chat.load(model_dir)
+  if template is not None and template.eos_token:  # a chat model's turns end with its EOS
+    eos_id = tok.token_to_id(template.eos_token)
+    if eos_id is None:
+      raise ValueError(f"{template.where}: eos_token {template.eos_token!r} is not in "
+                       f"{model_dir}/tokenizer.json")
+    eos = eos_id
+  return HFTokenizer(tok, bos, eos, first(hf_config.get("pad_token_id")),
+                     chat_template=template)

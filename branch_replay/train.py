@@ -17,6 +17,7 @@ import os
 import time
 from typing import Any, NamedTuple
 
+import chex
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -129,12 +130,15 @@ def make_train_step(cfg: Config, phase: str = "rl"):
 def sft_batch(task, rng: np.random.Generator, cfg: Config, tok=TOKENIZER) -> ReplayBatch:
   """Warm-up batch: the task's long prefix shared by its reference answers (one per tail)."""
   items = [task.supervised(rng) for _ in range(cfg.train.sft_batch_size)]
-  prefix_BP, prefix_valid_BP = tasks.encode_left([p for p, _ in items], task.sft_prompt_len,
-                                                 tok)
-  T = task.max_answer_len + 3  # `?KEY` + answer + EOS at most
+  prefix_BP, prefix_valid_BP = tasks.encode_prompts([p for p, _ in items], task.sft_prompt_len,
+                                                    tok)
+  T = task.sft_tail_len  # the task's longest warm-up tail, EOS included
   tails = [tasks.encode_right(t, T, tok) for _, t in items]
   tails_BRT = np.stack([t for t, _ in tails])
   valid_BRT = np.stack([v for _, v in tails])
+  B, R = tails_BRT.shape[:2]
+  chex.assert_shape([tails_BRT, valid_BRT], (B, R, T))
+  chex.assert_shape([prefix_BP, prefix_valid_BP], (B, task.sft_prompt_len))
   return ReplayBatch(prefix_BP=prefix_BP, prefix_valid_BP=prefix_valid_BP, tails_BRT=tails_BRT,
                      tail_valid_BRT=valid_BRT,
                      advantages_BR=np.ones(tails_BRT.shape[:2], np.float32))
@@ -149,8 +153,8 @@ def completions(samples: sampler.Samples, tok=TOKENIZER) -> list[list[str]]:
 
 
 def rewards_of(task, examples, texts) -> np.ndarray:
-  return np.asarray([[task.reward(ex, t) for t in row] for ex, row in zip(examples, texts)],
-                    np.float32)
+  """[B, R] rewards, the whole batch in one call (`task.rewards`, branch_replay/rewards.py)."""
+  return task.rewards(examples, texts)
 
 
 def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER):
@@ -158,8 +162,7 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
   prefix = prompt (+ trunk), tails = branches, old log-probs = the sampler's."""
   t0 = time.time()
   examples = _examples(task, cfg.train.seed, step, cfg.train.batch_size)
-  prompt_BP, valid_BP = tasks.encode_left([e.prompt for e in examples], task.max_prompt_len,
-                                          tok)
+  prompt_BP, valid_BP = tasks.encode_prompts(examples, task.max_prompt_len, tok)
   placed_BP, placed_valid_BP = place((prompt_BP, valid_BP), "batch", cfg)
   key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), step)
   samples = jax.block_until_ready(fns.sample(state.params, prompt_BP=placed_BP,
@@ -167,6 +170,11 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
   if cfg.mesh:  # every process decodes and rewards all samples (they may span hosts)
     samples = sharding.to_host(samples)
   sample_s = time.time() - t0
+  B, R, W = len(examples), cfg.train.n_branches, cfg.sampler.trunk_len
+  chex.assert_shape([samples.tokens_BRT, samples.valid_BRT, samples.logp_BRT],
+                    (B, R, cfg.sampler.max_new_tokens))
+  chex.assert_shape([samples.trunk_BW, samples.trunk_logp_BW], (B, W))
+  chex.assert_type([samples.tokens_BRT, samples.logp_BRT], [int, float])
   rewards_BR = rewards_of(task, examples, completions(samples, tok))
   advantages_BR = losses.group_advantages(jnp.asarray(rewards_BR),
                                           use_std=cfg.train.advantage_std)
@@ -216,7 +224,8 @@ class _Fns(NamedTuple):
 def _compile_key(cfg: Config) -> Config:
   """The config with the fields that cannot change a compiled function reset."""
   train = dataclasses.replace(cfg.train, seed=0, rl_steps=0, checkpoint_every=1,
-                              keep_checkpoints=1, eval_size=0, progress=False, plot=False)
+                              keep_checkpoints=1, eval_size=0, progress=False, plot=False,
+                              tensorboard=False)
   return dataclasses.replace(cfg, train=train, task=TaskConfig())
 
 
@@ -250,7 +259,8 @@ def run(cfg: Config, workdir: str, *, init_params=None, tokenizer=None) -> dict:
                      f"{tok.vocab_size}")
   t_start = time.time()
   workdir = checkpoint.check_workdir(workdir)  # before any compute
-  task = tasks.make(cfg.task)
+  task = tasks.make(cfg.task, tok)  # a task that reads files checks them here
+  task.check(cfg)
   ckpt = checkpoint.Checkpointer(workdir, cfg)
   ckpt.check_config()
   state = init_state(cfg, init_params)
@@ -260,15 +270,15 @@ def run(cfg: Config, workdir: str, *, init_params=None, tokenizer=None) -> dict:
     state = TrainState(**ckpt.restore(start, _state_dict(state)))
   # Several processes (multi-host) run this loop alike; only process 0 writes metrics.
   chief = jax.process_index() == 0
-  writer = metrics.MetricsWriter(os.path.join(workdir, "metrics.jsonl") if chief else os.devnull)
+  writer = metrics.MetricsWriter(os.path.join(workdir, "metrics.jsonl") if chief else os.devnull,
+                                 tensorboard=cfg.train.tensorboard and chief)
   t = cfg.train
 
   fns = _compiled(_compile_key(cfg), tok.eos_id)
-  eval_examples = _examples(task, t.seed, 2**31, t.eval_size) if t.eval_size else []
+  eval_examples = task.eval_examples(t.seed, t.eval_size) if t.eval_size else []
 
   def evaluate(state, step):
-    prompt_BP, valid_BP = tasks.encode_left([e.prompt for e in eval_examples],
-                                            task.max_prompt_len, tok)
+    prompt_BP, valid_BP = tasks.encode_prompts(eval_examples, task.max_prompt_len, tok)
     s = fns.greedy(state.params, prompt_BP=prompt_BP, prompt_valid_BP=valid_BP,
                   key=jax.random.key(0))
     s = sharding.to_host(s) if cfg.mesh else s
@@ -319,10 +329,10 @@ def run(cfg: Config, workdir: str, *, init_params=None, tokenizer=None) -> dict:
     bar.set_postfix({k: f"{rec[k]:.3f}" for k in ("reward/mean", "loss/policy") if k in rec})
   bar.close()
   records = metrics.read(writer.path)
-  if eval_examples and t.rl_steps and not any(
-      r.get("kind") == "eval" and r["step"] == t.total_steps for r in records):
+  if eval_examples and t.rl_steps and _final_eval_missing(records, t.total_steps):
     evaluate(state, t.total_steps)
     records = metrics.read(writer.path)
+  writer.close()
   ckpt.close()
   plot_path = (metrics.plot(records, os.path.join(workdir, "metrics.png"))
                if t.plot and chief else None)
@@ -331,6 +341,17 @@ def run(cfg: Config, workdir: str, *, init_params=None, tokenizer=None) -> dict:
                  plot=plot_path, wall_s=time.time() - t_start,
                  final_params=state.params)
   return summary
+
+
+def _final_eval_missing(records, step: int) -> bool:
+  """Whether the final greedy evaluation still has to run. Only process 0 writes (and so can
+  read) metrics.jsonl, and the evaluation is a collective every process must enter alike:
+  process 0 decides and every process receives its decision."""
+  missing = not any(r.get("kind") == "eval" and r["step"] == step for r in records)
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    missing = bool(multihost_utils.broadcast_one_to_all(np.int32(missing)))
+  return missing
 
 
 def summarize(records, cfg: Config) -> dict:
@@ -354,6 +375,14 @@ def summarize(records, cfg: Config) -> dict:
   }
 
 
+def _shown(path):
+  """A path relative to the working directory when it lies under it (as it was given)."""
+  if not path:
+    return path
+  rel = os.path.relpath(path)
+  return path if rel.startswith("..") else rel
+
+
 def format_summary(s: dict) -> str:
   ratio = s["naive_equiv_tokens"] / max(s["computed_tokens"], 1)
   fmt = lambda x: "n/a" if x is None or x != x else f"{x:.3f}"
@@ -366,7 +395,7 @@ def format_summary(s: dict) -> str:
       f"{s['rl_computed_tokens']:,} vs {s['rl_naive_equiv_tokens']:,}, "
       f"{s['rl_naive_equiv_tokens'] / max(s['rl_computed_tokens'], 1):.1f}x)",
       f"time: {s['wall_s']:.0f} s wall ({s['train_time_s']:.0f} s in {s['steps']} steps)",
-      f"checkpoints: {s['checkpoint']}",
-      f"metrics: {s['metrics']}",
-      f"plot: {s['plot']}",
+      f"checkpoints: {_shown(s['checkpoint'])}",
+      f"metrics: {_shown(s['metrics'])}",
+      f"plot: {_shown(s['plot'])}",
   ])

@@ -141,5 +141,34 @@ def test_run_py_on_two_processes(tmp_path):
   assert sum("token positions computed" in log for log in logs) == 1  # one summary
 
 
+def test_finished_run_rerun_on_two_processes_does_not_hang(tmp_path):
+  """A 1-step run on two processes (one CPU device each, mesh fsdp:2: the parameters are
+  split across the processes, so greedy decoding is a collective) with the greedy
+  evaluation on, then the same command again on the finished workdir: every process must
+  agree on whether the final evaluation is still due (only process 0 can read
+  metrics.jsonl), or one enters the collective alone and the other waits forever."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  overrides = ["model.vocab_size=80", "model.d_model=16", "model.n_layers=1",
+               "model.n_kv_heads=2", "model.n_heads=2", "model.head_dim=8",
+               "model.mlp_hidden=32", "task.prompt_len=12", "task.n_keys=2",
+               "train.sft_steps=0", "train.rl_steps=1", "train.batch_size=2",
+               "train.n_branches=2", "sampler.max_new_tokens=2", "train.eval_size=2",
+               "train.progress=false", "train.plot=false", "train.tensorboard=false"]
+  import json
+  for attempt in range(2):
+    address = f"localhost:{free_port()}"
+    logs = run_two_processes(
+        [os.path.join(ROOT, "run.py"), "--experiment=grpo_haystack", f"--workdir={tmp_path}",
+         "--mesh=fsdp:2", f"--coordinator_address={address}", "--num_processes=2",
+         *[f"--set={o}" for o in overrides]], env, timeout=400)
+    assert sum("greedy eval reward before/after RL" in log for log in logs) == 1
+    with open(tmp_path / "metrics.jsonl") as f:
+      records = [json.loads(line) for line in f if line.strip()]
+    # Written once, by process 0, and not again by the re-run (which trains nothing).
+    assert [(r["step"], r["kind"]) for r in records] == [(0, "eval"), (0, "train"),
+                                                         (1, "eval")], attempt
+
+
 if __name__ == "__main__":
   worker()

@@ -1,0 +1,168 @@
+"""Rewards by name: `exact_match`, `numeric`, `regex`, `contains`, or any `module:function`.
+
+A reward scores a whole batch at once: `fn(examples, completions, **kwargs) -> N floats`, one
+per (example, completion) pair (the trainer passes every prompt's R branches, flattened).
+An example's `answer` and its other fields (`example.fields`: every key of a JSON line) are
+what a reward reads. Register a new one in its own file:
+
+  @rewards.register("length_penalty", needs=("answer",))
+  def length_penalty(examples, completions, *, scale=0.1):
+    return [float(c == e.answer) - scale * len(c) for e, c in zip(examples, completions)]
+
+`compute` calls a reward and stops the run on garbage: an exception, a wrong count or a
+non-finite value is a ValueError naming the example (its file:line when it came from one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import re
+from typing import Callable, Sequence
+
+import chex
+import einops
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Reward:
+  name: str
+  fn: Callable  # fn(examples, completions, **kwargs) -> sequence of N floats
+  needs: tuple = ()  # example fields every example must carry (checked when data loads)
+
+
+REWARDS: dict[str, Reward] = {}
+
+
+def register(name: str, needs: Sequence[str] = ()):
+  """Decorator: make `fn(examples, completions, **kwargs)` a reward called `name`."""
+  def wrap(fn):
+    if name in REWARDS:
+      raise ValueError(f"reward {name!r} is already registered ({REWARDS[name].fn})")
+    REWARDS[name] = Reward(name, fn, tuple(needs))
+    return fn
+  return wrap
+
+
+def get(spec: str) -> Reward:
+  """A registered name, or `module:function` (imported; `needs` read from the function's
+  optional `needs` attribute)."""
+  if spec in REWARDS:
+    return REWARDS[spec]
+  if ":" in spec:
+    module_name, _, attr = spec.partition(":")
+    try:
+      fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+      raise ValueError(f"task.reward={spec!r}: cannot import {attr!r} from {module_name!r} "
+                       f"({e})") from None
+    if not callable(fn):
+      raise ValueError(f"task.reward={spec!r}: {module_name}.{attr} is not callable")
+    return Reward(spec, fn, tuple(getattr(fn, "needs", ())))
+  raise ValueError(f"task.reward={spec!r}: unknown reward; expected one of {sorted(REWARDS)} "
+                   "or 'module:function'")
+
+
+def _where(example) -> str:
+  source = getattr(example, "source", "")
+  return f"{source} " if source else ""
+
+
+def compute(reward: Reward, examples: Sequence, completions_BR: Sequence[Sequence[str]],
+            **kwargs) -> np.ndarray:
+  """Rewards [B, R] (float32) of R completions per example, in one call of the reward."""
+  B, R = len(examples), len(completions_BR[0]) if len(completions_BR) else 0
+  # One call for all B*R pairs, flattened row-major: pair n = (b, r) with n = b*R + r.
+  flat_examples = [ex for ex, row in zip(examples, completions_BR) for _ in row]
+  flat_texts = [text for row in completions_BR for text in row]
+  try:
+    values = reward.fn(flat_examples, flat_texts, **kwargs)
+  except Exception as e:  # the reward's own bug or a bad example: name it and stop
+    i = getattr(e, "example_index", None)
+    at = f" on example {i} ({_where(flat_examples[i])}prompt {flat_examples[i].prompt[-60:]!r})" \
+        if isinstance(i, int) and 0 <= i < len(flat_examples) else ""
+    raise ValueError(f"reward {reward.name!r} raised{at}: {type(e).__name__}: {e}") from e
+  try:
+    values_N = np.asarray(values, np.float64).reshape(-1)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"reward {reward.name!r}: expected {B * R} numbers, got {values!r:.200}")
+  if values_N.shape != (B * R,):
+    raise ValueError(f"reward {reward.name!r}: returned {values_N.size} values for {B * R} "
+                     f"completions ({B} prompts x {R} branches)")
+  bad = np.flatnonzero(~np.isfinite(values_N))
+  if bad.size:
+    i = int(bad[0])
+    ex = flat_examples[i]
+    raise ValueError(f"reward {reward.name!r} returned {values_N[i]} for {_where(ex)}example "
+                     f"{i // R} branch {i % R} (prompt {ex.prompt[-60:]!r}, completion "
+                     f"{flat_texts[i][:60]!r}): expected a finite number; stopping rather "
+                     "than training on it")
+  rewards_BR = einops.rearrange(values_N, "(B R) -> B R", B=B, R=R).astype(np.float32)
+  chex.assert_shape(rewards_BR, (B, R))
+  return rewards_BR
+
+
+# ----------------------------------------------------------------------------- built-ins
+
+
+class _Indexed(Exception):
+  """An error tagged with the index of the example that caused it (for `compute`)."""
+
+  def __init__(self, index: int, message: str):
+    super().__init__(message)
+    self.example_index = index
+
+
+@register("exact_match", needs=("answer",))
+def exact_match(examples, completions):
+  """1 when the completion (decoded up to EOS) is exactly the answer, else 0."""
+  return [float(c == e.answer) for e, c in zip(examples, completions)]
+
+
+def _number(text: str):
+  match = re.search(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?", text.replace(",", ""))
+  return float(match.group()) if match else None
+
+
+@register("numeric", needs=("answer",))
+def numeric(examples, completions, *, tolerance: float = 1e-6, relative: bool = False):
+  """1 when the first number in the completion is within `tolerance` of the answer
+  (absolute, or relative to |answer| with relative=True), else 0."""
+  out = []
+  for i, (e, c) in enumerate(zip(examples, completions)):
+    target = _number(e.answer)
+    if target is None:
+      raise _Indexed(i, f"answer {e.answer!r} holds no number")
+    got = _number(c)
+    scale = abs(target) if relative else 1.0
+    out.append(float(got is not None and abs(got - target) <= tolerance * scale))
+  return out
+
+
+@register("regex")
+def regex(examples, completions, *, pattern: str = ""):
+  """1 when the completion fully matches the regular expression: the example's own `pattern`
+  field, else the `pattern` option."""
+  cache = {}
+  out = []
+  for i, (e, c) in enumerate(zip(examples, completions)):
+    p = (e.fields or {}).get("pattern", pattern)
+    if not p:
+      raise _Indexed(i, "no pattern: give the example a 'pattern' field or set "
+                     "task.reward_options={\"pattern\": ...}")
+    if p not in cache:
+      try:
+        cache[p] = re.compile(p)
+      except re.error as err:
+        raise _Indexed(i, f"pattern {p!r} does not compile: {err}") from None
+    out.append(float(cache[p].fullmatch(c) is not None))
+  return out
+
+
+@register("contains", needs=("answer",))
+def contains(examples, completions, *, case_sensitive: bool = True):
+  """1 when the answer occurs anywhere in the completion, else 0."""
+  fold = (lambda s: s) if case_sensitive else str.lower
+  return [float(fold(e.answer) in fold(c)) for e, c in zip(examples, completions)]
+

@@ -1,0 +1,39 @@
+"""GRPO on your own prompts: a JSON-lines file of "reverse this word" prompts, exact match.
+
+  python experiments/data/make_reverse.py        # writes experiments/data/reverse.jsonl
+  python run.py --experiment=jsonl_reverse --set=task.path=experiments/data/reverse.jsonl \
+      --set=task.reward=exact_match --workdir=runs/reverse
+
+400 prompts `reverse: kqz=` -> `zqk` (3-5 random letters); 40 (a seeded 10%) are held out
+for the greedy evaluation. A 2-layer d=128 model warms up on the `answer` field (1500
+supervised steps through branch replay; weight decay 0.1 and lr 1e-3: the d=64 model, lr 3e-3
+or fewer steps memorise the 360 training words and reverse few held-out ones), then GRPO
+with 8 branches per prompt.
+Measured (seed 0; experiments/results/jsonl_reverse_2026-11-30.jsonl): 5 min 5 s at load ~15
+on the 2-core CPU; sampled reward on the training prompts 0.997 -> 0.998 over the RL steps
+(the warm-up already fits them); greedy exact match on the 40 held-out words 0.325 after the
+warm-up, 0.300 after RL.
+"""
+
+from branch_replay.config import Config, ReplayConfig, TrainConfig
+from branch_replay.losses import LossConfig
+from branch_replay.sampler import SamplerConfig
+from branch_replay.tasks import TaskConfig
+from branch_replay.tokenizer import TOKENIZER
+from models.transformer import ModelConfig
+
+
+def get_config() -> Config:
+  return Config(
+      model=ModelConfig(vocab_size=TOKENIZER.vocab_size, d_model=128, n_layers=2, n_heads=4,
+                        n_kv_heads=4, head_dim=32, mlp_hidden=256),
+      loss=LossConfig(name="grpo", aggregation="token_mean", epsilon=0.2),
+      replay=ReplayConfig(mode="replay"),
+      train=TrainConfig(seed=0, sft_steps=1500, sft_batch_size=32, sft_learning_rate=1e-3,
+                        rl_steps=100, batch_size=8, n_branches=8, learning_rate=3e-4,
+                        weight_decay=0.1, checkpoint_every=100, keep_checkpoints=2,
+                        eval_size=40),
+      sampler=SamplerConfig(max_new_tokens=6, temperature=1.0),
+      task=TaskConfig(name="jsonl", path="experiments/data/reverse.jsonl", prompt_len=16,
+                      reward="exact_match"),
+  )
