@@ -222,6 +222,8 @@ def main(argv):
           if FLAGS.sweep else
           [(P, T, R) for P in FLAGS.prefix_len for T in FLAGS.tail_len for R in FLAGS.branches])
   ceiling = matmul_gflops()
+  from experiments import provenance  # commit, command, jax/devices, machine, date
+  prov = provenance.provenance()
   B = FLAGS.prompts
   for P, T, R in grid:
     with tempfile.TemporaryDirectory() as tmp:
@@ -265,6 +267,7 @@ def main(argv):
         row["loss_abs_err"] = abs(rep["loss"] - nai["loss"])
       else:
         row["grad_max_rel_err"] = None
+    row["provenance"] = prov
     line = json.dumps(row)
     print(line, flush=True)
     if FLAGS.out:
