@@ -44,6 +44,8 @@ flags.DEFINE_string("preset", "small", "model size preset (models.transformer.PR
 flags.DEFINE_string("dtype", "float32", "compute and parameter dtype")
 flags.DEFINE_integer("branch_chunk", 0, "stream tails in chunks of C branches (0 = all R)")
 flags.DEFINE_bool("remat", False, "rematerialise layers (both paths)")
+flags.DEFINE_string("loss", "grpo", "objective (branch_replay.losses.OBJECTIVES); dpo needs "
+                    "--branches=2")
 flags.DEFINE_float("memory_cap_mb", 16000, "a variant whose compiled step needs more reports oom")
 flags.DEFINE_bool("sweep", False, "run the README sweep: P{512,1024,2048,4096} x T{64,128} x R{8,16}")
 flags.DEFINE_string("worker", "", "internal: run one variant ('naive' or 'replay') and print JSON")
@@ -132,8 +134,10 @@ def run_worker(mode, P, T, R):
       tail_valid_BRT=jnp.ones((B, R, T), bool),
       advantages_BR=jnp.asarray(rng.normal(size=(B, R)), dt))
   chunk = FLAGS.branch_chunk or None
+  loss_cfg = losses.LossConfig(name=FLAGS.loss)
+  if loss_cfg.objective.needs_ref:  # e.g. DPO: reference log-probs of every tail token
+    batch = batch.replace(ref_logp_BRT=jnp.asarray(-rng.exponential(size=(B, R, T)), dt))
   validate(batch, cfg.vocab_size, chunk)
-  loss_cfg = losses.LossConfig()
   step = jax.jit(lambda p, b: policy.loss_and_grad(p, b, cfg, loss_cfg, mode, chunk)[::2])
   if FLAGS.mesh:  # both paths on the mesh: params FSDP/tensor-sharded, batch by the RULES
     from branch_replay import sharding
@@ -198,7 +202,7 @@ def spawn(mode, P, T, R, grads_out):
           f"--reps={FLAGS.reps}", f"--preset={FLAGS.preset}", f"--dtype={FLAGS.dtype}",
           f"--branch_chunk={FLAGS.branch_chunk}", f"--remat={FLAGS.remat}",
           f"--memory_cap_mb={FLAGS.memory_cap_mb}", f"--grads_out={grads_out}",
-          f"--mesh={FLAGS.mesh}"]
+          f"--mesh={FLAGS.mesh}", f"--loss={FLAGS.loss}"]
   proc = subprocess.run(argv, capture_output=True, text=True)
   lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
   if proc.returncode or not lines:
@@ -234,6 +238,7 @@ def main(argv):
       naive_flops = step_flops(cfg, B, R, P, T, "naive")
       rep, nai = runs["replay"], runs["naive"]
       row = dict(prefix_len=P, tail_len=T, branches=R, prompts=B, preset=FLAGS.preset,
+                 loss=FLAGS.loss, remat=FLAGS.remat,
                  dtype=FLAGS.dtype, branch_chunk=FLAGS.branch_chunk or R,
                  token_ratio=round(R * (P + T) / (P + R * T), 3),
                  flop_ratio=round(naive_flops / replay_flops, 3),
