@@ -423,7 +423,8 @@ def predictions(fits: dict, T_list, flash_eff: float, flash_range,
         ex = Execution(attention="flash", remat=True, compute_bytes=2, context=8, shard=8,
                        naive_microbatch=1 if mode == "naive" else 0, logits_chunk=0)
         counts = step_counts(cfg, shape, mode, ex)
-        ew = layer_table(cfg, shape, mode, ex)["elementwise_bytes"] * cfg.n_layers
+        per_layer = layer_table(cfg, shape, mode, ex)
+        ew = per_layer["elementwise_bytes"] * cfg.n_layers
         comm = comm_bytes_per_device(cfg, shape, mode, ex)
         t = predict_time(counts, mm_eff, flash_eff, gpu, 8, ew, comm)
         lo = predict_time(counts, mm_eff, flash_range[1], gpu, 8, ew, comm)["step_s"]
@@ -435,6 +436,10 @@ def predictions(fits: dict, T_list, flash_eff: float, flash_range,
                    total_pflop=counts["total_flops"] / 1e15, **{k: v for k, v in t.items()},
                    step_s_range=[lo, hi], memory_gb=mem["total"] / 1e9,
                    memory_parts_gb={k: v / 1e9 for k, v in mem.items() if k != "total"},
+                   per_layer=dict(matmul_tflop=per_layer["matmul_flops"] / 1e12,
+                                  attention_tflop=per_layer["attention_flops"] / 1e12,
+                                  elementwise_gb=per_layer["elementwise_bytes"] / 1e9,
+                                  saved_gb_per_device=_saved_per_layer(cfg, shape, mode, ex) / 1e9),
                    fits=mem["total"] / 1e9 <= gpu.memory_gb * 0.92)  # ~8% runtime/fragmentation
         if mode == "naive":
           all_at_once = memory(cfg, shape, mode, dataclasses.replace(ex, naive_microbatch=0))
