@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from branch_replay import config as config_lib
-from branch_replay import losses, policy, sampler, tasks, train
+from branch_replay import losses, policy, sampler, sharding, tasks, train
 from branch_replay.batch import validate
 
 
@@ -54,14 +54,17 @@ class Stepper:
     t1 = time.perf_counter()
     samples = jax.block_until_ready(self.fns.sample(self.state.params, prompt_BP=placed[0],
                                                     prompt_valid_BP=placed[1], key=key))
+    if cfg.mesh:  # as train.rl_batch: every process decodes and rewards all samples
+      samples = sharding.to_host(samples)
     t2 = time.perf_counter()
     rewards_BR = train.rewards_of(self.task, examples, train.completions(samples))
     t3 = time.perf_counter()
     adv_BR = losses.group_advantages(jnp.asarray(rewards_BR), use_std=cfg.train.advantage_std)
     batch = sampler.to_batch(prompt_BP, valid_BP, samples, adv_BR)
     if self.state.ref_params is not None:
-      ref_BRT, ref_trunk_BW = jax.block_until_ready(
+      scored = jax.block_until_ready(
           self.fns.score(self.state.ref_params, batch=train.place(batch, "batch", cfg)))
+      ref_BRT, ref_trunk_BW = sharding.to_host(scored) if cfg.mesh else scored
       batch = batch.replace(ref_logp_BRT=ref_BRT,
                             trunk_ref_logp_BW=ref_trunk_BW if batch.trunk_len else None)
     validate(batch, cfg.model.vocab_size, cfg.replay.branch_chunk)
