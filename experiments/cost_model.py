@@ -243,15 +243,17 @@ def memory(cfg: tfm.ModelConfig, shape: Shape, mode: str, ex: Execution) -> dict
                                      and ex.context > 1 else 0.0)  # + its sequence shards
     parts["prefix_cache_cotangent"] = cache
     work_tokens, work_keys, n_scored = B * P / ex.context, P, B * math.ceil(R / ex.context) * T
+    kv_seqs = B
   else:
     seqs = min(B * R, ex.naive_microbatch) if ex.naive_microbatch else B * R
     work_tokens, work_keys, n_scored = seqs * (P + T) / ex.context, P + T, seqs * T / ex.context
+    kv_seqs = seqs
     if ex.naive_microbatch:
       parts["gradient_accumulator"] = 0.0  # the sharded fp32 gradient above accumulates
   # One layer's backward: activations of its positions and their cotangents, the layer's
   # gathered K/V and their fp32 cotangents; dense attention adds its fp32 scores.
   work = 2 * work_tokens * (4 * D + (N + 2 * K) * H * 2 + N * H + 3 * F) * b
-  work += 2 * work_keys * K * H * (b + 4) * (B if mode == "replay" else 1)
+  work += 2 * work_keys * K * H * (b + 4) * kv_seqs
   if ex.attention == "dense":
     work += 2 * work_tokens * work_keys * N * 4
   parts["layer_working_set"] = work
