@@ -6,6 +6,7 @@ seed bands, and the per-step gradient cosine of the two modes on identical batch
       --plot=experiments/results/q2_cpu_$(date +%F).png          # 3 seeds x 150 RL steps
   python experiments/q2_convergence.py --seeds=0 --rl_steps=5 --cosine_steps=3 \
       --set=train.sft_steps=20 --workdir_root=/tmp/q2
+  python experiments/q2_convergence.py --nocurves --seeds=0 --cosine_steps=5   # cosine only
 
 Lines: kind=curve (mode, seed, step, reward/mean, loss/policy, eval/greedy_reward when
 evaluated), kind=cosine (step, grad_cosine, grad_rel_diff, both losses: replay's and naive's
@@ -37,6 +38,8 @@ def define_flags():
   flags.DEFINE_multi_integer("seeds", [0, 1, 2], "training seeds")
   flags.DEFINE_integer("rl_steps", 150, "RL steps per run (after the experiment's warm-up)")
   flags.DEFINE_multi_string("mode", ["replay", "naive"], "paths to train")
+  flags.DEFINE_bool("curves", True, "train every (mode, seed) for the curves (--nocurves: "
+                    "only the identical-batch gradient comparison)")
   flags.DEFINE_integer("cosine_steps", 20, "RL steps of the identical-batch gradient comparison")
   flags.DEFINE_integer("smooth", 10, "running-mean window of the reward curves")
   flags.DEFINE_string("experiment", "grpo_haystack", "module in experiments/ with get_config()")
@@ -155,12 +158,12 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   from experiments import provenance
   writer = provenance.ResultsWriter(FLAGS.out, "q2_convergence", echo=False)
-  rows = curves(FLAGS.experiment, FLAGS.set, FLAGS.seeds, FLAGS.mode, FLAGS.rl_steps,
-                FLAGS.workdir_root, writer)
+  rows = (curves(FLAGS.experiment, FLAGS.set, FLAGS.seeds, FLAGS.mode, FLAGS.rl_steps,
+                 FLAGS.workdir_root, writer) if FLAGS.curves else [])
   cos_rows = (cosines(FLAGS.experiment, FLAGS.set, FLAGS.seeds[0], FLAGS.cosine_steps,
                       FLAGS.workdir_root, writer) if FLAGS.cosine_steps else [])
-  v = writer.write(verdict(rows, FLAGS.smooth))
-  print(v)
+  if rows:
+    print(writer.write(verdict(rows, FLAGS.smooth)))
   measured = [abs(r["one_minus_cosine"]) for r in cos_rows if r["one_minus_cosine"] is not None]
   print(f"1 - cosine: max {max(measured) if measured else None} over {len(measured)} of "
         f"{len(cos_rows)} steps (the others had a zero gradient)")
