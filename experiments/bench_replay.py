@@ -50,6 +50,8 @@ flags.DEFINE_integer("block_q", 0, "attention query block (0 = the model default
 flags.DEFINE_integer("block_k", 0, "attention key block (0 = the model default)")
 flags.DEFINE_integer("logits_chunk", 1024, "tokens per logits chunk, both paths (0 = unchunked)")
 flags.DEFINE_bool("scan_layers", True, "lax.scan over layers (both paths)")
+flags.DEFINE_string("loss", "grpo", "objective (branch_replay.losses.OBJECTIVES); dpo needs "
+                    "--branches=2")
 flags.DEFINE_float("memory_cap_mb", 16000, "a variant whose compiled step needs more reports oom")
 flags.DEFINE_bool("sweep", False, "run the README sweep: P{1K,2K,4K,8K} x T{128,512} x R{8,16}")
 flags.DEFINE_bool("frontier", False, "memory frontier: double P from the first --prefix_len "
@@ -149,8 +151,10 @@ def run_worker(mode, P, T, R):
       tail_valid_BRT=jnp.ones((B, R, T), bool),
       advantages_BR=jnp.asarray(rng.normal(size=(B, R)), dt))
   chunk = FLAGS.branch_chunk or None
+  loss_cfg = losses.LossConfig(name=FLAGS.loss)
+  if loss_cfg.objective.needs_ref:  # e.g. DPO: reference log-probs of every tail token
+    batch = batch.replace(ref_logp_BRT=jnp.asarray(-rng.exponential(size=(B, R, T)), dt))
   validate(batch, cfg.vocab_size, chunk)
-  loss_cfg = losses.LossConfig()
   step = jax.jit(lambda p, b: policy.loss_and_grad(p, b, cfg, loss_cfg, mode, chunk)[::2])
   if FLAGS.mesh:  # both paths on the mesh: params FSDP/tensor-sharded, batch by the RULES
     from branch_replay import sharding
@@ -218,7 +222,7 @@ def spawn(mode, P, T, R, grads_out):
           f"--logits_chunk={FLAGS.logits_chunk}", f"--scan_layers={FLAGS.scan_layers}",
           f"--branch_chunk={FLAGS.branch_chunk}", f"--remat={FLAGS.remat}",
           f"--memory_cap_mb={FLAGS.memory_cap_mb}", f"--grads_out={grads_out}",
-          f"--mesh={FLAGS.mesh}"]
+          f"--mesh={FLAGS.mesh}", f"--loss={FLAGS.loss}"]
   proc = subprocess.run(argv, capture_output=True, text=True)
   lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
   if proc.returncode or not lines:
@@ -256,7 +260,7 @@ def main(argv):
       row = dict(prefix_len=P, tail_len=T, branches=R, prompts=B, preset=FLAGS.preset,
                  dtype=FLAGS.dtype, param_dtype=FLAGS.param_dtype, attention=FLAGS.attention,
                  remat=FLAGS.remat, logits_chunk=FLAGS.logits_chunk,
-                 branch_chunk=FLAGS.branch_chunk or R,
+                 loss=FLAGS.loss, branch_chunk=FLAGS.branch_chunk or R,
                  token_ratio=round(R * (P + T) / (P + R * T), 3),
                  flop_ratio=round(naive_flops / replay_flops, 3),
                  replay_s="oom" if rep.get("oom") else rep.get("seconds"), naive_s="oom" if nai.get("oom") else nai.get("seconds"),
@@ -293,24 +297,13 @@ def main(argv):
 
 
 def emit(row):
-  row = dict(row, **provenance())
+  from experiments import provenance  # commit, dirty flag, command, jax/devices, machine, date
+  row = dict(row, provenance=provenance.provenance())
   line = json.dumps(row)
   print(line, flush=True)
   if FLAGS.out:
     with open(FLAGS.out, "a") as f:
       f.write(line + "\n")
-
-
-def provenance():
-  """Where a results line came from: commit, command, machine."""
-  import platform
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  git = lambda *a: subprocess.run(["git", "-C", root, *a], capture_output=True,
-                                  text=True).stdout.strip()
-  return dict(commit=git("rev-parse", "--short", "HEAD"),
-              dirty=bool(git("status", "--porcelain", "--untracked-files=no")),
-              command=" ".join([os.path.relpath(sys.argv[0], root), *sys.argv[1:]]),
-              machine=f"{platform.machine()} {os.cpu_count()} cpus", host_load=os.getloadavg()[0])
 
 
 def frontier(cfg):
