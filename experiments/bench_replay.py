@@ -54,9 +54,6 @@ flags.DEFINE_string("loss", "grpo", "objective (branch_replay.losses.OBJECTIVES)
                     "--branches=2")
 flags.DEFINE_float("memory_cap_mb", 16000, "a variant whose compiled step needs more reports oom")
 flags.DEFINE_bool("sweep", False, "run the README sweep: P{1K,2K,4K,8K} x T{128,512} x R{8,16}")
-flags.DEFINE_bool("frontier", False, "memory frontier: double P from the first --prefix_len "
-                  "until each path reports oom (under --memory_cap_mb of compiled or RSS peak)")
-flags.DEFINE_integer("frontier_max", 65536, "largest P the frontier tries")
 flags.DEFINE_string("worker", "", "internal: run one variant ('naive' or 'replay') and print JSON")
 flags.DEFINE_string("grads_out", "", "internal: where a worker saves its gradient")
 flags.DEFINE_string("out", "", "also append the JSON lines to this file")
@@ -68,8 +65,9 @@ def model_config():
   from models import transformer as tfm
   blocks = {k: v for k, v in (("attention_block_q", FLAGS.block_q),
                               ("attention_block_k", FLAGS.block_k)) if v}
+  remat = {"true": "full", "false": "none"}.get(FLAGS.remat.lower(), FLAGS.remat)
   return tfm.preset(FLAGS.preset, dtype=FLAGS.dtype, param_dtype=FLAGS.param_dtype,
-                    remat=FLAGS.remat, attention=FLAGS.attention,
+                    remat=remat, attention=FLAGS.attention,
                     logits_chunk=FLAGS.logits_chunk or None, scan_layers=FLAGS.scan_layers,
                     **blocks)
 
@@ -242,8 +240,6 @@ def main(argv):
     run_worker(FLAGS.worker, FLAGS.prefix_len[0], FLAGS.tail_len[0], FLAGS.branches[0])
     return
   cfg = model_config()
-  if FLAGS.frontier:
-    return frontier(cfg)
   grid = ([(P, T, R) for P in (1024, 2048, 4096, 8192) for T in (128, 512) for R in (8, 16)]
           if FLAGS.sweep else
           [(P, T, R) for P in FLAGS.prefix_len for T in FLAGS.tail_len for R in FLAGS.branches])
@@ -304,29 +300,6 @@ def emit(row):
   if FLAGS.out:
     with open(FLAGS.out, "a") as f:
       f.write(line + "\n")
-
-
-def frontier(cfg):
-  """The longest prefix each path runs: P doubles from --prefix_len until the step's compiled
-  footprint or its peak RSS growth passes --memory_cap_mb (the path then reports oom)."""
-  T, R, B = FLAGS.tail_len[0], FLAGS.branches[0], FLAGS.prompts
-  for mode in ("replay", "naive"):
-    P, best = FLAGS.prefix_len[0], None
-    while P <= FLAGS.frontier_max:
-      run = spawn(mode, P, T, R, "")
-      fits = (run.get("seconds") is not None and not run.get("oom")
-              and run.get("peak_mb", 0) <= FLAGS.memory_cap_mb)
-      emit(dict(kind="frontier_point", mode=mode, prefix_len=P, tail_len=T, branches=R,
-                prompts=B, preset=FLAGS.preset, dtype=FLAGS.dtype, fits=fits,
-                seconds=run.get("seconds"), peak_mb=run.get("peak_mb"),
-                compiled_mb=run.get("compiled_mb"), memory_cap_mb=FLAGS.memory_cap_mb,
-                error=run.get("error", "")[-300:]))
-      if not fits:
-        break
-      best = P
-      P *= 2
-    emit(dict(kind="frontier", mode=mode, max_prefix_len=best, tail_len=T, branches=R,
-              preset=FLAGS.preset, dtype=FLAGS.dtype, memory_cap_mb=FLAGS.memory_cap_mb))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ peak RSS growth on a CPU, or device peak on a GPU, must stay under the cap).
 
   python experiments/q3_memory_frontier.py --cap_mb=12000 \
       --out=experiments/results/q3_cpu_$(date +%F).jsonl         # CPU, small preset
-  python experiments/q3_memory_frontier.py --preset=large --dtype=bfloat16 --remat \
+  python experiments/q3_memory_frontier.py --preset=large --dtype=bfloat16 --remat=full \
       --cap_mb=130000 --start=2048 --max_prefix_len=262144       # one GPU
   python experiments/q3_memory_frontier.py --preset=tiny --branches=2 --start=16 \
       --max_prefix_len=64 --granularity=16 --cap_mb=2000         # the smoke test's size
@@ -38,7 +38,7 @@ def define_flags():
   flags.DEFINE_integer("prompts", 1, "B")
   flags.DEFINE_string("preset", "small", "model preset")
   flags.DEFINE_string("dtype", "float32", "dtype")
-  flags.DEFINE_bool("remat", False, "remat both paths")
+  flags.DEFINE_string("remat", "none", "remat policy of both paths: none|full|dots")
   flags.DEFINE_integer("branch_chunk", 0, "replay tails in chunks of C (0 = all)")
   flags.DEFINE_float("cap_mb", 12000, "memory cap per trial (MB)")
   flags.DEFINE_integer("start", 512, "first P tried")
