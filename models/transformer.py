@@ -25,7 +25,6 @@ configured remat policy; the parameter tree stays per layer (`layer_i`), as Hugg
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple, Optional, Sequence
 
 import flax.linen as nn
@@ -33,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from models import attention
+from models.layers import RMSNorm, rope, rope_inv_freq  # noqa: F401
 from models.config import (ACTIVATIONS, DTYPES, PRESETS, REMAT_POLICIES,  # noqa: F401
                            ROPE_SCALING_TYPES, ModelConfig, RopeScaling, preset)
 
@@ -61,39 +61,6 @@ class PrefixCache(NamedTuple):
   trunk_h_BWD: Array
 
 
-def rope_inv_freq(H: int, theta: float, scaling: Optional[RopeScaling] = None) -> Array:
-  """The H/2 rotary frequencies in fp32 (as Hugging Face computes them), optionally scaled."""
-  inv_freq_h = 1.0 / (theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
-  if scaling is None:
-    return inv_freq_h
-  if scaling.type == "linear":
-    return inv_freq_h / scaling.factor
-  # llama3: wavelengths above original/low_freq_factor are divided by factor, those below
-  # original/high_freq_factor kept, a linear ramp in between.
-  factor, low, high = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
-  old_len = scaling.original_max_positions
-  wavelen_h = 2 * math.pi / inv_freq_h
-  scaled_h = jnp.where(wavelen_h > old_len / low, inv_freq_h / factor, inv_freq_h)
-  smooth_h = (old_len / wavelen_h - low) / (high - low)
-  smoothed_h = (1 - smooth_h) * scaled_h / factor + smooth_h * scaled_h
-  medium_h = ~(wavelen_h < old_len / high) & ~(wavelen_h > old_len / low)
-  return jnp.where(medium_h, smoothed_h, scaled_h)
-
-
-def rope(x_BTNH: Array, positions_BT: Array, theta: float,
-         scaling: Optional[RopeScaling] = None) -> Array:
-  """Rotary embedding, rotate-half convention (as Hugging Face Llama), computed in fp32."""
-  H = x_BTNH.shape[-1]
-  inv_freq_h = rope_inv_freq(H, theta, scaling)
-  angle_BTh = positions_BT.astype(jnp.float32)[..., None] * inv_freq_h
-  angle_BTH = jnp.concatenate([angle_BTh, angle_BTh], axis=-1)[:, :, None, :]
-  cos, sin = jnp.cos(angle_BTH), jnp.sin(angle_BTH)
-  x = x_BTNH.astype(jnp.float32) if x_BTNH.dtype != jnp.float64 else x_BTNH
-  x1, x2 = jnp.split(x, 2, axis=-1)
-  rotated = jnp.concatenate([-x2, x1], axis=-1)
-  return (x * cos + rotated * sin).astype(x_BTNH.dtype)
-
-
 def keep_window(kv: KV, window: Optional[int]) -> KV:
   """A sliding-window layer's prefix cache: only the last `window` (left-padded) positions.
   A later query reaches at most the last window-1 of them; one more keeps the length the
@@ -105,25 +72,6 @@ def keep_window(kv: KV, window: Optional[int]) -> KV:
 
 
 # ----------------------------------------------------------------------------- modules
-
-
-class RMSNorm(nn.Module):
-  """x / rms(x) * (offset + scale), in fp32; Gemma stores scale around 0 with offset 1."""
-  eps: float
-  param_dtype: Any
-  offset: float = 0.0
-  axes: tuple[str, ...] = ("embed",)
-
-  @nn.compact
-  def __call__(self, x):
-    init = nn.initializers.ones if self.offset == 0 else nn.initializers.constant(1 - self.offset)
-    scale = self.param("scale", nn.with_logical_partitioning(init, self.axes),
-                       (x.shape[-1],), self.param_dtype)
-    acc = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
-    xf = x.astype(acc)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-    scale = scale.astype(acc) + self.offset if self.offset else scale.astype(acc)
-    return (y * scale).astype(x.dtype)
 
 
 class Block(nn.Module):
