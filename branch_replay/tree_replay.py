@@ -243,6 +243,18 @@ def replay_loss_and_grad(params, batch: TreeBatch, model_cfg: tfm.ModelConfig,
   return loss, jax.tree.map(lambda x: _flat(x, depth), aux), grads
 
 
+def logps(params, batch: TreeBatch, model_cfg: tfm.ModelConfig):
+  """Log-probs of every node's tokens, one forward per node (the tree's forward, no grad):
+  (per level [B, R, T] with 0 where invalid, trunk_logp_BW). E.g. the reference policy's."""
+  inputs = _inputs(batch, losses.LossConfig())
+  caches, out = [_root_cache(params, model_cfg, inputs[0])], []
+  for d, level in enumerate(batch.levels, start=1):
+    fn = _vmap_nodes(functools.partial(_inner_cache, model_cfg=model_cfg), d)
+    caches.append(fn(params, tuple(caches), tuple(inputs[:d]), inputs[d]))
+    out.append(jnp.where(level.valid_BRT, _flat(caches[-1]["logp_BT"], d), 0.0))
+  return tuple(out), caches[0]["trunk_logp_BW"]
+
+
 # ----------------------------------------------------------------------------- naive twin
 
 
