@@ -14,7 +14,9 @@ a level gives `advantages_BR`, its node's (tree-aware advantages, `tree_advantag
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 from typing import Optional, Sequence
 
 import flax.struct
@@ -240,3 +242,23 @@ def tree_advantages(rewards_BR, fanouts: Sequence[int], *, use_std: bool = True,
       adv = adv / (groups.std(-1, keepdims=True) + eps)
     out.append(adv.reshape(B, -1).astype(np.float32))
   return out
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeConfig:
+  """Trees in the trainer (`--set=tree.fanouts=4x4`): R_1 openings per prompt, R_2
+  continuations of each, ...; "" = no tree (the flat trainer)."""
+  fanouts: str = ""
+  node_advantages: bool = True  # tree-aware: an inner node's tokens get its own advantage
+  # (its leaves' mean reward, normalised among siblings); False: every path its leaf's
+
+  def __post_init__(self):
+    if self.fanouts and not re.fullmatch(r"[1-9]\d*(x[1-9]\d*)*", self.fanouts):
+      raise ValueError(f"tree.fanouts={self.fanouts!r}: expected '' or fan-outs such as '4x4'")
+
+  @property
+  def fanout_tuple(self) -> tuple[int, ...]:
+    return tuple(int(r) for r in self.fanouts.split("x")) if self.fanouts else ()

@@ -259,8 +259,10 @@ def logps(params, batch: TreeBatch, model_cfg: tfm.ModelConfig):
 
 
 def paths(batch: TreeBatch, loss_cfg: losses.LossConfig):
-  """Every root-to-leaf path as its own sequence, valid tokens moved to the front (as a
-  trainer without trees would hold it): a dict of [B*leaves, S] arrays (S = P + sum T_d)."""
+  """Every root-to-leaf path as its own sequence, as a trainer without trees holds it: the
+  left-padded prompt, then the path's response tokens contiguous (each node's valid tokens
+  moved up behind its ancestors', padding at the end). A dict of [B*leaves, S] arrays
+  (S = P + sum of T_d); scored tokens lie in the last S - (P - W) positions."""
   B, P = batch.root_BP.shape
   n, W = batch.n_leaves, batch.trunk_len
   w_BR = leaf_weights(loss_cfg, batch)
@@ -279,16 +281,19 @@ def paths(batch: TreeBatch, loss_cfg: losses.LossConfig):
   trunk = lambda x: None if x is None else jnp.concatenate(
       [jnp.zeros((B, P - W), x.dtype), x], 1)[:, None]
   root_scored = jnp.broadcast_to(jnp.arange(P) >= P - W, (B, P)) & batch.root_valid_BP
-  segments = [segment(batch.root_BP[:, None], batch.root_valid_BP[:, None], root_scored[:, None],
-                      leaf_adv_BR, trunk(batch.trunk_old_logp_BW), trunk(batch.trunk_ref_logp_BW),
-                      False)]
+  root = segment(batch.root_BP[:, None], batch.root_valid_BP[:, None], root_scored[:, None],
+                 leaf_adv_BR, trunk(batch.trunk_old_logp_BW), trunk(batch.trunk_ref_logp_BW),
+                 False)
+  below = []
   for d, level in enumerate(batch.levels, start=1):
     adv = leaf_adv_BR if level.advantages_BR is None else level.advantages_BR
-    segments.append(segment(level.tokens_BRT, level.valid_BRT, level.scored(), adv,
-                            level.old_logp_BRT, level.ref_logp_BRT, d == batch.depth))
-  seq = {k: jnp.concatenate([s[k] for s in segments], axis=-1) for k in segments[0]}
-  order = jnp.argsort(~seq["valid"], axis=-1, stable=True)  # valid tokens first, in order
-  seq = {k: jnp.take_along_axis(v, order, axis=-1).reshape(B * n, -1) for k, v in seq.items()}
+    below.append(segment(level.tokens_BRT, level.valid_BRT, level.scored(), adv,
+                         level.old_logp_BRT, level.ref_logp_BRT, d == batch.depth))
+  below = {k: jnp.concatenate([s[k] for s in below], axis=-1) for k in root}
+  order = jnp.argsort(~below["valid"], axis=-1, stable=True)  # valid tokens first, in order
+  seq = {k: jnp.concatenate([root[k], jnp.take_along_axis(below[k], order, axis=-1)], -1)
+         for k in root}
+  seq = {k: v.reshape(B * n, -1) for k, v in seq.items()}
   seq["weight"] = w_BR.reshape(B * n)
   return seq
 
@@ -298,11 +303,14 @@ def naive_loss(params, batch: TreeBatch, model_cfg: tfm.ModelConfig,
   """The naive twin: every root-to-leaf path as its own full sequence through tfm.forward.
   Returns (loss, aux_BR per leaf)."""
   B, n = batch.root_BP.shape[0], batch.n_leaves
+  first = batch.root_BP.shape[1] - batch.trunk_len  # the first position that may be scored
   s = paths(batch, loss_cfg)
   h_NSD = tfm.forward(params, model_cfg, s["tokens"], s["valid"])
-  # Token i is predicted by the hidden state at i-1 (valid tokens are contiguous).
-  logp_NS, entropy_NS = tfm.token_logps(params, model_cfg, h_NSD[:, :-1], s["tokens"][:, 1:])
-  cut = lambda x: x[:, 1:]
+  # Token i is predicted by the hidden state at i-1 (the prompt's last token for the first
+  # response token: response tokens are contiguous behind it).
+  logp_NS, entropy_NS = tfm.token_logps(params, model_cfg, h_NSD[:, first - 1:-1],
+                                        s["tokens"][:, first:])
+  cut = lambda x: x[:, first:]
   scored, leaf, valid = cut(s["scored"]), cut(s["leaf"]), cut(s["valid"])
   sg = jax.lax.stop_gradient(logp_NS)
   given = lambda name: getattr(batch.leaves, name) is not None
