@@ -1,16 +1,18 @@
-"""A multi-turn task whose turns branch: two-step retrieval in a haystack.
+"""A multi-turn task whose turns branch: a two-turn lookup in a haystack.
 
-The prompt hides key records `Kv` (an uppercase key, value digits) and alias records `aK`
-(a lowercase alias naming a key) in filler, and ends with `?a`. Turn 1 must name the key the
-alias points to, `K;`; turn 2 must give that key's value, `v<eos>`. Sampled as a tree: R_1
-first turns per prompt, R_2 second turns of each; a leaf's reward is 1 when both turns are
-right. Registered as task `tree_haystack` (its options are TaskConfig's haystack fields).
+The prompt hides key records `Kv` (an uppercase key, value digits) in filler and ends with
+`?k` (a key asked for in lowercase). Turn 1 must name the key, `K;`; turn 2 must give its
+value, `v<eos>`, which lies deep in the long prompt. Sampled as a tree: R_1 first turns per
+prompt, R_2 second turns of each; a leaf's reward is 1 when both turns are right, so a wrong
+first turn dooms all its leaves. Registered as task `tree_haystack` (its options are
+TaskConfig's haystack fields).
+(A variant with alias records `ak`, where turn 1 itself is a lookup, was not learned by the
+2-layer model's warm-up within a few minutes: see the README.)
 """
 
 from __future__ import annotations
 
 import dataclasses
-import string
 
 import numpy as np
 
@@ -28,53 +30,39 @@ class TreeExample:
 
 
 class TreeHaystack:
-  """Two-turn alias -> key -> value retrieval."""
+  """`?k` -> turn 1 `K;` -> turn 2 the value of record `Kv`."""
 
   def __init__(self, cfg: tasks.TaskConfig):
-    need = 1 + 2 * cfg.n_keys * (1 + cfg.value_len) + 2
+    need = 1 + cfg.n_keys * (1 + cfg.value_len) + 2
     for name in ("prompt_len", "sft_prompt_len"):
       if getattr(cfg, name) and getattr(cfg, name) < need:
         raise ValueError(f"task.{name}={getattr(cfg, name)}: expected >= {need} to hold "
-                         f"n_keys={cfg.n_keys} records and aliases + the query")
+                         f"n_keys={cfg.n_keys} records of value_len={cfg.value_len} + the query")
     self.cfg = cfg
     self.max_prompt_len = cfg.prompt_len
     self.sft_prompt_len = cfg.sft_prompt_len or cfg.prompt_len
     self.turn_lengths = (2, cfg.value_len + 1)  # `K;`, then `v<eos>`
+    self._haystack = tasks.Haystack(cfg)
 
   def stop_tokens(self, tok=TOKENIZER):
     """Per turn: turn 1 ends at TURN_END (or EOS), turn 2 at EOS."""
     return ((tok.encode(TURN_END)[0], tok.eos_id), (tok.eos_id,))
 
-  def _haystack(self, rng, prompt_len):
-    cfg = self.cfg
-    width = 1 + cfg.value_len  # `Kv` and `aK` alike when value_len == 1; aliases use 2
-    L = prompt_len - 1 - 2  # BOS and the query excluded
-    chars = ["."] * L
-    keys = rng.choice(list(string.ascii_uppercase), size=cfg.n_keys, replace=False)
-    aliases = rng.choice(list(string.ascii_lowercase), size=cfg.n_keys, replace=False)
-    slots = rng.choice(L // width, size=2 * cfg.n_keys, replace=False)
-    values = {}
-    for i, key in enumerate(keys):
-      values[key] = "".join(rng.choice(list(string.digits), size=cfg.value_len))
-      chars[slots[i] * width:slots[i] * width + width] = [key, *values[key]]
-      alias = [aliases[i], key] + ["."] * (width - 2)
-      chars[slots[cfg.n_keys + i] * width:slots[cfg.n_keys + i] * width + width] = alias
-    return "".join(chars), keys, aliases, values
-
   def sample(self, rng: np.random.Generator, prompt_len: int | None = None) -> TreeExample:
-    haystack, keys, aliases, values = self._haystack(rng, prompt_len or self.cfg.prompt_len)
-    ask = int(rng.integers(self.cfg.n_keys))
-    return TreeExample(haystack + "?" + aliases[ask], keys[ask], values[keys[ask]])
+    ex = self._haystack.sample(rng, prompt_len or self.cfg.prompt_len)  # ends `?K`
+    key = ex.prompt[-1]
+    return TreeExample(ex.prompt[:-1] + key.lower(), key, ex.answer)
 
   def reward(self, example: TreeExample, turn1: str, turn2: str) -> float:
-    """1 when turn 1 is `K;` for the right key and turn 2 its value (decoded up to EOS)."""
+    """1 when turn 1 is `K;` for the asked key and turn 2 its value (decoded up to EOS)."""
     return float(turn1 == example.key + TURN_END and turn2 == example.value)
 
   def supervised(self, rng: np.random.Generator):
-    """Warm-up tree: the haystack is the root; one opening per alias, `?aK;` (the query
-    `?a` unscored, the answer `K;` scored), each continued by its value `v<eos>`."""
-    haystack, keys, aliases, values = self._haystack(rng, self.sft_prompt_len)
-    return haystack, [(f"?{a}", f"{k}{TURN_END}", values[k]) for a, k in zip(aliases, keys)]
+    """Warm-up tree: the haystack is the root; one opening per key, `?kK;` (the question
+    `?k` unscored, the answer `K;` scored), each continued by its value `v<eos>`."""
+    haystack, tails = self._haystack.supervised(rng)  # tails `?Kv` per record
+    n = self.cfg.value_len
+    return haystack, [(f"?{t[1].lower()}", f"{t[1]}{TURN_END}", t[2:2 + n]) for t in tails]
 
 
 tasks.TASKS.setdefault("tree_haystack", TreeHaystack)

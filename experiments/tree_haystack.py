@@ -1,15 +1,16 @@
-"""Tree GRPO on a two-turn retrieval task whose turns branch (branch_replay/tree_task.py).
+"""Tree GRPO on a two-turn lookup task whose turns branch (branch_replay/tree_task.py).
 
   python run.py --experiment=tree_haystack --workdir=runs/tree
 
-The prompt hides key records `Kv` and alias records `aK` in filler and ends with `?a`; turn 1
-must name the aliased key (`K;`), turn 2 its value (`v<eos>`). A 2-layer d=64 model warms up
-on short haystacks through the tree engine (root = haystack, one opening `?aK;` per alias,
-the query unscored, one second turn each), then RL samples a 4 x 4 tree per long prompt:
-the prompt prefilled once, 4 first turns sharing its K/V, 4 second turns of each sharing
-the prompt's and the first turn's K/V; leaf reward 1 when both turns are right;
-tree-aware advantages (leaves normalised among siblings, a first turn gets its leaves' mean,
-normalised among the first turns); one jitted step through tree replay.
+The prompt hides four key records `Kv` in 256 characters of filler and ends with `?k` (a key
+in lowercase); turn 1 must name the key (`K;`), turn 2 its value (`v<eos>`). A 2-layer d=64
+model warms up on short haystacks through the tree engine (root = a 32-token haystack, one
+opening `?kK;` per record with the question `?k` unscored, one second turn `v<eos>` each),
+then RL samples a 4 x 4 tree per long prompt: the prompt prefilled once, 4 first turns
+sharing its K/V, 4 second turns of each sharing the prompt's and the first turn's K/V; leaf
+reward 1 when both turns are right; tree-aware advantages (leaves normalised among
+siblings, a first turn gets its leaves' mean reward, normalised among the first turns); one
+jitted step through tree replay.
 Expected numbers: see the README's tree section (measured on the shared 2-core CPU).
 """
 
@@ -29,11 +30,11 @@ def get_config() -> Config:
                         n_kv_heads=4, head_dim=16, mlp_hidden=128),
       loss=LossConfig(name="grpo", aggregation="token_mean", epsilon=0.2),
       replay=ReplayConfig(mode="replay"),
-      train=TrainConfig(seed=0, sft_steps=400, sft_batch_size=16, sft_learning_rate=3e-3,
-                        rl_steps=120, batch_size=8, n_branches=4, learning_rate=1e-3,
+      train=TrainConfig(seed=0, sft_steps=600, sft_batch_size=32, sft_learning_rate=3e-3,
+                        rl_steps=150, batch_size=8, n_branches=4, learning_rate=1e-3,
                         checkpoint_every=50, keep_checkpoints=2, eval_size=128),
       sampler=SamplerConfig(temperature=1.0),
-      task=TaskConfig(name="tree_haystack", prompt_len=128, n_keys=3, value_len=1,
+      task=TaskConfig(name="tree_haystack", prompt_len=256, n_keys=4, value_len=1,
                       sft_prompt_len=32),
       tree=TreeConfig(fanouts="4x4"),
   )

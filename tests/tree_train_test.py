@@ -20,15 +20,15 @@ def test_two_turn_task():
                                      sft_prompt_len=20))
   ex = task.sample(np.random.default_rng(0))
   haystack, query = ex.prompt[:-2], ex.prompt[-2:]
-  assert len(ex.prompt) == 40 - 1 and query[0] == "?"
-  alias = query[1]
-  assert alias + ex.key in haystack and haystack.count(alias) == 1  # the alias record `aK`
-  assert ex.key + ex.value in haystack  # the key record `Kv`
+  assert len(ex.prompt) == 40 - 1 and query == "?" + ex.key.lower()
+  assert haystack.count(ex.key) == 1 and ex.key + ex.value in haystack  # the record `Kv`
   assert task.reward(ex, ex.key + ";", ex.value) == 1.0
   assert task.reward(ex, ex.key, ex.value) == 0.0  # turn 1 must end with `;`
   assert task.reward(ex, "Z;", ex.value) == 0.0
   root, turns = task.supervised(np.random.default_rng(1))
-  assert len(turns) == 3 and all(q[0] == "?" and a[1] == ";" for q, a, _ in turns)
+  assert len(turns) == 3
+  for q, a, v in turns:
+    assert q == "?" + a[0].lower() and a[1] == ";" and a[0] + v in root
   batch = tree_train.sft_batch(task, np.random.default_rng(2),
                                Config(task=task.cfg, train=Config().train), TOKENIZER)
   tree.validate(batch, TOKENIZER.vocab_size)
