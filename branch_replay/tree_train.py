@@ -57,7 +57,7 @@ def _encode_nodes(texts, length, tok, eos):
 
 
 def sft_batch(task, rng: np.random.Generator, cfg: Config, tok=TOKENIZER) -> tree.TreeBatch:
-  """Warm-up trees: root = haystack, one opening per alias `?aK;` (query unscored), one
+  """Warm-up trees: root = haystack, one opening per key `?kK` (the question unscored), one
   second turn `v<eos>` each; advantage 1 everywhere (objective -log p)."""
   items = [task.supervised(rng) for _ in range(cfg.train.sft_batch_size)]
   B, R = len(items), len(items[0][1])
@@ -65,7 +65,7 @@ def sft_batch(task, rng: np.random.Generator, cfg: Config, tok=TOKENIZER) -> tre
   T1 = 2 + task.turn_lengths[0]
   query = [q + a for _, turns in items for q, a, _ in turns]
   tokens1, valid1 = _encode_nodes(query, T1, tok, eos=False)
-  scored1 = valid1 & (np.arange(T1) >= 2)  # `?a` is the question, not the policy's turn
+  scored1 = valid1 & (np.arange(T1) >= 2)  # `?k` is the question, not the policy's turn
   tokens2, valid2 = _encode_nodes([v for _, turns in items for _, _, v in turns],
                                   task.turn_lengths[1], tok, eos=True)
   shape = lambda x: x.reshape(B, R, -1)
@@ -93,7 +93,7 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
   batch = tree_sampler.to_tree_batch(prompt_BP, valid_BP, jax.device_get(samples), fanouts,
                                      advantages)
   tree.validate(batch, cfg.model.vocab_size, cfg.replay.branch_chunk)
-  turn1_ok = np.mean([[t == e.key + tree_task.TURN_END for t in row]
+  turn1_ok = np.mean([[task.first_turn_right(e, t) for t in row]
                       for e, row in zip(examples, _texts(samples.tokens[0], tok))])
   return batch, {"reward/mean": float(rewards_BR.mean()), "reward/std": float(rewards_BR.std()),
                  "reward/turn1": float(turn1_ok), "time/sample_s": sample_s}

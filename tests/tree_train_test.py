@@ -22,19 +22,19 @@ def test_two_turn_task():
   haystack, query = ex.prompt[:-2], ex.prompt[-2:]
   assert len(ex.prompt) == 40 - 1 and query == "?" + ex.key.lower()
   assert haystack.count(ex.key) == 1 and ex.key + ex.value in haystack  # the record `Kv`
-  assert task.reward(ex, ex.key + ";", ex.value) == 1.0
-  assert task.reward(ex, ex.key, ex.value) == 0.0  # turn 1 must end with `;`
-  assert task.reward(ex, "Z;", ex.value) == 0.0
+  assert task.reward(ex, ex.key, ex.value) == 1.0
+  assert task.reward(ex, "", ex.value) == 0.0  # an empty first turn (EOS)
+  assert task.reward(ex, ex.key, ex.value + "1") == 0.0
   root, turns = task.supervised(np.random.default_rng(1))
   assert len(turns) == 3
   for q, a, v in turns:
-    assert q == "?" + a[0].lower() and a[1] == ";" and a[0] + v in root
+    assert q == "?" + a.lower() and len(a) == 1 and a + v in root
   batch = tree_train.sft_batch(task, np.random.default_rng(2),
                                Config(task=task.cfg, train=Config().train), TOKENIZER)
   tree.validate(batch, TOKENIZER.vocab_size)
   assert batch.fanouts == (3, 1)
   scored = np.asarray(batch.levels[0].scored_BRT)
-  assert not scored[..., :2].any() and scored[..., 2:].all()  # `?a` unscored, `K;` scored
+  assert not scored[..., :2].any() and scored[..., 2:].all()  # `?k` unscored, `K` scored
 
 
 @pytest.mark.slow  # ~1 min of compiles on an idle 2-core CPU
@@ -51,9 +51,9 @@ def test_tree_run_end_to_end(tmp_path):
   assert [r["phase"] for r in train_recs] == ["sft", "sft", "rl", "rl"]
   for r in train_recs[2:]:
     assert np.isfinite(r["loss/policy"]) and 0 <= r["reward/mean"] <= 1
-    # 2 prompts x (24 root + 2 x 2 first-turn + 4 x 2 second-turn positions); naive: 4 paths
-    assert r["replay/computed_tokens"] == 2 * (24 + 2 * 2 + 4 * 2)
-    assert r["replay/naive_equiv_tokens"] == 2 * 4 * (24 + 2 + 2)
+    # 2 prompts x (24 root + 2 x 1 first-turn + 4 x 2 second-turn positions); naive: 4 paths
+    assert r["replay/computed_tokens"] == 2 * (24 + 2 * 1 + 4 * 2)
+    assert r["replay/naive_equiv_tokens"] == 2 * 4 * (24 + 1 + 2)
   assert [r["step"] for r in records if r["kind"] == "eval"] == [2, 4]
   # Resume: a longer run continues from the step-4 checkpoint.
   more = apply_overrides(cfg, ["train.rl_steps=3"])
