@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import os
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -124,17 +125,12 @@ def _compiled(cfg: Config, turn_lengths: tuple, stop_tokens: tuple):
               greedy=jax.jit(functools.partial(sample, cfg=greedy_cfg, fanouts=(1, 1))))
 
 
-class _Fns:
-  def __init__(self, d):
-    self.__dict__.update(d)
-
-
 def run(cfg: Config, workdir: str, *, init_params=None, tokenizer=None) -> dict:
   """train.run for tree tasks: (resumable) SFT warm-up trees, then tree GRPO."""
   tok = TOKENIZER if tokenizer is None else tokenizer
   if cfg.mesh:
     raise ValueError(f"mesh={cfg.mesh!r}: the tree trainer runs on one device (tree replay "
-                     "on a mesh: sharding.tree_loss_and_grad)")
+                     "on a mesh: tree_sharding.tree_loss_and_grad)")
   if cfg.loss.kl_coef:
     raise ValueError(f"loss.kl_coef={cfg.loss.kl_coef}: the tree trainer has no reference "
                      "policy yet; expected 0")
@@ -153,7 +149,7 @@ def run(cfg: Config, workdir: str, *, init_params=None, tokenizer=None) -> dict:
   writer = metrics.MetricsWriter(os.path.join(workdir, "metrics.jsonl"))
   t = cfg.train
   key_cfg = dataclasses.replace(train._compile_key(cfg), task=cfg.task)
-  fns = _Fns(_compiled(key_cfg, task.turn_lengths, task.stop_tokens(tok)))
+  fns = types.SimpleNamespace(**_compiled(key_cfg, task.turn_lengths, task.stop_tokens(tok)))
   eval_examples = train._examples(task, t.seed, 2**31, t.eval_size) if t.eval_size else []
 
   def evaluate(state, step):
