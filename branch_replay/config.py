@@ -14,6 +14,7 @@ from branch_replay.losses import LossConfig
 from branch_replay.sampler import SamplerConfig
 from branch_replay.tasks import TaskConfig
 from branch_replay.tokenizer import TOKENIZER
+from branch_replay.tree import TreeConfig
 from models.transformer import ModelConfig
 
 MODES = ("replay", "naive")
@@ -84,6 +85,7 @@ class Config:
   sampler: SamplerConfig = SamplerConfig()
   task: TaskConfig = TaskConfig()
   mesh: str = ""  # e.g. "data:2,fsdp:2"; "" = one device
+  tree: TreeConfig = TreeConfig()  # fan-outs of sampled trees (tree_train.py); "" = flat
 
   def __post_init__(self):
     if self.model.vocab_size < TOKENIZER.vocab_size:

@@ -253,6 +253,9 @@ def run(cfg: Config, workdir: str, *, init_params=None, tokenizer=None) -> dict:
   checkpoint in `workdir` still takes precedence (resume). tokenizer: the text <-> ids map of
   the tasks (default: the shipped character tokenizer; `tokenizer.from_model_dir` for an
   imported checkpoint's tokenizer.json)."""
+  if cfg.tree.fanouts:  # trees: the tree trainer (tree_train.py) runs the same loop
+    from branch_replay import tree_train
+    return tree_train.run(cfg, workdir, init_params=init_params, tokenizer=tokenizer)
   tok = TOKENIZER if tokenizer is None else tokenizer
   if tok.vocab_size > cfg.model.vocab_size:
     raise ValueError(f"model.vocab_size={cfg.model.vocab_size}: expected >= the tokenizer's "

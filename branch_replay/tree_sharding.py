@@ -1,0 +1,66 @@
+"""Tree replay on a mesh: sharding.py's layout applied to trees.
+
+  root    prompts over (data, fsdp), sequence over `context` (the context-parallel prefill);
+  levels  inner nodes split by prompt only (each device of a `context` group runs every
+          opening: they are few and short); leaves split by prompt and over `context`
+          (as branches are), so the leaf count per prompt must divide the `context` size;
+  params  FSDP/tensor as sharding.param_shardings.
+
+The root cache crosses to the levels below under sharding.cache_constraint (K/V gathered
+over the sequence); the partitioner sums the leaves' cotangents across `context` before the
+inner levels' and the root's VJPs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+from jax.sharding import Mesh
+
+from branch_replay import losses, sharding, tree_replay
+from branch_replay.tree import TreeBatch
+from models import transformer as tfm
+
+
+def tree_batch_shardings(mesh: Mesh, batch: TreeBatch) -> TreeBatch:
+  """A TreeBatch of NamedShardings (None fields stay None); a dimension its mesh axes do not
+  divide is a ValueError naming the level, the field and both numbers."""
+  def spec(where, x, names):
+    return None if x is None else sharding._sharding(mesh, f"tree.{where}", np.shape(x), names)
+
+  levels = []
+  for d, level in enumerate(batch.levels, start=1):
+    node_axis = "branch" if d == batch.depth else None  # leaves over `context`
+    at = f"levels[{d - 1}] (level {d})"
+    three = ("batch", node_axis, None)
+    levels.append(level.replace(**{
+        name: spec(f"{at}.{name}", getattr(level, name), three[:2] if name.endswith("_BR")
+                   else three)
+        for name in ("tokens_BRT", "valid_BRT", "scored_BRT", "advantages_BR", "old_logp_BRT",
+                     "ref_logp_BRT")}))
+  return batch.replace(
+      root_BP=spec("root_BP", batch.root_BP, ("batch", "seq")),
+      root_valid_BP=spec("root_valid_BP", batch.root_valid_BP, ("batch", "seq")),
+      trunk_old_logp_BW=spec("trunk_old_logp_BW", batch.trunk_old_logp_BW, ("batch", None)),
+      trunk_ref_logp_BW=spec("trunk_ref_logp_BW", batch.trunk_ref_logp_BW, ("batch", None)),
+      levels=tuple(levels))
+
+
+def tree_loss_and_grad(mesh: Mesh, params, batch: TreeBatch, model_cfg: tfm.ModelConfig,
+                       loss_cfg: losses.LossConfig, branch_chunk: Optional[int] = None):
+  """Tree replay on `mesh` (call it inside one jit): (loss, aux_BR, grads), equal to
+  `tree_replay.loss_and_grad(..., mode='replay')` on one device."""
+  p_shardings = sharding.param_shardings(mesh, model_cfg)
+  params = sharding.constrain(params, p_shardings)
+  batch = sharding.constrain(batch, tree_batch_shardings(mesh, batch))
+  root_constraint = sharding.cache_constraint(mesh)
+
+  def root_wrap(root_fn):  # the context-parallel prefill (the model's logical constraints on)
+    prefill = sharding.sharded_prefill(mesh, lambda p, _: root_fn(p))
+    return lambda p: prefill(p, None)
+
+  loss, aux_BR, grads = tree_replay.replay_loss_and_grad(
+      params, batch, model_cfg, loss_cfg, branch_chunk, root_wrap=root_wrap,
+      cache_constraint=lambda level, cache: root_constraint(cache) if level == 0 else cache)
+  return loss, aux_BR, sharding.constrain(grads, p_shardings)

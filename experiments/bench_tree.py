@@ -1,0 +1,263 @@
+"""Benchmark: one loss+gradient step on a tree batch, naive vs flat replay vs tree replay,
+as JSON lines (one line per shape).
+
+  naive  every root-to-leaf path as its own [P + T_1 + ... + T_D] sequence
+         (tree_replay.naive_loss_and_grad);
+  flat   today's branch replay with the prompt as the prefix and each leaf's whole response
+         (its openings re-run per leaf, then its tail) as one longer tail (policy.py);
+  tree   tree replay (tree_replay.py): the prompt once, each opening once, each tail once.
+
+All three compute the same objective (an opening's tokens scored by every leaf below it with
+that leaf's advantage) with the same model and attention, so their gradients agree.
+Each variant runs in its own subprocess (clean memory accounting): warm-up, then the median
+of --reps timed steps; peak = RSS growth during the timed steps (bench_replay.PeakRSS).
+
+  python experiments/bench_tree.py                         # P=2048, 4x4, openings 256, tails 128
+  python experiments/bench_tree.py --preset=tiny --prefix_len=16 --fanouts=2x2 --lengths=4x3 --reps=1
+
+Targets (issue 10, small preset, CPU): tree speedup over naive >= 0.85 x its useful-FLOP
+ratio, and tree faster than flat.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+if __name__ == "__main__" and not (os.path.exists("/dev/nvidia0") or shutil.which("nvidia-smi")):
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("prefix_len", 2048, "P: prompt tokens")
+flags.DEFINE_string("fanouts", "4x4", "fan-out per level, e.g. 4x4 (R_1 openings x R_2 tails)")
+flags.DEFINE_string("lengths", "256x128", "tokens per node at each level, e.g. 256x128")
+flags.DEFINE_integer("prompts", 1, "B: prompts per step")
+flags.DEFINE_integer("reps", 5, "timed repetitions after warm-up (median reported)")
+flags.DEFINE_string("preset", "small", "model size preset (models.transformer.PRESETS)")
+flags.DEFINE_string("dtype", "float32", "compute and parameter dtype")
+flags.DEFINE_bool("check_grads", True, "compare flat's and tree's gradients with naive's")
+flags.DEFINE_string("modes", "naive,flat,tree", "variants to run")
+flags.DEFINE_string("worker", "", "internal: run one variant and print JSON")
+flags.DEFINE_string("grads_out", "", "internal: where a worker saves its gradient")
+flags.DEFINE_string("out", "", "also append the JSON lines to this file")
+
+
+# The measuring helpers of bench_replay.py (importing it would define its flags twice).
+
+
+def matmul_gflops(n=2048, reps=5):
+  import jax
+  import jax.numpy as jnp
+  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+  f = jax.jit(lambda x: x @ x)
+  f(a).block_until_ready()
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    f(a).block_until_ready()
+    times.append(time.perf_counter() - t0)
+  return 2 * n ** 3 / sorted(times)[len(times) // 2] / 1e9
+
+
+class PeakRSS:
+  """Samples this process's RSS in a thread; .peak is the maximum seen."""
+
+  def __init__(self, interval=0.002):
+    import psutil
+    self._proc, self._interval, self.peak, self._stop = psutil.Process(), interval, 0, False
+
+  def __enter__(self):
+    self.peak = self._proc.memory_info().rss
+    self._thread = threading.Thread(target=self._run, daemon=True)
+    self._thread.start()
+    return self
+
+  def _run(self):
+    while not self._stop:
+      self.peak = max(self.peak, self._proc.memory_info().rss)
+      time.sleep(self._interval)
+
+  def __exit__(self, *exc):
+    self._stop = True
+    self._thread.join()
+
+
+def grad_max_rel_err(path_a, path_b):
+  import numpy as np
+  a, b = np.load(path_a), np.load(path_b)
+  return max(float(np.max(np.abs(a[k] - b[k])) / (np.max(np.abs(b[k])) + 1e-30)) for k in b)
+
+
+def _ints(text):
+  return tuple(int(x) for x in text.split("x"))
+
+
+def model_config():
+  from models import transformer as tfm
+  return tfm.preset(FLAGS.preset, dtype=FLAGS.dtype, param_dtype=FLAGS.dtype)
+
+
+def step_flops(cfg, B, P, fanouts, lengths, mode):
+  """Matmul + attention FLOPs of one forward+backward (backward = 2x forward) as executed
+  (dense masked attention: every query x key score of a segment is computed)."""
+  D, N, K, H, F, V, L = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                         cfg.mlp_hidden, cfg.vocab_size, cfg.n_layers)
+  per_token = L * (D * (N + 2 * K) * H + N * H * D + 3 * D * F)
+  attn = lambda q, s: L * 2 * q * s * N * H
+  logits = lambda t: t * D * V
+  leaves, response = math.prod(fanouts), sum(lengths)
+  if mode == "naive":
+    S = P + response
+    macs = B * leaves * (S * per_token + attn(S, S) + logits(response))
+  elif mode == "flat":
+    macs = B * (P * per_token + attn(P, P)) + B * leaves * (
+        response * per_token + attn(response, P + response) + logits(response))
+  else:
+    macs = B * (P * per_token + attn(P, P))
+    keys = P
+    for d, T in enumerate(lengths, start=1):
+      keys += T
+      macs += B * math.prod(fanouts[:d]) * (T * per_token + attn(T, keys) + logits(T))
+  return 3 * 2 * macs
+
+
+def make_batches(cfg, B, P, fanouts, lengths):
+  """(TreeBatch, the same objective as a flat ReplayBatch): every node full, one advantage
+  per leaf (inner nodes scored with their leaves' advantages, as flat replay must)."""
+  import jax.numpy as jnp
+  import numpy as np
+  from branch_replay.batch import ReplayBatch
+  from branch_replay.tree import TreeBatch, TreeLevel, nodes
+  rng = np.random.default_rng(0)
+  n = math.prod(fanouts)
+  levels = []
+  for d, T in enumerate(lengths, start=1):
+    R = nodes(fanouts, d)
+    adv = jnp.asarray(rng.normal(size=(B, n)), cfg.compute_dtype) if d == len(fanouts) else None
+    levels.append(TreeLevel(jnp.asarray(rng.integers(0, cfg.vocab_size, (B, R, T)), jnp.int32),
+                            jnp.ones((B, R, T), bool), advantages_BR=adv))
+  root_BP = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, P)), jnp.int32)
+  tree = TreeBatch(root_BP, jnp.ones((B, P), bool), tuple(levels), fanouts=tuple(fanouts))
+  per_leaf = lambda x: jnp.repeat(x, n // x.shape[1], axis=1)
+  tails_BRT = jnp.concatenate([per_leaf(l.tokens_BRT) for l in levels], axis=-1)
+  flat = ReplayBatch(prefix_BP=root_BP, prefix_valid_BP=jnp.ones((B, P), bool),
+                     tails_BRT=tails_BRT, tail_valid_BRT=jnp.ones(tails_BRT.shape, bool),
+                     advantages_BR=levels[-1].advantages_BR)
+  return tree, flat
+
+
+def run_worker(mode):
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import psutil
+  from branch_replay import losses, policy, tree, tree_replay
+  from branch_replay.batch import validate
+  from models import transformer as tfm
+  jnp.zeros(()).block_until_ready()
+  rss_after_imports = psutil.Process().memory_info().rss
+  cfg = model_config()
+  fanouts, lengths = _ints(FLAGS.fanouts), _ints(FLAGS.lengths)
+  params = tfm.init_params(cfg, jax.random.key(0))
+  tree_batch, flat_batch = make_batches(cfg, FLAGS.prompts, FLAGS.prefix_len, fanouts, lengths)
+  tree.validate(tree_batch, cfg.vocab_size)
+  validate(flat_batch, cfg.vocab_size)
+  loss_cfg = losses.LossConfig()
+  if mode == "flat":
+    batch, fn = flat_batch, lambda p, b: policy.loss_and_grad(p, b, cfg, loss_cfg, "replay")
+  else:
+    batch = tree_batch
+    fn = lambda p, b: tree_replay.loss_and_grad(p, b, cfg, loss_cfg,
+                                                "naive" if mode == "naive" else "replay")
+  compiled = jax.jit(lambda p, b: fn(p, b)[::2]).lower(params, batch).compile()
+  jax.block_until_ready(compiled(params, batch))  # warm-up
+  times = []
+  with PeakRSS() as rss:
+    for _ in range(FLAGS.reps):
+      t0 = time.perf_counter()
+      loss, grads = compiled(params, batch)
+      jax.block_until_ready(grads)
+      times.append(time.perf_counter() - t0)
+  result = dict(mode=mode, seconds=float(np.median(times)), times=[round(t, 4) for t in times],
+                peak_mb=round((rss.peak - rss_after_imports) / 2 ** 20, 1), loss=float(loss),
+                backend=jax.default_backend())
+  stats = jax.devices()[0].memory_stats() or {}
+  if "peak_bytes_in_use" in stats:
+    result["device_peak_mb"] = round(stats["peak_bytes_in_use"] / 2 ** 20, 1)
+  if FLAGS.grads_out:
+    np.savez(FLAGS.grads_out, **{str(i): np.asarray(x, np.float64)
+                                 for i, x in enumerate(jax.tree.leaves(grads))})
+  print(json.dumps(result), flush=True)
+
+
+def spawn(mode, grads_out):
+  argv = [sys.executable, os.path.abspath(__file__), f"--worker={mode}",
+          f"--prefix_len={FLAGS.prefix_len}", f"--fanouts={FLAGS.fanouts}",
+          f"--lengths={FLAGS.lengths}", f"--prompts={FLAGS.prompts}", f"--reps={FLAGS.reps}",
+          f"--preset={FLAGS.preset}", f"--dtype={FLAGS.dtype}", f"--grads_out={grads_out}"]
+  proc = subprocess.run(argv, capture_output=True, text=True)
+  lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+  if proc.returncode or not lines:
+    return dict(mode=mode, error=(proc.stderr or proc.stdout)[-2000:])
+  return json.loads(lines[-1])
+
+
+def main(argv):
+  del argv
+  if FLAGS.worker:
+    run_worker(FLAGS.worker)
+    return
+  cfg = model_config()
+  fanouts, lengths = _ints(FLAGS.fanouts), _ints(FLAGS.lengths)
+  if len(fanouts) != len(lengths):
+    raise app.UsageError(f"--lengths={FLAGS.lengths}: expected one per fan-out {fanouts}")
+  B, P = FLAGS.prompts, FLAGS.prefix_len
+  modes = FLAGS.modes.split(",")
+  row = dict(prefix_len=P, fanouts=FLAGS.fanouts, lengths=FLAGS.lengths, prompts=B,
+             preset=FLAGS.preset, dtype=FLAGS.dtype, matmul_gflops=round(matmul_gflops(), 1),
+             date=time.strftime("%Y-%m-%d"))
+  flops = {m: step_flops(cfg, B, P, fanouts, lengths, m) for m in ("naive", "flat", "tree")}
+  for m in ("flat", "tree"):
+    row[f"{m}_flop_ratio"] = round(flops["naive"] / flops[m], 3)  # useful-FLOP ratio
+  with tempfile.TemporaryDirectory() as tmp:
+    paths = {m: os.path.join(tmp, f"{m}.npz") if FLAGS.check_grads else "" for m in modes}
+    runs = {m: spawn(m, paths[m]) for m in modes}
+    for m, r in runs.items():
+      row[f"{m}_s"] = r.get("seconds")
+      row[f"{m}_peak_mb"] = r.get("peak_mb")
+      if "device_peak_mb" in r:
+        row[f"{m}_device_peak_mb"] = r["device_peak_mb"]
+      if "error" in r:
+        row[f"{m}_error"] = r["error"]
+      if r.get("seconds"):
+        row[f"{m}_gflops"] = round(flops[m] / r["seconds"] / 1e9, 1)
+    for m in ("flat", "tree"):
+      if runs.get(m, {}).get("seconds") and runs.get("naive", {}).get("seconds"):
+        row[f"{m}_speedup"] = round(runs["naive"]["seconds"] / runs[m]["seconds"], 3)
+        row[f"{m}_speedup_over_flop_ratio"] = round(row[f"{m}_speedup"] /
+                                                    row[f"{m}_flop_ratio"], 3)
+      if FLAGS.check_grads and "naive" in runs and os.path.exists(paths.get(m, "")) and \
+          os.path.exists(paths["naive"]):
+        row[f"{m}_grad_max_rel_err"] = grad_max_rel_err(paths[m], paths["naive"])
+        row[f"{m}_loss_abs_err"] = abs(runs[m]["loss"] - runs["naive"]["loss"])
+    if runs.get("flat", {}).get("seconds") and runs.get("tree", {}).get("seconds"):
+      row["tree_over_flat_speedup"] = round(runs["flat"]["seconds"] / runs["tree"]["seconds"], 3)
+  line = json.dumps(row)
+  print(line, flush=True)
+  if FLAGS.out:
+    with open(FLAGS.out, "a") as f:
+      f.write(line + "\n")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,42 @@
+"""Tree GRPO on a two-turn lookup task whose turns branch (branch_replay/tree_task.py).
+
+  python run.py --experiment=tree_haystack --workdir=runs/tree
+
+The prompt hides four key records `Kv` in 256 characters of filler and ends with `?k` (a key
+in lowercase); turn 1 must name the key (`K`), turn 2 its value (`v<eos>`). A 2-layer d=64
+model warms up on short haystacks through the tree engine (root = a 32-token haystack, one
+opening `?kK` per record with the question `?k` unscored, one second turn `v<eos>` each),
+then RL samples a 4 x 4 tree per long prompt: the prompt prefilled once, 4 first turns
+sharing its K/V, 4 second turns of each sharing the prompt's and the first turn's K/V; leaf
+reward 1 when both turns are right; tree-aware advantages (leaves normalised among
+siblings, a first turn gets its leaves' mean reward, normalised among the first turns); one
+jitted step through tree replay.
+Measured (seed 0, load average ~12 on the shared 2-core CPU, 4 min 37 s wall): sampled
+reward/mean 0.558 -> 0.933 (first/last 10 RL steps), greedy reward on 128 held-out prompts
+0.617 -> 0.914.
+"""
+
+from branch_replay.config import Config, ReplayConfig, TrainConfig
+from branch_replay.losses import LossConfig
+from branch_replay.sampler import SamplerConfig
+from branch_replay.tasks import TaskConfig
+from branch_replay import tree_task  # noqa: F401  (registers task tree_haystack)
+from branch_replay.tokenizer import TOKENIZER
+from branch_replay.tree import TreeConfig
+from models.transformer import ModelConfig
+
+
+def get_config() -> Config:
+  return Config(
+      model=ModelConfig(vocab_size=TOKENIZER.vocab_size, d_model=64, n_layers=2, n_heads=4,
+                        n_kv_heads=4, head_dim=16, mlp_hidden=128),
+      loss=LossConfig(name="grpo", aggregation="token_mean", epsilon=0.2),
+      replay=ReplayConfig(mode="replay"),
+      train=TrainConfig(seed=0, sft_steps=600, sft_batch_size=32, sft_learning_rate=3e-3,
+                        rl_steps=150, batch_size=8, n_branches=4, learning_rate=1e-3,
+                        checkpoint_every=50, keep_checkpoints=2, eval_size=128),
+      sampler=SamplerConfig(temperature=1.0),
+      task=TaskConfig(name="tree_haystack", prompt_len=256, n_keys=4, value_len=1,
+                      sft_prompt_len=32),
+      tree=TreeConfig(fanouts="4x4"),
+  )
