@@ -532,9 +532,13 @@ def tail(params, cfg: ModelConfig, cache: PrefixCache, prefix_valid_BP: Array,
   return h_BTD
 
 
-def token_logps(params, cfg: ModelConfig, h_BTD: Array, targets_BT: Array):
-  """log p(target) and the entropy of each predictive distribution, in fp32 (or fp64)."""
+def token_logps(params, cfg: ModelConfig, h_BTD: Array, targets_BT: Array,
+                temperature: float = 1.0):
+  """log p(target) and the entropy of each predictive distribution, in fp32 (or fp64);
+  p = softmax(logits / temperature), the distribution a sampler at that temperature draws from."""
   logits_BTV = Transformer(cfg).apply({"params": params}, h_BTD, method=Transformer.logits)
+  if temperature != 1.0:
+    logits_BTV = logits_BTV / temperature
   logp_BTV = jax.nn.log_softmax(logits_BTV, axis=-1)
   logp_BT = jnp.take_along_axis(logp_BTV, targets_BT[..., None], axis=-1)[..., 0]
   entropy_BT = -jnp.sum(jnp.exp(logp_BTV) * logp_BTV, axis=-1)
