@@ -265,9 +265,12 @@ def _gae_batch(fns, state, batch: ReplayBatch, rewards_BR, cfg: Config):
   old_values_BRX = np.asarray(fns.values(state.critic["params"], batch=batch), np.float64)
   valid_BRX = critic.scored_mask(batch)
   adv_BRX, returns_BRX = critic.gae(rewards_BR, old_values_BRX, valid_BRX, c.gamma, c.lam)
+  ret, v = returns_BRX[valid_BRX], old_values_BRX[valid_BRX]
   stats = {"value/explained_variance": critic.explained_variance(old_values_BRX, returns_BRX,
                                                                   valid_BRX),
-           "value/mean": float(old_values_BRX[valid_BRX].mean())}
+           "value/mean": float(v.mean()),
+           # for an explained variance pooled over steps: 1 - mean(sq_err) / mean(return_var)
+           "value/sq_err": float(np.mean((ret - v) ** 2)), "value/return_var": float(ret.var())}
   policy_adv = critic.whiten(adv_BRX, valid_BRX) if c.whiten else adv_BRX
   W = batch.trunk_len
   f32 = lambda x: jnp.asarray(x, jnp.float32)

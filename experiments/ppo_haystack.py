@@ -25,5 +25,5 @@ def get_config():
       loss=dataclasses.replace(cfg.loss, name="ppo", epsilon=0.2),
       train=dataclasses.replace(cfg.train, rl_steps=100, advantage="gae", ppo_epochs=2,
                                 minibatches=2),
-      critic=CriticConfig(learning_rate=1e-3, value_clip=0.2, gamma=1.0, lam=0.95),
+      critic=CriticConfig(learning_rate=3e-3, value_clip=0.2, gamma=1.0, lam=0.95),
   )
