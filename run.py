@@ -80,7 +80,11 @@ def main(argv):
              "latest checkpoint")
   import jax
   if jax.process_index() == 0:  # multi-host: one summary
-    print(train.format_summary(summary))
+    if cfg.loss.name == "dpo":
+      from branch_replay import dpo
+      print(dpo.format_summary(summary))
+    else:
+      print(train.format_summary(summary))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,10 @@ class ReplayBatch:
   # Frozen reference-policy log-probs (KL penalty, DPO); None when unused.
   ref_logp_BRT: Optional[jax.Array] = None
   trunk_ref_logp_BW: Optional[jax.Array] = None
+  # Per-token advantages (PPO's GAE); when given they replace advantages_BR token by token.
+  # A trunk token's advantage differs per branch (its future is the branch's).
+  advantages_BRT: Optional[jax.Array] = None
+  trunk_advantages_BRW: Optional[jax.Array] = None
   trunk_len: int = flax.struct.field(pytree_node=False, default=0)
 
   @property
@@ -75,14 +79,17 @@ def validate(batch: ReplayBatch, vocab_size: int, branch_chunk: int | None = Non
   for name, arr, shape in (("old_logp_BRT", batch.old_logp_BRT, (B, R, T)),
                            ("ref_logp_BRT", batch.ref_logp_BRT, (B, R, T)),
                            ("trunk_old_logp_BW", batch.trunk_old_logp_BW, (B, W)),
-                           ("trunk_ref_logp_BW", batch.trunk_ref_logp_BW, (B, W))):
+                           ("trunk_ref_logp_BW", batch.trunk_ref_logp_BW, (B, W)),
+                           ("advantages_BRT", batch.advantages_BRT, (B, R, T)),
+                           ("trunk_advantages_BRW", batch.trunk_advantages_BRW, (B, R, W))):
     if arr is not None:
       if np.shape(arr) != shape:
         _fail(name, arr, f"shape {shape}")
       if not np.all(np.isfinite(np.asarray(arr))):
         _fail(name, arr, "finite values (found NaN or inf)")
   for tail_name, trunk_name in (("old_logp_BRT", "trunk_old_logp_BW"),
-                                ("ref_logp_BRT", "trunk_ref_logp_BW")):
+                                ("ref_logp_BRT", "trunk_ref_logp_BW"),
+                                ("advantages_BRT", "trunk_advantages_BRW")):
     if W and (getattr(batch, tail_name) is None) != (getattr(batch, trunk_name) is None):
       raise ValueError(f"batch.{trunk_name}: give it exactly when {tail_name} is given "
                        f"(trunk_len={W})")

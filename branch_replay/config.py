@@ -10,6 +10,9 @@ import re
 import typing
 from typing import Optional, Sequence
 
+from branch_replay import advantages, losses
+from branch_replay.critic import CriticConfig
+from branch_replay.dpo import DPOConfig
 from branch_replay.losses import LossConfig
 from branch_replay.sampler import SamplerConfig
 from branch_replay.tasks import TaskConfig
@@ -18,7 +21,6 @@ from branch_replay.tree import TreeConfig
 from models.transformer import ModelConfig
 
 MODES = ("replay", "naive")
-TRAINABLE_LOSSES = ("grpo", "ppo", "pg")  # DPO needs preference pairs, not sampled groups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +55,14 @@ class TrainConfig:
   progress: bool = True  # tqdm bar on the terminal
   plot: bool = True  # workdir/metrics.png at the end
   tensorboard: bool = True  # TensorBoard event files beside metrics.jsonl (same keys)
+  # RL algorithm options (advantages.py, dapo.py, critic.py)
+  advantage: str = "grpo"  # advantages.names(): grpo | dr_grpo | rloo | gae (needs a critic)
+  ppo_epochs: int = 1  # passes over each sampled batch
+  minibatches: int = 1  # replay steps per pass, the batch split by prompt (divides batch_size)
+  dynamic_sampling: bool = False  # DAPO: drop all-equal-reward groups, refill from new prompts
+  max_sample_rounds: int = 4  # DAPO: sampling rounds per step at most
+  overlong_buffer: int = 0  # DAPO overlong shaping: tokens before the limit where it starts
+  overlong_penalty: float = 1.0  # DAPO overlong shaping: reward penalty at the limit
 
   def __post_init__(self):
     for name in ("sft_steps", "rl_steps", "eval_size"):
@@ -70,6 +80,21 @@ class TrainConfig:
         raise ValueError(f"train.{name}={value!r}: expected a finite number > 0")
     if not 0 <= self.weight_decay < float("inf"):
       raise ValueError(f"train.weight_decay={self.weight_decay!r}: expected >= 0")
+    self._check_rl_options()
+
+  def _check_rl_options(self):
+    advantages.check(self.advantage)
+    for name in ("ppo_epochs", "minibatches", "max_sample_rounds"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"train.{name}={value!r}: expected an int >= 1")
+    if self.batch_size % self.minibatches:
+      raise ValueError(f"train.minibatches={self.minibatches}: expected a divisor of "
+                       f"train.batch_size={self.batch_size} (minibatches split the prompts)")
+    if not isinstance(self.overlong_buffer, int) or self.overlong_buffer < 0:
+      raise ValueError(f"train.overlong_buffer={self.overlong_buffer!r}: expected an int >= 0")
+    if not self.overlong_penalty >= 0:
+      raise ValueError(f"train.overlong_penalty={self.overlong_penalty!r}: expected >= 0")
 
   @property
   def total_steps(self) -> int:
@@ -84,6 +109,8 @@ class Config:
   train: TrainConfig = TrainConfig()
   sampler: SamplerConfig = SamplerConfig()
   task: TaskConfig = TaskConfig()
+  critic: CriticConfig = CriticConfig()
+  dpo: DPOConfig = DPOConfig()
   mesh: str = ""  # e.g. "data:2,fsdp:2"; "" = one device
   tree: TreeConfig = TreeConfig()  # fan-outs of sampled trees (tree_train.py); "" = flat
 
@@ -91,18 +118,54 @@ class Config:
     if self.model.vocab_size < TOKENIZER.vocab_size:
       raise ValueError(f"model.vocab_size={self.model.vocab_size}: expected >= the "
                        f"tokenizer's {TOKENIZER.vocab_size}")
-    if self.loss.name not in TRAINABLE_LOSSES:
+    if self.loss.name == "dpo":  # preference pairs (dpo.py), not sampled groups
+      if self.train.n_branches != 2:
+        raise ValueError(f"train.n_branches={self.train.n_branches}: DPO trains on (chosen, "
+                         "rejected) pairs, expected 2")
+    elif not self.loss.objective.trainable:
+      trainable = sorted(n for n, o in losses.OBJECTIVES.items() if o.trainable)
       raise ValueError(f"loss.name={self.loss.name!r}: the trainer samples groups; expected "
-                       f"one of {TRAINABLE_LOSSES}")
+                       f"one of {trainable} (DPO: experiments/dpo_haystack.py)")
     if self.loss.name == "grpo" and self.train.n_branches < 2:
       raise ValueError(f"train.n_branches={self.train.n_branches}: GRPO normalises over a "
                        "group, expected >= 2")
+    self._check_rl_algorithm()
     chunk = self.replay.branch_chunk
     if chunk is not None and self.train.n_branches % chunk:
       raise ValueError(f"replay.branch_chunk={chunk}: expected a divisor of "
                        f"train.n_branches={self.train.n_branches}")
     if self.mesh and not re.fullmatch(r"[a-z]+:\d+(,[a-z]+:\d+)*", self.mesh):
       raise ValueError(f"mesh={self.mesh!r}: expected '' or 'axis:size,...' e.g. 'data:2,fsdp:2'")
+
+
+  def _check_rl_algorithm(self):
+    if not self.train.rl_steps:
+      return
+    s = self.sampler
+    if s.top_k or s.top_p < 1.0:
+      raise ValueError(f"sampler.top_k={s.top_k}, sampler.top_p={s.top_p}: RL trains "
+                       "against softmax(logits / temperature), not a filtered distribution; "
+                       "expected top_k=0 and top_p=1 (the ratio would be off-policy)")
+    if s.temperature == 0:
+      raise ValueError("sampler.temperature=0: RL needs sampled branches (greedy gives R "
+                       "identical ones); expected > 0")
+    if self.loss.temperature not in (1.0, s.temperature):
+      raise ValueError(f"loss.temperature={self.loss.temperature}: the trainer scores at "
+                       f"sampler.temperature={s.temperature}; leave loss.temperature at 1")
+    if self.loss.name == "dpo" and (self.train.advantage != "grpo" or self.train.ppo_epochs > 1
+                                    or self.train.dynamic_sampling):
+      raise ValueError("loss.name='dpo': train.advantage, ppo_epochs and dynamic_sampling "
+                       "do not apply to preference pairs; leave them at their defaults")
+    if self.train.advantage == "rloo" and self.train.n_branches < 2:
+      raise ValueError(f"train.n_branches={self.train.n_branches}: rloo expects >= 2")
+    if self.uses_critic and self.mesh:
+      raise ValueError(f"train.advantage={self.train.advantage!r} with mesh={self.mesh!r}: "
+                       "the critic runs on one device; expected mesh=''")
+
+  @property
+  def uses_critic(self) -> bool:
+    """PPO's value model (critic.py) is trained when the advantages come from it (GAE)."""
+    return self.train.advantage in advantages.NEEDS_CRITIC
 
 
 # ----------------------------------------------------------------------------- overrides
@@ -182,8 +245,9 @@ def from_dict(d: dict) -> Config:
 # Fields a resumed run may change; any other difference means the checkpoint belongs to
 # another experiment.
 RESUMABLE = ("train.rl_steps", "train.checkpoint_every", "train.keep_checkpoints",
-             "train.eval_size", "train.progress", "train.plot", "train.tensorboard", "replay.mode",
-             "replay.branch_chunk", "mesh")
+             "train.eval_size", "train.progress", "train.plot", "train.tensorboard",
+             "replay.mode", "replay.branch_chunk", "mesh", "train.max_sample_rounds",
+             "dpo.pairs_file")
 
 
 def incompatible(saved: dict, cfg: Config) -> list[str]:

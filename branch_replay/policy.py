@@ -20,13 +20,31 @@ from models import transformer as tfm
 MODES = ("replay", "naive")
 
 
+def check_ref(batch: ReplayBatch, loss_cfg: losses.LossConfig) -> None:
+  """An objective (or KL penalty) that needs reference log-probs gets them, or a ValueError:
+  a missing reference must not silently read as the policy itself (KL 0, DPO margin 0)."""
+  if loss_cfg.needs_ref and (batch.ref_logp_BRT is None
+                             or (batch.trunk_len and batch.trunk_ref_logp_BW is None)):
+    why = "kl_coef > 0" if loss_cfg.kl_coef else f"objective {loss_cfg.name!r}"
+    raise ValueError(f"batch.ref_logp_BRT: None, but loss.name={loss_cfg.name!r} needs "
+                     f"reference log-probs ({why}); score the batch with the reference policy "
+                     "(sampler.score) first")
+  n = loss_cfg.objective.n_branches
+  if n is not None and batch.tails_BRT.shape[1] != n:
+    raise ValueError(f"batch.tails_BRT: shape {tuple(batch.tails_BRT.shape)}: loss.name="
+                     f"{loss_cfg.name!r} expects R={n} branches")
+
+
 def _branches(batch: ReplayBatch, loss_cfg: losses.LossConfig):
   """Per-branch inputs with the branch axis first ([R, B, ...]) and shared trunk inputs."""
+  check_ref(batch, loss_cfg)
   tail_w_BRT, w_BR = losses.aggregation_weights(loss_cfg, batch.tail_valid_BRT, batch.trunk_len)
   r_first = lambda x: None if x is None else jnp.swapaxes(x, 0, 1)
   branches_R = dict(tokens_BT=r_first(batch.tails_BRT), valid_BT=r_first(batch.tail_valid_BRT),
                     weight_BT=r_first(tail_w_BRT), trunk_weight_B=r_first(w_BR),
                     advantage_B=r_first(batch.advantages_BR),
+                    advantage_BT=r_first(batch.advantages_BRT),
+                    trunk_advantage_BW=r_first(batch.trunk_advantages_BRW),
                     old_logp_BT=r_first(batch.old_logp_BRT),
                     ref_logp_BT=r_first(batch.ref_logp_BRT))
   P = batch.prefix_BP.shape[1]
@@ -35,27 +53,44 @@ def _branches(batch: ReplayBatch, loss_cfg: losses.LossConfig):
   return branches_R, trunk
 
 
-def _score(logp, old_logp, ref_logp, advantage_B, weight, loss_cfg):
-  old = jax.lax.stop_gradient(logp) if old_logp is None else old_logp
-  ref = jax.lax.stop_gradient(logp) if ref_logp is None else ref_logp
-  values = loss_cfg.objective.token_fn(logp, old, ref, advantage_B[:, None], loss_cfg)
-  return jnp.sum(values * weight, axis=-1), jnp.sum(losses.k3_kl(logp, ref) * (weight > 0), -1)
-
-
 def branch_value(tail_logp_BT, tail_entropy_BT, trunk_logp_BW, branch, trunk, loss_cfg):
-  """One branch of every prompt: (objective value_B, aux of per-branch sums)."""
-  tail_v_B, tail_kl_B = _score(tail_logp_BT, branch["old_logp_BT"], branch["ref_logp_BT"],
-                               branch["advantage_B"], branch["weight_BT"], loss_cfg)
-  value_B, kl_B = tail_v_B, tail_kl_B
-  if trunk_logp_BW.shape[1]:
-    w_BW = jnp.broadcast_to(branch["trunk_weight_B"][:, None], trunk_logp_BW.shape)
-    trunk_v_B, trunk_kl_B = _score(trunk_logp_BW, trunk["old_logp_BW"], trunk["ref_logp_BW"],
-                                   branch["advantage_B"], w_BW, loss_cfg)
-    value_B, kl_B = value_B + trunk_v_B, kl_B + trunk_kl_B
+  """One branch of every prompt: (objective value_B, aux of per-branch sums).
+
+  The branch's scored tokens are X = W trunk tokens (shared, scored by every branch with
+  its own advantage) followed by its T tail tokens."""
+  B, W = trunk_logp_BW.shape
+  cat = lambda trunk_BW, tail_BT: (tail_BT if W == 0  # (trunk inputs may be None then)
+                                   else jnp.concatenate([trunk_BW, tail_BT], axis=1))
+  logp_BX = cat(trunk_logp_BW, tail_logp_BT)
+  sg = jax.lax.stop_gradient(logp_BX)
+  old_BX = sg if branch["old_logp_BT"] is None else cat(trunk["old_logp_BW"],
+                                                        branch["old_logp_BT"])
+  ref_BX = sg if branch["ref_logp_BT"] is None else cat(trunk["ref_logp_BW"],
+                                                        branch["ref_logp_BT"])
+  if branch["advantage_BT"] is None:
+    adv_BX = jnp.broadcast_to(branch["advantage_B"][:, None], logp_BX.shape)
+  else:
+    adv_BX = cat(branch["trunk_advantage_BW"], branch["advantage_BT"])
+  valid_BX = cat(jnp.ones((B, W), bool), branch["valid_BT"])
+  weight_BX = cat(jnp.broadcast_to(branch["trunk_weight_B"][:, None], (B, W)),
+                  branch["weight_BT"])
+  value_B = losses.branch_value(logp_BX, old_BX, ref_BX, adv_BX, valid_BX, weight_BX, loss_cfg)
+  # Diagnostics over scored tokens (stop-gradient: they never reach the loss).
   valid = branch["valid_BT"]
+  log_ratio_BX = jnp.where(valid_BX, sg - old_BX, 0.0)
+  ratio_BX = jnp.exp(log_ratio_BX)
+  clipped_BX = jnp.clip(ratio_BX, 1.0 - loss_cfg.epsilon, 1.0 + loss_cfg.eps_high)
+  binds_BX = valid_BX & (-clipped_BX * adv_BX > -ratio_BX * adv_BX)
+  scored = weight_BX > 0
   aux = dict(logp_sum=jnp.sum(jnp.where(valid, tail_logp_BT, 0.0), -1),
              entropy_sum=jnp.sum(jnp.where(valid, tail_entropy_BT, 0.0), -1),
-             kl_sum=kl_B, tokens=valid.sum(-1))
+             kl_sum=jnp.sum(jnp.where(scored, losses.k3_kl(sg, ref_BX), 0.0), -1),
+             tokens=valid.sum(-1),
+             scored_tokens=valid_BX.sum(-1),
+             clip_sum=binds_BX.sum(-1),
+             # approx KL(old || new) by k3 on the sampled tokens
+             approx_kl_sum=jnp.sum(jnp.where(valid_BX, ratio_BX - 1.0 - log_ratio_BX, 0.0), -1),
+             ratio_max=jnp.max(jnp.where(valid_BX, ratio_BX, 0.0), -1))
   return value_B, aux
 
 
@@ -74,7 +109,8 @@ def replay_fns(model_cfg: tfm.ModelConfig, loss_cfg: losses.LossConfig, batch: R
   def prefill_fn(params, prefix):
     cache = tfm.prefill(params, model_cfg, prefix["tokens_BP"], prefix["valid_BP"],
                         batch.trunk_len)
-    trunk_logp_BW, _ = tfm.token_logps(params, model_cfg, cache.trunk_h_BWD, trunk["tokens_BW"])
+    trunk_logp_BW, _ = tfm.token_logps(params, model_cfg, cache.trunk_h_BWD, trunk["tokens_BW"],
+                                       temperature=loss_cfg.temperature)
     # Everything the tails read from the prefix; its cotangent is summed over branches.
     return dict(kv=cache.kv, h_last_BD=cache.h_last_BD, trunk_logp_BW=trunk_logp_BW)
 
@@ -92,7 +128,8 @@ def replay_fns(model_cfg: tfm.ModelConfig, loss_cfg: losses.LossConfig, batch: R
     # Tail token t is predicted by the hidden state before it: the prefix's last for t=0.
     h_last_ND = jnp.repeat(cache["h_last_BD"], R, axis=0)
     h_pred_NTD = jnp.concatenate([h_last_ND[:, None], h_NTD[:, :-1]], axis=1)
-    logp_NT, entropy_NT = tfm.token_logps(params, model_cfg, h_pred_NTD, tokens_NT)
+    logp_NT, entropy_NT = tfm.token_logps(params, model_cfg, h_pred_NTD, tokens_NT,
+                                          temperature=loss_cfg.temperature)
     value = lambda logp_BT, entropy_BT, branch: branch_value(
         logp_BT, entropy_BT, cache["trunk_logp_BW"], branch, trunk, loss_cfg)
     return jax.vmap(value)(unrows(logp_NT), unrows(entropy_NT), branches_R)
@@ -124,9 +161,9 @@ def naive_loss(params, batch: ReplayBatch, model_cfg: tfm.ModelConfig,
   valid_NS = seq(batch.prefix_valid_BP, batch.tail_valid_BRT)
   h_NSD = tfm.forward(params, model_cfg, tokens_NS, valid_NS)
   logp_NT, entropy_NT = tfm.token_logps(params, model_cfg, h_NSD[:, P - 1:P + T - 1],
-                                        tokens_NS[:, P:])
+                                        tokens_NS[:, P:], temperature=loss_cfg.temperature)
   trunk_logp_NW, _ = tfm.token_logps(params, model_cfg, h_NSD[:, P - 1 - W:P - 1],
-                                     tokens_NS[:, P - W:P])
+                                     tokens_NS[:, P - W:P], temperature=loss_cfg.temperature)
   r_first = lambda x_N: jnp.swapaxes(x_N.reshape(B, R, *x_N.shape[1:]), 0, 1)
 
   def one_branch(logp_BT, entropy_BT, trunk_logp_BW, branch):

@@ -7,8 +7,11 @@ vmapped over branches with the shared segments closed over (unbatched), so the p
 read by every branch and copied by none. An optional trunk (`trunk_len` = W tokens) is decoded
 once per prompt and then shared by all R branches; for training it becomes the prefix's end.
 
-Log-probs returned are those of the policy itself (temperature 1, no top-k/top-p), i.e. what
-the training forward computes for the same tokens: the GRPO ratio's denominator.
+Log-probs returned are those of the distribution the tokens were drawn from,
+softmax(logits / temperature) (temperature 1 when greedy), i.e. what the training forward
+computes with `loss.temperature` equal to the sampler's (the trainer sets it): the ratio's
+denominator. Top-k / top-p filtered distributions are not trained against: the trainer
+refuses them for RL (`config.Config`).
 No `@jax.jit` here; callers jit `sample` with the configs static.
 """
 
@@ -71,12 +74,14 @@ def filter_logits(logits_BV: jax.Array, cfg: SamplerConfig) -> jax.Array:
 
 
 def choose(key, logits_BV, cfg: SamplerConfig):
-  """Next token and its policy log-prob (of the unfiltered, temperature-1 distribution)."""
+  """Next token and its log-prob under softmax(logits / temperature) (unfiltered; greedy:
+  temperature 1)."""
   logits_BV = logits_BV.astype(jnp.float32)
   if cfg.temperature == 0:
     token_B = jnp.argmax(logits_BV, axis=-1)
   else:
     token_B = jax.random.categorical(key, filter_logits(logits_BV, cfg), axis=-1)
+    logits_BV = logits_BV / cfg.temperature if cfg.temperature != 1.0 else logits_BV
   logp_B = jnp.take_along_axis(jax.nn.log_softmax(logits_BV, -1), token_B[:, None], -1)[:, 0]
   return token_B.astype(jnp.int32), logp_B
 
@@ -160,14 +165,15 @@ def sample(params, model_cfg: tfm.ModelConfig, cfg: SamplerConfig, prompt_BP, pr
                  trunk_logp_BW)
 
 
-def score(params, model_cfg: tfm.ModelConfig, batch: ReplayBatch):
+def score(params, model_cfg: tfm.ModelConfig, batch: ReplayBatch, temperature: float = 1.0):
   """Policy log-probs of every tail (and trunk) token from ONE shared-prefix forward:
-  (logp_BRT, trunk_logp_BW). Used for the frozen reference policy's log-probs."""
+  (logp_BRT, trunk_logp_BW), of softmax(logits / temperature). Used for the frozen
+  reference policy's log-probs (RL, DPO)."""
   W = batch.trunk_len
   P = batch.prefix_BP.shape[1]
   cache = tfm.prefill(params, model_cfg, batch.prefix_BP, batch.prefix_valid_BP, W)
   trunk_logp_BW, _ = tfm.token_logps(params, model_cfg, cache.trunk_h_BWD,
-                                     batch.prefix_BP[:, P - W:])
+                                     batch.prefix_BP[:, P - W:], temperature=temperature)
 
   B, R, T = batch.tails_BRT.shape
   tokens_NT = batch.tails_BRT.reshape(B * R, T)  # rows (b, r): all branches in one call
@@ -175,7 +181,7 @@ def score(params, model_cfg: tfm.ModelConfig, batch: ReplayBatch):
   h_NTD = tfm.tail(params, model_cfg, cache, batch.prefix_valid_BP, tokens_NT, valid_NT)
   h_last_ND = jnp.repeat(cache.h_last_BD, R, axis=0)
   h_pred_NTD = jnp.concatenate([h_last_ND[:, None], h_NTD[:, :-1]], axis=1)
-  logp_NT, _ = tfm.token_logps(params, model_cfg, h_pred_NTD, tokens_NT)
+  logp_NT, _ = tfm.token_logps(params, model_cfg, h_pred_NTD, tokens_NT, temperature=temperature)
   return jnp.where(valid_NT, logp_NT, 0.0).reshape(B, R, T), trunk_logp_BW
 
 

@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from branch_replay import checkpoint, losses, metrics, policy, sampler, sharding, tasks
+from branch_replay import (advantages, checkpoint, critic, dapo, losses, metrics, policy,
+                           sampler, sharding, tasks)
 from branch_replay.batch import ReplayBatch, validate
 from branch_replay.config import Config
 from branch_replay.tasks import TaskConfig
@@ -41,6 +42,7 @@ class TrainState:
   step: jax.Array  # int32: steps taken (warm-up included)
   rng: jax.Array  # uint32 raw key data (checkpointable)
   ref_params: Any = None  # the frozen reference policy (only with loss.kl_coef > 0)
+  critic: Any = None  # PPO's value model: dict(params, opt_state) (train.advantage=gae)
 
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
@@ -51,6 +53,17 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
                                optax.constant_schedule(t.learning_rate)], [t.sft_steps])
   return optax.chain(optax.clip_by_global_norm(t.grad_clip),
                      optax.adamw(lr, b1=0.9, b2=0.99, weight_decay=t.weight_decay))
+
+
+def make_critic_optimizer(cfg: Config) -> optax.GradientTransformation:
+  return optax.chain(optax.clip_by_global_norm(cfg.train.grad_clip),
+                     optax.adamw(cfg.critic.learning_rate, b1=0.9, b2=0.99))
+
+
+def rl_loss_config(cfg: Config) -> losses.LossConfig:
+  """The RL objective scores log-probs at the sampler's temperature (the ratio's
+  denominator is the distribution the tokens were drawn from)."""
+  return dataclasses.replace(cfg.loss, temperature=cfg.sampler.temperature)
 
 
 def shardings(tree, kind: str, cfg: Config):
@@ -87,8 +100,12 @@ def init_state(cfg: Config, init_params=None) -> TrainState:
     init_key, rng = jax.random.split(jax.random.key(cfg.train.seed))
     params = tfm.init_params(cfg.model, init_key) if init_params is None else init_params
     ref = jax.tree.map(jnp.copy, params) if cfg.loss.kl_coef else None
+    value = None
+    if cfg.uses_critic:  # the value model starts as the policy (copied again at RL start)
+      critic_params = critic.init_params(cfg.model, init_key, params)
+      value = dict(params=critic_params, opt_state=make_critic_optimizer(cfg).init(critic_params))
     return TrainState(params, make_optimizer(cfg).init(params), jnp.zeros((), jnp.int32),
-                      jax.random.key_data(rng), ref)
+                      jax.random.key_data(rng), ref, value)
 
   if init_params is not None:
     expected = jax.eval_shape(lambda: tfm.init_params(cfg.model, jax.random.key(0)))
@@ -103,7 +120,7 @@ def init_state(cfg: Config, init_params=None) -> TrainState:
 def make_train_step(cfg: Config, phase: str = "rl"):
   """Pure `train_step(state, batch) -> (state, metrics)`; phase 'sft' uses -log p."""
   tx = make_optimizer(cfg)
-  loss_cfg = cfg.loss if phase == "rl" else SFT_LOSS
+  loss_cfg = rl_loss_config(cfg) if phase == "rl" else SFT_LOSS
   branch_chunk = cfg.replay.branch_chunk if phase == "rl" else None
 
   def train_step(state: TrainState, batch: ReplayBatch):
@@ -119,9 +136,32 @@ def make_train_step(cfg: Config, phase: str = "rl"):
     out = {"loss/policy": loss, "kl": aux_BR["kl_sum"].sum() / n,
            "entropy": aux_BR["entropy_sum"].sum() / n, "grad/norm": optax.tree.norm(grads),
            "logp/mean": aux_BR["logp_sum"].sum() / n}
+    scored = jnp.maximum(aux_BR["scored_tokens"].sum(), 1)
+    out.update({"clip_frac": aux_BR["clip_sum"].sum() / scored,
+                "approx_kl": aux_BR["approx_kl_sum"].sum() / scored,
+                "ratio/max": aux_BR["ratio_max"].max()})
     return state.replace(params=params, opt_state=opt_state, step=state.step + 1), out
 
   return train_step
+
+
+def make_critic_step(cfg: Config):
+  """Pure `critic_step(state, critic_batch) -> (state, metrics)`: one value-model update
+  through branch replay (or its naive twin)."""
+  tx = make_critic_optimizer(cfg)
+
+  def critic_step(state: TrainState, cb: critic.CriticBatch):
+    params, opt_state = state.critic["params"], state.critic["opt_state"]
+    loss, aux_BR, grads = critic.loss_and_grad(params, cb, cfg.model, cfg.critic,
+                                               mode=cfg.replay.mode)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    n = jnp.maximum(aux_BR["tokens"].sum(), 1)
+    out = {"loss/value": loss, "value/clip_frac": aux_BR["clip_sum"].sum() / n,
+           "value/grad_norm": optax.tree.norm(grads)}
+    return state.replace(critic=dict(params=params, opt_state=opt_state)), out
+
+  return critic_step
 
 
 # ----------------------------------------------------------------------------- batches
@@ -158,35 +198,105 @@ def rewards_of(task, examples, texts) -> np.ndarray:
 
 
 def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER):
-  """Sample R branches of B fresh prompts, reward them, and assemble the GRPO batch:
-  prefix = prompt (+ trunk), tails = branches, old log-probs = the sampler's."""
+  """Sample R branches of B fresh prompts, reward them, and assemble the RL batch:
+  prefix = prompt (+ trunk), tails = branches, old log-probs = the sampler's; advantages
+  from `train.advantage` (a group estimator, or GAE from the critic's values). With
+  `train.dynamic_sampling` (DAPO) groups whose rewards are all equal are replaced by
+  groups of fresh prompts, up to `train.max_sample_rounds` sampling rounds."""
   t0 = time.time()
-  examples = _examples(task, cfg.train.seed, step, cfg.train.batch_size)
-  prompt_BP, valid_BP = tasks.encode_prompts(examples, task.max_prompt_len, tok)
-  placed_BP, placed_valid_BP = place((prompt_BP, valid_BP), "batch", cfg)
-  key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), step)
-  samples = jax.block_until_ready(fns.sample(state.params, prompt_BP=placed_BP,
-                                             prompt_valid_BP=placed_valid_BP, key=key))
-  if cfg.mesh:  # every process decodes and rewards all samples (they may span hosts)
-    samples = sharding.to_host(samples)
+  t = cfg.train
+  stats = {}
+
+  def draw(round_):
+    examples = _examples(task, t.seed, step if round_ == 0 else (step, round_), t.batch_size)
+    prompt_BP, valid_BP = tasks.encode_prompts(examples, task.max_prompt_len, tok)
+    placed_BP, placed_valid_BP = place((prompt_BP, valid_BP), "batch", cfg)
+    key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), step)
+    if round_:
+      key = jax.random.fold_in(key, round_)
+    samples = jax.block_until_ready(fns.sample(state.params, prompt_BP=placed_BP,
+                                               prompt_valid_BP=placed_valid_BP, key=key))
+    if cfg.mesh:  # every process decodes and rewards all samples (they may span hosts)
+      samples = sharding.to_host(samples)
+    samples = jax.tree.map(np.asarray, samples)
+    B, R, W = len(examples), t.n_branches, cfg.sampler.trunk_len
+    chex.assert_shape([samples.tokens_BRT, samples.valid_BRT, samples.logp_BRT],
+                      (B, R, cfg.sampler.max_new_tokens))
+    chex.assert_shape([samples.trunk_BW, samples.trunk_logp_BW], (B, W))
+    raw_BR = rewards_of(task, examples, completions(samples, tok))
+    rows = dict(prompt_BP=prompt_BP, valid_BP=valid_BP, raw_BR=raw_BR,
+                **samples._asdict())
+    return rows, raw_BR + _overlong(samples, cfg)
+
+  if t.dynamic_sampling:
+    rows, rewards_BR, stats = dapo.dynamic_sample(draw, t.batch_size, t.max_sample_rounds)
+  else:
+    rows, rewards_BR = draw(0)
+  samples = sampler.Samples(**{k: rows[k] for k in sampler.Samples._fields})
   sample_s = time.time() - t0
-  B, R, W = len(examples), cfg.train.n_branches, cfg.sampler.trunk_len
-  chex.assert_shape([samples.tokens_BRT, samples.valid_BRT, samples.logp_BRT],
-                    (B, R, cfg.sampler.max_new_tokens))
-  chex.assert_shape([samples.trunk_BW, samples.trunk_logp_BW], (B, W))
-  chex.assert_type([samples.tokens_BRT, samples.logp_BRT], [int, float])
-  rewards_BR = rewards_of(task, examples, completions(samples, tok))
-  advantages_BR = losses.group_advantages(jnp.asarray(rewards_BR),
-                                          use_std=cfg.train.advantage_std)
-  batch = sampler.to_batch(prompt_BP, valid_BP, samples, advantages_BR)
+  prompt_BP, valid_BP = rows["prompt_BP"], rows["valid_BP"]
+  B, R = rewards_BR.shape
+  adv_BR = (np.zeros((B, R), np.float32) if t.advantage in advantages.NEEDS_CRITIC
+            else advantages.compute(t.advantage, rewards_BR, t))
+  batch = sampler.to_batch(prompt_BP, valid_BP, samples, jnp.asarray(adv_BR))
   if state.ref_params is not None:  # k3 KL: reference log-probs, one shared-prefix forward
     scored = fns.score(state.ref_params, batch=place(batch, "batch", cfg))
     ref_BRT, ref_trunk_BW = sharding.to_host(scored) if cfg.mesh else scored
     batch = batch.replace(ref_logp_BRT=ref_BRT,
                           trunk_ref_logp_BW=ref_trunk_BW if batch.trunk_len else None)
+  cb = None
+  if cfg.uses_critic:
+    batch, cb, critic_stats = _gae_batch(fns, state, batch, rewards_BR, cfg)
+    stats.update(critic_stats)
   validate(batch, cfg.model.vocab_size, cfg.replay.branch_chunk)
-  return batch, {"reward/mean": float(rewards_BR.mean()), "reward/std": float(rewards_BR.std()),
-                 "time/sample_s": sample_s}
+  raw = rows["raw_BR"]
+  return batch, cb, {"reward/mean": float(raw.mean()), "reward/std": float(raw.std()),
+                     "reward/shaped_mean": float(rewards_BR.mean()),
+                     "time/sample_s": sample_s, **stats}
+
+
+def _overlong(samples, cfg: Config):
+  t = cfg.train
+  if not t.overlong_buffer:
+    return 0.0
+  W = np.asarray(samples.trunk_BW).shape[1]
+  lengths_BR = np.asarray(samples.valid_BRT).sum(-1) + W
+  return dapo.overlong_penalty(lengths_BR, cfg.sampler.max_new_tokens + W, t.overlong_buffer,
+                               t.overlong_penalty).astype(np.float32)
+
+
+def _gae_batch(fns, state, batch: ReplayBatch, rewards_BR, cfg: Config):
+  """PPO: the critic's values of every scored token (one shared-prefix forward), GAE per
+  branch, per-token advantages for the policy and returns for the critic."""
+  c = cfg.critic
+  old_values_BRX = np.asarray(fns.values(state.critic["params"], batch=batch), np.float64)
+  valid_BRX = critic.scored_mask(batch)
+  adv_BRX, returns_BRX = critic.gae(rewards_BR, old_values_BRX, valid_BRX, c.gamma, c.lam)
+  ret, v = returns_BRX[valid_BRX], old_values_BRX[valid_BRX]
+  stats = {"value/explained_variance": critic.explained_variance(old_values_BRX, returns_BRX,
+                                                                  valid_BRX),
+           "value/mean": float(v.mean()),
+           # for an explained variance pooled over steps: 1 - mean(sq_err) / mean(return_var)
+           "value/sq_err": float(np.mean((ret - v) ** 2)), "value/return_var": float(ret.var())}
+  policy_adv = critic.whiten(adv_BRX, valid_BRX) if c.whiten else adv_BRX
+  W = batch.trunk_len
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  batch = batch.replace(advantages_BR=f32(np.zeros(rewards_BR.shape)),
+                        advantages_BRT=f32(policy_adv[..., W:]),
+                        trunk_advantages_BRW=f32(policy_adv[..., :W]))
+  cb = critic.CriticBatch(batch, f32(returns_BRX), f32(old_values_BRX))
+  return batch, cb, stats
+
+
+def minibatches(tree, cfg: Config, step: int, epoch: int):
+  """The sampled batch split by prompt into train.minibatches parts, in a per-epoch order."""
+  B = cfg.train.batch_size
+  M = cfg.train.minibatches
+  if M == 1 and epoch == 0:
+    return [tree]
+  order = np.random.default_rng([cfg.train.seed, step, epoch, 7]).permutation(B)
+  parts = np.split(order, M)
+  return [jax.tree.map(lambda x, idx=np.sort(idx): np.asarray(x)[idx], tree) for idx in parts]
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -196,11 +306,14 @@ def _state_dict(state: TrainState) -> dict:
   d = dict(params=state.params, opt_state=state.opt_state, step=state.step, rng=state.rng)
   if state.ref_params is not None:
     d["ref_params"] = state.ref_params
+  if state.critic is not None:
+    d["critic"] = state.critic
   return d
 
 
-def _examples(task, seed: int, stream: int, n: int):
-  rng = np.random.default_rng([seed, stream])  # data depends only on (seed, step): resumable
+def _examples(task, seed: int, stream, n: int):
+  # data depends only on (seed, step[, round]): resumable
+  rng = np.random.default_rng([seed, *np.atleast_1d(stream).tolist()])
   return [task.sample(rng) for _ in range(n)]
 
 
@@ -213,12 +326,34 @@ def _finite_or_stop(values: dict, step: int, ckpt: checkpoint.Checkpointer):
       raise FloatingPointError(f"{name} is {values[name]} at step {step}: stopping; {where}")
 
 
+def _rl_update(fns, state, batch, cb, cfg: Config, step: int):
+  """train.ppo_epochs passes of train.minibatches replay steps over one sampled batch (the
+  value model steps alongside on the same minibatch); metrics averaged over the steps, the
+  ratio's maximum over all of them."""
+  outs = []
+  for epoch in range(cfg.train.ppo_epochs):
+    parts = minibatches(batch, cfg, step, epoch)
+    critic_parts = minibatches(cb, cfg, step, epoch) if cb is not None else [None] * len(parts)
+    for mb, cmb in zip(parts, critic_parts):
+      state, out = fns.rl_step(state, place(mb, "batch", cfg))
+      if cmb is not None:
+        state, critic_out = fns.critic_step(state, cmb)
+        out = {**out, **critic_out}
+      outs.append({k: float(v) for k, v in jax.device_get(out).items()})
+  avg = {k: float(np.mean([o[k] for o in outs])) for k in outs[0]}
+  avg["ratio/max"] = max(o["ratio/max"] for o in outs)
+  avg["clip_frac/last"] = outs[-1]["clip_frac"]
+  return state, avg
+
+
 class _Fns(NamedTuple):
   rl_step: Any
   sft_step: Any
   sample: Any
   greedy: Any
   score: Any
+  critic_step: Any
+  values: Any
 
 
 def _compile_key(cfg: Config) -> Config:
@@ -243,7 +378,10 @@ def _compiled(cfg: Config, eos_id: int = TOKENIZER.eos_id) -> _Fns:
       sample=jax.jit(functools.partial(sample, cfg=cfg.sampler)),
       greedy=jax.jit(functools.partial(sampler.sample, model_cfg=cfg.model, cfg=greedy,
                                        n_branches=1, stop_tokens=(eos_id,))),
-      score=jax.jit(functools.partial(sampler.score, model_cfg=cfg.model)))
+      score=jax.jit(functools.partial(sampler.score, model_cfg=cfg.model,
+                                      temperature=cfg.sampler.temperature)),
+      critic_step=jax.jit(make_critic_step(cfg), donate_argnums=0),
+      values=jax.jit(functools.partial(critic.values, model_cfg=cfg.model)))
 
 
 def run(cfg: Config, workdir: str, *, init_params=None, tokenizer=None) -> dict:
@@ -256,6 +394,9 @@ def run(cfg: Config, workdir: str, *, init_params=None, tokenizer=None) -> dict:
   if cfg.tree.fanouts:  # trees: the tree trainer (tree_train.py) runs the same loop
     from branch_replay import tree_train
     return tree_train.run(cfg, workdir, init_params=init_params, tokenizer=tokenizer)
+  if cfg.loss.name == "dpo":  # preference pairs, not sampled groups
+    from branch_replay import dpo
+    return dpo.run(cfg, workdir, init_params=init_params, tokenizer=tokenizer)
   tok = TOKENIZER if tokenizer is None else tokenizer
   if tok.vocab_size > cfg.model.vocab_size:
     raise ValueError(f"model.vocab_size={cfg.model.vocab_size}: expected >= the tokenizer's "
@@ -310,16 +451,25 @@ def run(cfg: Config, workdir: str, *, init_params=None, tokenizer=None) -> dict:
           bar.write(f"step {step}: greedy eval reward before RL {rec_eval:.3f}")
         if state.ref_params is not None:  # the reference policy: the policy as RL begins
           state = state.replace(ref_params=jax.tree.map(jnp.copy, state.params))
-      batch, sampled = rl_batch(fns, state, task, cfg, step, tok)
+        if state.critic is not None:  # the value model starts from the policy too
+          state = state.replace(critic=dict(
+              params={**state.critic["params"],
+                      "model": jax.tree.map(jnp.copy, state.params)},
+              opt_state=state.critic["opt_state"]))
+      batch, cb, sampled = rl_batch(fns, state, task, cfg, step, tok)
       rec.update(sampled)
       step_fn = fns.rl_step
-    batch = place(batch, "batch", cfg)
     t1 = time.time()
-    state, out = step_fn(state, batch)
-    out = {k: float(v) for k, v in jax.device_get(out).items()}
+    if rec["phase"] == "rl":
+      state, out = _rl_update(fns, state, batch, cb, cfg, step)
+    else:
+      batch = place(batch, "batch", cfg)
+      state, out = step_fn(state, batch)
+      out = {k: float(v) for k, v in jax.device_get(out).items()}
     rec["time/train_s"] = time.time() - t1
     _finite_or_stop(out, step, ckpt)
-    prefix, tails, naive = batch.token_counts()
+    passes = t.ppo_epochs if rec["phase"] == "rl" else 1  # each pass replays the batch
+    prefix, tails, naive = (passes * n for n in batch.token_counts())
     rec.update(out)
     rec.update({"replay/prefix_tokens": prefix, "replay/tail_tokens": tails,
                 "replay/naive_equiv_tokens": naive,

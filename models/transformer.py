@@ -365,16 +365,21 @@ def tail(params, cfg: ModelConfig, cache: PrefixCache, prefix_valid_BP: Array,
   return h_BTD
 
 
-def _token_logps(params, cfg: ModelConfig, h_BTD: Array, targets_BT: Array):
+def _token_logps(params, cfg: ModelConfig, h_BTD: Array, targets_BT: Array,
+                 temperature: float = 1.0):
   logits_BTV = Transformer(cfg).apply({"params": params}, h_BTD, method=Transformer.logits)
+  if temperature != 1.0:
+    logits_BTV = logits_BTV / temperature
   logp_BTV = jax.nn.log_softmax(logits_BTV, axis=-1)
   logp_BT = jnp.take_along_axis(logp_BTV, targets_BT[..., None], axis=-1)[..., 0]
   entropy_BT = -jnp.sum(jnp.exp(logp_BTV) * logp_BTV, axis=-1)
   return logp_BT, entropy_BT
 
 
-def token_logps(params, cfg: ModelConfig, h_BTD: Array, targets_BT: Array):
-  """log p(target) and the entropy of each predictive distribution, in fp32 (or fp64).
+def token_logps(params, cfg: ModelConfig, h_BTD: Array, targets_BT: Array,
+                temperature: float = 1.0):
+  """log p(target) and the entropy of each predictive distribution, in fp32 (or fp64);
+  p = softmax(logits / temperature), the distribution a sampler at that temperature draws from.
 
   With `model.logits_chunk` = C, the T positions run in chunks of C under `lax.scan`, each
   chunk rematerialised in the backward: at most one [B, C, V] logits block is ever alive.
@@ -382,12 +387,13 @@ def token_logps(params, cfg: ModelConfig, h_BTD: Array, targets_BT: Array):
   B, T, D = h_BTD.shape
   C = cfg.logits_chunk
   if C is None or T <= C:
-    return _token_logps(params, cfg, h_BTD, targets_BT)
+    return _token_logps(params, cfg, h_BTD, targets_BT, temperature)
   n = -(-T // C)
   pad = n * C - T
   h_nBCD = jnp.pad(h_BTD, ((0, 0), (0, pad), (0, 0))).reshape(B, n, C, D).swapaxes(0, 1)
   t_nBC = jnp.pad(targets_BT, ((0, 0), (0, pad))).reshape(B, n, C).swapaxes(0, 1)
-  chunk_fn = jax.checkpoint(lambda h_BCD, t_BC: _token_logps(params, cfg, h_BCD, t_BC))
+  chunk_fn = jax.checkpoint(
+      lambda h_BCD, t_BC: _token_logps(params, cfg, h_BCD, t_BC, temperature))
   _, (logp_nBC, entropy_nBC) = jax.lax.scan(lambda c, xs: (c, chunk_fn(*xs)), None,
                                             (h_nBCD, t_nBC))
   unchunk = lambda x_nBC: x_nBC.swapaxes(0, 1).reshape(B, n * C)[:, :T]

@@ -87,15 +87,23 @@ def test_replay_equals_naive_float64(B, R, P):
     dict(W=2, branch_chunk=4),
     dict(W=0, branch_chunk=1, aggregation="seq_mean"),
     dict(W=2, name="pg"),
+    dict(W=2, logps=True, name="gspo", epsilon=0.01, kl_coef=0.1, aggregation="seq_mean"),
+    dict(W=2, logps=True, name="ppo", token_adv=True, temperature=0.7, kl_coef=0.1),
 ])
 def test_replay_variants_float64(case):
   case = dict(case)
   shape = dict(B=2, R=case.pop("R", 8), P=case.pop("P", 12), T=case.pop("T", 6),
                W=case.pop("W", 0), ragged=case.pop("ragged", True), logps=case.pop("logps", False))
   chunk = case.pop("branch_chunk", None)
+  token_adv = case.pop("token_adv", False)
   with jax.enable_x64(True):
     cfg, params = model("float64")
     batch = make_batch(7, **shape, dtype=jnp.float64)
+    if token_adv:  # PPO's per-token (GAE) advantages, a trunk token's differing per branch
+      rng = np.random.default_rng(8)
+      B, R, T, W = shape["B"], shape["R"], shape["T"], shape["W"]
+      batch = batch.replace(advantages_BRT=jnp.asarray(rng.normal(size=(B, R, T))),
+                            trunk_advantages_BRW=jnp.asarray(rng.normal(size=(B, R, W))))
     fast, slow = both_paths(cfg, params, batch, losses.LossConfig(**case), branch_chunk=chunk)
     assert_equal_f64(fast, slow)
 

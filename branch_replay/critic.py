@@ -1,0 +1,229 @@
+"""PPO's critic through branch replay: a value model of the policy's family (its transformer
+plus a linear value head), trained exactly like the policy: the prefix forward once per
+prompt, every branch's tail against its cache, one prefix backward. Also GAE per branch.
+
+Token x of a branch (its W trunk tokens, then its tail tokens) gets the value V_x of the
+state that predicts it (the hidden state before it, as for log-probs): a trunk token's value
+is shared by the R branches, a tail token's is the branch's own, and the first tail token's
+state is the prefix's last, shared again. GAE runs per branch over the X = W + T scored
+tokens with the reward at the branch's last token, so the last trunk token bootstraps from
+the value of the branch's first tail token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from branch_replay import losses, replay
+from branch_replay.batch import ReplayBatch
+from models import transformer as tfm
+
+
+@dataclasses.dataclass(frozen=True)
+class CriticConfig:
+  # Used when train.advantage=gae (PPO with a learned value model).
+  share: bool = False  # a value head on the policy itself (not implemented: separate model)
+  learning_rate: float = 1e-3
+  value_clip: float = 0.2  # clip of V - V_old in the clipped value loss
+  gamma: float = 1.0
+  lam: float = 0.95  # GAE lambda
+  whiten: bool = True  # normalise the policy's advantages over the batch's scored tokens
+
+  def __post_init__(self):
+    if self.share:
+      raise ValueError("critic.share=true: a value head on the policy is not implemented; "
+                       "expected false (a separate value model of the policy's family)")
+    if not (0 < self.learning_rate < float("inf")):
+      raise ValueError(f"critic.learning_rate={self.learning_rate!r}: expected > 0")
+    if not self.value_clip > 0:
+      raise ValueError(f"critic.value_clip={self.value_clip!r}: expected > 0")
+    for name in ("gamma", "lam"):
+      if not 0 <= getattr(self, name) <= 1:
+        raise ValueError(f"critic.{name}={getattr(self, name)!r}: expected in [0, 1]")
+
+
+@flax.struct.dataclass
+class CriticBatch:
+  """A replay batch (tokens and masks) with per-token regression targets over the X = W + T
+  scored tokens of every branch ([B, R, X]; the trunk part repeated per branch)."""
+  batch: ReplayBatch
+  returns_BRX: jax.Array
+  old_values_BRX: jax.Array
+
+
+def init_params(model_cfg: tfm.ModelConfig, key, model_params=None):
+  """{'model': transformer params (a copy of model_params if given), 'head': zero value head}."""
+  model = tfm.init_params(model_cfg, key) if model_params is None else jax.tree.map(
+      jnp.copy, model_params)
+  dt = model_cfg.weight_dtype
+  return {"model": model, "head": {"w_D": jnp.zeros((model_cfg.d_model,), dt),
+                                   "b": jnp.zeros((), dt)}}
+
+
+def value_head(head, h_BTD):
+  acc = jnp.float64 if h_BTD.dtype == jnp.float64 else jnp.float32
+  return (jnp.einsum("BTD,D->BT", h_BTD, head["w_D"].astype(h_BTD.dtype),
+                     preferred_element_type=acc) + head["b"].astype(acc))
+
+
+def value_loss(values_BX, old_values_BX, returns_BX, weight_BX, clip: float):
+  """PPO's clipped value loss per branch: sum_x w_x 0.5 max((V-R)^2, (V_old + clip(V-V_old,
+  -c, c) - R)^2)."""
+  clipped = old_values_BX + jnp.clip(values_BX - old_values_BX, -clip, clip)
+  per_token = 0.5 * jnp.maximum((values_BX - returns_BX) ** 2, (clipped - returns_BX) ** 2)
+  return jnp.sum(jnp.where(weight_BX > 0, per_token, 0.0) * weight_BX, axis=-1)
+
+
+def _weights_BRX(batch: ReplayBatch):
+  tail_w_BRT, w_BR = losses.aggregation_weights(losses.LossConfig(aggregation="token_mean"),
+                                                batch.tail_valid_BRT, batch.trunk_len)
+  B, R, _ = tail_w_BRT.shape
+  return jnp.concatenate([jnp.broadcast_to(w_BR[..., None], (B, R, batch.trunk_len)),
+                          tail_w_BRT], -1)
+
+
+def _branch_loss(values_BX, branch, cfg: CriticConfig):
+  loss_B = value_loss(values_BX, branch["old_values_BX"], branch["returns_BX"],
+                      branch["weight_BX"], cfg.value_clip)
+  scored = branch["weight_BX"] > 0
+  aux = dict(value_sum=jnp.sum(jnp.where(scored, values_BX, 0.0), -1),
+             clip_sum=jnp.sum(scored & (jnp.abs(values_BX - branch["old_values_BX"])
+                                        > cfg.value_clip), -1),
+             tokens=scored.sum(-1))
+  return loss_B, aux
+
+
+def _branches(cb: CriticBatch):
+  r_first = lambda x: jnp.swapaxes(x, 0, 1)
+  b = cb.batch
+  return dict(tokens_BT=r_first(b.tails_BRT), valid_BT=r_first(b.tail_valid_BRT),
+              weight_BX=r_first(_weights_BRX(b)), returns_BX=r_first(cb.returns_BRX),
+              old_values_BX=r_first(cb.old_values_BRX))
+
+
+def replay_fns(model_cfg: tfm.ModelConfig, cfg: CriticConfig, cb: CriticBatch):
+  """(prefill_fn, branch_loss_fn, prefix, branches_R) of the critic for replay.value_and_grad."""
+  batch = cb.batch
+  W = batch.trunk_len
+  prefix_valid_BP = batch.prefix_valid_BP
+
+  def prefill_fn(params, prefix):
+    cache = tfm.prefill(params["model"], model_cfg, prefix["tokens_BP"], prefix["valid_BP"], W)
+    # Everything the tails read: K/V, the last hidden state, and the trunk tokens' values.
+    return dict(kv=cache.kv, h_last_BD=cache.h_last_BD,
+                trunk_v_BW=value_head(params["head"], cache.trunk_h_BWD))
+
+  def branch_loss_fn(params, cache, branch):
+    kv_cache = tfm.PrefixCache(cache["kv"], cache["h_last_BD"], None)
+    h_BTD = tfm.tail(params["model"], model_cfg, kv_cache, prefix_valid_BP, branch["tokens_BT"],
+                     branch["valid_BT"])
+    h_pred_BTD = jnp.concatenate([cache["h_last_BD"][:, None], h_BTD[:, :-1]], axis=1)
+    values_BX = jnp.concatenate([cache["trunk_v_BW"], value_head(params["head"], h_pred_BTD)],
+                                axis=1)
+    return _branch_loss(values_BX, branch, cfg)
+
+  prefix = dict(tokens_BP=batch.prefix_BP, valid_BP=batch.prefix_valid_BP)
+  return prefill_fn, branch_loss_fn, prefix, _branches(cb)
+
+
+def replay_loss_and_grad(params, cb: CriticBatch, model_cfg, cfg: CriticConfig):
+  """The critic's value loss and gradient through branch replay: (loss, aux_BR, grads)."""
+  prefill_fn, branch_loss_fn, prefix, branches_R = replay_fns(model_cfg, cfg, cb)
+  loss, aux_R, grads = replay.value_and_grad(prefill_fn, branch_loss_fn, params, prefix,
+                                             branches_R)
+  return loss, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), aux_R), grads
+
+
+def naive_values(params, batch: ReplayBatch, model_cfg) -> jax.Array:
+  """Values of every scored token, each branch as its own [P+T] sequence: [B, R, W+T]."""
+  B, R, T = batch.tails_BRT.shape
+  P, W = batch.prefix_BP.shape[1], batch.trunk_len
+  seq = lambda prefix_BP, tails_BRT: jnp.concatenate(
+      [jnp.broadcast_to(prefix_BP[:, None], (B, R, P)), tails_BRT], -1).reshape(B * R, P + T)
+  h_NSD = tfm.forward(params["model"], model_cfg, seq(batch.prefix_BP, batch.tails_BRT),
+                      seq(batch.prefix_valid_BP, batch.tail_valid_BRT))
+  values_NX = value_head(params["head"], h_NSD[:, P - 1 - W:P + T - 1])
+  return values_NX.reshape(B, R, W + T)
+
+
+def naive_loss(params, cb: CriticBatch, model_cfg, cfg: CriticConfig):
+  """The naive twin of the critic loss: (loss, aux_BR)."""
+  values_RBX = jnp.swapaxes(naive_values(params, cb.batch, model_cfg), 0, 1)
+  loss_RB, aux_R = jax.vmap(lambda v, br: _branch_loss(v, br, cfg))(values_RBX, _branches(cb))
+  return loss_RB.sum(), jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), aux_R)
+
+
+def loss_and_grad(params, cb: CriticBatch, model_cfg, cfg: CriticConfig, mode: str = "replay"):
+  if mode == "replay":
+    return replay_loss_and_grad(params, cb, model_cfg, cfg)
+  if mode == "naive":
+    (loss, aux), grads = jax.value_and_grad(naive_loss, has_aux=True)(params, cb, model_cfg, cfg)
+    return loss, aux, grads
+  raise ValueError(f"replay.mode={mode!r}: expected replay or naive")
+
+
+def values(params, model_cfg, batch: ReplayBatch) -> jax.Array:
+  """Values of every scored token from ONE shared-prefix forward: [B, R, W+T] (0 where a
+  tail is padded). The 'old' values of PPO, computed once per sampled batch."""
+  W = batch.trunk_len
+  cache = tfm.prefill(params["model"], model_cfg, batch.prefix_BP, batch.prefix_valid_BP, W)
+  trunk_v_BW = value_head(params["head"], cache.trunk_h_BWD)
+
+  def one_branch(tokens_BT, valid_BT):
+    h_BTD = tfm.tail(params["model"], model_cfg, cache, batch.prefix_valid_BP, tokens_BT,
+                     valid_BT)
+    h_pred_BTD = jnp.concatenate([cache.h_last_BD[:, None], h_BTD[:, :-1]], axis=1)
+    return jnp.where(valid_BT, value_head(params["head"], h_pred_BTD), 0.0)
+
+  v_RBT = jax.vmap(one_branch, in_axes=(1, 1))(batch.tails_BRT, batch.tail_valid_BRT)
+  B, R = batch.tails_BRT.shape[:2]
+  return jnp.concatenate([jnp.broadcast_to(trunk_v_BW[:, None], (B, R, W)),
+                          jnp.swapaxes(v_RBT, 0, 1)], -1)
+
+
+# ----------------------------------------------------------------------------- GAE (host)
+
+
+def scored_mask(batch: ReplayBatch) -> np.ndarray:
+  """[B, R, W+T] bool: the trunk tokens, then the branch's valid tail tokens."""
+  tv = np.asarray(batch.tail_valid_BRT, bool)
+  B, R, _ = tv.shape
+  return np.concatenate([np.ones((B, R, batch.trunk_len), bool), tv], -1)
+
+
+def gae(rewards_BR, values_BRX, valid_BRX, gamma: float, lam: float):
+  """GAE per branch over its scored tokens (a contiguous run from x=0), the reward at the
+  last one and V = 0 after it. Returns (advantages_BRX, returns_BRX), 0 where invalid."""
+  values = np.where(valid_BRX, np.asarray(values_BRX, np.float64), 0.0)
+  valid = np.asarray(valid_BRX, bool)
+  X = valid.shape[-1]
+  last_BR = valid.sum(-1) - 1
+  rewards_BRX = np.where(np.arange(X) == last_BR[..., None],
+                         np.asarray(rewards_BR, np.float64)[..., None], 0.0)
+  next_values = np.concatenate([values[..., 1:], np.zeros_like(values[..., :1])], -1)
+  deltas = rewards_BRX + gamma * next_values - values  # next_values is 0 past the last token
+  adv = np.zeros_like(values)
+  running = np.zeros(values.shape[:-1])
+  for x in reversed(range(X)):
+    running = np.where(valid[..., x], deltas[..., x] + gamma * lam * running, 0.0)
+    adv[..., x] = running
+  return adv, np.where(valid, adv + values, 0.0)
+
+
+def explained_variance(values_BRX, returns_BRX, valid_BRX) -> float:
+  """1 - Var(returns - values) / Var(returns) over scored tokens."""
+  m = np.asarray(valid_BRX, bool)
+  ret = np.asarray(returns_BRX)[m]
+  var = ret.var()
+  return float(1.0 - (ret - np.asarray(values_BRX)[m]).var() / var) if var > 0 else float("nan")
+
+
+def whiten(adv_BRX, valid_BRX, eps: float = 1e-8):
+  m = np.asarray(valid_BRX, bool)
+  a = adv_BRX[m]
+  return np.where(m, (adv_BRX - a.mean()) / (a.std() + eps), 0.0)

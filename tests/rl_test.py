@@ -1,0 +1,240 @@
+"""RL algorithms: the critic through branch replay (== naive), GAE and the value loss against
+numpy loops, RLOO / DAPO / overlong shaping, temperature-consistent ratios, the trainer with
+PPO epochs, minibatches, a critic and dynamic sampling, and their bad-input errors."""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from branch_replay import advantages, critic, dapo, losses, policy, sampler, train
+from branch_replay.config import Config, apply_overrides
+from models import transformer as tfm
+from replay_test import assert_equal_f64, make_batch, model
+
+
+# ----------------------------------------------------------------------------- GAE, value loss
+
+
+def gae_loop(rewards_BR, values_BRX, valid_BRX, gamma, lam):
+  """GAE the textbook way, one branch at a time over its n scored tokens."""
+  B, R, X = valid_BRX.shape
+  adv = np.zeros((B, R, X))
+  for b in range(B):
+    for r in range(R):
+      n = int(valid_BRX[b, r].sum())
+      v = list(values_BRX[b, r, :n]) + [0.0]  # V after the last token is 0 (terminal)
+      last = 0.0
+      for x in reversed(range(n)):
+        reward = rewards_BR[b, r] if x == n - 1 else 0.0
+        delta = reward + gamma * v[x + 1] - v[x]
+        last = delta + gamma * lam * last
+        adv[b, r, x] = last
+  return adv, np.where(valid_BRX, adv + values_BRX, 0.0)
+
+
+@pytest.mark.parametrize("gamma, lam", [(1.0, 0.95), (0.9, 1.0), (0.99, 0.0)])
+def test_gae_equals_loop(gamma, lam):
+  rng = np.random.default_rng(0)
+  W, T = 2, 5
+  lengths = rng.integers(1, T + 1, (3, 4))
+  valid = np.concatenate([np.ones((3, 4, W), bool),
+                          np.arange(T)[None, None] < lengths[..., None]], -1)
+  values = rng.normal(size=(3, 4, W + T))
+  rewards = rng.normal(size=(3, 4))
+  adv, ret = critic.gae(rewards, values, valid, gamma, lam)
+  adv2, ret2 = gae_loop(rewards, values, valid, gamma, lam)
+  np.testing.assert_allclose(np.where(valid, adv, 0), adv2, rtol=1e-13, atol=1e-13)
+  np.testing.assert_allclose(ret, ret2, rtol=1e-13, atol=1e-13)
+
+
+def test_gae_bootstraps_across_the_trunk_boundary():
+  """Trunk [V=0.5], tail [V=0.2, V=0.1], reward 1, gamma=lam=1: the trunk token's delta
+  bootstraps from the branch's first tail value: A_trunk = (0 + 0.2 - 0.5) + A_tail0."""
+  valid = np.ones((1, 1, 3), bool)
+  values = np.asarray([[[0.5, 0.2, 0.1]]])
+  adv, ret = critic.gae(np.asarray([[1.0]]), values, valid, 1.0, 1.0)
+  np.testing.assert_allclose(adv[0, 0], [0.5, 0.8, 0.9], atol=1e-15)  # = R - V with lam=1
+  adv, _ = critic.gae(np.asarray([[1.0]]), values, valid, 1.0, 0.0)  # lam=0: one-step TD
+  np.testing.assert_allclose(adv[0, 0], [0.2 - 0.5, 0.1 - 0.2, 1.0 - 0.1], atol=1e-15)
+  # Two branches sharing the trunk token (same V) get different trunk advantages.
+  valid = np.ones((1, 2, 2), bool)
+  adv, _ = critic.gae(np.asarray([[1.0, 0.0]]), np.asarray([[[0.5, 0.3], [0.5, 0.7]]]), valid,
+                      1.0, 0.0)
+  np.testing.assert_allclose(adv[0, :, 0], [0.3 - 0.5, 0.7 - 0.5], atol=1e-15)
+
+
+def test_value_loss_equals_numpy():
+  rng = np.random.default_rng(1)
+  v, old, ret = rng.normal(size=(3, 2, 6))
+  w = rng.uniform(size=(2, 6)) * (rng.uniform(size=(2, 6)) > 0.3)
+  clip = 0.2
+  expected = np.zeros(2)
+  for b in range(2):
+    for x in range(6):
+      vc = old[b, x] + min(max(v[b, x] - old[b, x], -clip), clip)
+      expected[b] += w[b, x] * 0.5 * max((v[b, x] - ret[b, x]) ** 2, (vc - ret[b, x]) ** 2)
+  with jax.enable_x64(True):
+    got = critic.value_loss(jnp.asarray(v), jnp.asarray(old), jnp.asarray(ret), jnp.asarray(w),
+                            clip)
+  np.testing.assert_allclose(got, expected, rtol=1e-13)
+
+
+# ----------------------------------------------------------------------------- critic replay
+
+
+def critic_batch(seed, B, R, P, T, W, dtype=jnp.float64):
+  batch = make_batch(seed, B=B, R=R, P=P, T=T, W=W, dtype=dtype)
+  rng = np.random.default_rng(seed + 1)
+  mask = critic.scored_mask(batch)
+  return critic.CriticBatch(batch, jnp.asarray(np.where(mask, rng.normal(size=mask.shape), 0),
+                                               dtype),
+                            jnp.asarray(np.where(mask, rng.normal(scale=0.1, size=mask.shape),
+                                                 0), dtype))
+
+
+@pytest.mark.parametrize("B, R, P, T, W", [(2, 3, 9, 4, 2), (1, 4, 6, 1, 0)])
+def test_critic_replay_equals_naive_float64(B, R, P, T, W):
+  with jax.enable_x64(True):
+    cfg, params = model("float64")
+    cparams = critic.init_params(cfg, jax.random.key(1), params)
+    # a non-zero head, so values (and the clip) depend on the transformer
+    cparams["head"] = {"w_D": jax.random.normal(jax.random.key(2), (cfg.d_model,)),
+                       "b": jnp.asarray(0.1)}
+    cb = critic_batch(31, B, R, P, T, W)
+    ccfg = critic.CriticConfig(value_clip=0.5)
+    fast = jax.jit(lambda p, b: critic.loss_and_grad(p, b, cfg, ccfg, "replay"))(cparams, cb)
+    slow = jax.jit(lambda p, b: critic.loss_and_grad(p, b, cfg, ccfg, "naive"))(cparams, cb)
+    assert_equal_f64(fast, slow)
+    assert int(slow[1]["clip_sum"].sum()) > 0  # the value clip binds somewhere
+    # the loss equals the numpy value loss on the naive values
+    v = np.asarray(critic.naive_values(cparams, cb.batch, cfg))
+    mask = critic.scored_mask(cb.batch)
+    n = mask.sum()
+    old, ret = np.asarray(cb.old_values_BRX), np.asarray(cb.returns_BRX)
+    vc = old + np.clip(v - old, -0.5, 0.5)
+    expected = np.sum(np.where(mask, 0.5 * np.maximum((v - ret) ** 2, (vc - ret) ** 2), 0)) / n
+    assert float(fast[0]) == pytest.approx(expected, rel=1e-10)
+    # `critic.values` (one shared-prefix forward) equals the naive values
+    np.testing.assert_allclose(np.where(mask, critic.values(cparams, cfg, cb.batch), 0),
+                               np.where(mask, v, 0), rtol=1e-11, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- estimators
+
+
+def test_rloo_equals_leave_one_out():
+  rng = np.random.default_rng(2)
+  r = rng.normal(size=(3, 5))
+  expected = np.asarray([[r[b, i] - np.mean(np.delete(r[b], i)) for i in range(5)]
+                         for b in range(3)])
+  np.testing.assert_allclose(advantages.compute("rloo", r, Config().train), expected, rtol=1e-6)
+  dr = advantages.compute("dr_grpo", r, Config().train)
+  np.testing.assert_allclose(dr, r - r.mean(1, keepdims=True), rtol=1e-6)
+  g = advantages.compute("grpo", r, Config().train)
+  np.testing.assert_allclose(g, (r - r.mean(1, keepdims=True)) / (r.std(1, keepdims=True) + 1e-6),
+                             rtol=1e-5)
+
+
+def test_dynamic_sampling_drops_and_refills():
+  draws = [np.asarray([[1, 1], [0, 1], [0, 0]], float), np.asarray([[1, 0], [1, 1], [0, 1]], float)]
+
+  def draw(i):
+    return {"id": np.arange(3) + 10 * i}, draws[i]
+
+  rows, rewards, stats = dapo.dynamic_sample(draw, 3, max_rounds=2)
+  np.testing.assert_array_equal(rows["id"], [1, 10, 12])  # informative groups, in order
+  assert stats == {"dapo/rounds": 2, "dapo/kept_frac": 1.0}
+  rows, rewards, stats = dapo.dynamic_sample(draw, 3, max_rounds=1)  # the cap: top up
+  np.testing.assert_array_equal(rows["id"], [1, 0, 2])
+  assert stats["dapo/kept_frac"] == pytest.approx(1 / 3)
+  np.testing.assert_array_equal(dapo.informative(rewards), [True, False, False])
+
+
+def test_overlong_penalty():
+  got = dapo.overlong_penalty(np.asarray([[2, 6, 7, 8, 9]]), max_len=8, buffer=4, penalty=0.5)
+  np.testing.assert_allclose(got, [[0.0, -0.25, -0.375, -0.5, -0.5]])
+  assert not dapo.overlong_penalty(np.asarray([[8]]), 8, 0).any()
+
+
+# ----------------------------------------------------------------------------- temperature
+
+
+def test_temperature_first_epoch_ratio_is_one():
+  """Sampled at temperature 0.7, trained at the sampler's temperature: the first update's
+  ratio is 1 to float rounding (and far from it if trained at temperature 1)."""
+  cfg = tfm.preset("tiny")
+  params = tfm.init_params(cfg, jax.random.key(3))
+  rng = np.random.default_rng(0)
+  prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 7)), jnp.int32)
+  valid = jnp.ones((2, 7), bool)
+  scfg = sampler.SamplerConfig(max_new_tokens=5, temperature=0.7, trunk_len=2)
+  s = jax.jit(functools.partial(sampler.sample, model_cfg=cfg, cfg=scfg, n_branches=4))(
+      params, prompt_BP=prompt, prompt_valid_BP=valid, key=jax.random.key(4))
+  batch = sampler.to_batch(prompt, valid, s, jnp.ones((2, 4)))
+  for temperature, close in ((0.7, True), (1.0, False)):
+    lc = losses.LossConfig(name="ppo", temperature=temperature)
+    _, aux, _ = jax.jit(lambda p, b: policy.loss_and_grad(p, b, cfg, lc))(params, batch)
+    ratio_max = float(aux["ratio_max"].max())
+    approx_kl = float(aux["approx_kl_sum"].sum())
+    if close:
+      assert abs(ratio_max - 1) < 1e-5 and approx_kl < 1e-9 and int(aux["clip_sum"].sum()) == 0
+    else:
+      assert abs(ratio_max - 1) > 1e-2
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+
+def tiny(*overrides):
+  return apply_overrides(Config(model=tfm.preset("tiny")), [
+      "task.prompt_len=20", "task.n_keys=2", "train.sft_steps=0", "train.rl_steps=2",
+      "train.batch_size=4", "train.n_branches=4", "sampler.max_new_tokens=2",
+      "train.eval_size=0", "train.progress=false", "train.plot=false",
+      "train.checkpoint_every=5", *overrides])
+
+
+def test_ppo_with_critic_epochs_and_minibatches_runs(tmp_path):
+  cfg = tiny("loss.name=ppo", "train.advantage=gae",
+             "train.ppo_epochs=2", "train.minibatches=2", "sampler.trunk_len=1",
+             "sampler.temperature=0.8")
+  s = train.run(cfg, str(tmp_path / "ppo"))
+  recs = [r for r in train.metrics.read(s["metrics"]) if r.get("kind") == "train"]
+  assert len(recs) == 2
+  for r in recs:
+    for k in ("loss/value", "clip_frac", "approx_kl", "ratio/max", "value/mean"):
+      assert np.isfinite(r[k]), (k, r)
+    assert "value/explained_variance" in r  # NaN (null) while every return is 0
+    assert r["ratio/max"] > 1.0  # epochs after the first move the ratio
+  # resume restores the critic (same run continued equals nothing broken)
+  s2 = train.run(apply_overrides(cfg, ["train.rl_steps=3"]), str(tmp_path / "ppo"))
+  assert s2["steps"] == 3
+
+
+def test_grpo_family_runs_rloo_gspo_dapo(tmp_path):
+  cfg = tiny("loss.name=gspo", "loss.aggregation=seq_mean", "train.advantage=rloo",
+             "train.dynamic_sampling=true", "train.max_sample_rounds=2",
+             "train.overlong_buffer=1")
+  s = train.run(cfg, str(tmp_path / "g"))
+  recs = [r for r in train.metrics.read(s["metrics"]) if r.get("kind") == "train"]
+  assert all("dapo/kept_frac" in r and 1 <= r["dapo/rounds"] <= 2 for r in recs)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["train.advantage=nope"], r"train.advantage='nope'.*\['dr_grpo', 'gae', 'grpo', 'rloo'\]"),
+    (["loss.name=nope"], r"loss.name='nope'.*expected one of"),
+    (["train.ppo_epochs=0"], r"train.ppo_epochs=0: expected an int >= 1"),
+    (["train.minibatches=3"], r"train.minibatches=3: expected a divisor of train.batch_size=4"),
+    (["loss.name=dpo"], r"train.n_branches=4: DPO trains on \(chosen, rejected\) pairs"),
+    (["sampler.top_k=5"], r"sampler.top_k=5.*RL trains against"),
+    (["sampler.top_p=0.9"], r"top_p=0.9.*expected top_k=0 and top_p=1"),
+    (["sampler.temperature=0"], r"sampler.temperature=0: RL needs sampled"),
+    (["train.advantage=gae", "mesh=data:2"], r"the critic runs on one device"),
+    (["critic.share=true"], r"critic.share=true: a value head on the policy is not implemented"),
+])
+def test_bad_rl_config_names_the_field(overrides, match):
+  with pytest.raises(ValueError, match=match):
+    tiny(*overrides)
