@@ -118,14 +118,21 @@ def replay_fns(model_cfg: tfm.ModelConfig, cfg: CriticConfig, cb: CriticBatch):
     return dict(kv=cache.kv, h_last_BD=cache.h_last_BD,
                 trunk_v_BW=value_head(params["head"], cache.trunk_h_BWD))
 
-  def branch_loss_fn(params, cache, branch):
+  def branch_loss_fn(params, cache, branches_R):
+    """Every branch at once (replay's `batched=True`), as the policy's: B*R tail rows whose
+    attention folds a prompt's R*T queries against its one prefix K/V."""
+    tokens_RBT = branches_R["tokens_BT"]
+    R, B, T = tokens_RBT.shape
+    rows = lambda x_RB: jnp.swapaxes(x_RB, 0, 1).reshape(B * R, *x_RB.shape[2:])
     kv_cache = tfm.PrefixCache(cache["kv"], cache["h_last_BD"], None)
-    h_BTD = tfm.tail(params["model"], model_cfg, kv_cache, prefix_valid_BP, branch["tokens_BT"],
-                     branch["valid_BT"])
-    h_pred_BTD = jnp.concatenate([cache["h_last_BD"][:, None], h_BTD[:, :-1]], axis=1)
-    values_BX = jnp.concatenate([cache["trunk_v_BW"], value_head(params["head"], h_pred_BTD)],
-                                axis=1)
-    return _branch_loss(values_BX, branch, cfg)
+    h_NTD = tfm.tail(params["model"], model_cfg, kv_cache, prefix_valid_BP, rows(tokens_RBT),
+                     rows(branches_R["valid_BT"]))
+    h_last_ND = jnp.repeat(cache["h_last_BD"], R, axis=0)
+    h_pred_NTD = jnp.concatenate([h_last_ND[:, None], h_NTD[:, :-1]], axis=1)
+    v_RBT = jnp.swapaxes(value_head(params["head"], h_pred_NTD).reshape(B, R, T), 0, 1)
+    values_RBX = jnp.concatenate(
+        [jnp.broadcast_to(cache["trunk_v_BW"], (R, *cache["trunk_v_BW"].shape)), v_RBT], -1)
+    return jax.vmap(lambda v, br: _branch_loss(v, br, cfg))(values_RBX, branches_R)
 
   prefix = dict(tokens_BP=batch.prefix_BP, valid_BP=batch.prefix_valid_BP)
   return prefill_fn, branch_loss_fn, prefix, _branches(cb)
@@ -135,7 +142,7 @@ def replay_loss_and_grad(params, cb: CriticBatch, model_cfg, cfg: CriticConfig):
   """The critic's value loss and gradient through branch replay: (loss, aux_BR, grads)."""
   prefill_fn, branch_loss_fn, prefix, branches_R = replay_fns(model_cfg, cfg, cb)
   loss, aux_R, grads = replay.value_and_grad(prefill_fn, branch_loss_fn, params, prefix,
-                                             branches_R)
+                                             branches_R, batched=True)
   return loss, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), aux_R), grads
 
 
@@ -174,16 +181,12 @@ def values(params, model_cfg, batch: ReplayBatch) -> jax.Array:
   cache = tfm.prefill(params["model"], model_cfg, batch.prefix_BP, batch.prefix_valid_BP, W)
   trunk_v_BW = value_head(params["head"], cache.trunk_h_BWD)
 
-  def one_branch(tokens_BT, valid_BT):
-    h_BTD = tfm.tail(params["model"], model_cfg, cache, batch.prefix_valid_BP, tokens_BT,
-                     valid_BT)
-    h_pred_BTD = jnp.concatenate([cache.h_last_BD[:, None], h_BTD[:, :-1]], axis=1)
-    return jnp.where(valid_BT, value_head(params["head"], h_pred_BTD), 0.0)
-
-  v_RBT = jax.vmap(one_branch, in_axes=(1, 1))(batch.tails_BRT, batch.tail_valid_BRT)
-  B, R = batch.tails_BRT.shape[:2]
-  return jnp.concatenate([jnp.broadcast_to(trunk_v_BW[:, None], (B, R, W)),
-                          jnp.swapaxes(v_RBT, 0, 1)], -1)
+  B, R, T = batch.tails_BRT.shape
+  tokens_NT, valid_NT = batch.tails_BRT.reshape(B * R, T), batch.tail_valid_BRT.reshape(B * R, T)
+  h_NTD = tfm.tail(params["model"], model_cfg, cache, batch.prefix_valid_BP, tokens_NT, valid_NT)
+  h_pred_NTD = jnp.concatenate([jnp.repeat(cache.h_last_BD, R, 0)[:, None], h_NTD[:, :-1]], 1)
+  v_BRT = jnp.where(valid_NT, value_head(params["head"], h_pred_NTD), 0.0).reshape(B, R, T)
+  return jnp.concatenate([jnp.broadcast_to(trunk_v_BW[:, None], (B, R, W)), v_BRT], -1)
 
 
 # ----------------------------------------------------------------------------- GAE (host)
