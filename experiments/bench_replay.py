@@ -183,22 +183,26 @@ def run_worker(mode, P, T, R):
     result["oom"] = True
     print(json.dumps(result), flush=True)
     return
-  times = []
+  times, cpu_times = [], []
   try:
     jax.block_until_ready(compiled(params, batch))  # warm-up
     with PeakRSS() as rss:
       for _ in range(FLAGS.reps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         loss, grads = compiled(params, batch)
         jax.block_until_ready(grads)
         times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - c0)
   except jax.errors.JaxRuntimeError as e:  # the estimate fit, the allocation did not
     if "RESOURCE_EXHAUSTED" not in str(e):
       raise
     result["oom"] = True
     print(json.dumps(result), flush=True)
     return
+  # cpu_seconds: CPU time of all this process's threads (robust to other jobs on a shared
+  # machine, unlike wall time; on an idle machine wall ~ cpu_seconds / busy cores).
   result.update(seconds=float(np.median(times)), times=[round(t, 4) for t in times],
+                cpu_seconds=round(float(np.median(cpu_times)), 4),
                 peak_mb=round((rss.peak - rss_after_imports) / 2 ** 20, 1),
                 loss=float(loss), backend=jax.default_backend(),
                 device=str(jax.devices()[0].device_kind))
@@ -260,6 +264,7 @@ def main(argv):
                  token_ratio=round(R * (P + T) / (P + R * T), 3),
                  flop_ratio=round(naive_flops / replay_flops, 3),
                  replay_s="oom" if rep.get("oom") else rep.get("seconds"), naive_s="oom" if nai.get("oom") else nai.get("seconds"),
+                 replay_cpu_s=rep.get("cpu_seconds"), naive_cpu_s=nai.get("cpu_seconds"),
                  replay_peak_mb="oom" if rep.get("oom") else rep.get("peak_mb"),
                  naive_peak_mb="oom" if nai.get("oom") else nai.get("peak_mb"),
                  replay_compiled_mb=rep.get("compiled_mb"), naive_compiled_mb=nai.get("compiled_mb"),
@@ -270,6 +275,8 @@ def main(argv):
       if rep.get("seconds") and nai.get("seconds"):
         row["speedup"] = round(nai["seconds"] / rep["seconds"], 3)
         row["speedup_over_flop_ratio"] = round(row["speedup"] / row["flop_ratio"], 3)
+        if rep.get("cpu_seconds") and nai.get("cpu_seconds"):
+          row["cpu_speedup"] = round(nai["cpu_seconds"] / rep["cpu_seconds"], 3)
         if nai.get("peak_mb"):
           row["peak_mem_ratio"] = round(rep["peak_mb"] / nai["peak_mb"], 3)
       else:
