@@ -108,7 +108,7 @@ def test_overrides_parse_types_and_validate():
     ("replay.mode=fast", "replay.mode='fast'"),
     ("replay.branch_chunk=3", "replay.branch_chunk=3: expected a divisor"),
     ("train.learning_rate=0", "train.learning_rate=0.0"),
-    ("loss.name=dpo", "loss.name='dpo'"),
+    ("loss.name=dpo", "train.n_branches=8: DPO trains on \\(chosen, rejected\\) pairs"),
     ("model.vocab_size=10", "model.vocab_size=10"),
     ("mesh=data", "mesh='data'"),
     ("train.progress=maybe", "expected true or false"),
