@@ -4,8 +4,8 @@ The prompt hides key records `Kv` (an uppercase key, value digits) in filler and
 `?k` (a key asked for in lowercase). Turn 1 must name the key, `K`; turn 2 must give its
 value, `v<eos>`, which lies deep in the long prompt. Sampled as a tree: R_1 first turns per
 prompt, R_2 second turns of each; a leaf's reward is 1 when both turns are right, so a wrong
-first turn dooms all its leaves. Registered as task `tree_haystack` (its options are
-TaskConfig's haystack fields).
+first turn dooms all its leaves. Registered as task `tree_haystack` (its options are the
+haystack task's).
 (Variants with a turn separator `K;`, or alias records `ak` making turn 1 a lookup too, were
 not learned by the 2-layer model's warm-up within a few minutes: see the README.)
 """
@@ -26,20 +26,18 @@ class TreeExample:
   value: str  # that key's value: turn 2's answer (before EOS)
 
 
-class TreeHaystack:
+@tasks.register("tree_haystack")
+class TreeHaystack(tasks.Task):
   """`?k` -> turn 1 `K` -> turn 2 the value of record `Kv`."""
 
-  def __init__(self, cfg: tasks.TaskConfig):
-    need = 1 + cfg.n_keys * (1 + cfg.value_len) + 2
-    for name in ("prompt_len", "sft_prompt_len"):
-      if getattr(cfg, name) and getattr(cfg, name) < need:
-        raise ValueError(f"task.{name}={getattr(cfg, name)}: expected >= {need} to hold "
-                         f"n_keys={cfg.n_keys} records of value_len={cfg.value_len} + the query")
-    self.cfg = cfg
+  Options = tasks.Haystack.Options  # prompt_len, n_keys, value_len, sft_prompt_len (validated)
+
+  def __init__(self, cfg, tokenizer=TOKENIZER):
+    super().__init__(cfg, tokenizer)
     self.max_prompt_len = cfg.prompt_len
     self.sft_prompt_len = cfg.sft_prompt_len or cfg.prompt_len
     self.turn_lengths = (1, cfg.value_len + 1)  # `K`, then `v<eos>`
-    self._haystack = tasks.Haystack(cfg)
+    self._haystack = tasks.Haystack(cfg, tokenizer)
 
   def stop_tokens(self, tok=TOKENIZER):
     """Per turn: EOS (turn 1 is one token; an EOS there leaves it empty, hence wrong)."""
@@ -64,5 +62,3 @@ class TreeHaystack:
     n = self.cfg.value_len
     return haystack, [(f"?{t[1].lower()}", t[1], t[2:2 + n]) for t in tails]
 
-
-tasks.TASKS.setdefault("tree_haystack", TreeHaystack)
