@@ -50,8 +50,12 @@ flags.DEFINE_integer("block_q", 0, "attention query block (0 = the model default
 flags.DEFINE_integer("block_k", 0, "attention key block (0 = the model default)")
 flags.DEFINE_integer("logits_chunk", 1024, "tokens per logits chunk, both paths (0 = unchunked)")
 flags.DEFINE_bool("scan_layers", True, "lax.scan over layers (both paths)")
-flags.DEFINE_string("loss", "grpo", "objective (branch_replay.losses.OBJECTIVES); dpo needs "
-                    "--branches=2")
+flags.DEFINE_string("loss", "grpo", "objective (branch_replay.losses.OBJECTIVES; dpo needs "
+                    "--branches=2), or 'value': PPO's critic (value model + head, clipped "
+                    "value loss on every scored token, critic.py)")
+flags.DEFINE_string("model_from", "", "take the model from this experiment's get_config() "
+                    "(e.g. grpo_haystack) instead of --preset (dtype/remat/attention flags "
+                    "still apply)")
 flags.DEFINE_float("memory_cap_mb", 16000, "a variant whose compiled step needs more reports oom")
 flags.DEFINE_bool("sweep", False, "run the README sweep: P{1K,2K,4K,8K} x T{128,512} x R{8,16}")
 flags.DEFINE_string("worker", "", "internal: run one variant ('naive' or 'replay') and print JSON")
@@ -66,18 +70,24 @@ def model_config():
   blocks = {k: v for k, v in (("attention_block_q", FLAGS.block_q),
                               ("attention_block_k", FLAGS.block_k)) if v}
   remat = {"true": "full", "false": "none"}.get(FLAGS.remat.lower(), FLAGS.remat)
-  return tfm.preset(FLAGS.preset, dtype=FLAGS.dtype, param_dtype=FLAGS.param_dtype,
-                    remat=remat, attention=FLAGS.attention,
-                    logits_chunk=FLAGS.logits_chunk or None, scan_layers=FLAGS.scan_layers,
-                    **blocks)
+  options = dict(dtype=FLAGS.dtype, param_dtype=FLAGS.param_dtype, remat=remat,
+                 attention=FLAGS.attention, logits_chunk=FLAGS.logits_chunk or None,
+                 scan_layers=FLAGS.scan_layers, **blocks)
+  if FLAGS.model_from:
+    import dataclasses
+    import importlib
+    base = importlib.import_module(f"experiments.{FLAGS.model_from}").get_config().model
+    return dataclasses.replace(base, **options)
+  return tfm.preset(FLAGS.preset, **options)
 
 
-def step_flops(cfg, B, R, P, T, mode):
+def step_flops(cfg, B, R, P, T, mode, value_head=False):
   """*Useful* matmul + attention FLOPs of one forward+backward (backward = 2x forward):
   causal attention counts each allowed query x key pair once (not the masked half), and
-  remat's recomputation is not counted."""
+  remat's recomputation is not counted. value_head: a critic's D -> 1 head in place of the
+  D -> V logits."""
   D, N, K, H, F, V, L = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                         cfg.mlp_hidden, cfg.vocab_size, cfg.n_layers)
+                         cfg.mlp_hidden, 1 if value_head else cfg.vocab_size, cfg.n_layers)
   per_token = L * (D * (N + 2 * K) * H + N * H * D + 3 * D * F)  # MACs per position
   pairs = lambda n: n * (n + 1) / 2  # causal query x key pairs of n positions
   attn = lambda n_pairs: L * 2 * n_pairs * N * H  # QK^T and PV MACs
@@ -126,6 +136,9 @@ class PeakRSS:
     self._thread.join()
 
 
+_RSS_AFTER_IMPORTS = [0]
+
+
 def run_worker(mode, P, T, R):
   import jax
   import jax.numpy as jnp
@@ -135,7 +148,7 @@ def run_worker(mode, P, T, R):
   from branch_replay.batch import ReplayBatch, validate
   from models import transformer as tfm
   jnp.zeros(()).block_until_ready()  # the backend is up: count from here
-  rss_after_imports = psutil.Process().memory_info().rss
+  _RSS_AFTER_IMPORTS[0] = psutil.Process().memory_info().rss
 
   cfg = model_config()
   B = FLAGS.prompts
@@ -149,6 +162,9 @@ def run_worker(mode, P, T, R):
       tail_valid_BRT=jnp.ones((B, R, T), bool),
       advantages_BR=jnp.asarray(rng.normal(size=(B, R)), dt))
   chunk = FLAGS.branch_chunk or None
+  if FLAGS.loss == "value":  # PPO's critic: its own transformer + value head, both modes
+    step, params, batch = _value_step(cfg, mode, batch, rng)
+    return _measure(mode, step, params, batch)
   loss_cfg = losses.LossConfig(name=FLAGS.loss)
   if loss_cfg.objective.needs_ref:  # e.g. DPO: reference log-probs of every tail token
     batch = batch.replace(ref_logp_BRT=jnp.asarray(-rng.exponential(size=(B, R, T)), dt))
@@ -162,6 +178,36 @@ def run_worker(mode, P, T, R):
     if mode == "replay":
       step = jax.jit(lambda p, b: sharding.sharded_loss_and_grad(mesh, p, b, cfg, loss_cfg,
                                                                  chunk)[::2])
+  _measure(mode, step, params, batch)
+
+
+def _value_step(cfg, mode, batch, rng):
+  """PPO's critic step on the bench batch: random returns and old values on the X = T scored
+  tokens of every branch (no trunk), the critic's clipped value loss through
+  critic.loss_and_grad (replay: prefix once, folded tails; naive: B*R full sequences)."""
+  import jax
+  import jax.numpy as jnp
+  from branch_replay import critic
+  if FLAGS.mesh or FLAGS.branch_chunk:
+    raise ValueError("--loss=value: the critic runs unsharded and unchunked; expected "
+                     f"--mesh='' and --branch_chunk=0, got {FLAGS.mesh!r}, {FLAGS.branch_chunk}")
+  B, R, T = batch.tails_BRT.shape
+  params = critic.init_params(cfg, jax.random.key(0))
+  params["head"] = {"w_D": jnp.asarray(rng.normal(size=cfg.d_model) / cfg.d_model ** 0.5,
+                                       cfg.weight_dtype), "b": jnp.zeros((), cfg.weight_dtype)}
+  cb = critic.CriticBatch(batch, jnp.asarray(rng.uniform(size=(B, R, T)), jnp.float32),
+                          jnp.asarray(rng.uniform(size=(B, R, T)), jnp.float32))
+  ccfg = critic.CriticConfig()
+  step = jax.jit(lambda p, b: critic.loss_and_grad(p, b, cfg, ccfg, mode)[::2])
+  return step, params, cb
+
+
+def _measure(mode, step, params, batch):
+  """Compile (footprint, cap), warm up, time --reps steps; print one JSON line."""
+  import jax
+  import numpy as np
+  import psutil
+  rss_after_imports = _RSS_AFTER_IMPORTS[0]
   try:
     compiled = step.lower(params, batch).compile()
   except jax.errors.JaxRuntimeError as e:  # e.g. the compiler's autotuner cannot allocate
@@ -176,6 +222,7 @@ def run_worker(mode, P, T, R):
                mem.output_size_in_bytes) / 2 ** 20
   result = dict(mode=mode, compiled_mb=None if need_mb is None else round(need_mb, 1))
   if FLAGS.mesh:  # what one device must hold, from the compiled SPMD executable
+    from branch_replay import sharding
     report = sharding.memory_report(compiled)
     result["per_device_mb"] = round(report["total_bytes"] / 2 ** 20, 1)
     result["per_device_temp_mb"] = round(report["temp_bytes"] / 2 ** 20, 1)
@@ -224,7 +271,7 @@ def spawn(mode, P, T, R, grads_out):
           f"--logits_chunk={FLAGS.logits_chunk}", f"--scan_layers={FLAGS.scan_layers}",
           f"--branch_chunk={FLAGS.branch_chunk}", f"--remat={FLAGS.remat}",
           f"--memory_cap_mb={FLAGS.memory_cap_mb}", f"--grads_out={grads_out}",
-          f"--mesh={FLAGS.mesh}", f"--loss={FLAGS.loss}"]
+          f"--mesh={FLAGS.mesh}", f"--loss={FLAGS.loss}", f"--model_from={FLAGS.model_from}"]
   proc = subprocess.run(argv, capture_output=True, text=True)
   lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
   if proc.returncode or not lines:
@@ -254,13 +301,15 @@ def main(argv):
       paths = {m: os.path.join(tmp, f"{m}.npz") if FLAGS.check_grads else "" for m in
                ("naive", "replay")}
       runs = {m: spawn(m, P, T, R, paths[m]) for m in ("replay", "naive")}
-      replay_flops = step_flops(cfg, B, R, P, T, "replay")
-      naive_flops = step_flops(cfg, B, R, P, T, "naive")
+      value = FLAGS.loss == "value"
+      replay_flops = step_flops(cfg, B, R, P, T, "replay", value)
+      naive_flops = step_flops(cfg, B, R, P, T, "naive", value)
       rep, nai = runs["replay"], runs["naive"]
-      row = dict(prefix_len=P, tail_len=T, branches=R, prompts=B, preset=FLAGS.preset,
+      row = dict(prefix_len=P, tail_len=T, branches=R, prompts=B,
+                 preset=None if FLAGS.model_from else FLAGS.preset,
                  dtype=FLAGS.dtype, param_dtype=FLAGS.param_dtype, attention=FLAGS.attention,
                  remat=FLAGS.remat, logits_chunk=FLAGS.logits_chunk,
-                 loss=FLAGS.loss, branch_chunk=FLAGS.branch_chunk or R,
+                 loss=FLAGS.loss, model_from=FLAGS.model_from or None, branch_chunk=FLAGS.branch_chunk or R,
                  token_ratio=round(R * (P + T) / (P + R * T), 3),
                  flop_ratio=round(naive_flops / replay_flops, 3),
                  replay_s="oom" if rep.get("oom") else rep.get("seconds"), naive_s="oom" if nai.get("oom") else nai.get("seconds"),

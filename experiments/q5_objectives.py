@@ -5,11 +5,14 @@ objective, replay vs naive, at long prompts: the step speedup and the gradient a
   python experiments/q5_objectives.py --out=experiments/results/q5_cpu_$(date +%F).jsonl
   python experiments/q5_objectives.py --objective=dpo --prefix_len=4096
 
+  python experiments/q5_objectives.py --model_from=grpo_haystack --prefix_len=256 \
+      --tail_len=3 --branches=8 --prompts=8      # the haystack task's own shapes
+
 DPO scores a (chosen, rejected) pair: R=2, so replay saves at most 2(P+T)/(P+2T) ~ 2x;
-GRPO/PPO/PG use --branches. The PPO here is the clipped token objective with given
-advantages (GRPO's, as the objectives stand today); a critic/GAE PPO and the other
-algorithms of the algorithms issue are timed the same way once they land (add them to
---objective). Not measured yet at the README's sizes (the lead runs it).
+GRPO/GSPO/PPO use --branches. PPO is two steps per minibatch: the policy's clipped token
+objective (`ppo`, advantages given) and the critic's clipped value loss (`value`: a second
+transformer with a value head, its prefix forward once per prompt as well). Dr. GRPO and
+RLOO change only the advantages, so their step is GRPO's.
 """
 
 from __future__ import annotations
@@ -30,7 +33,10 @@ FLAGS = flags.FLAGS
 def define_flags():
   """Flags of the command line (defined only when run as a script, so the tests can
   import several experiments)."""
-  flags.DEFINE_multi_string("objective", ["grpo", "ppo", "dpo"], "objectives (losses.OBJECTIVES)")
+  flags.DEFINE_multi_string("objective", ["grpo", "gspo", "ppo", "value", "dpo"],
+                            "objectives (losses.OBJECTIVES, or 'value': PPO's critic step)")
+  flags.DEFINE_string("model_from", "", "the model of this experiment (e.g. grpo_haystack) "
+                      "instead of --preset")
   flags.DEFINE_multi_integer("prefix_len", [2048], "P")
   flags.DEFINE_integer("tail_len", 128, "T")
   flags.DEFINE_integer("branches", 16, "R for the group objectives (DPO always 2)")
@@ -51,7 +57,8 @@ def measure(objective, P, opts) -> list[dict]:
     argv = [sys.executable, BENCH, f"--loss={objective}", f"--prefix_len={P}",
             f"--tail_len={opts['tail_len']}", f"--branches={R}", f"--prompts={opts['prompts']}",
             f"--reps={opts['reps']}", f"--preset={opts['preset']}", f"--dtype={opts['dtype']}",
-            f"--memory_cap_mb={opts['memory_cap_mb']}", f"--out={out}"]
+            f"--memory_cap_mb={opts['memory_cap_mb']}", f"--out={out}",
+            f"--model_from={opts.get('model_from', '')}"]
     proc = subprocess.run(argv, capture_output=True, text=True)
     if proc.returncode or not os.path.exists(out):
       return [dict(objective=objective, P=P, R=R, error=(proc.stderr or proc.stdout)[-1500:])]
@@ -64,7 +71,7 @@ def main(argv):
   from experiments import provenance
   writer = provenance.ResultsWriter(FLAGS.out, "q5_objectives", with_jax=False)
   opts = {k: getattr(FLAGS, k) for k in ("tail_len", "branches", "prompts", "reps", "preset",
-                                        "dtype", "memory_cap_mb")}
+                                        "dtype", "memory_cap_mb", "model_from")}
   for P in FLAGS.prefix_len:
     for objective in FLAGS.objective:
       for row in measure(objective, P, opts):

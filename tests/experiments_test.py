@@ -110,6 +110,15 @@ def test_q3_one_real_trial_in_a_subprocess():
   assert res["fits"] and res["compiled_mb"] > 0 and res["seconds"] > 0
 
 
+def test_q5_critic_step_through_replay_matches_naive():
+  (row,) = q5_objectives.measure("value", 16, dict(tail_len=4, branches=3, prompts=1, reps=1,
+                                                   preset="tiny", dtype="float32",
+                                                   memory_cap_mb=4000))
+  assert row["objective"] == row["loss"] == "value" and row["branches"] == 3
+  assert row["grad_max_rel_err"] < 1e-5 and row["loss_abs_err"] < 1e-5 and row["speedup"] > 0
+
+
+@pytest.mark.slow
 def test_q5_dpo_through_replay_matches_naive():
   (row,) = q5_objectives.measure("dpo", 16, dict(tail_len=4, branches=4, prompts=1, reps=1,
                                                  preset="tiny", dtype="float32",
