@@ -38,7 +38,8 @@ flags.DEFINE_multi_integer("prefix_len", [2048], "P: shared prefix tokens (repea
 flags.DEFINE_multi_integer("tail_len", [128], "T: tail tokens per branch (repeatable)")
 flags.DEFINE_multi_integer("branches", [16], "R: branches per prompt (repeatable)")
 flags.DEFINE_integer("prompts", 1, "B: prompts per step")
-flags.DEFINE_integer("reps", 5, "timed repetitions after warm-up (median reported)")
+flags.DEFINE_integer("reps", 5, "timed repetitions after warm-up (median reported); 0 in a "
+                     "--worker: compile and report the footprint only")
 flags.DEFINE_bool("check_grads", True, "compare replay's gradient with naive's")
 flags.DEFINE_string("preset", "small", "model size preset (models.transformer.PRESETS)")
 flags.DEFINE_string("dtype", "float32", "compute dtype (both paths)")
@@ -228,6 +229,10 @@ def _measure(mode, step, params, batch):
     result["per_device_temp_mb"] = round(report["temp_bytes"] / 2 ** 20, 1)
   if need_mb is not None and need_mb > FLAGS.memory_cap_mb:
     result["oom"] = True
+    print(json.dumps(result), flush=True)
+    return
+  if FLAGS.reps == 0:  # compile only: the footprint, no step run
+    result.update(backend=jax.default_backend(), device=str(jax.devices()[0].device_kind))
     print(json.dumps(result), flush=True)
     return
   times, cpu_times = [], []

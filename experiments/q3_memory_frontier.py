@@ -45,6 +45,9 @@ def define_flags():
   flags.DEFINE_integer("max_prefix_len", 1 << 20, "stop growing here")
   flags.DEFINE_integer("granularity", 256, "bisect down to this many positions")
   flags.DEFINE_integer("timeout_s", 1800, "a trial running longer counts as not fitting")
+  flags.DEFINE_bool("compiled_only", False, "a trial fits iff XLA's compiled footprint of the "
+                    "step (temp + arguments + outputs) is under the cap; no step is run (fast, "
+                    "deterministic; the measured peaks of real steps are in bench_replay's rows)")
   flags.DEFINE_string("out", "", "append JSON lines here")
 
 BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_replay.py")
@@ -55,7 +58,8 @@ def trial(mode, P, R, opts) -> dict:
   ran, and its measured peak stayed under the cap."""
   argv = [sys.executable, BENCH, f"--worker={mode}", f"--prefix_len={P}",
           f"--tail_len={opts['tail_len']}", f"--branches={R}", f"--prompts={opts['prompts']}",
-          "--reps=1", f"--preset={opts['preset']}", f"--dtype={opts['dtype']}",
+          f"--reps={0 if opts.get('compiled_only') else 1}", f"--preset={opts['preset']}",
+          f"--dtype={opts['dtype']}",
           f"--remat={opts['remat']}", f"--branch_chunk={opts['branch_chunk']}",
           f"--memory_cap_mb={opts['cap_mb']}"]
   try:
@@ -72,7 +76,9 @@ def trial(mode, P, R, opts) -> dict:
     return dict(out, fits=False, reason="compiled footprint over the cap or runtime oom")
   if peak is not None and peak > opts["cap_mb"]:
     return dict(out, fits=False, reason="measured peak over the cap")
-  return dict(out, fits=True)
+  if opts.get("compiled_only") and res.get("compiled_mb") is None:
+    return dict(out, fits=False, reason="no compiled footprint on this backend")
+  return dict(out, fits=True, measured="compiled" if opts.get("compiled_only") else "run")
 
 
 def frontier(mode, R, opts, writer, trial_fn=trial) -> dict:
@@ -108,7 +114,8 @@ def frontier(mode, R, opts, writer, trial_fn=trial) -> dict:
                        "capped_by_max": bad is None, "cap_mb": opts["cap_mb"],
                        "peak_mb_at_longest": best.get("peak_mb"),
                        "compiled_mb_at_longest": best.get("compiled_mb"),
-                       **{k: opts.get(k) for k in ("preset", "dtype", "remat", "prompts")}})
+                       **{k: opts.get(k) for k in ("preset", "dtype", "remat", "prompts",
+                                                   "compiled_only")}})
 
 
 def main(argv):
@@ -117,7 +124,7 @@ def main(argv):
   writer = provenance.ResultsWriter(FLAGS.out, "q3_memory_frontier", with_jax=False)
   opts = {k: getattr(FLAGS, k) for k in ("tail_len", "prompts", "preset", "dtype", "remat",
                                         "branch_chunk", "cap_mb", "start", "max_prefix_len",
-                                        "granularity", "timeout_s")}
+                                        "granularity", "timeout_s", "compiled_only")}
   for R in FLAGS.branches:
     for mode in FLAGS.mode:
       frontier(mode, R, opts, writer)

@@ -108,6 +108,10 @@ def test_q3_one_real_trial_in_a_subprocess():
               branch_chunk=0, cap_mb=4000.0, timeout_s=600)
   res = q3_memory_frontier.trial("replay", 16, 2, opts)
   assert res["fits"] and res["compiled_mb"] > 0 and res["seconds"] > 0
+  assert res["measured"] == "run"
+  compiled = q3_memory_frontier.trial("naive", 16, 2, dict(opts, compiled_only=True))
+  assert compiled["fits"] and compiled["measured"] == "compiled"
+  assert compiled["seconds"] is None and compiled["compiled_mb"] > res["compiled_mb"] * 0.5
 
 
 def test_q5_critic_step_through_replay_matches_naive():
