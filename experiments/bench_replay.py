@@ -24,7 +24,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 if __name__ == "__main__" and not (os.path.exists("/dev/nvidia0") or shutil.which("nvidia-smi")):
@@ -32,6 +31,8 @@ if __name__ == "__main__" and not (os.path.exists("/dev/nvidia0") or shutil.whic
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
+
+from experiments.measure import PeakRSS, matmul_gflops  # noqa: E402,F401
 
 FLAGS = flags.FLAGS
 flags.DEFINE_multi_integer("prefix_len", [2048], "P: shared prefix tokens (repeatable)")
@@ -98,43 +99,6 @@ def step_flops(cfg, B, R, P, T, mode, value_head=False):
     macs = (B * (P * per_token + attn(pairs(P)))
             + B * R * (T * per_token + attn(T * P + pairs(T)) + T * D * V))
   return 3 * 2 * macs
-
-
-def matmul_gflops(n=2048, reps=5):
-  import jax
-  import jax.numpy as jnp
-  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-  f = jax.jit(lambda x: x @ x)
-  f(a).block_until_ready()
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    f(a).block_until_ready()
-    times.append(time.perf_counter() - t0)
-  return 2 * n ** 3 / sorted(times)[len(times) // 2] / 1e9
-
-
-class PeakRSS:
-  """Samples this process's RSS in a thread; .peak is the maximum seen."""
-
-  def __init__(self, interval=0.002):
-    import psutil
-    self._proc, self._interval, self.peak, self._stop = psutil.Process(), interval, 0, False
-
-  def __enter__(self):
-    self.peak = self._proc.memory_info().rss
-    self._thread = threading.Thread(target=self._run, daemon=True)
-    self._thread.start()
-    return self
-
-  def _run(self):
-    while not self._stop:
-      self.peak = max(self.peak, self._proc.memory_info().rss)
-      time.sleep(self._interval)
-
-  def __exit__(self, *exc):
-    self._stop = True
-    self._thread.join()
 
 
 _RSS_AFTER_IMPORTS = [0]
@@ -207,7 +171,6 @@ def _measure(mode, step, params, batch):
   """Compile (footprint, cap), warm up, time --reps steps; print one JSON line."""
   import jax
   import numpy as np
-  import psutil
   rss_after_imports = _RSS_AFTER_IMPORTS[0]
   try:
     compiled = step.lower(params, batch).compile()

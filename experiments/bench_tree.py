@@ -10,7 +10,7 @@ as JSON lines (one line per shape).
 All three compute the same objective (an opening's tokens scored by every leaf below it with
 that leaf's advantage) with the same model and attention, so their gradients agree.
 Each variant runs in its own subprocess (clean memory accounting): warm-up, then the median
-of --reps timed steps; peak = RSS growth during the timed steps (bench_replay.PeakRSS).
+of --reps timed steps; peak = RSS growth during the timed steps (experiments/measure.py).
 
   python experiments/bench_tree.py                         # P=2048, 4x4, openings 256, tails 128
   python experiments/bench_tree.py --preset=tiny --prefix_len=16 --fanouts=2x2 --lengths=4x3 --reps=1
@@ -28,7 +28,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 if __name__ == "__main__" and not (os.path.exists("/dev/nvidia0") or shutil.which("nvidia-smi")):
@@ -36,6 +35,8 @@ if __name__ == "__main__" and not (os.path.exists("/dev/nvidia0") or shutil.whic
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
+
+from experiments.measure import PeakRSS, matmul_gflops  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("prefix_len", 2048, "P: prompt tokens")
@@ -53,43 +54,6 @@ flags.DEFINE_string("out", "", "also append the JSON lines to this file")
 
 
 # The measuring helpers of bench_replay.py (importing it would define its flags twice).
-
-
-def matmul_gflops(n=2048, reps=5):
-  import jax
-  import jax.numpy as jnp
-  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-  f = jax.jit(lambda x: x @ x)
-  f(a).block_until_ready()
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    f(a).block_until_ready()
-    times.append(time.perf_counter() - t0)
-  return 2 * n ** 3 / sorted(times)[len(times) // 2] / 1e9
-
-
-class PeakRSS:
-  """Samples this process's RSS in a thread; .peak is the maximum seen."""
-
-  def __init__(self, interval=0.002):
-    import psutil
-    self._proc, self._interval, self.peak, self._stop = psutil.Process(), interval, 0, False
-
-  def __enter__(self):
-    self.peak = self._proc.memory_info().rss
-    self._thread = threading.Thread(target=self._run, daemon=True)
-    self._thread.start()
-    return self
-
-  def _run(self):
-    while not self._stop:
-      self.peak = max(self.peak, self._proc.memory_info().rss)
-      time.sleep(self._interval)
-
-  def __exit__(self, *exc):
-    self._stop = True
-    self._thread.join()
 
 
 def grad_max_rel_err(path_a, path_b):

@@ -45,7 +45,11 @@ from models import transformer as tfm  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
-DEFAULT_POINTS = ("cpu_sweep_2026-11-30.jsonl", "gpu_h200_2026-11-30.jsonl")
+# The blockwise engine's CPU sweep and long-context rows (CPU seconds of each step) and the
+# H200 rows (dense engine, wall time). The first round's CPU sweep (dense engine, wall time
+# on a loaded machine) can be added with --points.
+DEFAULT_POINTS = ("cpu_sweep_blockwise_2026-11-30.jsonl", "cpu_long_context_2026-11-30.jsonl",
+                  "gpu_h200_2026-11-30.jsonl")
 # What a results line does not say but its README section does: the last line of the H200
 # file repeats the first with JAX_DEFAULT_MATMUL_PRECISION=highest (full fp32 matmuls, not
 # TF32), so its matmul rate is a separate parameter.
@@ -271,60 +275,91 @@ def machine_of(row: dict) -> str:
   return "h200" if "h200" in device else ("cpu" if device == "cpu" else device.replace(" ", "_"))
 
 
-def load_points(paths) -> list[dict]:
+def _remat(row: dict) -> bool:
+  """A row's remat policy as a bool. Rows written before bench_replay recorded `remat` do not
+  say it: gpu_check.sh ran the large preset with --remat, everything else without."""
+  r = row.get("remat", row.get("preset") == "large")
+  return r.lower() not in ("none", "false", "") if isinstance(r, str) else bool(r)
+
+
+def _row_model(row: dict):
+  """(cfg, shape, attention) of a bench_replay row, or None for a row this model does not
+  read (another experiment's model, the critic's step, not a bench row)."""
+  if not row.get("preset") or "prefix_len" not in row or row.get("loss", "grpo") == "value":
+    return None
+  cfg = tfm.preset(row["preset"], dtype=row["dtype"], param_dtype=row["dtype"],
+                   remat=_remat(row))
+  shape = Shape(row.get("prompts", 1), row["branches"], row["prefix_len"], row["tail_len"])
+  # The blockwise kernel computes causal pairs once and saves only the LSE (flash); rows
+  # without the field ran the first round's dense engine.
+  attention = "flash" if row.get("attention") == "blockwise" else "dense"
+  return cfg, shape, attention
+
+
+def _rows(path):
+  name = os.path.basename(path)
+  with open(path) as f:
+    lines = [l for l in f if l.strip()]
+  for i, line in enumerate(lines):
+    yield name, i, {**json.loads(line), **ANNOTATIONS.get((name, i), {})}
+
+
+def measured_time(row: dict, mode: str, cpu_time: bool = True):
+  """(seconds, machine) of a row's step, or (None, machine). On a CPU the step's process CPU
+  seconds (`*_cpu_s`, all its threads) stand for it when recorded: the machine is shared,
+  and other jobs inflate wall time but not the step's own CPU time. Those points are their
+  own machine ("cpu core-s"), never fitted together with wall-time points."""
+  t, machine = row.get(f"{mode}_s"), machine_of(row)
+  if cpu_time and machine == "cpu" and isinstance(row.get(f"{mode}_cpu_s"), (int, float)):
+    t, machine = row[f"{mode}_cpu_s"], "cpu core-s"
+  return (float(t) if isinstance(t, (int, float)) else None), machine
+
+
+def load_points(paths, cpu_time: bool = True) -> list[dict]:
   """One point per measured (row, mode): its features and time, traced to file and line."""
   points = []
-  for path in paths:
-    name = os.path.basename(path)
-    with open(path) as f:
-      lines = [l for l in f if l.strip()]
-    for i, line in enumerate(lines):
-      row = {**json.loads(line), **ANNOTATIONS.get((name, i), {})}
-      # Rows written before bench_replay recorded `remat` do not say it: gpu_check.sh ran
-      # the large preset with --remat, everything else without.
-      cfg = tfm.preset(row["preset"], dtype=row["dtype"], param_dtype=row["dtype"],
-                       remat=bool(row.get("remat", row["preset"] == "large")))
-      shape = Shape(row.get("prompts", 1), row["branches"], row["prefix_len"], row["tail_len"])
-      ex = Execution(attention="dense", remat=cfg.remat)
-      regime = row["dtype"] + ("-" + row["matmul_precision"] if "matmul_precision" in row else "")
-      for mode in ("naive", "replay"):
-        t = row.get(f"{mode}_s")
-        if not isinstance(t, (int, float)) or t is None:
-          continue
-        c = step_counts(cfg, shape, mode, ex)
-        points.append(dict(file=name, line=i + 1, mode=mode, machine=machine_of(row),
-                           regime=regime, preset=row["preset"], P=shape.P, T=shape.T,
-                           R=shape.R, B=shape.B, measured_s=float(t),
-                           matmul_flops=c["matmul_flops"], attention_flops=c["attention_flops"]))
+  for name, i, row in (r for path in paths for r in _rows(path)):
+    model = _row_model(row)
+    if model is None:
+      continue
+    cfg, shape, attention = model
+    ex = Execution(attention=attention, remat=cfg.remat)
+    regime = row["dtype"] + ("-" + row["matmul_precision"] if "matmul_precision" in row else "")
+    for mode in ("naive", "replay"):
+      t, machine = measured_time(row, mode, cpu_time)
+      if t is None:
+        continue
+      c = step_counts(cfg, shape, mode, ex)
+      points.append(dict(file=name, line=i + 1, mode=mode, machine=machine, regime=regime,
+                         attention=attention, preset=row["preset"], P=shape.P, T=shape.T,
+                         R=shape.R, B=shape.B, measured_s=t,
+                         matmul_flops=c["matmul_flops"], attention_flops=c["attention_flops"]))
   return points
 
 
 def memory_points(paths) -> list[dict]:
   """The memory model (not fitted) against each measured compiled footprint (argument +
-  output + temp bytes of the compiled step, `*_compiled_mb`): dense attention, one device,
-  parameters and gradients in the run's dtype, no optimizer state (the bench step has none)."""
+  output + temp bytes of the compiled step, `*_compiled_mb`): the row's attention engine,
+  one device, parameters and gradients in the run's dtype, no optimizer state (the bench
+  step has none)."""
   out = []
-  for path in paths:
-    name = os.path.basename(path)
-    with open(path) as f:
-      lines = [l for l in f if l.strip()]
-    for i, line in enumerate(lines):
-      row = json.loads(line)
-      cfg = tfm.preset(row["preset"], dtype=row["dtype"], param_dtype=row["dtype"],
-                       remat=bool(row.get("remat", row["preset"] == "large")))
-      b = 2 if row["dtype"] == "bfloat16" else 4
-      ex = Execution(attention="dense", remat=cfg.remat, compute_bytes=b, master_bytes=b,
-                     optimizer_bytes=0)
-      shape = Shape(row.get("prompts", 1), row["branches"], row["prefix_len"], row["tail_len"])
-      for mode in ("naive", "replay"):
-        measured = row.get(f"{mode}_compiled_mb")
-        if not isinstance(measured, (int, float)):
-          continue
-        est = memory(cfg, shape, mode, ex)["total"] / 2 ** 20
-        out.append(dict(file=name, line=i + 1, mode=mode, machine=machine_of(row),
-                        preset=row["preset"], P=shape.P, T=shape.T, R=shape.R,
-                        measured_mb=float(measured), model_mb=est,
-                        rel_err=(est - measured) / measured))
+  for name, i, row in (r for path in paths for r in _rows(path)):
+    model = _row_model(row)
+    if model is None:
+      continue
+    cfg, shape, attention = model
+    b = 2 if row["dtype"] == "bfloat16" else 4
+    ex = Execution(attention=attention, remat=cfg.remat, compute_bytes=b, master_bytes=b,
+                   optimizer_bytes=0)
+    for mode in ("naive", "replay"):
+      measured = row.get(f"{mode}_compiled_mb")
+      if not isinstance(measured, (int, float)):
+        continue
+      est = memory(cfg, shape, mode, ex)["total"] / 2 ** 20
+      out.append(dict(file=name, line=i + 1, mode=mode, machine=machine_of(row),
+                      attention=attention, preset=row["preset"], P=shape.P, T=shape.T,
+                      R=shape.R, measured_mb=float(measured), model_mb=est,
+                      rel_err=(est - measured) / measured))
   return out
 
 
