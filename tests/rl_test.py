@@ -83,6 +83,32 @@ def test_value_loss_equals_numpy():
   np.testing.assert_allclose(got, expected, rtol=1e-13)
 
 
+def test_pooled_explained_variance_is_that_of_the_pooled_tokens():
+  """Steps whose batches have different mean returns: the pooled EV equals the EV of all
+  their tokens together (independent numpy), so predicting the overall mean everywhere
+  reads 0, not below (the mean of per-step variances as denominator read -1.34 here)."""
+  rng = np.random.default_rng(0)
+  steps = [(rng.normal(mu, 0.3, size=n), n) for mu, n in ((0.2, 40), (0.9, 64), (0.5, 50))]
+  all_ret = np.concatenate([r for r, _ in steps])
+
+  def records(predict):
+    return [{"value/tokens": n, "value/sq_err": float(np.mean((r - predict(r)) ** 2)),
+             "value/return_var": float(r.var()), "value/return_mean": float(r.mean())}
+            for r, n in steps]
+
+  const = lambda r: np.full_like(r, all_ret.mean())
+  assert abs(critic.pooled_explained_variance(records(const))) < 1e-12
+  old = records(const)  # the former formula: 1 - mean(sq_err) / mean(return_var)
+  assert 1 - np.mean([r["value/sq_err"] for r in old]) / np.mean(
+      [r["value/return_var"] for r in old]) < -0.5
+  noisy = lambda r: r + 0.5 * np.sin(7 * r)
+  pooled = np.concatenate([noisy(r) for r, _ in steps])
+  np.testing.assert_allclose(critic.pooled_explained_variance(records(noisy)),
+                             1 - np.mean((all_ret - pooled) ** 2) / all_ret.var(), rtol=1e-12)
+  assert critic.pooled_explained_variance(records(lambda r: r)) == 1.0
+  assert math.isnan(critic.pooled_explained_variance([{"kind": "train"}]))
+
+
 # ----------------------------------------------------------------------------- critic replay
 
 
@@ -209,6 +235,10 @@ def test_ppo_with_critic_epochs_and_minibatches_runs(tmp_path):
       assert np.isfinite(r[k]), (k, r)
     assert "value/explained_variance" in r  # NaN (null) while every return is 0
     assert r["ratio/max"] > 1.0  # epochs after the first move the ratio
+    assert r["value/tokens"] == 4 * 4 * 1 + int(r["replay/tail_tokens"]) // 2  # trunk + tails
+  # the summary pools the critic's explained variance over its first/last windows
+  assert "value_ev_before" in s and "value_ev_after" in s
+  assert "value/explained_variance (pooled" in train.format_summary(s)
   # resume restores the critic (same run continued equals nothing broken)
   s2 = train.run(apply_overrides(cfg, ["train.rl_steps=3"]), str(tmp_path / "ppo"))
   assert s2["steps"] == 3
