@@ -215,6 +215,54 @@ def test_temperature_first_epoch_ratio_is_one():
 # ----------------------------------------------------------------------------- the trainer
 
 
+def test_critic_value_of_a_token_reads_only_the_tokens_before_it():
+  """Token x's value is V(state before x): changing tail token t leaves the values of
+  tokens <= t (and every trunk token) as they were and changes the later ones."""
+  cfg, params = model("float32")
+  cparams = critic.init_params(cfg, jax.random.key(1), params)
+  cparams["head"]["w_D"] = jax.random.normal(jax.random.key(2), (cfg.d_model,))
+  batch = make_batch(3, B=2, R=2, P=7, T=4, W=2, ragged=False)
+  v = np.asarray(critic.values(cparams, cfg, batch))
+  for t in range(4):
+    tails = np.asarray(batch.tails_BRT).copy()
+    tails[1, 0, t] = (tails[1, 0, t] + 1) % cfg.vocab_size
+    v2 = np.asarray(critic.values(cparams, cfg, batch.replace(tails_BRT=jnp.asarray(tails))))
+    x = 2 + t  # the W trunk tokens come first
+    np.testing.assert_array_equal(v2[1, 0, :x + 1], v[1, 0, :x + 1])
+    assert np.all(np.abs(v2[1, 0, x + 1:] - v[1, 0, x + 1:]) > 1e-6), t
+    np.testing.assert_array_equal(np.delete(v2.reshape(4, -1), 2, 0),
+                                  np.delete(v.reshape(4, -1), 2, 0))  # other branches
+
+
+def test_critic_step_fits_a_fixed_batch():
+  """The trainer's critic step (optimizer, clip, replay) learns: on one fixed batch whose
+  returns are a function of the token before each scored token (1 if it is even), the
+  value loss falls and the explained variance rises above 0.9 within 40 steps."""
+  cfg = apply_overrides(Config(model=tfm.preset("tiny")), [
+      "train.advantage=gae", "loss.name=ppo", "critic.learning_rate=3e-3"])
+  params = tfm.init_params(cfg.model, jax.random.key(0))
+  state = train.TrainState(params, None, jnp.zeros((), jnp.int32), None, None, None)
+  cparams = critic.init_params(cfg.model, jax.random.key(1), params)
+  state = state.replace(critic=dict(params=cparams,
+                                    opt_state=train.make_critic_optimizer(cfg).init(cparams)))
+  batch = make_batch(5, B=2, R=4, P=6, T=3, W=1, ragged=True, pad_prefix=False)
+  seq = np.concatenate([np.broadcast_to(np.asarray(batch.prefix_BP)[:, None], (2, 4, 6)),
+                        np.asarray(batch.tails_BRT)], -1)
+  mask = critic.scored_mask(batch)
+  returns = np.where(mask, (seq[..., 6 - 1 - 1:-1] % 2 == 0).astype(np.float32), 0.0)
+  step = jax.jit(train.make_critic_step(cfg))
+  values = jax.jit(lambda p, b: critic.values(p, cfg.model, b))
+  ev, losses_ = [], []
+  for _ in range(40):
+    old = np.asarray(values(state.critic["params"], batch))
+    ev.append(1 - np.mean((old - returns)[mask] ** 2) / returns[mask].var())
+    state, out = step(state, critic.CriticBatch(batch, jnp.asarray(returns),
+                                                jnp.asarray(old, jnp.float32)))
+    losses_.append(float(out["loss/value"]))
+  assert ev[0] < 0 and ev[-1] > 0.9, (ev[0], ev[-1])
+  assert losses_[-1] < 0.1 * losses_[0], (losses_[0], losses_[-1])
+
+
 def tiny(*overrides):
   return apply_overrides(Config(model=tfm.preset("tiny")), [
       "task.prompt_len=20", "task.n_keys=2", "train.sft_steps=0", "train.rl_steps=2",
