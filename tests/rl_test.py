@@ -222,11 +222,12 @@ def test_critic_value_of_a_token_reads_only_the_tokens_before_it():
   cparams = critic.init_params(cfg, jax.random.key(1), params)
   cparams["head"]["w_D"] = jax.random.normal(jax.random.key(2), (cfg.d_model,))
   batch = make_batch(3, B=2, R=2, P=7, T=4, W=2, ragged=False)
-  v = np.asarray(critic.values(cparams, cfg, batch))
+  values = jax.jit(lambda b: critic.values(cparams, cfg, b))
+  v = np.asarray(values(batch))
   for t in range(4):
     tails = np.asarray(batch.tails_BRT).copy()
     tails[1, 0, t] = (tails[1, 0, t] + 1) % cfg.vocab_size
-    v2 = np.asarray(critic.values(cparams, cfg, batch.replace(tails_BRT=jnp.asarray(tails))))
+    v2 = np.asarray(values(batch.replace(tails_BRT=jnp.asarray(tails))))
     x = 2 + t  # the W trunk tokens come first
     np.testing.assert_array_equal(v2[1, 0, :x + 1], v[1, 0, :x + 1])
     assert np.all(np.abs(v2[1, 0, x + 1:] - v[1, 0, x + 1:]) > 1e-6), t
