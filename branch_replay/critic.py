@@ -226,6 +226,26 @@ def explained_variance(values_BRX, returns_BRX, valid_BRX) -> float:
   return float(1.0 - (ret - np.asarray(values_BRX)[m]).var() / var) if var > 0 else float("nan")
 
 
+def pooled_explained_variance(records) -> float:
+  """Explained variance pooled over several steps' batches, from their per-step sums:
+  1 - sum_s n_s mse_s / sum_s n_s (var_s + (mean_s - M)^2), M the tokens' overall mean.
+  Records carry `value/tokens` (n), `value/sq_err` (mse), `value/return_var`,
+  `value/return_mean`. The denominator is the pooled returns' variance around ONE mean:
+  the mean of the per-step variances alone leaves the spread of the batch means out while
+  the numerator keeps it, so a critic that predicts the right overall mean everywhere would
+  read below 0 (about -0.1 on ppo_haystack, whose 8-prompt batches' mean rewards vary).
+  NaN when the returns do not vary."""
+  rows = [r for r in records if r.get("value/tokens")]
+  if not rows:
+    return float("nan")
+  n = np.asarray([r["value/tokens"] for r in rows], np.float64)
+  mse = np.asarray([r["value/sq_err"] for r in rows], np.float64)
+  var = np.asarray([r["value/return_var"] for r in rows], np.float64)
+  mean = np.asarray([r["value/return_mean"] for r in rows], np.float64)
+  total = np.sum(n * (var + (mean - np.sum(n * mean) / n.sum()) ** 2))
+  return float(1.0 - np.sum(n * mse) / total) if total > 0 else float("nan")
+
+
 def whiten(adv_BRX, valid_BRX, eps: float = 1e-8):
   m = np.asarray(valid_BRX, bool)
   a = adv_BRX[m]

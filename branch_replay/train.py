@@ -276,8 +276,10 @@ def _gae_batch(fns, state, batch: ReplayBatch, rewards_BR, cfg: Config):
   stats = {"value/explained_variance": critic.explained_variance(old_values_BRX, returns_BRX,
                                                                   valid_BRX),
            "value/mean": float(v.mean()),
-           # for an explained variance pooled over steps: 1 - mean(sq_err) / mean(return_var)
-           "value/sq_err": float(np.mean((ret - v) ** 2)), "value/return_var": float(ret.var())}
+           # per-step sums for an explained variance pooled over steps
+           # (critic.pooled_explained_variance; the summary's value_ev_before/after)
+           "value/sq_err": float(np.mean((ret - v) ** 2)), "value/return_var": float(ret.var()),
+           "value/return_mean": float(ret.mean()), "value/tokens": int(valid_BRX.sum())}
   policy_adv = critic.whiten(adv_BRX, valid_BRX) if c.whiten else adv_BRX
   W = batch.trunk_len
   f32 = lambda x: jnp.asarray(x, jnp.float32)
@@ -513,6 +515,7 @@ def summarize(records, cfg: Config) -> dict:
   k = max(1, min(10, len(rl) // 4))
   evals = {r["step"]: r["eval/greedy_reward"] for r in records if r.get("kind") == "eval"}
   mean = lambda xs: float(np.mean(xs)) if xs else float("nan")
+  has_critic = any("value/tokens" in r for r in rl)
   return {
       "reward_before": mean([r["reward/mean"] for r in rl[:k]]),
       "reward_after": mean([r["reward/mean"] for r in rl[-k:]]),
@@ -525,6 +528,9 @@ def summarize(records, cfg: Config) -> dict:
       "naive_equiv_tokens": int(sum(r["replay/naive_equiv_tokens"] for r in train)),
       "train_time_s": float(sum(r["time/step_s"] for r in train)),
       "steps": len(train),
+      # PPO's critic: explained variance of the old values, pooled over the same windows
+      "value_ev_before": critic.pooled_explained_variance(rl[:k]) if has_critic else None,
+      "value_ev_after": critic.pooled_explained_variance(rl[-k:]) if has_critic else None,
   }
 
 
@@ -547,6 +553,9 @@ def format_summary(s: dict) -> str:
       f"{s['naive_equiv_tokens']:,} ({ratio:.1f}x fewer; RL steps alone "
       f"{s['rl_computed_tokens']:,} vs {s['rl_naive_equiv_tokens']:,}, "
       f"{s['rl_naive_equiv_tokens'] / max(s['rl_computed_tokens'], 1):.1f}x)",
+      *([f"value/explained_variance (pooled, first/last {s['reward_window']} RL steps): "
+         f"{fmt(s['value_ev_before'])} -> {fmt(s['value_ev_after'])}"]
+        if s.get("value_ev_before") is not None else []),
       f"time: {s['wall_s']:.0f} s wall ({s['train_time_s']:.0f} s in {s['steps']} steps)",
       f"checkpoints: {_shown(s['checkpoint'])}",
       f"metrics: {_shown(s['metrics'])}",
