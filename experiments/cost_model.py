@@ -271,7 +271,9 @@ def memory(cfg: tfm.ModelConfig, shape: Shape, mode: str, ex: Execution) -> dict
 
 
 def machine_of(row: dict) -> str:
-  device = str(row.get("device") or row.get("backend") or "unknown").lower()
+  prov = row.get("provenance") or {}
+  device = str(row.get("device") or row.get("backend") or prov.get("device_kind")
+               or prov.get("backend") or "unknown").lower()
   return "h200" if "h200" in device else ("cpu" if device == "cpu" else device.replace(" ", "_"))
 
 
@@ -323,7 +325,7 @@ def load_points(paths, cpu_time: bool = True) -> list[dict]:
     if model is None:
       continue
     cfg, shape, attention = model
-    ex = Execution(attention=attention, remat=cfg.remat)
+    ex = Execution(attention=attention, remat=_remat(row))
     regime = row["dtype"] + ("-" + row["matmul_precision"] if "matmul_precision" in row else "")
     for mode in ("naive", "replay"):
       t, machine = measured_time(row, mode, cpu_time)
@@ -349,7 +351,7 @@ def memory_points(paths) -> list[dict]:
       continue
     cfg, shape, attention = model
     b = 2 if row["dtype"] == "bfloat16" else 4
-    ex = Execution(attention=attention, remat=cfg.remat, compute_bytes=b, master_bytes=b,
+    ex = Execution(attention=attention, remat=_remat(row), compute_bytes=b, master_bytes=b,
                    optimizer_bytes=0)
     for mode in ("naive", "replay"):
       measured = row.get(f"{mode}_compiled_mb")
