@@ -92,7 +92,8 @@ def test_fit_errors_are_computed_from_the_results_files():
         continue
       for m in ("naive", "replay"):
         # on a CPU the step's own CPU seconds when recorded, else its wall seconds
-        t = row.get(f"{m}_cpu_s") if row.get("device") == "cpu" else None
+        device = row.get("device") or row.get("provenance", {}).get("device_kind")
+        t = row.get(f"{m}_cpu_s") if device == "cpu" else None
         t = t if isinstance(t, float) else row.get(f"{m}_s")
         if isinstance(t, float):
           expected.append((os.path.basename(path), i + 1, m, t))
