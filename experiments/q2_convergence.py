@@ -7,6 +7,8 @@ seed bands, and the per-step gradient cosine of the two modes on identical batch
   python experiments/q2_convergence.py --seeds=0 --rl_steps=5 --cosine_steps=3 \
       --set=train.sft_steps=20 --workdir_root=/tmp/q2
   python experiments/q2_convergence.py --nocurves --seeds=0 --cosine_steps=5   # cosine only
+  python experiments/q2_convergence.py --from_results=A.jsonl --from_results=B.jsonl \
+      --out=C.jsonl --plot=C.png   # the verdict and plot over runs of several files
 
 Lines: kind=curve (mode, seed, step, reward/mean, loss/policy, eval/greedy_reward when
 evaluated), kind=cosine (step, grad_cosine, grad_rel_diff, both losses: replay's and naive's
@@ -47,6 +49,9 @@ def define_flags():
   flags.DEFINE_string("workdir_root", "/tmp/q2_convergence", "one workdir per (mode, seed) here")
   flags.DEFINE_string("out", "", "append JSON lines here")
   flags.DEFINE_string("plot", "", "write the curves with seed bands to this PNG")
+  flags.DEFINE_multi_string("from_results", [], "train nothing: read the curve and cosine "
+                            "lines of these results files (e.g. two runs over different seeds) "
+                            "and write the verdict over all of them (and --plot)")
 
 
 def curves(experiment, overrides, seeds, modes, rl_steps, root, writer) -> list[dict]:
@@ -84,6 +89,24 @@ def cosines(experiment, overrides, seed, steps, root, writer) -> list[dict]:
                               **cmp, "one_minus_cosine": one_minus}))
     stepper.update(batch)
   return rows
+
+
+def from_results(paths) -> tuple[list[dict], list[dict]]:
+  """(curve rows, cosine rows) of earlier runs' results files; a (mode, seed) that appears
+  in two files is an error (the bands would count it twice)."""
+  from experiments import provenance
+  rows, cos_rows, owner = [], [], {}
+  for i, path in enumerate(paths):
+    for r in provenance.read(path):
+      if r.get("kind") == "curve":
+        key = (r["mode"], r["seed"])
+        if owner.setdefault(key, (i, path))[0] != i:
+          raise ValueError(f"--from_results: mode={key[0]} seed={key[1]} is in both "
+                           f"{owner[key][1]} and {path}; expected each run in one file")
+        rows.append(r)
+      elif r.get("kind") == "cosine":
+        cos_rows.append(r)
+  return rows, cos_rows
 
 
 def smoothed(values, window):
@@ -158,12 +181,18 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   from experiments import provenance
   writer = provenance.ResultsWriter(FLAGS.out, "q2_convergence", echo=False)
-  rows = (curves(FLAGS.experiment, FLAGS.set, FLAGS.seeds, FLAGS.mode, FLAGS.rl_steps,
-                 FLAGS.workdir_root, writer) if FLAGS.curves else [])
-  cos_rows = (cosines(FLAGS.experiment, FLAGS.set, FLAGS.seeds[0], FLAGS.cosine_steps,
-                      FLAGS.workdir_root, writer) if FLAGS.cosine_steps else [])
-  if rows:
-    print(writer.write(verdict(rows, FLAGS.smooth)))
+  if FLAGS.from_results:
+    rows, cos_rows = from_results(FLAGS.from_results)
+    seeds = sorted({(r["mode"], r["seed"]) for r in rows})
+    print(writer.write({**verdict(rows, FLAGS.smooth), "sources": FLAGS.from_results,
+                        "runs": [f"{m}:{s}" for m, s in seeds]}))
+  else:
+    rows = (curves(FLAGS.experiment, FLAGS.set, FLAGS.seeds, FLAGS.mode, FLAGS.rl_steps,
+                   FLAGS.workdir_root, writer) if FLAGS.curves else [])
+    cos_rows = (cosines(FLAGS.experiment, FLAGS.set, FLAGS.seeds[0], FLAGS.cosine_steps,
+                        FLAGS.workdir_root, writer) if FLAGS.cosine_steps else [])
+    if rows:
+      print(writer.write(verdict(rows, FLAGS.smooth)))
   measured = [abs(r["one_minus_cosine"]) for r in cos_rows if r["one_minus_cosine"] is not None]
   print(f"1 - cosine: max {max(measured) if measured else None} over {len(measured)} of "
         f"{len(cos_rows)} steps (the others had a zero gradient)")

@@ -129,3 +129,24 @@ def test_q5_dpo_through_replay_matches_naive():
                                                  memory_cap_mb=4000))
   assert row["objective"] == row["loss"] == "dpo" and row["branches"] == 2
   assert row["grad_max_rel_err"] < 1e-5 and row["speedup"] > 0
+
+
+def test_q2_verdict_over_runs_from_several_files(tmp_path):
+  def curve_file(name, seeds, offset):
+    w = writer(tmp_path, name)
+    for mode in ("replay", "naive"):
+      for seed in seeds:
+        for step in range(12):
+          w.write({"kind": "curve", "mode": mode, "seed": seed, "step": step, "phase": "rl",
+                   "reward/mean": 0.5 + 0.01 * step + offset * seed})
+    return str(tmp_path / f"{name}.jsonl")
+
+  a, b = curve_file("a", [0, 1], 0.01), curve_file("b", [2], 0.01)
+  rows, cos_rows = q2_convergence.from_results([a, b])
+  assert sorted({(r["mode"], r["seed"]) for r in rows}) == [
+      ("naive", 0), ("naive", 1), ("naive", 2), ("replay", 0), ("replay", 1), ("replay", 2)]
+  assert cos_rows == []
+  v = q2_convergence.verdict(rows, window=3)  # identical curves: each inside the other's band
+  assert v["steps_compared"] == 12 and v["replay_mean_inside_naive_band"] == 1.0
+  with pytest.raises(ValueError, match="seed=2 is in both"):
+    q2_convergence.from_results([b, b])
