@@ -8,6 +8,18 @@ is shared by the R branches, a tail token's is the branch's own, and the first t
 state is the prefix's last, shared again. GAE runs per branch over the X = W + T scored
 tokens with the reward at the branch's last token, so the last trunk token bootstraps from
 the value of the branch's first tail token.
+
+Two critics (`critic.share`):
+  share=false  a separate value model: params {'model': transformer, 'head': value head},
+               both trained (the prefix backward runs through the critic's own body).
+  share=true   a value head on the policy with a detached trunk: params {'head'} only; the
+               values are the head applied to the POLICY's hidden states (`body_params`, the
+               policy's transformer params, closed over as constants: not differentiated).
+               The critic step is still a replay step (the prefix forward once per prompt,
+               the tails batched against it) but its gradient is the head's alone, so no
+               backward runs through the body and no second transformer is kept in memory.
+               The policy's own update is unchanged (the value loss never reaches the body).
+Every function below takes `body_params=None` (separate model) or the policy's params (shared).
 """
 
 from __future__ import annotations
@@ -27,7 +39,9 @@ from models import transformer as tfm
 @dataclasses.dataclass(frozen=True)
 class CriticConfig:
   # Used when train.advantage=gae (PPO with a learned value model).
-  share: bool = False  # a value head on the policy itself (not implemented: separate model)
+  # true: a value head on the policy with a detached trunk (only the head is the critic's);
+  # false: a separate value model (a copy of the policy's transformer + a value head)
+  share: bool = False
   learning_rate: float = 1e-3
   value_clip: float = 0.2  # clip of V - V_old in the clipped value loss
   gamma: float = 1.0
@@ -35,9 +49,8 @@ class CriticConfig:
   whiten: bool = True  # normalise the policy's advantages over the batch's scored tokens
 
   def __post_init__(self):
-    if self.share:
-      raise ValueError("critic.share=true: a value head on the policy is not implemented; "
-                       "expected false (a separate value model of the policy's family)")
+    if not isinstance(self.share, bool):
+      raise ValueError(f"critic.share={self.share!r}: expected true or false")
     if not (0 < self.learning_rate < float("inf")):
       raise ValueError(f"critic.learning_rate={self.learning_rate!r}: expected > 0")
     if not self.value_clip > 0:
@@ -56,13 +69,35 @@ class CriticBatch:
   old_values_BRX: jax.Array
 
 
-def init_params(model_cfg: tfm.ModelConfig, key, model_params=None):
-  """{'model': transformer params (a copy of model_params if given), 'head': zero value head}."""
+def init_head(model_cfg: tfm.ModelConfig):
+  """A zero value head {'w_D': [D], 'b': []}."""
+  dt = model_cfg.weight_dtype
+  return {"w_D": jnp.zeros((model_cfg.d_model,), dt), "b": jnp.zeros((), dt)}
+
+
+def init_params(model_cfg: tfm.ModelConfig, key, model_params=None, share: bool = False):
+  """{'model': transformer params (a copy of model_params if given), 'head': zero value head};
+  with share=True only {'head'} (the body is the policy's, passed as `body_params`)."""
+  if share:
+    return {"head": init_head(model_cfg)}
   model = tfm.init_params(model_cfg, key) if model_params is None else jax.tree.map(
       jnp.copy, model_params)
-  dt = model_cfg.weight_dtype
-  return {"model": model, "head": {"w_D": jnp.zeros((model_cfg.d_model,), dt),
-                                   "b": jnp.zeros((), dt)}}
+  return {"model": model, "head": init_head(model_cfg)}
+
+
+def _body(params, body_params):
+  """The transformer params the values are read from: the critic's own ('model') or, for a
+  shared critic, the policy's (`body_params`, a constant of the critic's gradient)."""
+  if body_params is None:
+    if "model" not in params:
+      raise ValueError(f"critic params have keys {sorted(params)} and body_params=None: a "
+                       "shared critic (critic.share=true, {'head'} only) needs body_params="
+                       "the policy's params")
+    return params["model"]
+  if "model" in params:
+    raise ValueError("critic params hold a 'model' and body_params was given: expected "
+                     "{'head'} only with body_params (critic.share=true), or body_params=None")
+  return jax.lax.stop_gradient(body_params)
 
 
 def value_head(head, h_BTD):
@@ -106,14 +141,20 @@ def _branches(cb: CriticBatch):
               old_values_BX=r_first(cb.old_values_BRX))
 
 
-def replay_fns(model_cfg: tfm.ModelConfig, cfg: CriticConfig, cb: CriticBatch):
-  """(prefill_fn, branch_loss_fn, prefix, branches_R) of the critic for replay.value_and_grad."""
+def replay_fns(model_cfg: tfm.ModelConfig, cfg: CriticConfig, cb: CriticBatch,
+               body_params=None):
+  """(prefill_fn, branch_loss_fn, prefix, branches_R) of the critic for replay.value_and_grad.
+  With body_params (shared critic) the K/V and hidden states are constants: the tails'
+  backward stops at the head and the prefix backward only carries the trunk values'."""
   batch = cb.batch
+  shared = body_params is not None
+  detach = jax.lax.stop_gradient if shared else (lambda x: x)
   W = batch.trunk_len
   prefix_valid_BP = batch.prefix_valid_BP
 
   def prefill_fn(params, prefix):
-    cache = tfm.prefill(params["model"], model_cfg, prefix["tokens_BP"], prefix["valid_BP"], W)
+    cache = tfm.prefill(_body(params, body_params), model_cfg, prefix["tokens_BP"],
+                        prefix["valid_BP"], W)
     # Everything the tails read: K/V, the last hidden state, and the trunk tokens' values.
     return dict(kv=cache.kv, h_last_BD=cache.h_last_BD,
                 trunk_v_BW=value_head(params["head"], cache.trunk_h_BWD))
@@ -124,10 +165,11 @@ def replay_fns(model_cfg: tfm.ModelConfig, cfg: CriticConfig, cb: CriticBatch):
     tokens_RBT = branches_R["tokens_BT"]
     R, B, T = tokens_RBT.shape
     rows = lambda x_RB: jnp.swapaxes(x_RB, 0, 1).reshape(B * R, *x_RB.shape[2:])
-    kv_cache = tfm.PrefixCache(cache["kv"], cache["h_last_BD"], None)
-    h_NTD = tfm.tail(params["model"], model_cfg, kv_cache, prefix_valid_BP, rows(tokens_RBT),
-                     rows(branches_R["valid_BT"]))
-    h_last_ND = jnp.repeat(cache["h_last_BD"], R, axis=0)
+    h_last_BD = detach(cache["h_last_BD"])
+    kv_cache = tfm.PrefixCache(detach(cache["kv"]), h_last_BD, None)
+    h_NTD = tfm.tail(_body(params, body_params), model_cfg, kv_cache, prefix_valid_BP,
+                     rows(tokens_RBT), rows(branches_R["valid_BT"]))
+    h_last_ND = jnp.repeat(h_last_BD, R, axis=0)
     h_pred_NTD = jnp.concatenate([h_last_ND[:, None], h_NTD[:, :-1]], axis=1)
     v_RBT = jnp.swapaxes(value_head(params["head"], h_pred_NTD).reshape(B, R, T), 0, 1)
     values_RBX = jnp.concatenate(
@@ -138,52 +180,60 @@ def replay_fns(model_cfg: tfm.ModelConfig, cfg: CriticConfig, cb: CriticBatch):
   return prefill_fn, branch_loss_fn, prefix, _branches(cb)
 
 
-def replay_loss_and_grad(params, cb: CriticBatch, model_cfg, cfg: CriticConfig):
-  """The critic's value loss and gradient through branch replay: (loss, aux_BR, grads)."""
-  prefill_fn, branch_loss_fn, prefix, branches_R = replay_fns(model_cfg, cfg, cb)
+def replay_loss_and_grad(params, cb: CriticBatch, model_cfg, cfg: CriticConfig,
+                         body_params=None):
+  """The critic's value loss and gradient through branch replay: (loss, aux_BR, grads);
+  grads has params' tree ({'head'} alone for a shared critic)."""
+  prefill_fn, branch_loss_fn, prefix, branches_R = replay_fns(model_cfg, cfg, cb, body_params)
   loss, aux_R, grads = replay.value_and_grad(prefill_fn, branch_loss_fn, params, prefix,
                                              branches_R, batched=True)
   return loss, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), aux_R), grads
 
 
-def naive_values(params, batch: ReplayBatch, model_cfg) -> jax.Array:
+def naive_values(params, batch: ReplayBatch, model_cfg, body_params=None) -> jax.Array:
   """Values of every scored token, each branch as its own [P+T] sequence: [B, R, W+T]."""
   B, R, T = batch.tails_BRT.shape
   P, W = batch.prefix_BP.shape[1], batch.trunk_len
   seq = lambda prefix_BP, tails_BRT: jnp.concatenate(
       [jnp.broadcast_to(prefix_BP[:, None], (B, R, P)), tails_BRT], -1).reshape(B * R, P + T)
-  h_NSD = tfm.forward(params["model"], model_cfg, seq(batch.prefix_BP, batch.tails_BRT),
+  h_NSD = tfm.forward(_body(params, body_params), model_cfg, seq(batch.prefix_BP, batch.tails_BRT),
                       seq(batch.prefix_valid_BP, batch.tail_valid_BRT))
   values_NX = value_head(params["head"], h_NSD[:, P - 1 - W:P + T - 1])
   return values_NX.reshape(B, R, W + T)
 
 
-def naive_loss(params, cb: CriticBatch, model_cfg, cfg: CriticConfig):
+def naive_loss(params, cb: CriticBatch, model_cfg, cfg: CriticConfig, body_params=None):
   """The naive twin of the critic loss: (loss, aux_BR)."""
-  values_RBX = jnp.swapaxes(naive_values(params, cb.batch, model_cfg), 0, 1)
+  values_RBX = jnp.swapaxes(naive_values(params, cb.batch, model_cfg, body_params), 0, 1)
   loss_RB, aux_R = jax.vmap(lambda v, br: _branch_loss(v, br, cfg))(values_RBX, _branches(cb))
   return loss_RB.sum(), jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), aux_R)
 
 
-def loss_and_grad(params, cb: CriticBatch, model_cfg, cfg: CriticConfig, mode: str = "replay"):
+def loss_and_grad(params, cb: CriticBatch, model_cfg, cfg: CriticConfig, mode: str = "replay",
+                  body_params=None):
+  """(loss, aux_BR, grads w.r.t. params); body_params: the policy's params for a shared
+  critic (params = {'head'}), None for a separate value model."""
   if mode == "replay":
-    return replay_loss_and_grad(params, cb, model_cfg, cfg)
+    return replay_loss_and_grad(params, cb, model_cfg, cfg, body_params)
   if mode == "naive":
-    (loss, aux), grads = jax.value_and_grad(naive_loss, has_aux=True)(params, cb, model_cfg, cfg)
+    (loss, aux), grads = jax.value_and_grad(naive_loss, has_aux=True)(params, cb, model_cfg, cfg,
+                                                                       body_params)
     return loss, aux, grads
   raise ValueError(f"replay.mode={mode!r}: expected replay or naive")
 
 
-def values(params, model_cfg, batch: ReplayBatch) -> jax.Array:
+def values(params, model_cfg, batch: ReplayBatch, body_params=None) -> jax.Array:
   """Values of every scored token from ONE shared-prefix forward: [B, R, W+T] (0 where a
-  tail is padded). The 'old' values of PPO, computed once per sampled batch."""
+  tail is padded). The 'old' values of PPO, computed once per sampled batch. body_params:
+  the policy's params for a shared critic (params = {'head'})."""
   W = batch.trunk_len
-  cache = tfm.prefill(params["model"], model_cfg, batch.prefix_BP, batch.prefix_valid_BP, W)
+  body = _body(params, body_params)
+  cache = tfm.prefill(body, model_cfg, batch.prefix_BP, batch.prefix_valid_BP, W)
   trunk_v_BW = value_head(params["head"], cache.trunk_h_BWD)
 
   B, R, T = batch.tails_BRT.shape
   tokens_NT, valid_NT = batch.tails_BRT.reshape(B * R, T), batch.tail_valid_BRT.reshape(B * R, T)
-  h_NTD = tfm.tail(params["model"], model_cfg, cache, batch.prefix_valid_BP, tokens_NT, valid_NT)
+  h_NTD = tfm.tail(body, model_cfg, cache, batch.prefix_valid_BP, tokens_NT, valid_NT)
   h_pred_NTD = jnp.concatenate([jnp.repeat(cache.h_last_BD, R, 0)[:, None], h_NTD[:, :-1]], 1)
   v_BRT = jnp.where(valid_NT, value_head(params["head"], h_pred_NTD), 0.0).reshape(B, R, T)
   return jnp.concatenate([jnp.broadcast_to(trunk_v_BW[:, None], (B, R, W)), v_BRT], -1)

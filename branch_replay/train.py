@@ -42,7 +42,8 @@ class TrainState:
   step: jax.Array  # int32: steps taken (warm-up included)
   rng: jax.Array  # uint32 raw key data (checkpointable)
   ref_params: Any = None  # the frozen reference policy (only with loss.kl_coef > 0)
-  critic: Any = None  # PPO's value model: dict(params, opt_state) (train.advantage=gae)
+  critic: Any = None  # PPO's value model: dict(params, opt_state) (train.advantage=gae);
+  # params {'model', 'head'}, or {'head'} alone with critic.share (the body is `params`)
 
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
@@ -102,7 +103,7 @@ def init_state(cfg: Config, init_params=None) -> TrainState:
     ref = jax.tree.map(jnp.copy, params) if cfg.loss.kl_coef else None
     value = None
     if cfg.uses_critic:  # the value model starts as the policy (copied again at RL start)
-      critic_params = critic.init_params(cfg.model, init_key, params)
+      critic_params = critic.init_params(cfg.model, init_key, params, share=cfg.critic.share)
       value = dict(params=critic_params, opt_state=make_critic_optimizer(cfg).init(critic_params))
     return TrainState(params, make_optimizer(cfg).init(params), jnp.zeros((), jnp.int32),
                       jax.random.key_data(rng), ref, value)
@@ -147,13 +148,15 @@ def make_train_step(cfg: Config, phase: str = "rl"):
 
 def make_critic_step(cfg: Config):
   """Pure `critic_step(state, critic_batch) -> (state, metrics)`: one value-model update
-  through branch replay (or its naive twin)."""
+  through branch replay (or its naive twin). With critic.share the head alone is updated,
+  reading the policy's current transformer (`state.params`, not differentiated)."""
   tx = make_critic_optimizer(cfg)
 
   def critic_step(state: TrainState, cb: critic.CriticBatch):
     params, opt_state = state.critic["params"], state.critic["opt_state"]
     loss, aux_BR, grads = critic.loss_and_grad(params, cb, cfg.model, cfg.critic,
-                                               mode=cfg.replay.mode)
+                                               mode=cfg.replay.mode,
+                                               body_params=_critic_body(state, cfg))
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     n = jnp.maximum(aux_BR["tokens"].sum(), 1)
@@ -265,11 +268,17 @@ def _overlong(samples, cfg: Config):
                                t.overlong_penalty).astype(np.float32)
 
 
+def _critic_body(state: TrainState, cfg: Config):
+  """The transformer a shared critic's head reads (the policy's); None for a separate one."""
+  return state.params if cfg.critic.share else None
+
+
 def _gae_batch(fns, state, batch: ReplayBatch, rewards_BR, cfg: Config):
   """PPO: the critic's values of every scored token (one shared-prefix forward), GAE per
   branch, per-token advantages for the policy and returns for the critic."""
   c = cfg.critic
-  old_values_BRX = np.asarray(fns.values(state.critic["params"], batch=batch), np.float64)
+  old_values_BRX = np.asarray(fns.values(state.critic["params"], batch=batch,
+                                         body_params=_critic_body(state, cfg)), np.float64)
   valid_BRX = critic.scored_mask(batch)
   adv_BRX, returns_BRX = critic.gae(rewards_BR, old_values_BRX, valid_BRX, c.gamma, c.lam)
   ret, v = returns_BRX[valid_BRX], old_values_BRX[valid_BRX]
@@ -453,7 +462,8 @@ def run(cfg: Config, workdir: str, *, init_params=None, tokenizer=None) -> dict:
           bar.write(f"step {step}: greedy eval reward before RL {rec_eval:.3f}")
         if state.ref_params is not None:  # the reference policy: the policy as RL begins
           state = state.replace(ref_params=jax.tree.map(jnp.copy, state.params))
-        if state.critic is not None:  # the value model starts from the policy too
+        if state.critic is not None and not cfg.critic.share:  # the value model starts
+          # from the policy too (a shared critic's body IS the policy)
           state = state.replace(critic=dict(
               params={**state.critic["params"],
                       "model": jax.tree.map(jnp.copy, state.params)},

@@ -2,6 +2,7 @@
 numpy loops, RLOO / DAPO / overlong shaping, temperature-consistent ratios, the trainer with
 PPO epochs, minibatches, a critic and dynamic sampling, and their bad-input errors."""
 
+import dataclasses
 import functools
 import math
 
@@ -13,7 +14,7 @@ import pytest
 from branch_replay import advantages, critic, dapo, losses, policy, sampler, train
 from branch_replay.config import Config, apply_overrides
 from models import transformer as tfm
-from replay_test import assert_equal_f64, make_batch, model
+from replay_test import assert_equal_f64, make_batch, max_rel_err, model
 
 
 # ----------------------------------------------------------------------------- GAE, value loss
@@ -147,6 +148,96 @@ def test_critic_replay_equals_naive_float64(B, R, P, T, W):
     # `critic.values` (one shared-prefix forward) equals the naive values
     np.testing.assert_allclose(np.where(mask, critic.values(cparams, cfg, cb.batch), 0),
                                np.where(mask, v, 0), rtol=1e-11, atol=1e-12)
+
+
+def random_head(cfg, seed=2):
+  return {"w_D": jax.random.normal(jax.random.key(seed), (cfg.d_model,), jnp.float64),
+          "b": jnp.asarray(0.1, jnp.float64)}
+
+
+def numpy_shared_critic(params, cfg, cb, head, clip):
+  """A shared critic's values, value loss and head gradient by hand: the policy
+  transformer's hidden states of every branch as its own sequence (one tfm.forward per
+  branch), the head in numpy, the clipped loss token-mean over the scored tokens."""
+  b_ = cb.batch
+  B, R, T = b_.tails_BRT.shape
+  P, W = b_.prefix_BP.shape[1], b_.trunk_len
+  forward = jax.jit(lambda tokens, valid: tfm.forward(params, cfg, tokens, valid))
+  h = np.zeros((B, R, W + T, cfg.d_model))
+  for b in range(B):
+    for r in range(R):
+      tokens = jnp.concatenate([b_.prefix_BP[b], b_.tails_BRT[b, r]])[None]
+      valid = jnp.concatenate([b_.prefix_valid_BP[b], b_.tail_valid_BRT[b, r]])[None]
+      h[b, r] = np.asarray(forward(tokens, valid))[0, P - 1 - W:P + T - 1]
+  w, bias = np.asarray(head["w_D"]), float(head["b"])
+  v = h @ w + bias
+  mask = critic.scored_mask(b_)
+  n = mask.sum()
+  old, ret = np.asarray(cb.old_values_BRX), np.asarray(cb.returns_BRX)
+  vc = old + np.clip(v - old, -clip, clip)
+  plain, clipped = (v - ret) ** 2, (vc - ret) ** 2
+  loss = np.sum(np.where(mask, 0.5 * np.maximum(plain, clipped), 0)) / n
+  inside = np.abs(v - old) < clip
+  dv = np.where(mask, np.where(plain >= clipped, v - ret, (vc - ret) * inside), 0) / n
+  return v, mask, loss, {"w_D": np.einsum("brx,brxd->d", dv, h), "b": dv.sum()}
+
+
+@pytest.mark.parametrize("B, R, P, T, W", [(2, 3, 9, 4, 2), (1, 4, 6, 1, 0)])
+def test_shared_critic_replay_equals_naive_and_numpy_float64(B, R, P, T, W):
+  """critic.share: a value head on the policy's (detached) transformer. Replay == naive
+  (loss, aux, head gradient), and both == the numpy loss and head gradient built from the
+  policy's hidden states."""
+  with jax.enable_x64(True):
+    cfg, params = model("float64")
+    head = {"head": random_head(cfg)}
+    cb = critic_batch(31, B, R, P, T, W)
+    ccfg = critic.CriticConfig(value_clip=0.5, share=True)
+    run = lambda mode: jax.jit(lambda h, b, body: critic.loss_and_grad(
+        h, b, cfg, ccfg, mode, body_params=body))(head, cb, params)
+    fast, slow = run("replay"), run("naive")
+    assert_equal_f64(fast, slow)
+    assert jax.tree.structure(fast[2]) == jax.tree.structure(head)  # the head alone
+    assert int(slow[1]["clip_sum"].sum()) > 0  # the value clip binds somewhere
+    v, mask, loss, grad = numpy_shared_critic(params, cfg, cb, head["head"], 0.5)
+    assert float(fast[0]) == pytest.approx(loss, rel=1e-10)
+    for name in ("w_D", "b"):
+      np.testing.assert_allclose(fast[2]["head"][name], grad[name], rtol=1e-10, atol=1e-12)
+    # `critic.values` (one shared-prefix forward of the policy) equals the numpy values
+    got = critic.values(head, cfg, cb.batch, body_params=params)
+    np.testing.assert_allclose(np.where(mask, got, 0), np.where(mask, v, 0), rtol=1e-11,
+                               atol=1e-12)
+
+
+def test_shared_critic_head_gradient_equals_separate_model_with_policy_body():
+  """Independent cross-check: a separate value model whose 'model' params ARE the policy's
+  has, w.r.t. its head, the shared critic's loss and head gradient (its body gradient is
+  what the shared critic leaves out)."""
+  with jax.enable_x64(True):
+    cfg, params = model("float64")
+    head = random_head(cfg, seed=5)
+    cb = critic_batch(7, 2, 3, 8, 3, 1)
+    ccfg = critic.CriticConfig(value_clip=0.3)
+    separate = {"model": params, "head": head}
+    (loss_sep, _), g_sep = jax.jit(jax.value_and_grad(
+        lambda p: critic.naive_loss(p, cb, cfg, ccfg), has_aux=True))(separate)
+    loss, _, g = jax.jit(lambda h, body: critic.loss_and_grad(
+        h, cb, cfg, dataclasses.replace(ccfg, share=True), body_params=body))({"head": head},
+                                                                            params)
+    assert float(loss) == pytest.approx(float(loss_sep), rel=1e-10)
+    assert max_rel_err(g["head"], g_sep["head"]) < 1e-10
+    assert float(jnp.abs(g_sep["head"]["w_D"]).max()) > 1e-6
+    assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(g_sep["model"])) > 1e-6
+
+
+def test_shared_critic_params_and_body_must_agree():
+  cfg, params = model("float32")
+  batch = make_batch(3, B=1, R=2, P=5, T=2)
+  with pytest.raises(ValueError, match=r"body_params=None: a shared critic"):
+    critic.values({"head": critic.init_head(cfg)}, cfg, batch)
+  with pytest.raises(ValueError, match=r"hold a 'model' and body_params was given"):
+    critic.values(critic.init_params(cfg, jax.random.key(0), params), cfg, batch,
+                  body_params=params)
+  assert set(critic.init_params(cfg, jax.random.key(0), share=True)) == {"head"}
 
 
 # ----------------------------------------------------------------------------- estimators
@@ -293,6 +384,34 @@ def test_ppo_with_critic_epochs_and_minibatches_runs(tmp_path):
   assert s2["steps"] == 3
 
 
+def test_ppo_with_shared_critic_runs_and_checkpoints(tmp_path):
+  """critic.share=true: the critic is a value head on the policy ({'head'} alone in the
+  state and checkpoint, which restores into a fresh state's tree), trained alongside the
+  policy; the overlong penalty makes the returns non-zero so the head must move."""
+  cfg = tiny("loss.name=ppo", "train.advantage=gae", "critic.share=true",
+             "train.ppo_epochs=2", "train.minibatches=2", "sampler.trunk_len=1",
+             "train.overlong_buffer=1", "train.checkpoint_every=1")
+  workdir = str(tmp_path / "shared")
+  s = train.run(cfg, workdir)
+  recs = [r for r in train.metrics.read(s["metrics"]) if r.get("kind") == "train"]
+  assert len(recs) == 2
+  for r in recs:
+    for k in ("loss/value", "value/mean", "value/clip_frac", "value/grad_norm",
+              "value/sq_err", "value/explained_variance"):
+      assert r[k] is not None and np.isfinite(r[k]), (k, r)
+  assert recs[0]["value/mean"] == 0.0 and recs[0]["loss/value"] > 0  # the zero head, then
+  assert recs[1]["value/mean"] != 0.0  # the head has moved
+  fresh = train.init_state(cfg)
+  assert set(fresh.critic["params"]) == {"head"}
+  ckpt = train.checkpoint.Checkpointer(workdir, cfg)
+  restored = ckpt.restore(2, train._state_dict(fresh))
+  ckpt.close()
+  assert set(restored["critic"]["params"]) == {"head"}
+  assert float(jnp.abs(restored["critic"]["params"]["head"]["w_D"]).max()) > 0
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+               restored["params"], s["final_params"])
+
+
 def test_grpo_family_runs_rloo_gspo_dapo(tmp_path):
   cfg = tiny("loss.name=gspo", "loss.aggregation=seq_mean", "train.advantage=rloo",
              "train.dynamic_sampling=true", "train.max_sample_rounds=2",
@@ -312,8 +431,13 @@ def test_grpo_family_runs_rloo_gspo_dapo(tmp_path):
     (["sampler.top_p=0.9"], r"top_p=0.9.*expected top_k=0 and top_p=1"),
     (["sampler.temperature=0"], r"sampler.temperature=0: RL needs sampled"),
     (["train.advantage=gae", "mesh=data:2"], r"the critic runs on one device"),
-    (["critic.share=true"], r"critic.share=true: a value head on the policy is not implemented"),
+    (["critic.share=maybe"], r"critic.share='maybe': expected true or false"),
 ])
 def test_bad_rl_config_names_the_field(overrides, match):
   with pytest.raises(ValueError, match=match):
     tiny(*overrides)
+
+
+def test_critic_share_must_be_a_bool():
+  with pytest.raises(ValueError, match=r"critic.share=1: expected true or false"):
+    critic.CriticConfig(share=1)
