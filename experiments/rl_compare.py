@@ -29,6 +29,7 @@ RUNS = {
     "rloo": ("grpo_haystack", ["train.advantage=rloo", "loss.name=pg"]),
     "dapo": ("grpo_haystack", ["train.dynamic_sampling=true", "loss.epsilon_high=0.28"]),
     "ppo": ("ppo_haystack", []),
+    "ppo_share": ("ppo_haystack", ["critic.share=true"]),  # a value head on the policy
     "dpo": ("dpo_haystack", []),
 }
 
