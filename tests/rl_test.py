@@ -384,6 +384,7 @@ def test_ppo_with_critic_epochs_and_minibatches_runs(tmp_path):
   assert s2["steps"] == 3
 
 
+@pytest.mark.slow  # the shared critic's exactness tests run by default; this trains
 def test_ppo_with_shared_critic_runs_and_checkpoints(tmp_path):
   """critic.share=true: the critic is a value head on the policy ({'head'} alone in the
   state and checkpoint, which restores into a fresh state's tree), trained alongside the

@@ -12,7 +12,8 @@ LOSS = losses.LossConfig(kl_coef=0.05, epsilon=0.1)
 
 
 @pytest.mark.parametrize("spec, fanouts, branch_chunk", [
-    ("context:8", (2, 4), None),  # 8 leaves over 8 devices, context-parallel prompt
+    pytest.param("context:8", (2, 4), None,  # 8 leaves over 8 devices, context-parallel
+                 marks=pytest.mark.slow),    # prompt (the mixed mesh below runs by default)
     ("data:2,fsdp:2,context:2", (3, 2), 1),  # prompts x leaves, FSDP, streamed leaves
 ])
 def test_sharded_tree_equals_single_device(spec, fanouts, branch_chunk):

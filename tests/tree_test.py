@@ -91,7 +91,9 @@ def assert_equal(fast, slow, tol=1e-10):
 
 
 # Depths 1, 2, 3; every fan-out 1..4 appears at some level of a depth-2 and a depth-3 tree.
-FANOUTS = [(3,), (1, 4), (4, 2), (2, 3), (3, 1, 2), (2, 2, 4)]
+# Depths 1-3 and fan-outs 1-4 in the default suite; two more shapes under -m slow.
+FANOUTS = [(3,), (1, 4), (4, 2), pytest.param((2, 3), marks=pytest.mark.slow), (3, 1, 2),
+           pytest.param((2, 2, 4), marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("fanouts", FANOUTS)
