@@ -9,7 +9,8 @@ depend on what the model knows, except through when branches stop) with the hays
 length set to each P. Both modes sample with the same shared-prefix sampler (the project's
 naive mode changes only the update); the first step of each (mode, P) compiles and is not
 reported. Each line: P, mode, the median over --steps of each phase's seconds, and the
-update's share of the step. Not measured yet at the README's sizes (the lead runs it).
+update's share of the step. Measured: README, "Reproducing the announcement", Q1
+(experiments/results/q1_cpu_2026-11-30.jsonl).
 """
 
 from __future__ import annotations

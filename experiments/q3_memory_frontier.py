@@ -12,7 +12,8 @@ peak RSS growth on a CPU, or device peak on a GPU, must stay under the cap).
 
 Lines: kind=trial (mode, R, P, fits, compiled/peak MB or the reason it did not fit) and
 kind=frontier (mode, R, the longest P that fit, the first that did not, the memory
-of the longest). Not measured yet with the long-context engine (the lead runs it).
+of the longest). Measured (--compiled_only, 20 GB cap): README, "Reproducing the
+announcement", Q3.
 """
 
 from __future__ import annotations
