@@ -101,9 +101,6 @@ def step_flops(cfg, B, R, P, T, mode, value_head=False):
   return 3 * 2 * macs
 
 
-_RSS_AFTER_IMPORTS = [0]
-
-
 def run_worker(mode, P, T, R):
   import jax
   import jax.numpy as jnp
@@ -113,7 +110,7 @@ def run_worker(mode, P, T, R):
   from branch_replay.batch import ReplayBatch, validate
   from models import transformer as tfm
   jnp.zeros(()).block_until_ready()  # the backend is up: count from here
-  _RSS_AFTER_IMPORTS[0] = psutil.Process().memory_info().rss
+  rss_after_imports = psutil.Process().memory_info().rss
 
   cfg = model_config()
   B = FLAGS.prompts
@@ -129,7 +126,7 @@ def run_worker(mode, P, T, R):
   chunk = FLAGS.branch_chunk or None
   if FLAGS.loss == "value":  # PPO's critic: its own transformer + value head, both modes
     step, params, batch = _value_step(cfg, mode, batch, rng)
-    return _measure(mode, step, params, batch)
+    return _measure(mode, step, params, batch, rss_after_imports)
   loss_cfg = losses.LossConfig(name=FLAGS.loss)
   if loss_cfg.objective.needs_ref:  # e.g. DPO: reference log-probs of every tail token
     batch = batch.replace(ref_logp_BRT=jnp.asarray(-rng.exponential(size=(B, R, T)), dt))
@@ -143,7 +140,7 @@ def run_worker(mode, P, T, R):
     if mode == "replay":
       step = jax.jit(lambda p, b: sharding.sharded_loss_and_grad(mesh, p, b, cfg, loss_cfg,
                                                                  chunk)[::2])
-  _measure(mode, step, params, batch)
+  _measure(mode, step, params, batch, rss_after_imports)
 
 
 def _value_step(cfg, mode, batch, rng):
@@ -167,11 +164,10 @@ def _value_step(cfg, mode, batch, rng):
   return step, params, cb
 
 
-def _measure(mode, step, params, batch):
+def _measure(mode, step, params, batch, rss_after_imports):
   """Compile (footprint, cap), warm up, time --reps steps; print one JSON line."""
   import jax
   import numpy as np
-  rss_after_imports = _RSS_AFTER_IMPORTS[0]
   try:
     compiled = step.lower(params, batch).compile()
   except jax.errors.JaxRuntimeError as e:  # e.g. the compiler's autotuner cannot allocate
