@@ -125,3 +125,39 @@ def value_and_grad(prefill_fn, branch_loss_fn, params, prefix, branches_R, *,
   # 4. The two halves of the gradient (summed in float32 at least).
   grads = jax.tree.map(_add, dparams_tail, dparams_prefix)
   return loss, aux_R, grads
+
+
+def tree_value_and_grad(root_fn, level_fns, leaf_loss_fn, params, leaves_R, *,
+                        branch_chunk: Optional[int] = None, combine: Combine = None,
+                        cache_constraint: Optional[Callable[[int, Any], Any]] = None):
+  """The method on a tree (depth 1: `value_and_grad`): returns (loss, aux_R, grads).
+
+  root_fn(params) -> cache; level_fns[d-1](params, caches of levels < d) -> level d's cache;
+  leaf_loss_fn(params, caches, leaves_R) -> (values_R, aux_R) for every leaf at once (leading
+  axis R = the last fan-out). cache_constraint(level, cache) -> cache where a cache crosses
+  to the levels below.
+  """
+  constrain = cache_constraint or (lambda level, cache: cache)
+  # 1. The root forward, once; its vjp keeps the residuals alive.
+  cache, root_vjp = jax.vjp(root_fn, params)
+  caches, vjps = [constrain(0, cache)], [root_vjp]
+  # 2. Each inner level forward once (all its nodes as rows) against its ancestors, under vjp.
+  for d, level_fn in enumerate(level_fns, start=1):
+    cache, level_vjp = jax.vjp(level_fn, params, tuple(caches))
+    caches.append(constrain(d, cache))
+    vjps.append(level_vjp)
+  # 3. The leaves: forward+backward inside the grad; each ancestor's cotangent arrives summed
+  #    over the leaves below it (streamed over the last fan-out in float32 at least).
+  loss, aux_R, grads, dcaches = tails_value_and_grad(
+      leaf_loss_fn, params, tuple(caches), leaves_R, branch_chunk=branch_chunk,
+      combine=combine, batched=True)
+  dcaches = list(dcaches)
+  as_dtype_of = lambda dcache, cache: jax.tree.map(lambda d, c: d.astype(c.dtype), dcache, cache)
+  # 4. Climb: each inner level's VJP once with its children's summed cotangent, handing its
+  #    ancestors' share upward (summed in float32 at least); the root's VJP last.
+  for d in reversed(range(1, len(caches))):
+    dparams, danc = vjps[d](as_dtype_of(dcaches[d], caches[d]))
+    grads = jax.tree.map(_add, grads, dparams)
+    dcaches[:d] = [jax.tree.map(_add, a, b) for a, b in zip(dcaches[:d], danc)]
+  (dparams,) = vjps[0](as_dtype_of(dcaches[0], caches[0]))
+  return loss, aux_R, jax.tree.map(_add, grads, dparams)

@@ -38,6 +38,8 @@ class TreeLevel:
   # inner level = every leaf scores this level's tokens with its own advantage
   old_logp_BRT: Optional[jax.Array] = None  # sampling log-probs (None: on-policy, ratio 1)
   ref_logp_BRT: Optional[jax.Array] = None  # reference log-probs (KL)
+  # Per-token advantages (PPO's GAE), leaves only: they replace advantages_BR token by token.
+  advantages_BRT: Optional[jax.Array] = None
 
   def scored(self):
     return self.valid_BRT if self.scored_BRT is None else self.scored_BRT
@@ -50,6 +52,8 @@ class TreeBatch:
   levels: tuple  # TreeLevel per level 1..depth; levels[-1] are the leaves
   trunk_old_logp_BW: Optional[jax.Array] = None
   trunk_ref_logp_BW: Optional[jax.Array] = None
+  # Per-path advantages of the trunk tokens [B, leaves, W] (with the leaves' advantages_BRT).
+  trunk_advantages_BRW: Optional[jax.Array] = None
   fanouts: tuple = flax.struct.field(pytree_node=False, default=())  # (R_1, ..., R_depth)
   trunk_len: int = flax.struct.field(pytree_node=False, default=0)  # W scored root tokens
 
@@ -80,14 +84,16 @@ def nodes(fanouts: Sequence[int], d: int) -> int:
 
 
 def from_replay_batch(batch: ReplayBatch) -> TreeBatch:
-  """Today's batch as a depth-1 tree: the prefix is the root, the tails the leaves."""
+  """Today's batch as a depth-1 tree: the prefix is the root, the tails the leaves (per-token
+  advantages included)."""
   R = batch.tails_BRT.shape[1]
   leaves = TreeLevel(tokens_BRT=batch.tails_BRT, valid_BRT=batch.tail_valid_BRT,
                      advantages_BR=batch.advantages_BR, old_logp_BRT=batch.old_logp_BRT,
-                     ref_logp_BRT=batch.ref_logp_BRT)
+                     ref_logp_BRT=batch.ref_logp_BRT, advantages_BRT=batch.advantages_BRT)
   return TreeBatch(root_BP=batch.prefix_BP, root_valid_BP=batch.prefix_valid_BP,
                    levels=(leaves,), trunk_old_logp_BW=batch.trunk_old_logp_BW,
-                   trunk_ref_logp_BW=batch.trunk_ref_logp_BW, fanouts=(R,),
+                   trunk_ref_logp_BW=batch.trunk_ref_logp_BW,
+                   trunk_advantages_BRW=batch.trunk_advantages_BRW, fanouts=(R,),
                    trunk_len=batch.trunk_len)
 
 
@@ -161,8 +167,11 @@ def validate(batch: TreeBatch, vocab_size: int, branch_chunk: Optional[int] = No
         _fail(f"{at}.advantages_BR", adv, f"shape {(B, R)}")
       if not np.all(np.isfinite(np.asarray(adv))):
         _fail(f"{at}.advantages_BR", adv, "finite values (found NaN or inf)")
-    for name in ("old_logp_BRT", "ref_logp_BRT"):
+    for name in ("old_logp_BRT", "ref_logp_BRT", "advantages_BRT"):
       _check_logp(f"{at}.{name}", getattr(level, name), (B, R, T))
+    if d < len(fanouts) and level.advantages_BRT is not None:
+      raise ValueError(f"tree.{at}.advantages_BRT: shape {np.shape(level.advantages_BRT)}: "
+                       "expected None (per-token advantages are given on the leaves only)")
   for name, trunk in (("old_logp_BRT", "trunk_old_logp_BW"), ("ref_logp_BRT",
                                                               "trunk_ref_logp_BW")):
     given = {getattr(l, name) is not None for l in batch.levels}
@@ -172,6 +181,16 @@ def validate(batch: TreeBatch, vocab_size: int, branch_chunk: Optional[int] = No
       raise ValueError(f"tree: {name} (and {trunk} with a trunk) must be given on every "
                        "level or on none: a path needs them on all its tokens")
   n_leaves = nodes(fanouts, len(fanouts))
+  per_token = batch.leaves.advantages_BRT is not None
+  if W and per_token != (batch.trunk_advantages_BRW is not None):
+    raise ValueError(f"tree.trunk_advantages_BRW: give it exactly when the leaves' "
+                     f"advantages_BRT are given (trunk_len={W})")
+  if per_token:
+    if len(fanouts) > 1:
+      raise ValueError(f"tree.levels[{len(fanouts) - 1}].advantages_BRT: per-token advantages "
+                       f"on a tree of depth {len(fanouts)}: the inner levels' tokens have none; "
+                       "expected a depth-1 tree (or per-node advantages_BR)")
+    _check_logp("trunk_advantages_BRW", batch.trunk_advantages_BRW, (B, n_leaves, W))
   if branch_chunk is not None and (branch_chunk < 1 or fanouts[-1] % branch_chunk):
     raise ValueError(f"replay.branch_chunk={branch_chunk}: expected a divisor of the last "
                      f"fan-out R_{len(fanouts)}={fanouts[-1]} (fanouts {fanouts})")

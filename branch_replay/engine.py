@@ -1,0 +1,285 @@
+"""The transformer on a tree: every level runs as folded rows (B*N_d rows, row-major (b, node))
+against its ancestors' K/V segments, so each ancestor's dK/dV comes out of the attention
+contraction already summed; the objective scores every root-to-leaf path over its X scored
+positions (trunk, then each level's tokens). `naive_loss` is the twin: every path as its own
+sequence. A flat batch is the depth-1 tree (`tree.from_replay_batch`)."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+
+from branch_replay import losses, replay
+from branch_replay.tree import TreeBatch, leaf_weights
+from models import transformer as tfm
+
+MODES = ("replay", "naive")
+
+
+def _rows(x_M, rows: int):
+  """x repeated along axis 0 to `rows` rows (a node's row read by each of its descendants)."""
+  return x_M if x_M.shape[0] == rows else jnp.repeat(x_M, rows // x_M.shape[0], axis=0)
+
+
+def _fold(x_BNT):
+  return None if x_BNT is None else x_BNT.reshape(-1, *x_BNT.shape[2:])
+
+
+# ----------------------------------------------------------------------------- path inputs
+
+
+def path_inputs(batch: TreeBatch, loss_cfg: losses.LossConfig):
+  """Per root-to-leaf path (rows (b, leaf), [B*leaves, X] with X = W + T_1 + ... + T_D):
+  old/ref log-probs (None when not given), advantage, scored mask and weight of every
+  scored position, and the leaf's own valid mask [B*leaves, T_D]."""
+  B = batch.root_BP.shape[0]
+  n, W = batch.n_leaves, batch.trunk_len
+  per_path = lambda x_BN: jnp.repeat(x_BN, n // x_BN.shape[1], axis=1)
+  w_Bn = leaf_weights(loss_cfg, batch)
+  leaf = batch.leaves
+  leaf_adv_Bn = leaf.advantages_BR
+
+  def along(x_BnT, T):
+    return jnp.broadcast_to(x_BnT[..., None], (B, n, T)) if x_BnT.ndim == 2 else x_BnT
+
+  trunk_adv = (leaf_adv_Bn[..., None] if batch.trunk_advantages_BRW is None
+               else batch.trunk_advantages_BRW)
+  adv = [jnp.broadcast_to(trunk_adv, (B, n, W))]
+  scored = [jnp.ones((B, n, W), bool)]
+  for d, level in enumerate(batch.levels, start=1):
+    T = level.tokens_BRT.shape[2]
+    scored.append(per_path(level.scored()))
+    if d == batch.depth and level.advantages_BRT is not None:
+      adv.append(level.advantages_BRT)
+    else:
+      adv.append(along(per_path(level.advantages_BR) if level.advantages_BR is not None
+                       else leaf_adv_Bn, T))
+
+  def logps(name, trunk):
+    if getattr(leaf, name) is None:
+      return None
+    trunk_BW = (jnp.zeros((B, 0), w_Bn.dtype) if getattr(batch, trunk) is None
+                else getattr(batch, trunk))
+    parts = [jnp.broadcast_to(trunk_BW[:, None], (B, n, W))]
+    return jnp.concatenate(parts + [per_path(getattr(l, name)) for l in batch.levels], -1)
+
+  scored_BnX = jnp.concatenate(scored, -1)
+  out = dict(old=logps("old_logp_BRT", "trunk_old_logp_BW"),
+             ref=logps("ref_logp_BRT", "trunk_ref_logp_BW"),
+             adv=jnp.concatenate(adv, -1).astype(w_Bn.dtype), scored=scored_BnX,
+             weight=w_Bn[..., None] * scored_BnX.astype(w_Bn.dtype), leaf_valid=leaf.valid_BRT)
+  return {k: _fold(v) for k, v in out.items()}
+
+
+def path_value(logp_MX, entropy_MT, path, loss_cfg: losses.LossConfig):
+  """(value_M, aux of per-path sums) of every path, as policy.branch_value scores a branch."""
+  sg = jax.lax.stop_gradient(logp_MX)
+  old_MX = sg if path["old"] is None else path["old"]
+  ref_MX = sg if path["ref"] is None else path["ref"]
+  adv_MX, scored_MX, weight_MX = path["adv"], path["scored"], path["weight"]
+  value_M = losses.branch_value(logp_MX, old_MX, ref_MX, adv_MX, scored_MX, weight_MX, loss_cfg)
+  valid = path["leaf_valid"]
+  logp_MT = logp_MX[:, logp_MX.shape[1] - valid.shape[1]:]
+  log_ratio_MX = jnp.where(scored_MX, sg - old_MX, 0.0)
+  ratio_MX = jnp.exp(log_ratio_MX)
+  clipped_MX = jnp.clip(ratio_MX, 1.0 - loss_cfg.epsilon, 1.0 + loss_cfg.eps_high)
+  binds_MX = scored_MX & (-clipped_MX * adv_MX > -ratio_MX * adv_MX)
+  aux = dict(logp_sum=jnp.sum(jnp.where(valid, logp_MT, 0.0), -1),
+             entropy_sum=jnp.sum(jnp.where(valid, entropy_MT, 0.0), -1),
+             kl_sum=jnp.sum(jnp.where(weight_MX > 0, losses.k3_kl(sg, ref_MX), 0.0), -1),
+             tokens=valid.sum(-1), scored_tokens=scored_MX.sum(-1), clip_sum=binds_MX.sum(-1),
+             approx_kl_sum=jnp.sum(jnp.where(scored_MX, ratio_MX - 1.0 - log_ratio_MX, 0.0), -1),
+             ratio_max=jnp.max(jnp.where(scored_MX, ratio_MX, 0.0), -1))
+  return value_M, aux
+
+
+def check(batch: TreeBatch, loss_cfg: losses.LossConfig, branch_chunk=None) -> None:
+  """Shape-level checks of the objective against the tree (static: before any compilation)."""
+  n = loss_cfg.objective.n_branches
+  if n is not None and batch.fanouts[-1] != n:
+    raise ValueError(f"tree.levels[{batch.depth - 1}].tokens_BRT: shape "
+                     f"{tuple(batch.leaves.tokens_BRT.shape)}: loss.name={loss_cfg.name!r} "
+                     f"expects a last fan-out of {n} (fanouts {batch.fanouts})")
+  if loss_cfg.needs_ref and batch.leaves.ref_logp_BRT is None:
+    raise ValueError(f"tree.levels[{batch.depth - 1}].ref_logp_BRT: None, but loss.name="
+                     f"{loss_cfg.name!r} (kl_coef={loss_cfg.kl_coef}) needs reference log-probs")
+  if branch_chunk is not None and (branch_chunk < 1 or batch.fanouts[-1] % branch_chunk):
+    raise ValueError(f"replay.branch_chunk={branch_chunk}: expected a divisor of the last "
+                     f"fan-out R_{batch.depth}={batch.fanouts[-1]} (fanouts {batch.fanouts})")
+
+
+def _combine(loss_cfg):
+  fn = loss_cfg.objective.combine
+  return None if fn is None else (lambda values_RM: fn(values_RM, loss_cfg))
+
+
+# ----------------------------------------------------------------------------- replay
+
+
+def _node_rows(params, model_cfg, caches, context_valid, tokens_MT, valid_MT, temperature):
+  """Rows of one level against the caches of its ancestors (each with fewer rows, dividing):
+  (h_MTD, kv, logp_MT, entropy_MT); a row's first token is predicted by its parent's last
+  hidden state."""
+  M = tokens_MT.shape[0]
+  context = [(c["kv"], v) for c, v in zip(caches, context_valid)]
+  offset_M1 = sum(_rows(jnp.sum(v.astype(jnp.int32), axis=1, keepdims=True), M)
+                  for v in context_valid)
+  positions_MT = tfm.positions_from_valid(valid_MT, offset_M1)
+  h_MTD, kv = tfm.Transformer(model_cfg).apply({"params": params}, tokens_MT, positions_MT,
+                                               valid_MT, context)
+  h_last_MD = _rows(caches[-1]["h_last_BD"], M)
+  h_pred_MTD = jnp.concatenate([h_last_MD[:, None], h_MTD[:, :-1]], axis=1)
+  logp_MT, entropy_MT = tfm.token_logps(params, model_cfg, h_pred_MTD, tokens_MT,
+                                        temperature=temperature)
+  return h_MTD, kv, logp_MT, entropy_MT
+
+
+def replay_fns(batch: TreeBatch, model_cfg: tfm.ModelConfig, loss_cfg: losses.LossConfig):
+  """(root_fn, level_fns, leaf_loss_fn, leaves_R) for `replay.tree_value_and_grad`."""
+  B, P = batch.root_BP.shape
+  W, temp = batch.trunk_len, loss_cfg.temperature
+  valid = [batch.root_valid_BP] + [_fold(l.valid_BRT) for l in batch.levels]
+
+  def root_fn(params):
+    cache = tfm.prefill(params, model_cfg, batch.root_BP, batch.root_valid_BP, W)
+    trunk_logp_BW, _ = tfm.token_logps(params, model_cfg, cache.trunk_h_BWD,
+                                       batch.root_BP[:, P - W:], temperature=temp)
+    return dict(kv=cache.kv, h_last_BD=cache.h_last_BD, trunk_logp_BW=trunk_logp_BW)
+
+  def level_fn(d):
+    def fn(params, caches):
+      tokens_MT, valid_MT = _fold(batch.levels[d - 1].tokens_BRT), valid[d]
+      h_MTD, kv, logp_MT, _ = _node_rows(params, model_cfg, caches, valid[:d], tokens_MT,
+                                         valid_MT, temp)
+      last_M = jnp.sum(valid_MT.astype(jnp.int32), axis=1) - 1
+      h_last_MD = jnp.take_along_axis(h_MTD, last_M[:, None, None], axis=1)[:, 0]
+      return dict(kv=kv, h_last_BD=h_last_MD, logp_BT=logp_MT)
+    return fn
+
+  path = path_inputs(batch, loss_cfg)
+  leaf = batch.leaves
+  R = batch.fanouts[-1]
+  r_first = lambda x_M: None if x_M is None else jnp.swapaxes(
+      x_M.reshape(-1, R, *x_M.shape[1:]), 0, 1)
+  leaves_R = dict(tokens=r_first(_fold(leaf.tokens_BRT)), valid=r_first(_fold(leaf.valid_BRT)),
+                  path={k: r_first(v) for k, v in path.items()})
+
+  def leaf_loss_fn(params, caches, leaves_R):
+    """Every leaf at once: [R, M'] -> rows (parent, r), folded against the ancestors."""
+    R_, Mp = leaves_R["tokens"].shape[:2]
+    rows = lambda x: None if x is None else jnp.swapaxes(x, 0, 1).reshape(Mp * R_, *x.shape[2:])
+    unrows = lambda x_M: jnp.swapaxes(x_M.reshape(Mp, R_, *x_M.shape[1:]), 0, 1)
+    tokens_MT = rows(leaves_R["tokens"])
+    M = tokens_MT.shape[0]
+    _, _, logp_MT, entropy_MT = _node_rows(params, model_cfg, caches, valid[:-1], tokens_MT,
+                                           rows(leaves_R["valid"]), temp)
+    cached = [caches[0]["trunk_logp_BW"]] + [c["logp_BT"] for c in caches[1:]]
+    logp_MX = jnp.concatenate([_rows(x, M) for x in cached] + [logp_MT], axis=1)
+    value_M, aux = path_value(logp_MX, entropy_MT, jax.tree.map(rows, leaves_R["path"]),
+                              loss_cfg)
+    return unrows(value_M), jax.tree.map(unrows, aux)
+
+  level_fns = [level_fn(d) for d in range(1, batch.depth)]
+  return root_fn, level_fns, leaf_loss_fn, leaves_R
+
+
+def _per_leaf(x_RM, B):
+  """[R_D, B*N_{D-1}] -> [B, leaves]."""
+  return jnp.swapaxes(x_RM, 0, 1).reshape(B, -1)
+
+
+def replay_loss_and_grad(params, batch: TreeBatch, model_cfg: tfm.ModelConfig,
+                         loss_cfg: losses.LossConfig, branch_chunk: Optional[int] = None, *,
+                         root_wrap: Optional[Callable] = None,
+                         cache_constraint: Optional[Callable] = None):
+  """Tree replay: (loss, aux_BR per leaf, grads), grads equal to the naive gradient.
+  root_wrap(root_fn) -> root_fn (the context-parallel prefill); cache_constraint(level, cache)
+  -> cache where each level's cache crosses to the levels below."""
+  check(batch, loss_cfg, branch_chunk)
+  root_fn, level_fns, leaf_loss_fn, leaves_R = replay_fns(batch, model_cfg, loss_cfg)
+  if root_wrap is not None:
+    root_fn = root_wrap(root_fn)
+  loss, aux_R, grads = replay.tree_value_and_grad(
+      root_fn, level_fns, leaf_loss_fn, params, leaves_R, branch_chunk=branch_chunk,
+      combine=_combine(loss_cfg), cache_constraint=cache_constraint)
+  B = batch.root_BP.shape[0]
+  return loss, jax.tree.map(lambda x: _per_leaf(x, B), aux_R), grads
+
+
+def forward(params, batch: TreeBatch, model_cfg: tfm.ModelConfig, temperature: float = 1.0):
+  """Log-probs of every node's tokens (no grad): (per level [B, R, T], 0 where invalid;
+  trunk_logp_BW). E.g. the reference or sampling policy's."""
+  lc = losses.LossConfig(temperature=temperature)
+  root_fn, level_fns, _, _ = replay_fns(batch, model_cfg, lc)
+  caches = [root_fn(params)]
+  for fn in level_fns:
+    caches.append(fn(params, tuple(caches)))
+  valid = [_fold(l.valid_BRT) for l in batch.levels]
+  leaf = batch.leaves
+  _, _, logp_MT, _ = _node_rows(params, model_cfg, caches, [batch.root_valid_BP] + valid[:-1],
+                                _fold(leaf.tokens_BRT), valid[-1], temperature)
+  logps = [c["logp_BT"] for c in caches[1:]] + [logp_MT]
+  out = tuple(jnp.where(l.valid_BRT, x.reshape(l.valid_BRT.shape), 0.0)
+              for l, x in zip(batch.levels, logps))
+  return out, caches[0]["trunk_logp_BW"]
+
+
+# ----------------------------------------------------------------------------- naive twin
+
+
+def naive_loss(params, batch: TreeBatch, model_cfg: tfm.ModelConfig,
+               loss_cfg: losses.LossConfig):
+  """Every root-to-leaf path as its own sequence through tfm.forward: the left-padded prompt,
+  then the path's tokens contiguous (each node's valid tokens behind its ancestors', padding
+  at the end). Returns (loss, aux_BR per leaf)."""
+  check(batch, loss_cfg)
+  B, P = batch.root_BP.shape
+  n, W = batch.n_leaves, batch.trunk_len
+  per_path = lambda x_BN: jnp.repeat(x_BN, n // x_BN.shape[1], axis=1)
+  below = lambda f: jnp.concatenate([per_path(f(l)) for l in batch.levels], -1)
+  tokens_BnY, valid_BnY = below(lambda l: l.tokens_BRT), below(lambda l: l.valid_BRT)
+  order_BnY = jnp.argsort(~valid_BnY, axis=-1, stable=True)  # valid tokens first, in order
+  seq = lambda root_BP, x_BnY: jnp.concatenate(
+      [jnp.broadcast_to(root_BP[:, None], (B, n, P)),
+       jnp.take_along_axis(x_BnY, order_BnY, -1)], -1).reshape(B * n, -1)
+  tokens_MS = seq(batch.root_BP, tokens_BnY)
+  h_MSD = tfm.forward(params, model_cfg, tokens_MS, seq(batch.root_valid_BP, valid_BnY))
+  first = P - W  # the first position that may be scored; predicted by the one before it
+  logp_MS, entropy_MS = tfm.token_logps(params, model_cfg, h_MSD[:, first - 1:-1],
+                                        tokens_MS[:, first:], temperature=loss_cfg.temperature)
+  unsort = jnp.argsort(order_BnY, axis=-1).reshape(B * n, -1)  # back to the level layout
+  back = lambda x_MS: jnp.concatenate(
+      [x_MS[:, :W], jnp.take_along_axis(x_MS[:, W:], unsort, -1)], -1)
+  logp_MX, entropy_MX = back(logp_MS), back(entropy_MS)
+  T_D = batch.leaves.tokens_BRT.shape[2]
+  value_M, aux = path_value(logp_MX, entropy_MX[:, -T_D:], path_inputs(batch, loss_cfg),
+                            loss_cfg)
+  combine = _combine(loss_cfg)
+  R = batch.fanouts[-1]
+  loss = value_M.sum() if combine is None else combine(value_M.reshape(-1, R).T)
+  return loss, jax.tree.map(lambda x: x.reshape(B, n), aux)
+
+
+def naive_loss_and_grad(params, batch, model_cfg, loss_cfg):
+  (loss, aux), grads = jax.value_and_grad(naive_loss, has_aux=True)(params, batch, model_cfg,
+                                                                    loss_cfg)
+  return loss, aux, grads
+
+
+def loss_and_grad(params, batch: TreeBatch, model_cfg, loss_cfg, mode: str = "replay",
+                  branch_chunk: Optional[int] = None, mesh=None):
+  """(loss, aux_BR per leaf, grads) of the tree by replay or by its naive twin; with a mesh,
+  the sharded replay (tree_sharding.py's layout)."""
+  if mode not in MODES:
+    raise ValueError(f"replay.mode={mode!r}: expected one of {MODES}")
+  if mesh is not None:
+    if mode != "replay":
+      raise ValueError(f"replay.mode={mode!r}: a mesh runs replay only")
+    from branch_replay import tree_sharding
+    return tree_sharding.tree_loss_and_grad(mesh, params, batch, model_cfg, loss_cfg,
+                                            branch_chunk)
+  if mode == "replay":
+    return replay_loss_and_grad(params, batch, model_cfg, loss_cfg, branch_chunk)
+  return naive_loss_and_grad(params, batch, model_cfg, loss_cfg)

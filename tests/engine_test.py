@@ -1,0 +1,159 @@
+"""The one engine's bug guards (issue 16, items 1-3, 7, 8): each failed at 625fa22. A depth-1
+tree is checked against the flat engine; deeper trees against every root-to-leaf path run as
+a flat branch of its own (policy.naive_loss, an implementation that shares no tree code)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from branch_replay import engine, losses, policy, tree, tree_replay
+from branch_replay.batch import ReplayBatch
+from tests.replay_test import make_batch
+from tests.tree_test import make_tree, max_rel_err, model
+
+
+def paths_as_flat(batch: tree.TreeBatch) -> ReplayBatch:
+  """Every root-to-leaf path as one branch of a flat batch (its valid tokens contiguous):
+  exact for trees without unscored holes and with the leaves' advantages only."""
+  b = jax.tree.map(np.asarray, batch)
+  B, n = b.root_BP.shape[0], batch.n_leaves
+  T = sum(l.tokens_BRT.shape[2] for l in b.levels)
+  out = {k: np.zeros((B, n, T), dt) for k, dt in
+         (("tokens", np.int32), ("valid", bool), ("old", np.float64), ("ref", np.float64))}
+  for bi in range(B):
+    for leaf in range(n):
+      pos = 0
+      for d, level in enumerate(b.levels, start=1):
+        node = leaf // (n // level.tokens_BRT.shape[1])
+        keep = level.valid_BRT[bi, node]
+        k = int(keep.sum())
+        out["tokens"][bi, leaf, pos:pos + k] = level.tokens_BRT[bi, node][keep]
+        out["valid"][bi, leaf, pos:pos + k] = True
+        for name, field in (("old", "old_logp_BRT"), ("ref", "ref_logp_BRT")):
+          if getattr(level, field) is not None:
+            out[name][bi, leaf, pos:pos + k] = getattr(level, field)[bi, node][keep]
+        pos += k
+  logps = b.leaves.old_logp_BRT is not None
+  return ReplayBatch(
+      prefix_BP=batch.root_BP, prefix_valid_BP=batch.root_valid_BP,
+      tails_BRT=jnp.asarray(out["tokens"]), tail_valid_BRT=jnp.asarray(out["valid"]),
+      advantages_BR=batch.leaves.advantages_BR, trunk_len=batch.trunk_len,
+      old_logp_BRT=jnp.asarray(out["old"]) if logps else None,
+      ref_logp_BRT=jnp.asarray(out["ref"]) if logps else None,
+      trunk_old_logp_BW=batch.trunk_old_logp_BW if logps else None,
+      trunk_ref_logp_BW=batch.trunk_ref_logp_BW if logps else None)
+
+
+def assert_same(got, want, tol=1e-10, keys=None):
+  (l1, aux1, g1), (l2, aux2, g2) = got, want
+  assert abs(float(l1) - float(l2)) <= tol * max(abs(float(l2)), 1e-3), (l1, l2)
+  assert max_rel_err(g1, g2) < tol
+  for name in (keys if keys is not None else aux2):
+    np.testing.assert_allclose(aux1[name], aux2[name], rtol=tol, atol=tol, err_msg=name)
+  assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(g2)) > 1e-6
+
+
+def tree_run(cfg, params, batch, loss_cfg, mode="replay", branch_chunk=None):
+  tree.validate(batch, cfg.vocab_size, branch_chunk)
+  return jax.jit(lambda p, b: tree_replay.loss_and_grad(p, b, cfg, loss_cfg, mode,
+                                                        branch_chunk))(params, batch)
+
+
+def flat_naive(cfg, params, flat, loss_cfg):
+  return jax.jit(lambda p, b: policy.loss_and_grad(p, b, cfg, loss_cfg, "naive"))(params, flat)
+
+
+# Per-path aux (a tree's logp/entropy/tokens sums cover the leaf's own tokens, a flat
+# branch's its whole tail).
+PATH_KEYS = ("kl_sum", "clip_sum", "approx_kl_sum", "ratio_max", "scored_tokens")
+
+
+def test_temperature_depth1_equals_flat_and_on_policy_ratio_is_one():
+  """Bug 1: the tree scored tokens at temperature 1 whatever loss.temperature said."""
+  with jax.enable_x64(True):
+    cfg, params = model()
+    lc = losses.LossConfig(name="ppo", temperature=0.7, kl_coef=0.1)
+    batch = make_batch(3, B=2, R=3, P=9, T=5, W=2, logps=True, dtype=jnp.float64)
+    want = jax.jit(lambda p: policy.loss_and_grad(p, batch, cfg, lc))(params)
+    t = tree.from_replay_batch(batch)
+    for mode in engine.MODES:
+      assert_same(tree_run(cfg, params, t, lc, mode), want)
+    # Depth 2: log-probs of the sampling distribution at T=0.7 are on-policy (ratio 1).
+    deep = make_tree(4, (2, 3), W=1, logps=True)
+    logp, trunk = jax.jit(lambda p: tree_replay.logps(p, deep, cfg, 0.7))(params)
+    deep = deep.replace(trunk_old_logp_BW=trunk, levels=tuple(
+        l.replace(old_logp_BRT=x) for l, x in zip(deep.levels, logp)))
+    _, aux, _ = tree_run(cfg, params, deep, lc)
+    np.testing.assert_allclose(aux["approx_kl_sum"], 0.0, atol=1e-12)
+    np.testing.assert_allclose(aux["ratio_max"], 1.0, atol=1e-12)
+
+
+@pytest.mark.parametrize("fanouts", [(3,), (2, 3)])
+def test_gspo_on_a_tree_equals_every_path_as_a_flat_branch(fanouts):
+  """Bug 2: gspo crashed at trace time on trees (token_fn None)."""
+  with jax.enable_x64(True):
+    cfg, params = model()
+    lc = losses.LossConfig(name="gspo", epsilon=0.01, kl_coef=0.1, aggregation="seq_mean")
+    batch = make_tree(6, fanouts, W=2, logps=True)
+    want = flat_naive(cfg, params, paths_as_flat(batch), lc)
+    keys = None if len(fanouts) == 1 else PATH_KEYS
+    assert_same(tree_run(cfg, params, batch, lc, "naive"), want, keys=keys)
+    assert_same(tree_run(cfg, params, batch, lc, "replay"), want, keys=keys)
+
+
+def test_streamed_leaves_accumulate_in_float32():
+  """Bug 3: streamed tree leaves summed their cotangents in the compute dtype (bfloat16)."""
+  cfg, params = model(dtype="float32")
+  cfg = dataclasses.replace(cfg, dtype="bfloat16")  # bf16 compute, f32 parameters
+  batch = make_tree(7, (2, 4), P=8, T=(3, 3), W=1, dtype=jnp.float32)
+  lc = losses.LossConfig()
+  fn = lambda chunk: (lambda p, b: tree_replay.loss_and_grad(p, b, cfg, lc, "replay", chunk))
+  jaxpr = jax.make_jaxpr(fn(1))(params, batch).jaxpr
+  # The stream is the top-level scan with the most carries (loss, dparams, dcaches).
+  stream = max((e for e in jaxpr.eqns if e.primitive.name == "scan"),
+               key=lambda e: e.params["num_carry"])
+  start = stream.params["num_consts"]
+  carries = [v.aval.dtype for v in stream.invars[start:start + stream.params["num_carry"]]]
+  assert len(carries) > len(jax.tree.leaves(params))
+  assert carries and all(d == jnp.float32 for d in carries), carries
+  # The streamed result equals the unstreamed one (one f32 contraction over the leaves).
+  (l1, _, g1), (l2, _, g2) = [jax.jit(fn(c))(params, batch) for c in (1, None)]
+  np.testing.assert_allclose(float(l1), float(l2), rtol=1e-2)
+  assert max_rel_err(g1, g2) < 3e-2
+
+
+def test_from_replay_batch_carries_per_token_advantages():
+  """Bug 7: from_replay_batch dropped advantages_BRT / trunk_advantages_BRW silently."""
+  with jax.enable_x64(True):
+    cfg, params = model()
+    lc = losses.LossConfig(name="ppo", kl_coef=0.1)
+    batch = make_batch(8, B=2, R=3, P=9, T=5, W=2, logps=True, dtype=jnp.float64)
+    rng = np.random.default_rng(9)
+    batch = batch.replace(advantages_BRT=jnp.asarray(rng.normal(size=(2, 3, 5))),
+                          trunk_advantages_BRW=jnp.asarray(rng.normal(size=(2, 3, 2))))
+    want = jax.jit(lambda p: policy.loss_and_grad(p, batch, cfg, lc))(params)
+    t = tree.from_replay_batch(batch)
+    assert t.leaves.advantages_BRT is not None and t.trunk_advantages_BRW is not None
+    for mode in engine.MODES:
+      assert_same(tree_run(cfg, params, t, lc, mode), want)
+    deep = make_tree(1, (2, 2), T=(3, 3))
+    deep = deep.replace(levels=(deep.levels[0], deep.levels[1].replace(
+        advantages_BRT=jnp.zeros((2, 4, 3)))))
+    with pytest.raises(ValueError, match=r"levels\[1\]\.advantages_BRT.*depth 2"):
+      tree.validate(deep, cfg.vocab_size)
+
+
+def test_tree_reports_the_flat_ppo_diagnostics():
+  """Bug 8: the tree computed no clip_sum, approx_kl_sum, ratio_max, scored_tokens."""
+  with jax.enable_x64(True):
+    cfg, params = model()
+    lc = losses.LossConfig(name="grpo", epsilon=0.1, kl_coef=0.05)
+    batch = make_batch(10, B=2, R=4, P=8, T=5, W=1, logps=True, dtype=jnp.float64)
+    want = jax.jit(lambda p: policy.loss_and_grad(p, batch, cfg, lc))(params)
+    got = tree_run(cfg, params, tree.from_replay_batch(batch), lc)
+    assert set(got[1]) == set(want[1])
+    assert float(want[1]["clip_sum"].sum()) > 0  # the diagnostics are not trivially zero
+    assert_same(got, want)
