@@ -13,7 +13,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from branch_replay import losses, replay
+from branch_replay import engine, losses, replay, tree
 from branch_replay.batch import ReplayBatch
 from models import transformer as tfm
 
@@ -141,12 +141,11 @@ def replay_fns(model_cfg: tfm.ModelConfig, loss_cfg: losses.LossConfig, batch: R
 def replay_loss_and_grad(params, batch: ReplayBatch, model_cfg: tfm.ModelConfig,
                          loss_cfg: losses.LossConfig, branch_chunk: Optional[int] = None,
                          cache_constraint=None):
-  """Branch replay: (loss, aux_BR, grads)."""
-  prefill_fn, branch_loss_fn, prefix, branches_R = replay_fns(model_cfg, loss_cfg, batch)
-  loss, aux_R, grads = replay.value_and_grad(
-      prefill_fn, branch_loss_fn, params, prefix, branches_R, branch_chunk=branch_chunk,
-      combine=combine_fn(loss_cfg), cache_constraint=cache_constraint, batched=True)
-  return loss, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), aux_R), grads
+  """Branch replay: (loss, aux_BR, grads), through the one engine (the depth-1 tree)."""
+  check_ref(batch, loss_cfg)
+  constrain = None if cache_constraint is None else (lambda level, cache: cache_constraint(cache))
+  return engine.replay_loss_and_grad(params, tree.from_replay_batch(batch), model_cfg, loss_cfg,
+                                     branch_chunk, cache_constraint=constrain)
 
 
 def naive_loss(params, batch: ReplayBatch, model_cfg: tfm.ModelConfig,
