@@ -18,6 +18,7 @@ import json
 import os
 import string
 import time
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,7 @@ class Pair:
   prompt: str
   chosen: str
   rejected: str
+  prompt_ids: Optional[tuple] = None  # token ids (BOS included) when the task tokenized it
 
 
 def load_pairs(path: str) -> list[Pair]:
@@ -75,12 +77,12 @@ def task_pair(task, rng: np.random.Generator) -> Pair:
   while True:
     wrong = "".join(rng.choice(list(string.digits), size=len(ex.answer)))
     if wrong != ex.answer:
-      return Pair(ex.prompt, ex.answer, wrong)
+      return Pair(ex.prompt, ex.answer, wrong, getattr(ex, "prompt_ids", None))
 
 
 def make_batch(pairs, prompt_len: int, answer_len: int, tok=TOKENIZER) -> ReplayBatch:
   """Prefix = BOS + prompt (left-padded), tails = [chosen, rejected] + EOS (right-padded)."""
-  prefix_BP, prefix_valid_BP = tasks.encode_left([p.prompt for p in pairs], prompt_len, tok)
+  prefix_BP, prefix_valid_BP = tasks.encode_prompts(pairs, prompt_len, tok)
   tails = [tasks.encode_right([p.chosen, p.rejected], answer_len + 1, tok) for p in pairs]
   tails_BRT = np.stack([t for t, _ in tails])
   valid_BRT = np.stack([v for _, v in tails])
@@ -101,12 +103,17 @@ def preference_metrics(policy_logp_BR, ref_logp_BR, beta: float) -> dict:
 def run(cfg, workdir: str, *, init_params=None, tokenizer=None) -> dict:
   """The DPO loop (train.run dispatches here for loss.name=dpo): the optional supervised
   warm-up of the trainer, then train.rl_steps DPO steps of train.batch_size pairs."""
-  from branch_replay import checkpoint, metrics, train  # (they import config, which imports us)
+  from branch_replay import checkpoint, metrics, sharding, train  # (they import config, which
+  # imports us)
 
   tok = TOKENIZER if tokenizer is None else tokenizer
+  if tok.vocab_size > cfg.model.vocab_size:
+    raise ValueError(f"model.vocab_size={cfg.model.vocab_size}: expected >= the tokenizer's "
+                     f"{tok.vocab_size}")
   t_start = time.time()
   workdir = checkpoint.check_workdir(workdir)
-  task = tasks.make(cfg.task)
+  task = tasks.make(cfg.task, tok)  # the run's tokenizer; a task that reads files checks them
+  task.check(cfg)
   file_pairs = load_pairs(cfg.dpo.pairs_file) if cfg.dpo.pairs_file else None
   if file_pairs is not None:
     prompt_len = 1 + max(len(tok.encode(p.prompt, bos=False, eos=False)) for p in file_pairs)
@@ -125,7 +132,10 @@ def run(cfg, workdir: str, *, init_params=None, tokenizer=None) -> dict:
       keys["ref_params"] = state.params
     restored = ckpt.restore(start, keys)
     state = train.TrainState(**restored)
-  writer = metrics.MetricsWriter(os.path.join(workdir, "metrics.jsonl"))
+  chief = jax.process_index() == 0  # only process 0 writes metrics (multi-host)
+  writer = metrics.MetricsWriter(os.path.join(workdir, "metrics.jsonl") if chief else os.devnull,
+                                 tensorboard=cfg.train.tensorboard and chief)
+  host = sharding.to_host if cfg.mesh else np.asarray  # global arrays -> every process
   fns = train._compiled(train._compile_key(cfg), tok.eos_id)
   t = cfg.train
   for step in range(start, t.total_steps):
@@ -148,12 +158,12 @@ def run(cfg, workdir: str, *, init_params=None, tokenizer=None) -> dict:
       batch = make_batch(pairs, prompt_len, answer_len, tok)
       # 1. Reference log-probs of chosen and rejected: one shared-prefix forward per prompt.
       ref_BRT, _ = fns.score(state.ref_params, batch=train.place(batch, "batch", cfg))
-      batch = batch.replace(ref_logp_BRT=np.asarray(ref_BRT))
+      batch = batch.replace(ref_logp_BRT=np.asarray(host(ref_BRT)))
       validate(batch, cfg.model.vocab_size)
       # 2. The policy's log-probs (for the metrics, before the update) and the DPO step.
       pol_BRT, _ = fns.score(state.params, batch=train.place(batch, "batch", cfg))
-      rec.update(preference_metrics(np.asarray(pol_BRT).sum(-1), np.asarray(ref_BRT).sum(-1),
-                                    cfg.loss.beta))
+      rec.update(preference_metrics(np.asarray(host(pol_BRT)).sum(-1),
+                                    np.asarray(host(ref_BRT)).sum(-1), cfg.loss.beta))
       state, out = fns.rl_step(state, train.place(batch, "batch", cfg))
     out = {k: float(v) for k, v in jax.device_get(out).items()
            if k in ("loss/policy", "grad/norm", "logp/mean", "entropy")}
@@ -166,6 +176,7 @@ def run(cfg, workdir: str, *, init_params=None, tokenizer=None) -> dict:
     writer.write(rec)
     if (step + 1) % t.checkpoint_every == 0 or step + 1 == t.total_steps:
       ckpt.save(step + 1, train._state_dict(state))
+  writer.close()
   ckpt.close()
   records = metrics.read(writer.path)
   dpo_recs = [r for r in records if r.get("phase") == "dpo"]

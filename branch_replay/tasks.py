@@ -253,15 +253,18 @@ def make(cfg: TaskConfig, tokenizer=TOKENIZER) -> Task:
 
 
 def encode_prompts(items, length: int, tokenizer=TOKENIZER):
-  """Prompts (Examples, or prefix strings) as left-padded ids and validity [B, length]; an
-  Example's own `prompt_ids` (a task that tokenized, templated or truncated it) are used."""
+  """Prompts (prefix strings, or items with a `prompt` and optional `prompt_ids`: Examples,
+  tree examples, preference pairs) as left-padded ids and validity [B, length]; an item's own
+  `prompt_ids` (a task that tokenized, templated or truncated it) are used."""
   ids_BL = np.full((len(items), length), tokenizer.pad_id, np.int32)
   valid_BL = np.zeros((len(items), length), bool)
   for b, item in enumerate(items):
-    if isinstance(item, Example) and item.prompt_ids is not None:
+    if isinstance(item, str):
+      ids = tokenizer.encode(item, bos=True)
+    elif getattr(item, "prompt_ids", None) is not None:
       ids = list(item.prompt_ids)
     else:
-      ids = tokenizer.encode(item.prompt if isinstance(item, Example) else item, bos=True)
+      ids = tokenizer.encode(item.prompt, bos=True)
     if len(ids) > length:
       raise ValueError(f"task prompt {b}: {len(ids)} tokens, expected <= {length}")
     ids_BL[b, length - len(ids):] = ids

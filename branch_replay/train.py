@@ -494,7 +494,7 @@ def run(cfg: Config, workdir: str, *, init_params=None, tokenizer=None) -> dict:
     bar.set_postfix({k: f"{rec[k]:.3f}" for k in ("reward/mean", "loss/policy") if k in rec})
   bar.close()
   records = metrics.read(writer.path)
-  if eval_examples and t.rl_steps and _final_eval_missing(records, t.total_steps):
+  if eval_examples and t.rl_steps and final_eval_missing(records, t.total_steps):
     evaluate(state, t.total_steps)
     records = metrics.read(writer.path)
   writer.close()
@@ -508,7 +508,7 @@ def run(cfg: Config, workdir: str, *, init_params=None, tokenizer=None) -> dict:
   return summary
 
 
-def _final_eval_missing(records, step: int) -> bool:
+def final_eval_missing(records, step: int) -> bool:
   """Whether the final greedy evaluation still has to run. Only process 0 writes (and so can
   read) metrics.jsonl, and the evaluation is a collective every process must enter alike:
   process 0 decides and every process receives its decision."""

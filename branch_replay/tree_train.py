@@ -31,7 +31,7 @@ from branch_replay.train import TrainState
 def make_tree_train_step(cfg: Config, phase: str = "rl"):
   """Pure `train_step(state, batch: TreeBatch) -> (state, metrics)`."""
   tx = train.make_optimizer(cfg)
-  loss_cfg = cfg.loss if phase == "rl" else train.SFT_LOSS
+  loss_cfg = train.rl_loss_config(cfg) if phase == "rl" else train.SFT_LOSS
   branch_chunk = cfg.replay.branch_chunk if phase == "rl" else None
 
   def train_step(state: TrainState, batch: tree.TreeBatch):
@@ -81,14 +81,14 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
   t0 = time.time()
   fanouts = cfg.tree.fanout_tuple
   examples = train._examples(task, cfg.train.seed, step, cfg.train.batch_size)
-  prompt_BP, valid_BP = tasks.encode_left([e.prompt for e in examples], task.max_prompt_len,
-                                          tok)
+  prompt_BP, valid_BP = tasks.encode_prompts(examples, task.max_prompt_len, tok)
   key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), step)
   samples = jax.block_until_ready(fns.sample(state.params, prompt_BP=prompt_BP,
                                              prompt_valid_BP=valid_BP, key=key))
   sample_s = time.time() - t0
   rewards_BR = rewards_of(task, examples, samples, fanouts, tok)
-  advantages = tree.tree_advantages(rewards_BR, fanouts, use_std=cfg.train.advantage_std)
+  use_std = cfg.train.advantage_std and cfg.train.advantage != "dr_grpo"  # config-checked
+  advantages = tree.tree_advantages(rewards_BR, fanouts, use_std=use_std)
   if not cfg.tree.node_advantages:
     advantages = [None] * (len(fanouts) - 1) + advantages[-1:]
   batch = tree_sampler.to_tree_batch(prompt_BP, valid_BP, jax.device_get(samples), fanouts,
@@ -127,40 +127,41 @@ def _compiled(cfg: Config, turn_lengths: tuple, stop_tokens: tuple):
 
 def run(cfg: Config, workdir: str, *, init_params=None, tokenizer=None) -> dict:
   """train.run for tree tasks: (resumable) SFT warm-up trees, then tree GRPO."""
+  # Options the tree trainer cannot serve (mesh, KL, epochs, DAPO, ...) are refused by
+  # Config._check_tree, by field.
   tok = TOKENIZER if tokenizer is None else tokenizer
-  if cfg.mesh:
-    raise ValueError(f"mesh={cfg.mesh!r}: the tree trainer runs on one device (tree replay "
-                     "on a mesh: tree_sharding.tree_loss_and_grad)")
-  if cfg.loss.kl_coef:
-    raise ValueError(f"loss.kl_coef={cfg.loss.kl_coef}: the tree trainer has no reference "
-                     "policy yet; expected 0")
-  if len(cfg.tree.fanout_tuple) != 2:
-    raise ValueError(f"tree.fanouts={cfg.tree.fanouts!r}: task {cfg.task.name!r} has two "
-                     "turns; expected two fan-outs, e.g. '4x4'")
+  if tok.vocab_size > cfg.model.vocab_size:
+    raise ValueError(f"model.vocab_size={cfg.model.vocab_size}: expected >= the tokenizer's "
+                     f"{tok.vocab_size}")
   t_start = time.time()
   workdir = checkpoint.check_workdir(workdir)
-  task = tasks.make(cfg.task)
+  task = tasks.make(cfg.task, tok)  # the run's tokenizer; a task that reads files checks them
+  task.check(cfg)
   ckpt = checkpoint.Checkpointer(workdir, cfg)
   ckpt.check_config()
   state = train.init_state(cfg, init_params)
   start = ckpt.latest_step() or 0
   if start:
     state = TrainState(**ckpt.restore(start, train._state_dict(state)))
-  writer = metrics.MetricsWriter(os.path.join(workdir, "metrics.jsonl"))
+  chief = jax.process_index() == 0  # only process 0 writes metrics (multi-host)
+  writer = metrics.MetricsWriter(os.path.join(workdir, "metrics.jsonl") if chief else os.devnull,
+                                 tensorboard=cfg.train.tensorboard and chief)
   t = cfg.train
   key_cfg = dataclasses.replace(train._compile_key(cfg), task=cfg.task)
   fns = types.SimpleNamespace(**_compiled(key_cfg, task.turn_lengths, task.stop_tokens(tok)))
   eval_examples = train._examples(task, t.seed, 2**31, t.eval_size) if t.eval_size else []
 
   def evaluate(state, step):
-    prompt_BP, valid_BP = tasks.encode_left([e.prompt for e in eval_examples],
-                                            task.max_prompt_len, tok)
+    prompt_BP, valid_BP = tasks.encode_prompts(eval_examples, task.max_prompt_len, tok)
     s = fns.greedy(state.params, prompt_BP=prompt_BP, prompt_valid_BP=valid_BP,
                    key=jax.random.key(0))
     reward = float(rewards_of(task, eval_examples, s, (1, 1), tok).mean())
     writer.write({"step": step, "kind": "eval", "eval/greedy_reward": reward})
     return reward
 
+  from tqdm import tqdm
+  bar = tqdm(total=t.total_steps, initial=start, disable=not (t.progress and chief),
+             dynamic_ncols=True, desc="train")
   for step in range(start, t.total_steps):
     t0 = time.time()
     rec = {"step": step, "kind": "train"}
@@ -190,17 +191,18 @@ def run(cfg: Config, workdir: str, *, init_params=None, tokenizer=None) -> dict:
     writer.write(rec)
     if (step + 1) % t.checkpoint_every == 0 or step + 1 == t.total_steps:
       ckpt.save(step + 1, train._state_dict(state))
-    if t.progress and step % 10 == 0:
-      print(f"step {step} {rec['phase']}: loss {out['loss/policy']:.3f}"
-            + (f" reward {rec['reward/mean']:.3f} turn1 {rec['reward/turn1']:.3f}"
-               if "reward/mean" in rec else ""), flush=True)
+    bar.update(1)
+    bar.set_postfix({k: f"{rec[k]:.3f}" for k in ("reward/mean", "reward/turn1", "loss/policy")
+                     if k in rec})
+  bar.close()
   records = metrics.read(writer.path)
-  if eval_examples and t.rl_steps and not any(
-      r.get("kind") == "eval" and r["step"] == t.total_steps for r in records):
+  if eval_examples and t.rl_steps and train.final_eval_missing(records, t.total_steps):
     evaluate(state, t.total_steps)
     records = metrics.read(writer.path)
+  writer.close()
   ckpt.close()
-  plot_path = metrics.plot(records, os.path.join(workdir, "metrics.png")) if t.plot else None
+  plot_path = (metrics.plot(records, os.path.join(workdir, "metrics.png"))
+               if t.plot and chief else None)
   summary = train.summarize(records, cfg)
   summary.update(workdir=workdir, checkpoint=ckpt.directory, metrics=writer.path,
                  plot=plot_path, wall_s=time.time() - t_start, final_params=state.params)
