@@ -33,7 +33,7 @@ def get_config() -> Config:
       loss=LossConfig(name="grpo", aggregation="token_mean", epsilon=0.2),
       replay=ReplayConfig(mode="replay"),
       train=TrainConfig(seed=0, sft_steps=600, sft_batch_size=32, sft_learning_rate=3e-3,
-                        rl_steps=150, batch_size=8, n_branches=4, learning_rate=1e-3,
+                        rl_steps=150, batch_size=8, learning_rate=1e-3,
                         checkpoint_every=50, keep_checkpoints=2, eval_size=128),
       sampler=SamplerConfig(temperature=1.0),
       task=TaskConfig(name="tree_haystack", prompt_len=256, n_keys=4, value_len=1,
