@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import typing
 from typing import Optional, Sequence
 
 from branch_replay import advantages, losses
 from branch_replay.critic import CriticConfig
-from branch_replay.dpo import DPOConfig
 from branch_replay.losses import LossConfig
 from branch_replay.sampler import SamplerConfig
 from branch_replay.tasks import TaskConfig
@@ -34,6 +34,16 @@ class ReplayConfig:
     if self.branch_chunk is not None and (not isinstance(self.branch_chunk, int)
                                           or self.branch_chunk < 1):
       raise ValueError(f"replay.branch_chunk={self.branch_chunk!r}: expected None or an int >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class DPOConfig:
+  """DPO's data (algorithms/dpo.py; pairs and batches: dpo.py)."""
+  pairs_file: str = ""  # JSON lines {"prompt", "chosen", "rejected"}; "" = pairs from the task
+
+  def __post_init__(self):
+    if self.pairs_file and not os.path.isfile(self.pairs_file):
+      raise ValueError(f"dpo.pairs_file={self.pairs_file!r}: no such file")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,5 @@
-"""Training on trees (`tree.fanouts` set): train.run hands over to `run` here.
-
-The same loop as train.py (state, optimiser, checkpoints, metrics, resume), with tree batches:
+"""Tree rollouts' pieces (`tree.fanouts` set; the loop is trainer.py, the algorithm
+algorithms/grpo.py's TreeGRPO):
   RL    sample a tree per prompt (tree_sampler: prompt prefilled once, R_1 first turns, R_2
         second turns of each), reward the leaves, tree-aware advantages (tree.tree_advantages),
         one jitted step through tree replay;
@@ -11,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import time
 import types
 
@@ -20,21 +18,20 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from branch_replay import checkpoint, metrics, tasks, tree, tree_replay, tree_sampler, train
-from branch_replay import tree_task  # noqa: F401  (registers the tree tasks)
+from branch_replay import tasks, tree, tree_replay, tree_sampler, train
 from branch_replay.config import Config
 from branch_replay.sampler import SamplerConfig
 from branch_replay.tokenizer import TOKENIZER
-from branch_replay.train import TrainState
+from branch_replay import state as train_state
 
 
 def make_tree_train_step(cfg: Config, phase: str = "rl"):
   """Pure `train_step(state, batch: TreeBatch) -> (state, metrics)`."""
-  tx = train.make_optimizer(cfg)
+  tx = train_state.make_optimizer(cfg)
   loss_cfg = train.rl_loss_config(cfg) if phase == "rl" else train.SFT_LOSS
   branch_chunk = cfg.replay.branch_chunk if phase == "rl" else None
 
-  def train_step(state: TrainState, batch: tree.TreeBatch):
+  def train_step(state: train_state.TrainState, batch: tree.TreeBatch):
     loss, aux_BR, grads = tree_replay.loss_and_grad(state.params, batch, cfg.model, loss_cfg,
                                                     cfg.replay.mode, branch_chunk)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -76,11 +73,11 @@ def sft_batch(task, rng: np.random.Generator, cfg: Config, tok=TOKENIZER) -> tre
   return tree.TreeBatch(root_BP, root_valid_BP, levels, fanouts=(R, 1))
 
 
-def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER):
+def rl_batch(fns, state: train_state.TrainState, task, cfg: Config, step: int, tok=TOKENIZER):
   """Sample a tree per prompt, reward the leaves, tree-aware advantages -> TreeBatch."""
   t0 = time.time()
   fanouts = cfg.tree.fanout_tuple
-  examples = train._examples(task, cfg.train.seed, step, cfg.train.batch_size)
+  examples = train_state.sample_examples(task, cfg.train.seed, step, cfg.train.batch_size)
   prompt_BP, valid_BP = tasks.encode_prompts(examples, task.max_prompt_len, tok)
   key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), step)
   samples = jax.block_until_ready(fns.sample(state.params, prompt_BP=prompt_BP,
@@ -112,98 +109,20 @@ def rewards_of(task, examples, samples, fanouts, tok=TOKENIZER) -> np.ndarray:
                      for ex, t1, t2 in zip(examples, turn1, turn2)], np.float32)
 
 
+def compile_key(cfg: Config) -> Config:
+  """train.compile_key, keeping the task (its turn lengths shape the sampler)."""
+  return dataclasses.replace(train.compile_key(cfg), task=cfg.task)
+
+
 @functools.lru_cache(maxsize=4)
-def _compiled(cfg: Config, turn_lengths: tuple, stop_tokens: tuple):
+def compiled(cfg: Config, turn_lengths: tuple, stop_tokens: tuple) -> types.SimpleNamespace:
   """The jitted functions of a config (kept across runs in one process)."""
   sample = functools.partial(tree_sampler.sample_tree, model_cfg=cfg.model,
                              fanouts=cfg.tree.fanout_tuple, lengths=turn_lengths,
                              stop_tokens=stop_tokens)
   greedy_cfg = SamplerConfig(temperature=0.0)
-  return dict(rl_step=jax.jit(make_tree_train_step(cfg, "rl"), donate_argnums=0),
-              sft_step=jax.jit(make_tree_train_step(cfg, "sft"), donate_argnums=0),
-              sample=jax.jit(functools.partial(sample, cfg=cfg.sampler)),
-              greedy=jax.jit(functools.partial(sample, cfg=greedy_cfg, fanouts=(1, 1))))
-
-
-def run(cfg: Config, workdir: str, *, init_params=None, tokenizer=None) -> dict:
-  """train.run for tree tasks: (resumable) SFT warm-up trees, then tree GRPO."""
-  # Options the tree trainer cannot serve (mesh, KL, epochs, DAPO, ...) are refused by
-  # Config._check_tree, by field.
-  tok = TOKENIZER if tokenizer is None else tokenizer
-  if tok.vocab_size > cfg.model.vocab_size:
-    raise ValueError(f"model.vocab_size={cfg.model.vocab_size}: expected >= the tokenizer's "
-                     f"{tok.vocab_size}")
-  t_start = time.time()
-  workdir = checkpoint.check_workdir(workdir)
-  task = tasks.make(cfg.task, tok)  # the run's tokenizer; a task that reads files checks them
-  task.check(cfg)
-  ckpt = checkpoint.Checkpointer(workdir, cfg)
-  ckpt.check_config()
-  state = train.init_state(cfg, init_params)
-  start = ckpt.latest_step() or 0
-  if start:
-    state = TrainState(**ckpt.restore(start, train._state_dict(state)))
-  chief = jax.process_index() == 0  # only process 0 writes metrics (multi-host)
-  writer = metrics.MetricsWriter(os.path.join(workdir, "metrics.jsonl") if chief else os.devnull,
-                                 tensorboard=cfg.train.tensorboard and chief)
-  t = cfg.train
-  key_cfg = dataclasses.replace(train._compile_key(cfg), task=cfg.task)
-  fns = types.SimpleNamespace(**_compiled(key_cfg, task.turn_lengths, task.stop_tokens(tok)))
-  eval_examples = train._examples(task, t.seed, 2**31, t.eval_size) if t.eval_size else []
-
-  def evaluate(state, step):
-    prompt_BP, valid_BP = tasks.encode_prompts(eval_examples, task.max_prompt_len, tok)
-    s = fns.greedy(state.params, prompt_BP=prompt_BP, prompt_valid_BP=valid_BP,
-                   key=jax.random.key(0))
-    reward = float(rewards_of(task, eval_examples, s, (1, 1), tok).mean())
-    writer.write({"step": step, "kind": "eval", "eval/greedy_reward": reward})
-    return reward
-
-  from tqdm import tqdm
-  bar = tqdm(total=t.total_steps, initial=start, disable=not (t.progress and chief),
-             dynamic_ncols=True, desc="train")
-  for step in range(start, t.total_steps):
-    t0 = time.time()
-    rec = {"step": step, "kind": "train"}
-    if step < t.sft_steps:
-      rec.update(phase="sft", **{"time/sample_s": 0.0})
-      batch = sft_batch(task, np.random.default_rng([t.seed, step]), cfg, tok)
-      tree.validate(batch, cfg.model.vocab_size)
-      step_fn = fns.sft_step
-    else:
-      rec["phase"] = "rl"
-      if step == t.sft_steps and eval_examples:
-        evaluate(state, step)
-      batch, sampled = rl_batch(fns, state, task, cfg, step, tok)
-      rec.update(sampled)
-      step_fn = fns.rl_step
-    t1 = time.time()
-    state, out = step_fn(state, batch)
-    out = {k: float(v) for k, v in jax.device_get(out).items()}
-    rec["time/train_s"] = time.time() - t1
-    train._finite_or_stop(out, step, ckpt)
-    root, below, naive = batch.token_counts()
-    rec.update(out)
-    rec.update({"replay/prefix_tokens": root, "replay/tail_tokens": below,
-                "replay/naive_equiv_tokens": naive,
-                "replay/computed_tokens": naive if cfg.replay.mode == "naive" else root + below,
-                "time/step_s": time.time() - t0})
-    writer.write(rec)
-    if (step + 1) % t.checkpoint_every == 0 or step + 1 == t.total_steps:
-      ckpt.save(step + 1, train._state_dict(state))
-    bar.update(1)
-    bar.set_postfix({k: f"{rec[k]:.3f}" for k in ("reward/mean", "reward/turn1", "loss/policy")
-                     if k in rec})
-  bar.close()
-  records = metrics.read(writer.path)
-  if eval_examples and t.rl_steps and train.final_eval_missing(records, t.total_steps):
-    evaluate(state, t.total_steps)
-    records = metrics.read(writer.path)
-  writer.close()
-  ckpt.close()
-  plot_path = (metrics.plot(records, os.path.join(workdir, "metrics.png"))
-               if t.plot and chief else None)
-  summary = train.summarize(records, cfg)
-  summary.update(workdir=workdir, checkpoint=ckpt.directory, metrics=writer.path,
-                 plot=plot_path, wall_s=time.time() - t_start, final_params=state.params)
-  return summary
+  return types.SimpleNamespace(
+      rl_step=jax.jit(make_tree_train_step(cfg, "rl"), donate_argnums=0),
+      sft_step=jax.jit(make_tree_train_step(cfg, "sft"), donate_argnums=0),
+      sample=jax.jit(functools.partial(sample, cfg=cfg.sampler)),
+      greedy=jax.jit(functools.partial(sample, cfg=greedy_cfg, fanouts=(1, 1))))

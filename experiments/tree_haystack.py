@@ -20,7 +20,6 @@ from branch_replay.config import Config, ReplayConfig, TrainConfig
 from branch_replay.losses import LossConfig
 from branch_replay.sampler import SamplerConfig
 from branch_replay.tasks import TaskConfig
-from branch_replay import tree_task  # noqa: F401  (registers task tree_haystack)
 from branch_replay.tokenizer import TOKENIZER
 from branch_replay.tree import TreeConfig
 from models.transformer import ModelConfig
