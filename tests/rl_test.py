@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from branch_replay import advantages, critic, dapo, losses, policy, sampler, train
+from branch_replay import (advantages, checkpoint, critic, dapo, losses, metrics, policy,
+                           sampler, train)
 from branch_replay import trainer
 from branch_replay import state as train_state
 from branch_replay.config import Config, apply_overrides
@@ -370,7 +371,7 @@ def test_ppo_with_critic_epochs_and_minibatches_runs(tmp_path):
              "train.ppo_epochs=2", "train.minibatches=2", "sampler.trunk_len=1",
              "sampler.temperature=0.8")
   s = trainer.run(cfg, str(tmp_path / "ppo"))
-  recs = [r for r in train.metrics.read(s["metrics"]) if r.get("kind") == "train"]
+  recs = [r for r in metrics.read(s["metrics"]) if r.get("kind") == "train"]
   assert len(recs) == 2
   for r in recs:
     for k in ("loss/value", "clip_frac", "approx_kl", "ratio/max", "value/mean"):
@@ -396,7 +397,7 @@ def test_ppo_with_shared_critic_runs_and_checkpoints(tmp_path):
              "train.overlong_buffer=1", "train.checkpoint_every=1")
   workdir = str(tmp_path / "shared")
   s = trainer.run(cfg, workdir)
-  recs = [r for r in train.metrics.read(s["metrics"]) if r.get("kind") == "train"]
+  recs = [r for r in metrics.read(s["metrics"]) if r.get("kind") == "train"]
   assert len(recs) == 2
   for r in recs:
     for k in ("loss/value", "value/mean", "value/clip_frac", "value/grad_norm",
@@ -406,7 +407,7 @@ def test_ppo_with_shared_critic_runs_and_checkpoints(tmp_path):
   assert recs[1]["value/mean"] != 0.0  # the head has moved
   fresh = train_state.init_state(cfg)
   assert set(fresh.critic["params"]) == {"head"}
-  ckpt = train.checkpoint.Checkpointer(workdir, cfg)
+  ckpt = checkpoint.Checkpointer(workdir, cfg)
   restored = ckpt.restore(2, train_state.state_dict(fresh))
   ckpt.close()
   assert set(restored["critic"]["params"]) == {"head"}
@@ -430,7 +431,7 @@ def test_grpo_family_runs_rloo_gspo_dapo(tmp_path, monkeypatch):
              "train.dynamic_sampling=true", "train.max_sample_rounds=2",
              "train.overlong_buffer=1", "train.checkpoint_every=1")
   s = trainer.run(cfg, str(tmp_path / "g"))
-  recs = [r for r in train.metrics.read(s["metrics"]) if r.get("kind") == "train"]
+  recs = [r for r in metrics.read(s["metrics"]) if r.get("kind") == "train"]
   assert len(recs) == len(seen) == 2 and traced  # one estimate per step; gspo compiled
   for r, (rewards_BR, adv_BR) in zip(recs, seen):
     R = rewards_BR.shape[1]
