@@ -22,57 +22,89 @@ from absl import app, flags, logging
 if shutil.which("nvidia-smi") is None and not glob.glob("/dev/nvidia*"):
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # no GPU: skip the CUDA plugin's probe
 
-flags.DEFINE_string("experiment", "grpo_haystack", "Module in experiments/ with get_config().")
-flags.DEFINE_multi_string("set", [], "Config override section.field=value (repeatable).")
-flags.DEFINE_string("workdir", "runs/default", "Checkpoints, metrics.jsonl and the plot go here.")
-flags.DEFINE_enum("mode", None, ["replay", "naive"], "Override replay.mode.")
-flags.DEFINE_string("mesh", None, "Device mesh, e.g. data:2,fsdp:2,context:2 (sets mesh=).")
-flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0.")
-flags.DEFINE_integer("num_processes", None, "Multi-host: how many processes.")
-flags.DEFINE_integer("process_id", None, "Multi-host: this process's index.")
-flags.DEFINE_string("model_dir", None, "A Hugging Face folder (config.json, *.safetensors, "
-                    "optional tokenizer.json) to train from instead of the experiment's model.")
-flags.DEFINE_enum("model_dtype", "float32", ["float32", "bfloat16"],
-                  "compute dtype of --model_dir (parameters and AdamW state stay float32)")
-FLAGS = flags.FLAGS
+def define_flags(fv: flags.FlagValues) -> flags.FlagValues:
+  """The command line's flags, on `fv` (the global FLAGS for a run; a fresh set for `parse`)."""
+  flags.DEFINE_string("experiment", "grpo_haystack", "Module in experiments/ with get_config().",
+                      flag_values=fv)
+  flags.DEFINE_multi_string("set", [], "Config override section.field=value (repeatable).",
+                            flag_values=fv)
+  flags.DEFINE_string("workdir", "runs/default",
+                      "Checkpoints, metrics.jsonl and the plot go here.", flag_values=fv)
+  flags.DEFINE_enum("mode", None, ["replay", "naive"], "Override replay.mode.", flag_values=fv)
+  flags.DEFINE_string("mesh", None, "Device mesh, e.g. data:2,fsdp:2,context:2 (sets mesh=).",
+                      flag_values=fv)
+  flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0.",
+                      flag_values=fv)
+  flags.DEFINE_integer("num_processes", None, "Multi-host: how many processes.", flag_values=fv)
+  flags.DEFINE_integer("process_id", None, "Multi-host: this process's index.", flag_values=fv)
+  flags.DEFINE_string("model_dir", None, "A Hugging Face folder (config.json, *.safetensors, "
+                      "optional tokenizer.json) to train from instead of the experiment's model.",
+                      flag_values=fv)
+  flags.DEFINE_enum("model_dtype", "float32", ["float32", "bfloat16"],
+                    "compute dtype of --model_dir (parameters and AdamW state stay float32)",
+                    flag_values=fv)
+  return fv
+
+
+def parse(argv):
+  """In process (tests): argv (program name first) -> (flags, cfg, init_params, tokenizer),
+  through a fresh set of flags; a bad flag, experiment or override raises app.UsageError."""
+  fv = define_flags(flags.FlagValues())
+  try:
+    rest = fv(list(argv))
+  except flags.Error as e:
+    raise app.UsageError(str(e)) from None
+  if len(rest) > 1:
+    raise app.UsageError(f"unexpected arguments: {rest[1:]}")
+  return (fv, *config_from(fv))
+
+
+def config_from(fv):
+  """(cfg, init_params, tokenizer) of parsed flags: the experiment's config with --set (and
+  --mode, --mesh) applied; with --model_dir, the imported model, weights and tokenizer."""
+  from branch_replay import config as config_lib
+  here = os.path.dirname(os.path.abspath(__file__))
+  names = sorted(os.path.basename(p)[:-3]
+                 for p in glob.glob(os.path.join(here, "experiments", "[!_]*.py"))
+                 if "def get_config(" in open(p).read())
+  if fv.experiment not in names:
+    raise app.UsageError(f"--experiment={fv.experiment!r}: unknown; expected one of {names}")
+  module = importlib.import_module(f"experiments.{fv.experiment}")
+  overrides = list(fv.set) + ([f"replay.mode={fv.mode}"] if fv.mode else [])
+  overrides += [f"mesh={fv.mesh}"] if fv.mesh is not None else []
+  base, init_params, tokenizer = module.get_config(), None, None
+  if fv.model_dir:  # an imported Hugging Face checkpoint (models/hf.py) replaces the model
+    import dataclasses
+    from branch_replay import tokenizer as tokenizer_lib
+    from models import hf
+    try:
+      model_cfg, init_params = hf.load(fv.model_dir, dtype=fv.model_dtype)
+      tokenizer = tokenizer_lib.from_model_dir(fv.model_dir, hf.read_config(fv.model_dir))
+    except ValueError as e:
+      raise app.UsageError(f"--model_dir={fv.model_dir}: {e}")
+    base = dataclasses.replace(base, model=model_cfg)
+  try:
+    cfg = config_lib.apply_overrides(base, overrides)
+  except ValueError as e:
+    raise app.UsageError(str(e))
+  return cfg, init_params, tokenizer
 
 
 def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  FLAGS = flags.FLAGS
   if FLAGS.coordinator_address or FLAGS.num_processes:  # before JAX touches a device
     import jax
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU runs
     jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
-  from branch_replay import config as config_lib
-  here = os.path.dirname(os.path.abspath(__file__))
-  names = sorted(os.path.basename(p)[:-3]
-                 for p in glob.glob(os.path.join(here, "experiments", "[!_]*.py"))
-                 if "def get_config(" in open(p).read())
-  if FLAGS.experiment not in names:
-    raise app.UsageError(f"--experiment={FLAGS.experiment!r}: unknown; expected one of {names}")
-  module = importlib.import_module(f"experiments.{FLAGS.experiment}")
-  overrides = list(FLAGS.set) + ([f"replay.mode={FLAGS.mode}"] if FLAGS.mode else [])
-  overrides += [f"mesh={FLAGS.mesh}"] if FLAGS.mesh is not None else []
-  base, init_params, tokenizer = module.get_config(), None, None
-  if FLAGS.model_dir:  # an imported Hugging Face checkpoint (models/hf.py) replaces the model
-    import dataclasses
-    from branch_replay import tokenizer as tokenizer_lib
-    from models import hf
-    try:
-      model_cfg, init_params = hf.load(FLAGS.model_dir, dtype=FLAGS.model_dtype)
-      tokenizer = tokenizer_lib.from_model_dir(FLAGS.model_dir, hf.read_config(FLAGS.model_dir))
-    except ValueError as e:
-      raise app.UsageError(f"--model_dir={FLAGS.model_dir}: {e}")
-    base = dataclasses.replace(base, model=model_cfg)
+  cfg, init_params, tokenizer = config_from(FLAGS)
+  from branch_replay import algorithms, trainer
+  algorithm = algorithms.for_config(cfg)
   try:
-    cfg = config_lib.apply_overrides(base, overrides)
-  except ValueError as e:
-    raise app.UsageError(str(e))
-  from branch_replay import train
-  try:
-    summary = train.run(cfg, FLAGS.workdir, init_params=init_params, tokenizer=tokenizer)
+    summary = trainer.run(cfg, FLAGS.workdir, algorithm, init_params=init_params,
+                          tokenizer=tokenizer)
   except (ValueError, FloatingPointError) as e:
     sys.exit(f"error: {e}")
   except KeyboardInterrupt:
@@ -80,13 +112,10 @@ def main(argv):
              "latest checkpoint")
   import jax
   if jax.process_index() == 0:  # multi-host: one summary
-    if cfg.loss.name == "dpo":
-      from branch_replay import dpo
-      print(dpo.format_summary(summary))
-    else:
-      print(train.format_summary(summary))
+    print(algorithm.format_summary(summary))
 
 
 if __name__ == "__main__":
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  define_flags(flags.FLAGS)
   app.run(main)

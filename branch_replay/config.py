@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import typing
 from typing import Optional, Sequence
 
 from branch_replay import advantages, losses
 from branch_replay.critic import CriticConfig
-from branch_replay.dpo import DPOConfig
 from branch_replay.losses import LossConfig
 from branch_replay.sampler import SamplerConfig
 from branch_replay.tasks import TaskConfig
@@ -34,6 +34,16 @@ class ReplayConfig:
     if self.branch_chunk is not None and (not isinstance(self.branch_chunk, int)
                                           or self.branch_chunk < 1):
       raise ValueError(f"replay.branch_chunk={self.branch_chunk!r}: expected None or an int >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class DPOConfig:
+  """DPO's data (algorithms/dpo.py; pairs and batches: dpo.py)."""
+  pairs_file: str = ""  # JSON lines {"prompt", "chosen", "rejected"}; "" = pairs from the task
+
+  def __post_init__(self):
+    if self.pairs_file and not os.path.isfile(self.pairs_file):
+      raise ValueError(f"dpo.pairs_file={self.pairs_file!r}: no such file")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,12 +136,14 @@ class Config:
       trainable = sorted(n for n, o in losses.OBJECTIVES.items() if o.trainable)
       raise ValueError(f"loss.name={self.loss.name!r}: the trainer samples groups; expected "
                        f"one of {trainable} (DPO: experiments/dpo_haystack.py)")
-    if self.loss.name == "grpo" and self.train.n_branches < 2:
+    if self.tree.fanouts:
+      self._check_tree()
+    elif self.loss.name == "grpo" and self.train.n_branches < 2:
       raise ValueError(f"train.n_branches={self.train.n_branches}: GRPO normalises over a "
                        "group, expected >= 2")
     self._check_rl_algorithm()
     chunk = self.replay.branch_chunk
-    if chunk is not None and self.train.n_branches % chunk:
+    if chunk is not None and not self.tree.fanouts and self.train.n_branches % chunk:
       raise ValueError(f"replay.branch_chunk={chunk}: expected a divisor of "
                        f"train.n_branches={self.train.n_branches}")
     if self.mesh and not re.fullmatch(r"[a-z]+:\d+(,[a-z]+:\d+)*", self.mesh):
@@ -161,6 +173,40 @@ class Config:
     if self.uses_critic and self.mesh:
       raise ValueError(f"train.advantage={self.train.advantage!r} with mesh={self.mesh!r}: "
                        "the critic runs on one device; expected mesh=''")
+
+  def _check_tree(self):
+    """Tree rollouts (tree.fanouts): what the tree trainer cannot serve is refused here, by
+    field, rather than ignored."""
+    fanouts = self.tree.fanout_tuple
+    chunk = self.replay.branch_chunk
+    if chunk is not None and fanouts[-1] % chunk:
+      raise ValueError(f"replay.branch_chunk={chunk}: expected a divisor of the last fan-out "
+                       f"{fanouts[-1]} (tree.fanouts={self.tree.fanouts!r}; chunks stream the "
+                       "leaves of each parent)")
+    t, default = self.train, TrainConfig()
+    refused = [  # (field, value, expected, why)
+        ("loss.name", self.loss.name, tuple(n for n in losses.OBJECTIVES if n != "dpo"),
+         "preference pairs are not trees"),
+        ("train.advantage", t.advantage, ("grpo", "dr_grpo"),
+         "tree rollouts use tree-aware group advantages (tree.tree_advantages)"),
+        ("train.n_branches", t.n_branches, (default.n_branches,),
+         "a tree's branches are its fan-outs (tree.fanouts)"),
+        ("train.ppo_epochs", t.ppo_epochs, (1,), "the tree trainer takes one pass per batch"),
+        ("train.minibatches", t.minibatches, (1,), "the tree trainer takes one step per batch"),
+        ("train.dynamic_sampling", t.dynamic_sampling, (False,),
+         "DAPO's resampling is not implemented for trees"),
+        ("train.overlong_buffer", t.overlong_buffer, (0,),
+         "overlong shaping is not implemented for trees"),
+        ("sampler.trunk_len", self.sampler.trunk_len, (0,),
+         "a tree samples its own levels (a trunk is a fan-out-1 level)"),
+        ("loss.kl_coef", self.loss.kl_coef, (0.0,),
+         "the tree trainer has no reference policy yet"),
+        ("mesh", self.mesh, ("",), "the tree trainer runs on one device"),
+    ]
+    for field, value, expected, why in refused:
+      if value not in expected:
+        raise ValueError(f"{field}={value!r} with tree.fanouts={self.tree.fanouts!r}: {why}; "
+                         f"expected {' or '.join(map(repr, expected))}")
 
   @property
   def uses_critic(self) -> bool:

@@ -16,6 +16,7 @@ own `Options` dataclass, so a new task is one file.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import string
 import typing
 from typing import Any, Optional
@@ -46,6 +47,20 @@ def register(name: str):
   return wrap
 
 
+# Built-in tasks in their own modules, imported when first named (they import this module).
+BUILTIN = {"jsonl": "branch_replay.jsonl_task", "tree_haystack": "branch_replay.tree_task"}
+
+
+def task_class(name: str) -> type:
+  if name not in TASKS and name in BUILTIN:
+    importlib.import_module(BUILTIN[name])  # registers it
+  if name not in TASKS:
+    raise ValueError(f"task.name={name!r}: expected one of {sorted(set(TASKS) | set(BUILTIN))} "
+                     "(a task from your own module registers itself with @tasks.register "
+                     "when imported)")
+  return TASKS[name]
+
+
 @dataclasses.dataclass(frozen=True, init=False)
 class TaskConfig:
   """`name` picks the task; `options` is that task's own frozen dataclass (`TASKS[name].Options`).
@@ -55,10 +70,7 @@ class TaskConfig:
   options: Any = None
 
   def __init__(self, name: str = "haystack", options: Any = None, **fields):
-    if name not in TASKS:
-      raise ValueError(f"task.name={name!r}: expected one of {sorted(TASKS)} (a task from "
-                       "your own module registers itself with @tasks.register when imported)")
-    Options = getattr(TASKS[name], "Options", NoOptions)
+    Options = getattr(task_class(name), "Options", NoOptions)
     if options is not None and not isinstance(options, Options):
       # The task changed (`--set=task.name=...`): keep the options the user set that the
       # new task also has, drop the rest.
@@ -249,19 +261,22 @@ def _positive(name, value):
 def make(cfg: TaskConfig, tokenizer=TOKENIZER) -> Task:
   """The task of a config, built with the run's tokenizer (tasks that read files load and
   check them here, before any compute)."""
-  return TASKS[cfg.name](cfg.options, tokenizer)
+  return task_class(cfg.name)(cfg.options, tokenizer)
 
 
 def encode_prompts(items, length: int, tokenizer=TOKENIZER):
-  """Prompts (Examples, or prefix strings) as left-padded ids and validity [B, length]; an
-  Example's own `prompt_ids` (a task that tokenized, templated or truncated it) are used."""
+  """Prompts (prefix strings, or items with a `prompt` and optional `prompt_ids`: Examples,
+  tree examples, preference pairs) as left-padded ids and validity [B, length]; an item's own
+  `prompt_ids` (a task that tokenized, templated or truncated it) are used."""
   ids_BL = np.full((len(items), length), tokenizer.pad_id, np.int32)
   valid_BL = np.zeros((len(items), length), bool)
   for b, item in enumerate(items):
-    if isinstance(item, Example) and item.prompt_ids is not None:
+    if isinstance(item, str):
+      ids = tokenizer.encode(item, bos=True)
+    elif getattr(item, "prompt_ids", None) is not None:
       ids = list(item.prompt_ids)
     else:
-      ids = tokenizer.encode(item.prompt if isinstance(item, Example) else item, bos=True)
+      ids = tokenizer.encode(item.prompt, bos=True)
     if len(ids) > length:
       raise ValueError(f"task prompt {b}: {len(ids)} tokens, expected <= {length}")
     ids_BL[b, length - len(ids):] = ids
@@ -291,5 +306,3 @@ def encode_right(texts, length: int, tokenizer=TOKENIZER):
   """text + EOS, right-padded: ids and validity, numpy [B, length] (tails start aligned)."""
   return _encode(texts, length, tokenizer, left=False, what="answer")
 
-
-from branch_replay import jsonl_task  # noqa: E402,F401  (registers "jsonl")

@@ -1,9 +1,10 @@
-"""The one training loop: sample R branches per prompt from a shared prefix, reward them,
-and take a GRPO step through branch replay (or its naive twin, `replay.mode=naive`).
+"""Flat RL's pieces (the loop is trainer.py, the algorithm algorithms/grpo.py): sample R
+branches per prompt from a shared prefix, reward them, and take GRPO/PPO steps through branch
+replay (or its naive twin, `replay.mode=naive`).
 
-  TrainState                  params, optimiser state, step, rng (+ frozen reference params)
   make_train_step(cfg)        pure train_step(state, batch) -> (state, metrics)
-  run(cfg, workdir)           jits the steps once (with donation), checkpoints, logs, resumes
+  rl_batch / rl_update        the rollout (sample, reward, advantages) and epochs x minibatches
+  compiled(compile_key(cfg))  the jitted steps of a config (cached across runs)
 
 An optional supervised warm-up (`train.sft_steps`) runs through the same engine: prefix =
 the long prompt, tails = the reference answers, objective = -log p (pg with advantage 1).
@@ -18,104 +19,26 @@ import time
 from typing import Any, NamedTuple
 
 import chex
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from branch_replay import (advantages, checkpoint, critic, dapo, losses, metrics, policy,
-                           sampler, sharding, tasks)
+from branch_replay import advantages, critic, dapo, losses, policy, sampler, sharding, tasks
 from branch_replay.batch import ReplayBatch, validate
 from branch_replay.config import Config
+from branch_replay.state import (TrainState, make_critic_optimizer, make_optimizer, place,
+                                 sample_examples)
 from branch_replay.tasks import TaskConfig
 from branch_replay.tokenizer import TOKENIZER
-from models import transformer as tfm
 
 SFT_LOSS = losses.LossConfig(name="pg", aggregation="token_mean")  # -mean log p(answer)
-
-
-@flax.struct.dataclass
-class TrainState:
-  params: Any
-  opt_state: Any
-  step: jax.Array  # int32: steps taken (warm-up included)
-  rng: jax.Array  # uint32 raw key data (checkpointable)
-  ref_params: Any = None  # the frozen reference policy (only with loss.kl_coef > 0)
-  critic: Any = None  # PPO's value model: dict(params, opt_state) (train.advantage=gae);
-  # params {'model', 'head'}, or {'head'} alone with critic.share (the body is `params`)
-
-
-def make_optimizer(cfg: Config) -> optax.GradientTransformation:
-  t = cfg.train
-  lr = t.learning_rate
-  if t.sft_steps:
-    lr = optax.join_schedules([optax.constant_schedule(t.sft_learning_rate),
-                               optax.constant_schedule(t.learning_rate)], [t.sft_steps])
-  return optax.chain(optax.clip_by_global_norm(t.grad_clip),
-                     optax.adamw(lr, b1=0.9, b2=0.99, weight_decay=t.weight_decay))
-
-
-def make_critic_optimizer(cfg: Config) -> optax.GradientTransformation:
-  return optax.chain(optax.clip_by_global_norm(cfg.train.grad_clip),
-                     optax.adamw(cfg.critic.learning_rate, b1=0.9, b2=0.99))
 
 
 def rl_loss_config(cfg: Config) -> losses.LossConfig:
   """The RL objective scores log-probs at the sampler's temperature (the ratio's
   denominator is the distribution the tokens were drawn from)."""
   return dataclasses.replace(cfg.loss, temperature=cfg.sampler.temperature)
-
-
-def shardings(tree, kind: str, cfg: Config):
-  """Where arrays live, kind 'state' or 'batch': the one placement decision of the trainer.
-  With cfg.mesh, the mesh's (sharding.py: FSDP/tensor params and optimizer state, batches
-  by prompt and branch); else the first device, whole arrays."""
-  if cfg.mesh:
-    mesh = sharding.make_mesh(cfg.mesh)
-    if kind == "state":
-      params = sharding.param_shardings(mesh, cfg.model)
-      return tree.replace(
-          params=params, step=sharding.replicated(mesh), rng=sharding.replicated(mesh),
-          opt_state=sharding.opt_state_shardings(mesh, make_optimizer(cfg), tree.opt_state,
-                                                 params),
-          ref_params=None if tree.ref_params is None else params)
-    if isinstance(tree, ReplayBatch):
-      return sharding.batch_shardings(mesh, tree)
-    return sharding.prompt_shardings(mesh, tree)
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  return jax.tree.map(lambda _: device, tree)
-
-
-def place(tree, kind: str, cfg: Config):
-  if cfg.mesh:  # host data -> global arrays, on one process or several
-    return sharding.put(tree, shardings(tree, kind, cfg))
-  return jax.device_put(tree, shardings(tree, kind, cfg))
-
-
-def init_state(cfg: Config, init_params=None) -> TrainState:
-  """Shapes first (eval_shape), then placement, then the arrays (created where they live).
-  init_params (e.g. an imported checkpoint, `models.hf.load`) replace the random init."""
-
-  def init(init_params):
-    init_key, rng = jax.random.split(jax.random.key(cfg.train.seed))
-    params = tfm.init_params(cfg.model, init_key) if init_params is None else init_params
-    ref = jax.tree.map(jnp.copy, params) if cfg.loss.kl_coef else None
-    value = None
-    if cfg.uses_critic:  # the value model starts as the policy (copied again at RL start)
-      critic_params = critic.init_params(cfg.model, init_key, params, share=cfg.critic.share)
-      value = dict(params=critic_params, opt_state=make_critic_optimizer(cfg).init(critic_params))
-    return TrainState(params, make_optimizer(cfg).init(params), jnp.zeros((), jnp.int32),
-                      jax.random.key_data(rng), ref, value)
-
-  if init_params is not None:
-    expected = jax.eval_shape(lambda: tfm.init_params(cfg.model, jax.random.key(0)))
-    got = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), init_params)
-    if jax.tree.structure(got) != jax.tree.structure(expected) or got != expected:
-      raise ValueError("init_params: the parameter tree does not match model config "
-                       f"{cfg.model} (shapes/dtypes differ)")
-  shapes = jax.eval_shape(init, init_params)
-  return jax.jit(init, out_shardings=shardings(shapes, "state", cfg))(init_params)
 
 
 def make_train_step(cfg: Config, phase: str = "rl"):
@@ -205,23 +128,30 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
   prefix = prompt (+ trunk), tails = branches, old log-probs = the sampler's; advantages
   from `train.advantage` (a group estimator, or GAE from the critic's values). With
   `train.dynamic_sampling` (DAPO) groups whose rewards are all equal are replaced by
-  groups of fresh prompts, up to `train.max_sample_rounds` sampling rounds."""
-  t0 = time.time()
+  groups of fresh prompts, up to `train.max_sample_rounds` sampling rounds. Stats include
+  the seconds of each phase (time/data_s, generate_s, reward_s, assemble_s; time/sample_s =
+  the first three), every sampling round included."""
+  t0 = time.perf_counter()
   t = cfg.train
   stats = {}
+  phase_s = dict.fromkeys(("data", "generate", "reward"), 0.0)
 
   def draw(round_):
-    examples = _examples(task, t.seed, step if round_ == 0 else (step, round_), t.batch_size)
+    d0 = time.perf_counter()
+    examples = sample_examples(task, t.seed, step if round_ == 0 else (step, round_),
+                               t.batch_size)
     prompt_BP, valid_BP = tasks.encode_prompts(examples, task.max_prompt_len, tok)
     placed_BP, placed_valid_BP = place((prompt_BP, valid_BP), "batch", cfg)
     key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), step)
     if round_:
       key = jax.random.fold_in(key, round_)
+    d1 = time.perf_counter()
     samples = jax.block_until_ready(fns.sample(state.params, prompt_BP=placed_BP,
                                                prompt_valid_BP=placed_valid_BP, key=key))
     if cfg.mesh:  # every process decodes and rewards all samples (they may span hosts)
       samples = sharding.to_host(samples)
     samples = jax.tree.map(np.asarray, samples)
+    d2 = time.perf_counter()
     B, R, W = len(examples), t.n_branches, cfg.sampler.trunk_len
     chex.assert_shape([samples.tokens_BRT, samples.valid_BRT, samples.logp_BRT],
                       (B, R, cfg.sampler.max_new_tokens))
@@ -229,6 +159,9 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
     raw_BR = rewards_of(task, examples, completions(samples, tok))
     rows = dict(prompt_BP=prompt_BP, valid_BP=valid_BP, raw_BR=raw_BR,
                 **samples._asdict())
+    for name, seconds in (("data", d1 - d0), ("generate", d2 - d1),
+                          ("reward", time.perf_counter() - d2)):
+      phase_s[name] += seconds
     return rows, raw_BR + _overlong(samples, cfg)
 
   if t.dynamic_sampling:
@@ -236,7 +169,7 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
   else:
     rows, rewards_BR = draw(0)
   samples = sampler.Samples(**{k: rows[k] for k in sampler.Samples._fields})
-  sample_s = time.time() - t0
+  t1 = time.perf_counter()
   prompt_BP, valid_BP = rows["prompt_BP"], rows["valid_BP"]
   B, R = rewards_BR.shape
   adv_BR = (np.zeros((B, R), np.float32) if t.advantage in advantages.NEEDS_CRITIC
@@ -255,7 +188,9 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
   raw = rows["raw_BR"]
   return batch, cb, {"reward/mean": float(raw.mean()), "reward/std": float(raw.std()),
                      "reward/shaped_mean": float(rewards_BR.mean()),
-                     "time/sample_s": sample_s, **stats}
+                     "time/sample_s": t1 - t0,
+                     **{f"time/{name}_s": seconds for name, seconds in phase_s.items()},
+                     "time/assemble_s": time.perf_counter() - t1, **stats}
 
 
 def _overlong(samples, cfg: Config):
@@ -313,31 +248,7 @@ def minibatches(tree, cfg: Config, step: int, epoch: int):
 # ----------------------------------------------------------------------------- the loop
 
 
-def _state_dict(state: TrainState) -> dict:
-  d = dict(params=state.params, opt_state=state.opt_state, step=state.step, rng=state.rng)
-  if state.ref_params is not None:
-    d["ref_params"] = state.ref_params
-  if state.critic is not None:
-    d["critic"] = state.critic
-  return d
-
-
-def _examples(task, seed: int, stream, n: int):
-  # data depends only on (seed, step[, round]): resumable
-  rng = np.random.default_rng([seed, *np.atleast_1d(stream).tolist()])
-  return [task.sample(rng) for _ in range(n)]
-
-
-def _finite_or_stop(values: dict, step: int, ckpt: checkpoint.Checkpointer):
-  for name in ("loss/policy", "grad/norm"):
-    if not np.isfinite(values[name]):
-      last = ckpt.latest_step()
-      where = (f"the last good checkpoint is step {last} in {ckpt.directory}"
-               if last is not None else "no checkpoint was written yet")
-      raise FloatingPointError(f"{name} is {values[name]} at step {step}: stopping; {where}")
-
-
-def _rl_update(fns, state, batch, cb, cfg: Config, step: int):
+def rl_update(fns, state, batch, cb, cfg: Config, step: int):
   """train.ppo_epochs passes of train.minibatches replay steps over one sampled batch (the
   value model steps alongside on the same minibatch); metrics averaged over the steps, the
   ratio's maximum over all of them."""
@@ -357,7 +268,7 @@ def _rl_update(fns, state, batch, cb, cfg: Config, step: int):
   return state, avg
 
 
-class _Fns(NamedTuple):
+class Fns(NamedTuple):
   rl_step: Any
   sft_step: Any
   sample: Any
@@ -367,7 +278,7 @@ class _Fns(NamedTuple):
   values: Any
 
 
-def _compile_key(cfg: Config) -> Config:
+def compile_key(cfg: Config) -> Config:
   """The config with the fields that cannot change a compiled function reset."""
   train = dataclasses.replace(cfg.train, seed=0, rl_steps=0, checkpoint_every=1,
                               keep_checkpoints=1, eval_size=0, progress=False, plot=False,
@@ -376,14 +287,14 @@ def _compile_key(cfg: Config) -> Config:
 
 
 @functools.lru_cache(maxsize=8)
-def _compiled(cfg: Config, eos_id: int = TOKENIZER.eos_id) -> _Fns:
+def compiled(cfg: Config, eos_id: int = TOKENIZER.eos_id) -> Fns:
   """The jitted functions of a config, kept across `run` calls in one process (a notebook,
   the tests), so a second run of the same model does not compile again."""
   greedy = sampler.SamplerConfig(max_new_tokens=cfg.sampler.max_new_tokens, temperature=0.0,
                                  trunk_len=cfg.sampler.trunk_len)
   sample = functools.partial(sampler.sample, model_cfg=cfg.model, n_branches=cfg.train.n_branches,
                              stop_tokens=(eos_id,))
-  return _Fns(
+  return Fns(
       rl_step=jax.jit(make_train_step(cfg, "rl"), donate_argnums=0),
       sft_step=jax.jit(make_train_step(cfg, "sft"), donate_argnums=0),
       sample=jax.jit(functools.partial(sample, cfg=cfg.sampler)),
@@ -393,130 +304,6 @@ def _compiled(cfg: Config, eos_id: int = TOKENIZER.eos_id) -> _Fns:
                                       temperature=cfg.sampler.temperature)),
       critic_step=jax.jit(make_critic_step(cfg), donate_argnums=0),
       values=jax.jit(functools.partial(critic.values, model_cfg=cfg.model)))
-
-
-def run(cfg: Config, workdir: str, *, init_params=None, tokenizer=None) -> dict:
-  """Train (resuming from `workdir` if it holds a checkpoint); returns the summary.
-
-  init_params: start from these (an imported checkpoint) instead of a random init; a
-  checkpoint in `workdir` still takes precedence (resume). tokenizer: the text <-> ids map of
-  the tasks (default: the shipped character tokenizer; `tokenizer.from_model_dir` for an
-  imported checkpoint's tokenizer.json)."""
-  if cfg.tree.fanouts:  # trees: the tree trainer (tree_train.py) runs the same loop
-    from branch_replay import tree_train
-    return tree_train.run(cfg, workdir, init_params=init_params, tokenizer=tokenizer)
-  if cfg.loss.name == "dpo":  # preference pairs, not sampled groups
-    from branch_replay import dpo
-    return dpo.run(cfg, workdir, init_params=init_params, tokenizer=tokenizer)
-  tok = TOKENIZER if tokenizer is None else tokenizer
-  if tok.vocab_size > cfg.model.vocab_size:
-    raise ValueError(f"model.vocab_size={cfg.model.vocab_size}: expected >= the tokenizer's "
-                     f"{tok.vocab_size}")
-  t_start = time.time()
-  workdir = checkpoint.check_workdir(workdir)  # before any compute
-  task = tasks.make(cfg.task, tok)  # a task that reads files checks them here
-  task.check(cfg)
-  ckpt = checkpoint.Checkpointer(workdir, cfg)
-  ckpt.check_config()
-  state = init_state(cfg, init_params)
-  start = 0
-  if ckpt.latest_step() is not None:
-    start = ckpt.latest_step()
-    state = TrainState(**ckpt.restore(start, _state_dict(state)))
-  # Several processes (multi-host) run this loop alike; only process 0 writes metrics.
-  chief = jax.process_index() == 0
-  writer = metrics.MetricsWriter(os.path.join(workdir, "metrics.jsonl") if chief else os.devnull,
-                                 tensorboard=cfg.train.tensorboard and chief)
-  t = cfg.train
-
-  fns = _compiled(_compile_key(cfg), tok.eos_id)
-  eval_examples = task.eval_examples(t.seed, t.eval_size) if t.eval_size else []
-
-  def evaluate(state, step):
-    prompt_BP, valid_BP = tasks.encode_prompts(eval_examples, task.max_prompt_len, tok)
-    s = fns.greedy(state.params, prompt_BP=prompt_BP, prompt_valid_BP=valid_BP,
-                  key=jax.random.key(0))
-    s = sharding.to_host(s) if cfg.mesh else s
-    reward = float(rewards_of(task, eval_examples, completions(s, tok)).mean())
-    writer.write({"step": step, "kind": "eval", "eval/greedy_reward": reward})
-    return reward
-
-  from tqdm import tqdm
-  bar = tqdm(total=t.total_steps, initial=start, disable=not (t.progress and chief),
-             dynamic_ncols=True,
-             desc="train")
-  for step in range(start, t.total_steps):
-    t0 = time.time()
-    rec = {"step": step, "kind": "train"}
-    if step < t.sft_steps:
-      rec["phase"] = "sft"
-      batch = sft_batch(task, np.random.default_rng([t.seed, step]), cfg, tok)
-      validate(batch, cfg.model.vocab_size)
-      step_fn = fns.sft_step
-      rec["time/sample_s"] = 0.0
-    else:
-      rec["phase"] = "rl"
-      if step == t.sft_steps:
-        if eval_examples:
-          rec_eval = evaluate(state, step)
-          bar.write(f"step {step}: greedy eval reward before RL {rec_eval:.3f}")
-        if state.ref_params is not None:  # the reference policy: the policy as RL begins
-          state = state.replace(ref_params=jax.tree.map(jnp.copy, state.params))
-        if state.critic is not None and not cfg.critic.share:  # the value model starts
-          # from the policy too (a shared critic's body IS the policy)
-          state = state.replace(critic=dict(
-              params={**state.critic["params"],
-                      "model": jax.tree.map(jnp.copy, state.params)},
-              opt_state=state.critic["opt_state"]))
-      batch, cb, sampled = rl_batch(fns, state, task, cfg, step, tok)
-      rec.update(sampled)
-      step_fn = fns.rl_step
-    t1 = time.time()
-    if rec["phase"] == "rl":
-      state, out = _rl_update(fns, state, batch, cb, cfg, step)
-    else:
-      batch = place(batch, "batch", cfg)
-      state, out = step_fn(state, batch)
-      out = {k: float(v) for k, v in jax.device_get(out).items()}
-    rec["time/train_s"] = time.time() - t1
-    _finite_or_stop(out, step, ckpt)
-    passes = t.ppo_epochs if rec["phase"] == "rl" else 1  # each pass replays the batch
-    prefix, tails, naive = (passes * n for n in batch.token_counts())
-    rec.update(out)
-    rec.update({"replay/prefix_tokens": prefix, "replay/tail_tokens": tails,
-                "replay/naive_equiv_tokens": naive,
-                "replay/computed_tokens": naive if cfg.replay.mode == "naive" else prefix + tails,
-                "time/step_s": time.time() - t0})
-    writer.write(rec)
-    if (step + 1) % t.checkpoint_every == 0 or step + 1 == t.total_steps:
-      ckpt.save(step + 1, _state_dict(state))
-    bar.update(1)
-    bar.set_postfix({k: f"{rec[k]:.3f}" for k in ("reward/mean", "loss/policy") if k in rec})
-  bar.close()
-  records = metrics.read(writer.path)
-  if eval_examples and t.rl_steps and _final_eval_missing(records, t.total_steps):
-    evaluate(state, t.total_steps)
-    records = metrics.read(writer.path)
-  writer.close()
-  ckpt.close()
-  plot_path = (metrics.plot(records, os.path.join(workdir, "metrics.png"))
-               if t.plot and chief else None)
-  summary = summarize(records, cfg)
-  summary.update(workdir=workdir, checkpoint=ckpt.directory, metrics=writer.path,
-                 plot=plot_path, wall_s=time.time() - t_start,
-                 final_params=state.params)
-  return summary
-
-
-def _final_eval_missing(records, step: int) -> bool:
-  """Whether the final greedy evaluation still has to run. Only process 0 writes (and so can
-  read) metrics.jsonl, and the evaluation is a collective every process must enter alike:
-  process 0 decides and every process receives its decision."""
-  missing = not any(r.get("kind") == "eval" and r["step"] == step for r in records)
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-    missing = bool(multihost_utils.broadcast_one_to_all(np.int32(missing)))
-  return missing
 
 
 def summarize(records, cfg: Config) -> dict:

@@ -13,6 +13,7 @@ not learned by the 2-layer model's warm-up within a few minutes: see the README.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import numpy as np
 
@@ -24,6 +25,7 @@ class TreeExample:
   prompt: str  # text after BOS, ends with `?a`
   key: str  # turn 1's answer
   value: str  # that key's value: turn 2's answer (before EOS)
+  prompt_ids: Optional[tuple] = None  # token ids (BOS included) when the task tokenized it
 
 
 @tasks.register("tree_haystack")
@@ -38,6 +40,11 @@ class TreeHaystack(tasks.Task):
     self.sft_prompt_len = cfg.sft_prompt_len or cfg.prompt_len
     self.turn_lengths = (1, cfg.value_len + 1)  # `K`, then `v<eos>`
     self._haystack = tasks.Haystack(cfg, tokenizer)
+
+  def check(self, cfg) -> None:
+    if len(cfg.tree.fanout_tuple) != 2:
+      raise ValueError(f"tree.fanouts={cfg.tree.fanouts!r}: task {cfg.task.name!r} has two "
+                       "turns; expected two fan-outs, e.g. '4x4'")
 
   def stop_tokens(self, tok=TOKENIZER):
     """Per turn: EOS (turn 1 is one token; an EOS there leaves it empty, hence wrong)."""

@@ -1,6 +1,5 @@
-"""Training on trees (`tree.fanouts` set): train.run hands over to `run` here.
-
-The same loop as train.py (state, optimiser, checkpoints, metrics, resume), with tree batches:
+"""Tree rollouts' pieces (`tree.fanouts` set; the loop is trainer.py, the algorithm
+algorithms/grpo.py's TreeGRPO):
   RL    sample a tree per prompt (tree_sampler: prompt prefilled once, R_1 first turns, R_2
         second turns of each), reward the leaves, tree-aware advantages (tree.tree_advantages),
         one jitted step through tree replay;
@@ -11,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import time
 import types
 
@@ -20,21 +18,20 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from branch_replay import checkpoint, metrics, tasks, tree, tree_replay, tree_sampler, train
-from branch_replay import tree_task  # noqa: F401  (registers the tree tasks)
+from branch_replay import tasks, tree, tree_replay, tree_sampler, train
 from branch_replay.config import Config
 from branch_replay.sampler import SamplerConfig
 from branch_replay.tokenizer import TOKENIZER
-from branch_replay.train import TrainState
+from branch_replay import state as train_state
 
 
 def make_tree_train_step(cfg: Config, phase: str = "rl"):
   """Pure `train_step(state, batch: TreeBatch) -> (state, metrics)`."""
-  tx = train.make_optimizer(cfg)
-  loss_cfg = cfg.loss if phase == "rl" else train.SFT_LOSS
+  tx = train_state.make_optimizer(cfg)
+  loss_cfg = train.rl_loss_config(cfg) if phase == "rl" else train.SFT_LOSS
   branch_chunk = cfg.replay.branch_chunk if phase == "rl" else None
 
-  def train_step(state: TrainState, batch: tree.TreeBatch):
+  def train_step(state: train_state.TrainState, batch: tree.TreeBatch):
     loss, aux_BR, grads = tree_replay.loss_and_grad(state.params, batch, cfg.model, loss_cfg,
                                                     cfg.replay.mode, branch_chunk)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -76,19 +73,19 @@ def sft_batch(task, rng: np.random.Generator, cfg: Config, tok=TOKENIZER) -> tre
   return tree.TreeBatch(root_BP, root_valid_BP, levels, fanouts=(R, 1))
 
 
-def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER):
+def rl_batch(fns, state: train_state.TrainState, task, cfg: Config, step: int, tok=TOKENIZER):
   """Sample a tree per prompt, reward the leaves, tree-aware advantages -> TreeBatch."""
   t0 = time.time()
   fanouts = cfg.tree.fanout_tuple
-  examples = train._examples(task, cfg.train.seed, step, cfg.train.batch_size)
-  prompt_BP, valid_BP = tasks.encode_left([e.prompt for e in examples], task.max_prompt_len,
-                                          tok)
+  examples = train_state.sample_examples(task, cfg.train.seed, step, cfg.train.batch_size)
+  prompt_BP, valid_BP = tasks.encode_prompts(examples, task.max_prompt_len, tok)
   key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), step)
   samples = jax.block_until_ready(fns.sample(state.params, prompt_BP=prompt_BP,
                                              prompt_valid_BP=valid_BP, key=key))
   sample_s = time.time() - t0
   rewards_BR = rewards_of(task, examples, samples, fanouts, tok)
-  advantages = tree.tree_advantages(rewards_BR, fanouts, use_std=cfg.train.advantage_std)
+  use_std = cfg.train.advantage_std and cfg.train.advantage != "dr_grpo"  # config-checked
+  advantages = tree.tree_advantages(rewards_BR, fanouts, use_std=use_std)
   if not cfg.tree.node_advantages:
     advantages = [None] * (len(fanouts) - 1) + advantages[-1:]
   batch = tree_sampler.to_tree_batch(prompt_BP, valid_BP, jax.device_get(samples), fanouts,
@@ -112,96 +109,20 @@ def rewards_of(task, examples, samples, fanouts, tok=TOKENIZER) -> np.ndarray:
                      for ex, t1, t2 in zip(examples, turn1, turn2)], np.float32)
 
 
+def compile_key(cfg: Config) -> Config:
+  """train.compile_key, keeping the task (its turn lengths shape the sampler)."""
+  return dataclasses.replace(train.compile_key(cfg), task=cfg.task)
+
+
 @functools.lru_cache(maxsize=4)
-def _compiled(cfg: Config, turn_lengths: tuple, stop_tokens: tuple):
+def compiled(cfg: Config, turn_lengths: tuple, stop_tokens: tuple) -> types.SimpleNamespace:
   """The jitted functions of a config (kept across runs in one process)."""
   sample = functools.partial(tree_sampler.sample_tree, model_cfg=cfg.model,
                              fanouts=cfg.tree.fanout_tuple, lengths=turn_lengths,
                              stop_tokens=stop_tokens)
   greedy_cfg = SamplerConfig(temperature=0.0)
-  return dict(rl_step=jax.jit(make_tree_train_step(cfg, "rl"), donate_argnums=0),
-              sft_step=jax.jit(make_tree_train_step(cfg, "sft"), donate_argnums=0),
-              sample=jax.jit(functools.partial(sample, cfg=cfg.sampler)),
-              greedy=jax.jit(functools.partial(sample, cfg=greedy_cfg, fanouts=(1, 1))))
-
-
-def run(cfg: Config, workdir: str, *, init_params=None, tokenizer=None) -> dict:
-  """train.run for tree tasks: (resumable) SFT warm-up trees, then tree GRPO."""
-  tok = TOKENIZER if tokenizer is None else tokenizer
-  if cfg.mesh:
-    raise ValueError(f"mesh={cfg.mesh!r}: the tree trainer runs on one device (tree replay "
-                     "on a mesh: tree_sharding.tree_loss_and_grad)")
-  if cfg.loss.kl_coef:
-    raise ValueError(f"loss.kl_coef={cfg.loss.kl_coef}: the tree trainer has no reference "
-                     "policy yet; expected 0")
-  if len(cfg.tree.fanout_tuple) != 2:
-    raise ValueError(f"tree.fanouts={cfg.tree.fanouts!r}: task {cfg.task.name!r} has two "
-                     "turns; expected two fan-outs, e.g. '4x4'")
-  t_start = time.time()
-  workdir = checkpoint.check_workdir(workdir)
-  task = tasks.make(cfg.task)
-  ckpt = checkpoint.Checkpointer(workdir, cfg)
-  ckpt.check_config()
-  state = train.init_state(cfg, init_params)
-  start = ckpt.latest_step() or 0
-  if start:
-    state = TrainState(**ckpt.restore(start, train._state_dict(state)))
-  writer = metrics.MetricsWriter(os.path.join(workdir, "metrics.jsonl"))
-  t = cfg.train
-  key_cfg = dataclasses.replace(train._compile_key(cfg), task=cfg.task)
-  fns = types.SimpleNamespace(**_compiled(key_cfg, task.turn_lengths, task.stop_tokens(tok)))
-  eval_examples = train._examples(task, t.seed, 2**31, t.eval_size) if t.eval_size else []
-
-  def evaluate(state, step):
-    prompt_BP, valid_BP = tasks.encode_left([e.prompt for e in eval_examples],
-                                            task.max_prompt_len, tok)
-    s = fns.greedy(state.params, prompt_BP=prompt_BP, prompt_valid_BP=valid_BP,
-                   key=jax.random.key(0))
-    reward = float(rewards_of(task, eval_examples, s, (1, 1), tok).mean())
-    writer.write({"step": step, "kind": "eval", "eval/greedy_reward": reward})
-    return reward
-
-  for step in range(start, t.total_steps):
-    t0 = time.time()
-    rec = {"step": step, "kind": "train"}
-    if step < t.sft_steps:
-      rec.update(phase="sft", **{"time/sample_s": 0.0})
-      batch = sft_batch(task, np.random.default_rng([t.seed, step]), cfg, tok)
-      tree.validate(batch, cfg.model.vocab_size)
-      step_fn = fns.sft_step
-    else:
-      rec["phase"] = "rl"
-      if step == t.sft_steps and eval_examples:
-        evaluate(state, step)
-      batch, sampled = rl_batch(fns, state, task, cfg, step, tok)
-      rec.update(sampled)
-      step_fn = fns.rl_step
-    t1 = time.time()
-    state, out = step_fn(state, batch)
-    out = {k: float(v) for k, v in jax.device_get(out).items()}
-    rec["time/train_s"] = time.time() - t1
-    train._finite_or_stop(out, step, ckpt)
-    root, below, naive = batch.token_counts()
-    rec.update(out)
-    rec.update({"replay/prefix_tokens": root, "replay/tail_tokens": below,
-                "replay/naive_equiv_tokens": naive,
-                "replay/computed_tokens": naive if cfg.replay.mode == "naive" else root + below,
-                "time/step_s": time.time() - t0})
-    writer.write(rec)
-    if (step + 1) % t.checkpoint_every == 0 or step + 1 == t.total_steps:
-      ckpt.save(step + 1, train._state_dict(state))
-    if t.progress and step % 10 == 0:
-      print(f"step {step} {rec['phase']}: loss {out['loss/policy']:.3f}"
-            + (f" reward {rec['reward/mean']:.3f} turn1 {rec['reward/turn1']:.3f}"
-               if "reward/mean" in rec else ""), flush=True)
-  records = metrics.read(writer.path)
-  if eval_examples and t.rl_steps and not any(
-      r.get("kind") == "eval" and r["step"] == t.total_steps for r in records):
-    evaluate(state, t.total_steps)
-    records = metrics.read(writer.path)
-  ckpt.close()
-  plot_path = metrics.plot(records, os.path.join(workdir, "metrics.png")) if t.plot else None
-  summary = train.summarize(records, cfg)
-  summary.update(workdir=workdir, checkpoint=ckpt.directory, metrics=writer.path,
-                 plot=plot_path, wall_s=time.time() - t_start, final_params=state.params)
-  return summary
+  return types.SimpleNamespace(
+      rl_step=jax.jit(make_tree_train_step(cfg, "rl"), donate_argnums=0),
+      sft_step=jax.jit(make_tree_train_step(cfg, "sft"), donate_argnums=0),
+      sample=jax.jit(functools.partial(sample, cfg=cfg.sampler)),
+      greedy=jax.jit(functools.partial(sample, cfg=greedy_cfg, fanouts=(1, 1))))

@@ -1,5 +1,5 @@
 """Q2: does training converge the same? Reward and loss curves of replay vs naive over
-seeds (each a whole `train.run` of the default experiment, warm-up included), plotted with
+seeds (each a whole `trainer.run` of the default experiment, warm-up included), plotted with
 seed bands, and the per-step gradient cosine of the two modes on identical batches.
 
   python experiments/q2_convergence.py --out=experiments/results/q2_cpu_$(date +%F).jsonl \
@@ -56,7 +56,8 @@ def define_flags():
 
 
 def curves(experiment, overrides, seeds, modes, rl_steps, root, writer) -> list[dict]:
-  from branch_replay import metrics, train
+  from branch_replay import metrics
+  from branch_replay import trainer
   from experiments import rl_step
   rows = []
   for mode in modes:
@@ -64,7 +65,7 @@ def curves(experiment, overrides, seeds, modes, rl_steps, root, writer) -> list[
       cfg = rl_step.config_for(experiment, overrides, mode=mode, seed=seed, rl_steps=rl_steps)
       cfg = rl_step.replace_train(cfg, progress=False, plot=False)
       workdir = os.path.join(root, f"{mode}_seed{seed}")
-      summary = train.run(cfg, workdir)
+      summary = trainer.run(cfg, workdir)
       for rec in metrics.read(summary["metrics"]):
         keep = {k: rec.get(k) for k in ("step", "phase", "reward/mean", "loss/policy",
                                         "eval/greedy_reward", "time/step_s") if k in rec}
@@ -74,13 +75,14 @@ def curves(experiment, overrides, seeds, modes, rl_steps, root, writer) -> list[
 
 
 def cosines(experiment, overrides, seed, steps, root, writer) -> list[dict]:
-  from branch_replay import train
+  from branch_replay import state as train_state
+  from branch_replay import trainer
   from experiments import rl_step
   cfg = rl_step.config_for(experiment, overrides, mode="replay", seed=seed, rl_steps=0)
   cfg = rl_step.replace_train(cfg, progress=False, plot=False, eval_size=0)
-  warm = train.run(cfg, os.path.join(root, f"warmup_seed{seed}"))["final_params"]
+  warm = trainer.run(cfg, os.path.join(root, f"warmup_seed{seed}"))["final_params"]
   cfg = rl_step.replace_train(cfg, sft_steps=0, rl_steps=steps)
-  stepper = rl_step.Stepper(cfg, train.init_state(cfg, init_params=warm))
+  stepper = rl_step.Stepper(cfg, train_state.init_state(cfg, init_params=warm))
   rows = []
   for k in range(steps):
     batch, _, reward = stepper.batch(k)

@@ -42,7 +42,8 @@ def main():
   ap.add_argument("--workdir", default="/tmp/rl_compare")
   args = ap.parse_args()
   import importlib
-  from branch_replay import config as config_lib, train
+  from branch_replay import config as config_lib
+  from branch_replay import trainer
   commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                           text=True).stdout.strip()
   for name in args.only.split(","):
@@ -53,7 +54,7 @@ def main():
                                      .get_config(), overrides)
     workdir = os.path.join(args.workdir, name)
     t0 = time.time()
-    s = train.run(cfg, workdir)
+    s = trainer.run(cfg, workdir)
     s.pop("final_params", None)
     row = {"algorithm": name, "git_commit": commit,
            "command": f"python run.py --experiment={experiment} "

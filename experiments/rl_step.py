@@ -1,4 +1,4 @@
-"""One whole RL step taken apart by phase, from train.py's own pieces (the Q1 and Q2
+"""One whole RL step taken apart by phase, through train.py's public rollout (the Q1 and Q2
 experiments and the notebooks use it): sample -> reward -> assemble -> (reference score) ->
 update, each phase timed with its results ready.
 
@@ -15,12 +15,11 @@ import importlib
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from branch_replay import config as config_lib
-from branch_replay import losses, policy, sampler, sharding, tasks, train
-from branch_replay.batch import validate
+from branch_replay import policy, tasks, train
+from branch_replay import state as train_state
 
 
 def config_for(experiment: str, overrides=(), mode: str | None = None, seed: int | None = None,
@@ -39,39 +38,20 @@ class Stepper:
   def __init__(self, cfg, state=None):
     self.cfg = cfg
     self.task = tasks.make(cfg.task)
-    self.fns = train._compiled(train._compile_key(cfg))
-    self.state = train.init_state(cfg) if state is None else state
+    self.fns = train.compiled(train.compile_key(cfg))
+    self.state = train_state.init_state(cfg) if state is None else state
 
   def batch(self, step: int):
-    """(batch, phase seconds, reward/mean): sampling and rewards exactly as train.rl_batch."""
-    cfg, t = self.cfg, {}
+    """(batch, phase seconds, reward/mean) from the trainer's own rollout (train.rl_batch:
+    sample, reward, advantages, reference scores), placed as the trainer places it."""
+    cfg = self.cfg
+    batch, _, stats = train.rl_batch(self.fns, self.state, self.task, cfg, step)
     t0 = time.perf_counter()
-    examples = train._examples(self.task, cfg.train.seed, step, cfg.train.batch_size)
-    prompt_BP, valid_BP = tasks.encode_left([e.prompt for e in examples],
-                                            self.task.max_prompt_len)
-    placed = train.place((prompt_BP, valid_BP), "batch", cfg)
-    key = jax.random.fold_in(jax.random.wrap_key_data(self.state.rng), step)
-    t1 = time.perf_counter()
-    samples = jax.block_until_ready(self.fns.sample(self.state.params, prompt_BP=placed[0],
-                                                    prompt_valid_BP=placed[1], key=key))
-    if cfg.mesh:  # as train.rl_batch: every process decodes and rewards all samples
-      samples = sharding.to_host(samples)
-    t2 = time.perf_counter()
-    rewards_BR = train.rewards_of(self.task, examples, train.completions(samples))
-    t3 = time.perf_counter()
-    adv_BR = losses.group_advantages(jnp.asarray(rewards_BR), use_std=cfg.train.advantage_std)
-    batch = sampler.to_batch(prompt_BP, valid_BP, samples, adv_BR)
-    if self.state.ref_params is not None:
-      scored = jax.block_until_ready(
-          self.fns.score(self.state.ref_params, batch=train.place(batch, "batch", cfg)))
-      ref_BRT, ref_trunk_BW = sharding.to_host(scored) if cfg.mesh else scored
-      batch = batch.replace(ref_logp_BRT=ref_BRT,
-                            trunk_ref_logp_BW=ref_trunk_BW if batch.trunk_len else None)
-    validate(batch, cfg.model.vocab_size, cfg.replay.branch_chunk)
-    batch = jax.block_until_ready(train.place(batch, "batch", cfg))
-    t4 = time.perf_counter()
-    t.update(data_s=t1 - t0, sample_s=t2 - t1, reward_s=t3 - t2, assemble_s=t4 - t3)
-    return batch, t, float(rewards_BR.mean())
+    batch = jax.block_until_ready(train_state.place(batch, "batch", cfg))
+    t = {f"{name}_s": stats[f"time/{name}_s"] for name in ("data", "reward", "assemble")}
+    t["sample_s"] = stats["time/generate_s"]
+    t["assemble_s"] += time.perf_counter() - t0
+    return batch, t, stats["reward/mean"]
 
   def update(self, batch):
     t0 = time.perf_counter()
@@ -90,7 +70,8 @@ class Stepper:
 @functools.lru_cache(maxsize=8)
 def _loss_and_grad(cfg, mode):
   chunk = cfg.replay.branch_chunk if mode == "replay" else None
-  return jax.jit(lambda p, b: policy.loss_and_grad(p, b, cfg.model, cfg.loss, mode, chunk))
+  loss_cfg = train.rl_loss_config(cfg)  # at the sampler's temperature, as the trainer
+  return jax.jit(lambda p, b: policy.loss_and_grad(p, b, cfg.model, loss_cfg, mode, chunk))
 
 
 def grads_both_modes(params, batch, cfg):

@@ -20,7 +20,6 @@ from branch_replay.config import Config, ReplayConfig, TrainConfig
 from branch_replay.losses import LossConfig
 from branch_replay.sampler import SamplerConfig
 from branch_replay.tasks import TaskConfig
-from branch_replay import tree_task  # noqa: F401  (registers task tree_haystack)
 from branch_replay.tokenizer import TOKENIZER
 from branch_replay.tree import TreeConfig
 from models.transformer import ModelConfig
@@ -33,7 +32,7 @@ def get_config() -> Config:
       loss=LossConfig(name="grpo", aggregation="token_mean", epsilon=0.2),
       replay=ReplayConfig(mode="replay"),
       train=TrainConfig(seed=0, sft_steps=600, sft_batch_size=32, sft_learning_rate=3e-3,
-                        rl_steps=150, batch_size=8, n_branches=4, learning_rate=1e-3,
+                        rl_steps=150, batch_size=8, learning_rate=1e-3,
                         checkpoint_every=50, keep_checkpoints=2, eval_size=128),
       sampler=SamplerConfig(temperature=1.0),
       task=TaskConfig(name="tree_haystack", prompt_len=256, n_keys=4, value_len=1,

@@ -34,9 +34,9 @@ def worker():
       return await finalize(self, *a, **k)
 
     atomicity.AtomicRenameTemporaryPath.finalize = die_mid_save
-  from branch_replay import train
+  from branch_replay import trainer
   from train_test import tiny
-  train.run(tiny("train.rl_steps=2"), args.workdir)  # 3 steps, a checkpoint after each
+  trainer.run(tiny("train.rl_steps=2"), args.workdir)  # 3 steps, a checkpoint after each
 
 
 def _run(*args):
@@ -47,7 +47,7 @@ def _run(*args):
 
 @pytest.mark.slow  # two training subprocesses: ~1 min on an idle 2-core CPU, 7 under load
 def test_kill_9_during_checkpoint_save_then_resume(tmp_path):
-  from branch_replay import metrics, train
+  from branch_replay import metrics, trainer
   from train_test import tiny
 
   workdir = tmp_path / "w"
@@ -62,7 +62,7 @@ def test_kill_9_during_checkpoint_save_then_resume(tmp_path):
   assert [r["step"] for r in records] == [0, 1, 2]
   # Equal to an uninterrupted run (step 1 was logged twice: before the kill and after the
   # resume from checkpoint 1; the last line wins and equals the uninterrupted one).
-  train.run(tiny("train.rl_steps=2"), str(tmp_path / "full"))
+  trainer.run(tiny("train.rl_steps=2"), str(tmp_path / "full"))
   untimed = lambda rs: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rs]
   reference = [r for r in metrics.read(str(tmp_path / "full" / "metrics.jsonl"))
                if r["kind"] == "train"]

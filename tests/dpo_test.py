@@ -6,7 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from branch_replay import dpo, metrics, train
+from branch_replay import dpo, metrics
+from branch_replay import trainer
 from branch_replay.config import Config, apply_overrides
 from models import transformer as tfm
 
@@ -21,7 +22,7 @@ def tiny(*overrides):
 
 
 def test_dpo_run_end_to_end_and_resume(tmp_path):
-  s = train.run(tiny(), str(tmp_path / "a"))
+  s = trainer.run(tiny(), str(tmp_path / "a"))
   recs = [r for r in metrics.read(s["metrics"]) if r.get("phase") == "dpo"]
   assert len(recs) == 3
   for k in ("dpo/accuracy", "dpo/margin", "rewards/chosen", "rewards/rejected", "loss/policy"):
@@ -30,7 +31,7 @@ def test_dpo_run_end_to_end_and_resume(tmp_path):
   assert recs[0]["dpo/margin"] == 0.0 and recs[0]["loss/policy"] == pytest.approx(
       2 * np.log(2), rel=1e-5)
   assert recs[-1]["dpo/margin"] > 0  # the updates separate chosen from rejected
-  s2 = train.run(tiny("train.rl_steps=4"), str(tmp_path / "a"))  # resume restores the ref
+  s2 = trainer.run(tiny("train.rl_steps=4"), str(tmp_path / "a"))  # resume restores the ref
   assert len([r for r in metrics.read(s2["metrics"]) if r.get("phase") == "dpo"]) == 4
 
 
@@ -52,7 +53,7 @@ def test_dpo_run_from_jsonl(tmp_path):
   rows = [{"prompt": "ab.K3?K", "chosen": "3", "rejected": "4"},
           {"prompt": "x", "chosen": "12", "rejected": "7"}]
   path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-  s = train.run(tiny(f"dpo.pairs_file={path}", "train.rl_steps=1"), str(tmp_path / "run"))
+  s = trainer.run(tiny(f"dpo.pairs_file={path}", "train.rl_steps=1"), str(tmp_path / "run"))
   assert s["steps"] == 2
 
 

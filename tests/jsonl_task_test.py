@@ -1,6 +1,6 @@
 """Tasks from a JSON-lines file: loading, the train/eval split, left truncation or rejection,
 the warm-up from `answer`, errors naming file and line, the task registry and its options,
-and a short run through train.run (TensorBoard events beside metrics.jsonl)."""
+and a short run through trainer.run (TensorBoard events beside metrics.jsonl)."""
 
 import dataclasses
 import json
@@ -11,6 +11,7 @@ import pytest
 
 from branch_replay import config as config_lib
 from branch_replay import metrics, tasks, train
+from branch_replay import trainer
 from branch_replay.config import Config, apply_overrides
 from branch_replay.tokenizer import TOKENIZER
 from models import transformer as tfm
@@ -164,7 +165,7 @@ def test_jsonl_run_writes_tensorboard_events(tmp_path):
       "train.sft_steps=1", "train.rl_steps=1", "train.batch_size=2", "train.n_branches=2",
       "train.sft_batch_size=2", "sampler.max_new_tokens=4", "train.eval_size=2",
       "train.progress=false", "train.plot=false", "train.checkpoint_every=1"])
-  s = train.run(cfg, str(tmp_path / "run"))
+  s = trainer.run(cfg, str(tmp_path / "run"))
   records = metrics.read(s["metrics"])
   assert [(r["step"], r["kind"]) for r in records] == [(0, "train"), (1, "eval"), (1, "train"),
                                                        (2, "eval")]
@@ -185,24 +186,20 @@ def test_garbage_reward_stops_the_run(tmp_path):
       "train.batch_size=2", "train.n_branches=2", "sampler.max_new_tokens=2",
       "train.eval_size=0", "train.progress=false", "train.plot=false"])
   with pytest.raises(ValueError, match=rf"returned nan for {path}:\d example 0 branch 1"):
-    train.run(cfg, str(tmp_path / "run"))
+    trainer.run(cfg, str(tmp_path / "run"))
   assert not os.path.exists(tmp_path / "run" / "checkpoints" / "1")
 
 
 def test_run_py_names_the_bad_line_before_compute(tmp_path):
-  import subprocess
-  import sys
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  import re
+  import run  # its parser, in process (train_test starts run.py itself once)
   path = write(tmp_path / "d.jsonl", reverse_lines(3) + ['{"prompt": "abc"}'])
-  for sets, message in [
-      ([f"task.path={path}", "task.reward=exact_match"],
-       f"error: {path}:4: missing field 'answer'"),
-      ([f"task.path={path}", "task.reward=exactmatch"],
-       "task.reward='exactmatch': unknown reward; expected one of ['contains', 'exact_match'"),
-  ]:
-    out = subprocess.run(
-        [sys.executable, "run.py", "--set=task.name=jsonl", *[f"--set={s}" for s in sets],
-         f"--workdir={tmp_path / 'w'}"], cwd=root, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    assert out.returncode != 0 and message in out.stderr, out.stderr[-2000:]
-    assert not os.path.exists(tmp_path / "w" / "checkpoints")  # nothing ran
+  argv = ["run.py", "--set=task.name=jsonl", f"--set=task.path={path}",
+          f"--workdir={tmp_path / 'w'}"]
+  _, cfg, _, _ = run.parse(argv + ["--set=task.reward=exact_match"])
+  with pytest.raises(ValueError, match=re.escape(f"{path}:4: missing field 'answer'")):
+    trainer.run(cfg, str(tmp_path / "w"))
+  assert not os.path.exists(tmp_path / "w" / "checkpoints")  # nothing ran
+  with pytest.raises(run.app.UsageError, match=re.escape(
+      "task.reward='exactmatch': unknown reward; expected one of ['contains', 'exact_match'")):
+    run.parse(argv + ["--set=task.reward=exactmatch"])

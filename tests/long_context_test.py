@@ -11,6 +11,7 @@ import pytest
 
 from branch_replay import config as config_lib
 from branch_replay import losses, policy, train
+from branch_replay import state as train_state
 from models import transformer as tfm
 from tests.replay_test import assert_equal_f64, make_batch, max_rel_err
 
@@ -79,7 +80,7 @@ def test_bfloat16_compute_moves_float32_masters_at_small_lr():
   parameters (in bf16 most such updates round to nothing: |update| << bf16 spacing)."""
   cfg = config_lib.Config(model=tfm.preset("tiny", dtype="bfloat16", param_dtype="float32"),
                           train=config_lib.TrainConfig(learning_rate=1e-6, rl_steps=1))
-  state = train.init_state(cfg)
+  state = train_state.init_state(cfg)
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.params))
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.opt_state)
              if jnp.issubdtype(x.dtype, jnp.floating))

@@ -9,7 +9,9 @@ import jax
 import numpy as np
 import pytest
 
-from branch_replay import tasks, train
+from branch_replay import tasks
+from branch_replay import trainer
+from branch_replay import state as train_state
 from branch_replay import tokenizer as tokenizer_lib
 from branch_replay.config import Config, apply_overrides
 from models import hf
@@ -57,9 +59,9 @@ def test_train_starts_from_imported_params_with_its_tokenizer(tmp_path):
       "sampler.max_new_tokens=2", "train.eval_size=0", "train.progress=false",
       "train.plot=false", "train.learning_rate=1e-4", "train.sft_learning_rate=1e-4",
       "train.weight_decay=0.0"])
-  state = train.init_state(cfg, loaded)
+  state = train_state.init_state(cfg, loaded)
   jax.tree.map(np.testing.assert_array_equal, state.params, params)  # not a random init
-  s = train.run(cfg, str(tmp_path / "run"), init_params=loaded, tokenizer=tok)
+  s = trainer.run(cfg, str(tmp_path / "run"), init_params=loaded, tokenizer=tok)
   assert s["steps"] == 2
   # An AdamW step moves each parameter by about the learning rate: the run trained the
   # imported weights, not a fresh init (which differs from them by O(0.1-1)).
@@ -67,7 +69,7 @@ def test_train_starts_from_imported_params_with_its_tokenizer(tmp_path):
                        s["final_params"], params)
   assert 0 < max(jax.tree.leaves(moved)) <= 3e-4
   with pytest.raises(ValueError, match="parameter tree does not match"):
-    train.init_state(dataclasses.replace(cfg, model=tfm.preset("tiny", vocab_size=128)), loaded)
+    train_state.init_state(dataclasses.replace(cfg, model=tfm.preset("tiny", vocab_size=128)), loaded)
 
 
 @pytest.mark.slow

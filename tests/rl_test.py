@@ -11,7 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from branch_replay import advantages, critic, dapo, losses, policy, sampler, train
+from branch_replay import (advantages, checkpoint, critic, dapo, losses, metrics, policy,
+                           sampler, train)
+from branch_replay import trainer
+from branch_replay import state as train_state
 from branch_replay.config import Config, apply_overrides
 from models import transformer as tfm
 from replay_test import assert_equal_f64, make_batch, max_rel_err, model
@@ -333,10 +336,10 @@ def test_critic_step_fits_a_fixed_batch():
   cfg = apply_overrides(Config(model=tfm.preset("tiny")), [
       "train.advantage=gae", "loss.name=ppo", "critic.learning_rate=3e-3"])
   params = tfm.init_params(cfg.model, jax.random.key(0))
-  state = train.TrainState(params, None, jnp.zeros((), jnp.int32), None, None, None)
+  state = train_state.TrainState(params, None, jnp.zeros((), jnp.int32), None, None, None)
   cparams = critic.init_params(cfg.model, jax.random.key(1), params)
   state = state.replace(critic=dict(params=cparams,
-                                    opt_state=train.make_critic_optimizer(cfg).init(cparams)))
+                                    opt_state=train_state.make_critic_optimizer(cfg).init(cparams)))
   batch = make_batch(5, B=2, R=4, P=6, T=3, W=1, ragged=True, pad_prefix=False)
   seq = np.concatenate([np.broadcast_to(np.asarray(batch.prefix_BP)[:, None], (2, 4, 6)),
                         np.asarray(batch.tails_BRT)], -1)
@@ -367,8 +370,8 @@ def test_ppo_with_critic_epochs_and_minibatches_runs(tmp_path):
   cfg = tiny("loss.name=ppo", "train.advantage=gae",
              "train.ppo_epochs=2", "train.minibatches=2", "sampler.trunk_len=1",
              "sampler.temperature=0.8")
-  s = train.run(cfg, str(tmp_path / "ppo"))
-  recs = [r for r in train.metrics.read(s["metrics"]) if r.get("kind") == "train"]
+  s = trainer.run(cfg, str(tmp_path / "ppo"))
+  recs = [r for r in metrics.read(s["metrics"]) if r.get("kind") == "train"]
   assert len(recs) == 2
   for r in recs:
     for k in ("loss/value", "clip_frac", "approx_kl", "ratio/max", "value/mean"):
@@ -380,7 +383,7 @@ def test_ppo_with_critic_epochs_and_minibatches_runs(tmp_path):
   assert "value_ev_before" in s and "value_ev_after" in s
   assert "value/explained_variance (pooled" in train.format_summary(s)
   # resume restores the critic (same run continued equals nothing broken)
-  s2 = train.run(apply_overrides(cfg, ["train.rl_steps=3"]), str(tmp_path / "ppo"))
+  s2 = trainer.run(apply_overrides(cfg, ["train.rl_steps=3"]), str(tmp_path / "ppo"))
   assert s2["steps"] == 3
 
 
@@ -393,8 +396,8 @@ def test_ppo_with_shared_critic_runs_and_checkpoints(tmp_path):
              "train.ppo_epochs=2", "train.minibatches=2", "sampler.trunk_len=1",
              "train.overlong_buffer=1", "train.checkpoint_every=1")
   workdir = str(tmp_path / "shared")
-  s = train.run(cfg, workdir)
-  recs = [r for r in train.metrics.read(s["metrics"]) if r.get("kind") == "train"]
+  s = trainer.run(cfg, workdir)
+  recs = [r for r in metrics.read(s["metrics"]) if r.get("kind") == "train"]
   assert len(recs) == 2
   for r in recs:
     for k in ("loss/value", "value/mean", "value/clip_frac", "value/grad_norm",
@@ -402,10 +405,10 @@ def test_ppo_with_shared_critic_runs_and_checkpoints(tmp_path):
       assert r[k] is not None and np.isfinite(r[k]), (k, r)
   assert recs[0]["value/mean"] == 0.0 and recs[0]["loss/value"] > 0  # the zero head, then
   assert recs[1]["value/mean"] != 0.0  # the head has moved
-  fresh = train.init_state(cfg)
+  fresh = train_state.init_state(cfg)
   assert set(fresh.critic["params"]) == {"head"}
-  ckpt = train.checkpoint.Checkpointer(workdir, cfg)
-  restored = ckpt.restore(2, train._state_dict(fresh))
+  ckpt = checkpoint.Checkpointer(workdir, cfg)
+  restored = ckpt.restore(2, train_state.state_dict(fresh))
   ckpt.close()
   assert set(restored["critic"]["params"]) == {"head"}
   assert float(jnp.abs(restored["critic"]["params"]["head"]["w_D"]).max()) > 0
@@ -413,13 +416,34 @@ def test_ppo_with_shared_critic_runs_and_checkpoints(tmp_path):
                restored["params"], s["final_params"])
 
 
-def test_grpo_family_runs_rloo_gspo_dapo(tmp_path):
+def test_grpo_family_runs_rloo_gspo_dapo(tmp_path, monkeypatch):
+  """The trainer takes each option to where it acts: the shaped rewards of the kept groups
+  to the rloo estimator (whose advantages are leave-one-out), the gspo objective's sequence
+  function into the compiled step, DAPO's rounds and kept fraction into the metrics."""
+  seen, traced = [], []
+  rloo = advantages.ESTIMATORS["rloo"]
+  monkeypatch.setitem(advantages.ESTIMATORS, "rloo",
+                      lambda r_BR, t: seen.append((np.array(r_BR), rloo(r_BR, t))) or seen[-1][1])
+  gspo = losses.OBJECTIVES["gspo"]
+  monkeypatch.setitem(losses.OBJECTIVES, "gspo", dataclasses.replace(
+      gspo, sequence_fn=lambda *a: traced.append(1) or gspo.sequence_fn(*a)))
   cfg = tiny("loss.name=gspo", "loss.aggregation=seq_mean", "train.advantage=rloo",
              "train.dynamic_sampling=true", "train.max_sample_rounds=2",
-             "train.overlong_buffer=1")
-  s = train.run(cfg, str(tmp_path / "g"))
-  recs = [r for r in train.metrics.read(s["metrics"]) if r.get("kind") == "train"]
-  assert all("dapo/kept_frac" in r and 1 <= r["dapo/rounds"] <= 2 for r in recs)
+             "train.overlong_buffer=1", "train.checkpoint_every=1")
+  s = trainer.run(cfg, str(tmp_path / "g"))
+  recs = [r for r in metrics.read(s["metrics"]) if r.get("kind") == "train"]
+  assert len(recs) == len(seen) == 2 and traced  # one estimate per step; gspo compiled
+  for r, (rewards_BR, adv_BR) in zip(recs, seen):
+    R = rewards_BR.shape[1]
+    np.testing.assert_allclose(adv_BR, (rewards_BR * R - rewards_BR.sum(1, keepdims=True))
+                               / (R - 1), rtol=1e-6)
+    assert r["reward/shaped_mean"] == pytest.approx(rewards_BR.mean(), abs=1e-6)
+    assert r["reward/shaped_mean"] <= r["reward/mean"] + 1e-6  # the overlong penalty is >= 0
+    assert 1 <= r["dapo/rounds"] <= 2
+    informative = int((rewards_BR.std(1) > 0).sum())  # kept groups come first
+    assert r["dapo/kept_frac"] == pytest.approx(min(informative, 4) / 4)
+    if r["dapo/rounds"] == 1:  # stopped early: every group of the batch was informative
+      assert informative == 4
 
 
 @pytest.mark.parametrize("overrides, match", [

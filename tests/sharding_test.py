@@ -206,13 +206,14 @@ def tiny_config(tmp_path, mesh, *extra):
 
 @pytest.mark.slow
 def test_trainer_on_a_mesh_matches_one_device(tmp_path):
-  """train.run with mesh=data:2,fsdp:2,tensor:2 (the place() / make_train_step path) takes
+  """trainer.run with mesh=data:2,fsdp:2,tensor:2 (the place() / make_train_step path) takes
   the same warm-up step as one device, leaves FSDP-sharded parameters and a checkpoint."""
-  from branch_replay import metrics, train
+  from branch_replay import metrics
+  from branch_replay import trainer
   runs = {}
   for mesh in ("", "data:2,fsdp:2,tensor:2"):
     workdir = str(tmp_path / (mesh.replace(":", "").replace(",", "_") or "one"))
-    summary = train.run(tiny_config(tmp_path, mesh), workdir)
+    summary = trainer.run(tiny_config(tmp_path, mesh), workdir)
     runs[mesh] = summary, [r for r in metrics.read(summary["metrics"]) if r["kind"] == "train"]
   (one, one_records), (sharded, sharded_records) = runs[""], runs["data:2,fsdp:2,tensor:2"]
   assert [r["step"] for r in sharded_records] == [0, 1]

@@ -1,17 +1,16 @@
 """The trainer end to end on a tiny model: a 3-step run, resume == uninterrupted, replay ==
-naive, determinism, and the bad-input paths (workdir, NaN, incompatible checkpoint, CLI)."""
+naive, determinism, and the bad-input paths (workdir, incompatible checkpoint, CLI; the NaN
+stop: tests/trainer_test.py)."""
 
-import json
 import os
 import subprocess
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from branch_replay import checkpoint, metrics, policy, train
+from branch_replay import metrics, train, trainer
 from branch_replay.config import Config, apply_overrides
 from models import transformer as tfm
 
@@ -42,7 +41,7 @@ def _untimed(records):
 def test_three_step_run_end_to_end_and_same_seed_same_metrics(tmp_path):
   cfg = tiny("train.eval_size=4", "train.plot=true", "loss.kl_coef=0.05",
              "train.checkpoint_every=2", "sampler.trunk_len=1")
-  s = train.run(cfg, str(tmp_path / "a"))
+  s = trainer.run(cfg, str(tmp_path / "a"))
   recs = _train_records(s["workdir"])
   assert [r["step"] for r in recs] == [0, 1, 2]
   assert [r["phase"] for r in recs] == ["sft", "rl", "rl"]
@@ -59,18 +58,18 @@ def test_three_step_run_end_to_end_and_same_seed_same_metrics(tmp_path):
   assert os.path.getsize(s["plot"]) > 1000
   assert "token positions computed" in train.format_summary(s)
   # The same seed in a fresh workdir gives the same metrics.
-  s2 = train.run(cfg, str(tmp_path / "b"))
+  s2 = trainer.run(cfg, str(tmp_path / "b"))
   assert _untimed(_train_records(s2["workdir"])) == _untimed(recs)
   # A different seed does not.
-  s3 = train.run(apply_overrides(cfg, ["train.seed=1"]), str(tmp_path / "c"))
+  s3 = trainer.run(apply_overrides(cfg, ["train.seed=1"]), str(tmp_path / "c"))
   assert _untimed(_train_records(s3["workdir"])) != _untimed(recs)
 
 
 def test_resume_equals_uninterrupted(tmp_path):
-  full = train.run(tiny("train.rl_steps=3"), str(tmp_path / "full"))
+  full = trainer.run(tiny("train.rl_steps=3"), str(tmp_path / "full"))
   workdir = str(tmp_path / "resumed")
-  train.run(tiny("train.rl_steps=1"), workdir)  # stops after step 2 (checkpoint 2)
-  resumed = train.run(tiny("train.rl_steps=3"), workdir)  # restores 2, runs 2, 3
+  trainer.run(tiny("train.rl_steps=1"), workdir)  # stops after step 2 (checkpoint 2)
+  resumed = trainer.run(tiny("train.rl_steps=3"), workdir)  # restores 2, runs 2, 3
   recs = _train_records(workdir)
   assert [r["step"] for r in recs] == [0, 1, 2, 3]
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6),
@@ -79,8 +78,8 @@ def test_resume_equals_uninterrupted(tmp_path):
 
 
 def test_replay_and_naive_modes_agree(tmp_path):
-  a = train.run(tiny("train.rl_steps=2"), str(tmp_path / "replay"))
-  b = train.run(tiny("train.rl_steps=2", "replay.mode=naive"), str(tmp_path / "naive"))
+  a = trainer.run(tiny("train.rl_steps=2"), str(tmp_path / "replay"))
+  b = trainer.run(tiny("train.rl_steps=2", "replay.mode=naive"), str(tmp_path / "naive"))
   ra, rb = _train_records(a["workdir"]), _train_records(b["workdir"])
   assert len(ra) == len(rb) == 3
   for x, y in zip(ra, rb):
@@ -98,41 +97,16 @@ def test_unwritable_workdir_fails_before_compute(tmp_path):
   blocker = tmp_path / "file"
   blocker.write_text("x")
   with pytest.raises(ValueError, match="--workdir=.*not a writable directory"):
-    train.run(tiny(), str(blocker / "sub"))
+    trainer.run(tiny(), str(blocker / "sub"))
 
 
 def test_incompatible_checkpoint_is_an_error(tmp_path):
   workdir = str(tmp_path / "w")
-  train.run(tiny("train.rl_steps=1"), workdir)
+  trainer.run(tiny("train.rl_steps=1"), workdir)
   with pytest.raises(ValueError, match=r"incompatible config: model.d_model: saved 32, now 64"):
-    train.run(tiny("model.d_model=64"), workdir)
+    trainer.run(tiny("model.d_model=64"), workdir)
   with pytest.raises(ValueError, match=r"train.n_branches: saved 4, now 2"):
-    train.run(tiny("train.n_branches=2"), workdir)
-
-
-def test_nan_loss_stops_with_step_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
-  workdir = str(tmp_path / "w")
-  good = train.run(tiny("train.rl_steps=1"), workdir)  # checkpoints 1, 2
-
-  def nan_loss(*args, **kwargs):
-    loss, aux, grads = real(*args, **kwargs)
-    return loss * jnp.nan, aux, grads
-
-  real = policy.loss_and_grad
-  monkeypatch.setattr(policy, "loss_and_grad", nan_loss)
-  train._compiled.cache_clear()
-  try:
-    with pytest.raises(FloatingPointError, match="loss/policy is nan at step 2.*last good "
-                       "checkpoint is step 2"):
-      train.run(tiny("train.rl_steps=3"), workdir)
-  finally:
-    train._compiled.cache_clear()
-  cfg = tiny()
-  ckpt = checkpoint.Checkpointer(workdir, cfg)
-  assert ckpt.latest_step() == 2
-  restored = ckpt.restore(2, train._state_dict(train.init_state(cfg)))
-  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
-               restored["params"], good["final_params"])
+    trainer.run(tiny("train.n_branches=2"), workdir)
 
 
 def _cli(*args):
@@ -141,16 +115,31 @@ def _cli(*args):
                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
 
+def test_cli_usage_error_exits_with_the_message():  # the one start-up of run.py itself
+  out = _cli("--experiment=nope")
+  assert out.returncode != 0
+  assert "--experiment='nope': unknown; expected one of [" in out.stderr, out.stderr[-2000:]
+  assert "grpo_haystack" in out.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["--experiment=nope"], "--experiment='nope': unknown; expected one of ["),
     (["--set=train.n_branchez=8"], "unknown field 'n_branchez' of train"),
     (["--set=task.name=sorting"], "task.name='sorting'"),
     (["--bogus=1"], "Unknown command line flag 'bogus'"),
     (["--mode=fast"], "--mode"),
+    (["extra"], "unexpected arguments: ['extra']"),
 ])
 def test_cli_usage_errors_name_the_culprit(args, message):
-  out = _cli(*args)
-  assert out.returncode != 0
-  assert message in out.stderr + out.stdout, out.stderr[-2000:]
-  if "nope" in args[0]:
-    assert "grpo_haystack" in out.stderr
+  import run
+  with pytest.raises(run.app.UsageError) as e:
+    run.parse(["run.py", *args])
+  assert message in str(e.value)
+
+
+def test_cli_parses_the_experiment_and_overrides():
+  import run
+  fv, cfg, init_params, tok = run.parse(["run.py", "--experiment=tree_haystack", "--mode=naive",
+                                         "--set=train.rl_steps=3", "--workdir=/tmp/x"])
+  assert (cfg.tree.fanouts, cfg.replay.mode, cfg.train.rl_steps) == ("4x4", "naive", 3)
+  assert fv.workdir == "/tmp/x" and init_params is None and tok is None

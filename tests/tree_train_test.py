@@ -44,8 +44,8 @@ def test_tree_run_end_to_end(tmp_path):
       "task.sft_prompt_len=16", "tree.fanouts=2x2", "train.sft_steps=2", "train.rl_steps=2",
       "train.batch_size=2", "train.sft_batch_size=2", "train.eval_size=2",
       "train.progress=false", "train.plot=false", "train.checkpoint_every=2"])
-  from branch_replay import train
-  out = train.run(cfg, str(tmp_path / "run"))
+  from branch_replay import trainer
+  out = trainer.run(cfg, str(tmp_path / "run"))
   records = [json.loads(l) for l in open(out["metrics"])]
   train_recs = [r for r in records if r["kind"] == "train"]
   assert [r["phase"] for r in train_recs] == ["sft", "sft", "rl", "rl"]
@@ -57,6 +57,6 @@ def test_tree_run_end_to_end(tmp_path):
   assert [r["step"] for r in records if r["kind"] == "eval"] == [2, 4]
   # Resume: a longer run continues from the step-4 checkpoint.
   more = apply_overrides(cfg, ["train.rl_steps=3"])
-  train.run(more, str(tmp_path / "run"))
+  trainer.run(more, str(tmp_path / "run"))
   steps = [json.loads(l)["step"] for l in open(out["metrics"]) if '"train"' in l]
   assert steps == [0, 1, 2, 3, 4]

@@ -1,0 +1,47 @@
+"""Training algorithms behind one small protocol; the loop (trainer.py) drives any of them.
+
+An algorithm is a class built once per run, `Algorithm(cfg, task, tokenizer)`, which compiles
+its jitted steps (cached across runs in one process) and then answers the loop:
+
+  phase: str                                  the name of its phase in metrics ("rl", "dpo")
+  progress_keys: tuple                        metrics shown beside the progress bar
+  warmup_batch(step) -> batch                 the supervised warm-up (train.sft_steps)
+  warmup_update(state, batch) -> (state, metrics)
+  start(state) -> state                       the phase boundary: reference copy, critic init
+  batch(state, step) -> (batch, stats)        host: rollout and rewards, or preference pairs
+  update(state, batch, step) -> (state, metrics)   its jitted steps (epochs x minibatches)
+  token_counts(batch, phase) -> (prefix, tails, naive-equivalent) positions computed
+  eval_examples() -> list; evaluate(state, examples) -> greedy reward
+  restore_template(state, step) -> dict       the checkpoint's tree at `step` (resume)
+  summarize(records) -> dict; format_summary(summary) -> str
+
+Each lives in its own module and imports no other's names; `for_config` imports only the one
+a config selects.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# name -> (module, class); a new algorithm is one module and one line here
+ALGORITHMS = {"grpo": ("grpo", "GRPO"), "tree_grpo": ("grpo", "TreeGRPO"),
+              "dpo": ("dpo", "DPO")}
+
+
+def name_for(cfg) -> str:
+  """The algorithm a config selects: preference pairs (loss.name=dpo), sampled trees
+  (tree.fanouts), else flat sampled groups (GRPO, PPO with train.advantage=gae, DAPO, ...)."""
+  if cfg.loss.name == "dpo":
+    return "dpo"
+  return "tree_grpo" if cfg.tree.fanouts else "grpo"
+
+
+def get(name: str):
+  if name not in ALGORITHMS:
+    raise ValueError(f"algorithm {name!r}: expected one of {sorted(ALGORITHMS)}")
+  module, cls = ALGORITHMS[name]
+  return getattr(importlib.import_module(f"branch_replay.algorithms.{module}"), cls)
+
+
+def for_config(cfg):
+  return get(name_for(cfg))

@@ -1,0 +1,82 @@
+"""DPO on preference pairs that share a long prompt (branch_replay/dpo.py: pairs, batches,
+metrics): the supervised warm-up, then the policy as DPO begins is frozen as the reference;
+each step scores chosen and rejected under it (one shared-prefix forward) and takes the
+`dpo` objective's replay step."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from branch_replay import dpo, sharding
+from branch_replay import state as train_state
+from branch_replay.algorithms.grpo import GRPO
+from branch_replay.batch import validate
+
+KEYS = ("loss/policy", "grad/norm", "logp/mean", "entropy")  # of the replay step's metrics
+
+
+class DPO(GRPO):  # the flat warm-up and compiled steps; its own phase
+  phase = "dpo"
+  progress_keys = ("dpo/accuracy", "loss/policy")
+
+  def __init__(self, cfg, task, tok):
+    super().__init__(cfg, task, tok)
+    self.file_pairs = dpo.load_pairs(cfg.dpo.pairs_file) if cfg.dpo.pairs_file else None
+    if self.file_pairs is not None:
+      enc = lambda text: len(tok.encode(text, bos=False, eos=False))
+      self.prompt_len = 1 + max(enc(p.prompt) for p in self.file_pairs)
+      self.answer_len = max(enc(x) for p in self.file_pairs for x in (p.chosen, p.rejected))
+    else:
+      self.prompt_len, self.answer_len = task.max_prompt_len, task.max_answer_len
+
+  def start(self, state):
+    if state.ref_params is None:  # the reference: the policy as DPO begins
+      state = state.replace(ref_params=jax.tree.map(jnp.copy, state.params))
+    return state
+
+  def batch(self, state, step):
+    cfg, t = self.cfg, self.cfg.train
+    rng = np.random.default_rng([t.seed, step])
+    if self.file_pairs is not None:
+      pairs = [self.file_pairs[i] for i in rng.integers(0, len(self.file_pairs), t.batch_size)]
+    else:
+      pairs = [dpo.task_pair(self.task, rng) for _ in range(t.batch_size)]
+    batch = dpo.make_batch(pairs, self.prompt_len, self.answer_len, self.tok)
+    host = sharding.to_host if cfg.mesh else np.asarray  # global arrays -> every process
+    # 1. Reference log-probs of chosen and rejected: one shared-prefix forward per prompt.
+    ref_BRT, _ = self.fns.score(state.ref_params, batch=train_state.place(batch, "batch", cfg))
+    batch = batch.replace(ref_logp_BRT=np.asarray(host(ref_BRT)))
+    validate(batch, cfg.model.vocab_size)
+    # 2. The policy's log-probs, for the metrics before the update.
+    pol_BRT, _ = self.fns.score(state.params, batch=train_state.place(batch, "batch", cfg))
+    return batch, dpo.preference_metrics(np.asarray(host(pol_BRT)).sum(-1),
+                                         np.asarray(host(ref_BRT)).sum(-1), cfg.loss.beta)
+
+  def update(self, state, batch, step):
+    state, out = self.fns.rl_step(state, train_state.place(batch, "batch", self.cfg))
+    return state, {k: float(v) for k, v in jax.device_get(out).items() if k in KEYS}
+
+  def token_counts(self, batch, phase):
+    return batch.token_counts()
+
+  def eval_examples(self):
+    return []  # no greedy evaluation of preference pairs
+
+  def restore_template(self, state, step):
+    keys = train_state.state_dict(state)
+    if step > self.cfg.train.sft_steps:  # the reference exists once DPO has begun
+      keys["ref_params"] = state.params
+    return keys
+
+  def summarize(self, records):
+    recs = [r for r in records if r.get("phase") == "dpo"]
+    k = max(1, min(10, len(recs) // 4))
+    mean = lambda key, rs: float(np.mean([r[key] for r in rs])) if rs else float("nan")
+    return {"accuracy_before": mean("dpo/accuracy", recs[:k]),
+            "accuracy_after": mean("dpo/accuracy", recs[-k:]),
+            "margin_after": mean("dpo/margin", recs[-k:]), "window": k,
+            "steps": len([r for r in records if r.get("kind", "train") == "train"])}
+
+  format_summary = staticmethod(dpo.format_summary)

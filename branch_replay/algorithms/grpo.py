@@ -1,0 +1,123 @@
+"""GRPO-family RL on sampled groups: every advantage estimator (`train.advantage`; GAE trains
+PPO's critic alongside), DAPO, the KL reference, epochs x minibatches. `GRPO` samples flat
+groups (R branches per prompt, optional trunk); `TreeGRPO` samples trees (`tree.fanouts`)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from branch_replay import sharding, tasks, train, tree, tree_train
+from branch_replay import state as train_state
+from branch_replay.batch import validate
+
+
+def _floats(out) -> dict:
+  return {k: float(v) for k, v in jax.device_get(out).items()}
+
+
+class GRPO:
+  """Flat rollouts: the prompt prefilled once, R branches of it (train.rl_batch)."""
+
+  phase = "rl"
+  progress_keys = ("reward/mean", "loss/policy")
+
+  def __init__(self, cfg, task, tok):
+    self.cfg, self.task, self.tok = cfg, task, tok
+    self.fns = train.compiled(train.compile_key(cfg), tok.eos_id)
+
+  def warmup_batch(self, step):
+    cfg = self.cfg
+    batch = train.sft_batch(self.task, np.random.default_rng([cfg.train.seed, step]), cfg,
+                            self.tok)
+    validate(batch, cfg.model.vocab_size)
+    return batch
+
+  def warmup_update(self, state, batch):
+    state, out = self.fns.sft_step(state, train_state.place(batch, "batch", self.cfg))
+    return state, _floats(out)
+
+  def start(self, state):
+    if state.ref_params is not None:  # the reference policy: the policy as RL begins
+      state = state.replace(ref_params=jax.tree.map(jnp.copy, state.params))
+    if state.critic is not None and not self.cfg.critic.share:  # the value model starts
+      # from the policy too (a shared critic's body IS the policy)
+      state = state.replace(critic=dict(
+          params={**state.critic["params"], "model": jax.tree.map(jnp.copy, state.params)},
+          opt_state=state.critic["opt_state"]))
+    return state
+
+  def batch(self, state, step):
+    batch, critic_batch, stats = train.rl_batch(self.fns, state, self.task, self.cfg, step,
+                                                self.tok)
+    return (batch, critic_batch), stats
+
+  def update(self, state, batch, step):
+    return train.rl_update(self.fns, state, *batch, self.cfg, step)
+
+  def token_counts(self, batch, phase):
+    if phase == "sft":
+      return batch.token_counts()
+    return tuple(self.cfg.train.ppo_epochs * n for n in batch[0].token_counts())  # per pass
+
+  def eval_examples(self):
+    return self.task.eval_examples(self.cfg.train.seed, self.cfg.train.eval_size)
+
+  def evaluate(self, state, examples):
+    prompt_BP, valid_BP = tasks.encode_prompts(examples, self.task.max_prompt_len, self.tok)
+    s = self.fns.greedy(state.params, prompt_BP=prompt_BP, prompt_valid_BP=valid_BP,
+                        key=jax.random.key(0))
+    s = sharding.to_host(s) if self.cfg.mesh else s
+    return float(train.rewards_of(self.task, examples, train.completions(s, self.tok)).mean())
+
+  def restore_template(self, state, step):
+    return train_state.state_dict(state)
+
+  def summarize(self, records):
+    return train.summarize(records, self.cfg)
+
+  format_summary = staticmethod(train.format_summary)
+
+
+class TreeGRPO(GRPO):
+  """Tree rollouts (tree_train.rl_batch): the prompt prefilled once, R_1 first turns, R_2
+  second turns of each; tree-aware advantages; warm-up trees from the task's turns."""
+
+  progress_keys = ("reward/mean", "reward/turn1", "loss/policy")
+
+  def __init__(self, cfg, task, tok):
+    self.cfg, self.task, self.tok = cfg, task, tok
+    self.fns = tree_train.compiled(tree_train.compile_key(cfg), task.turn_lengths,
+                                   task.stop_tokens(tok))
+
+  def warmup_batch(self, step):
+    cfg = self.cfg
+    batch = tree_train.sft_batch(self.task, np.random.default_rng([cfg.train.seed, step]), cfg,
+                                 self.tok)
+    tree.validate(batch, cfg.model.vocab_size)
+    return batch
+
+  def warmup_update(self, state, batch):
+    state, out = self.fns.sft_step(state, batch)
+    return state, _floats(out)
+
+  def batch(self, state, step):
+    return tree_train.rl_batch(self.fns, state, self.task, self.cfg, step, self.tok)
+
+  def update(self, state, batch, step):
+    state, out = self.fns.rl_step(state, batch)
+    return state, _floats(out)
+
+  def token_counts(self, batch, phase):
+    return batch.token_counts()
+
+  def eval_examples(self):
+    t = self.cfg.train
+    return train_state.sample_examples(self.task, t.seed, 2**31, t.eval_size)
+
+  def evaluate(self, state, examples):
+    prompt_BP, valid_BP = tasks.encode_prompts(examples, self.task.max_prompt_len, self.tok)
+    s = self.fns.greedy(state.params, prompt_BP=prompt_BP, prompt_valid_BP=valid_BP,
+                        key=jax.random.key(0))
+    return float(tree_train.rewards_of(self.task, examples, s, (1, 1), self.tok).mean())

@@ -1,0 +1,120 @@
+"""The train state and where it lives: TrainState, the optimizers, init (shapes -> shardings
+-> arrays), placement of state and batches, the checkpointed dict, the data stream, the NaN
+stop. Public names shared by the trainer and every algorithm."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from branch_replay import checkpoint, critic, sharding
+from branch_replay.batch import ReplayBatch
+from branch_replay.config import Config
+from models import transformer as tfm
+
+
+@flax.struct.dataclass
+class TrainState:
+  params: Any
+  opt_state: Any
+  step: jax.Array  # int32: steps taken (warm-up included)
+  rng: jax.Array  # uint32 raw key data (checkpointable)
+  ref_params: Any = None  # the frozen reference policy (only with loss.kl_coef > 0)
+  critic: Any = None  # PPO's value model: dict(params, opt_state) (train.advantage=gae);
+  # params {'model', 'head'}, or {'head'} alone with critic.share (the body is `params`)
+
+
+def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+  t = cfg.train
+  lr = t.learning_rate
+  if t.sft_steps:
+    lr = optax.join_schedules([optax.constant_schedule(t.sft_learning_rate),
+                               optax.constant_schedule(t.learning_rate)], [t.sft_steps])
+  return optax.chain(optax.clip_by_global_norm(t.grad_clip),
+                     optax.adamw(lr, b1=0.9, b2=0.99, weight_decay=t.weight_decay))
+
+
+def make_critic_optimizer(cfg: Config) -> optax.GradientTransformation:
+  return optax.chain(optax.clip_by_global_norm(cfg.train.grad_clip),
+                     optax.adamw(cfg.critic.learning_rate, b1=0.9, b2=0.99))
+
+
+def shardings(tree, kind: str, cfg: Config):
+  """Where arrays live, kind 'state' or 'batch': the one placement decision of the trainer.
+  With cfg.mesh, the mesh's (sharding.py: FSDP/tensor params and optimizer state, batches
+  by prompt and branch); else the first device, whole arrays."""
+  if cfg.mesh:
+    mesh = sharding.make_mesh(cfg.mesh)
+    if kind == "state":
+      params = sharding.param_shardings(mesh, cfg.model)
+      return tree.replace(
+          params=params, step=sharding.replicated(mesh), rng=sharding.replicated(mesh),
+          opt_state=sharding.opt_state_shardings(mesh, make_optimizer(cfg), tree.opt_state,
+                                                 params),
+          ref_params=None if tree.ref_params is None else params)
+    if isinstance(tree, ReplayBatch):
+      return sharding.batch_shardings(mesh, tree)
+    return sharding.prompt_shardings(mesh, tree)
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return jax.tree.map(lambda _: device, tree)
+
+
+def place(tree, kind: str, cfg: Config):
+  if cfg.mesh:  # host data -> global arrays, on one process or several
+    return sharding.put(tree, shardings(tree, kind, cfg))
+  return jax.device_put(tree, shardings(tree, kind, cfg))
+
+
+def init_state(cfg: Config, init_params=None) -> TrainState:
+  """Shapes first (eval_shape), then placement, then the arrays (created where they live).
+  init_params (e.g. an imported checkpoint, `models.hf.load`) replace the random init."""
+
+  def init(init_params):
+    init_key, rng = jax.random.split(jax.random.key(cfg.train.seed))
+    params = tfm.init_params(cfg.model, init_key) if init_params is None else init_params
+    ref = jax.tree.map(jnp.copy, params) if cfg.loss.kl_coef else None
+    value = None
+    if cfg.uses_critic:  # the value model starts as the policy (copied again at RL start)
+      critic_params = critic.init_params(cfg.model, init_key, params, share=cfg.critic.share)
+      value = dict(params=critic_params, opt_state=make_critic_optimizer(cfg).init(critic_params))
+    return TrainState(params, make_optimizer(cfg).init(params), jnp.zeros((), jnp.int32),
+                      jax.random.key_data(rng), ref, value)
+
+  if init_params is not None:
+    expected = jax.eval_shape(lambda: tfm.init_params(cfg.model, jax.random.key(0)))
+    got = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), init_params)
+    if jax.tree.structure(got) != jax.tree.structure(expected) or got != expected:
+      raise ValueError("init_params: the parameter tree does not match model config "
+                       f"{cfg.model} (shapes/dtypes differ)")
+  shapes = jax.eval_shape(init, init_params)
+  return jax.jit(init, out_shardings=shardings(shapes, "state", cfg))(init_params)
+
+
+
+def state_dict(state: TrainState) -> dict:
+  d = dict(params=state.params, opt_state=state.opt_state, step=state.step, rng=state.rng)
+  if state.ref_params is not None:
+    d["ref_params"] = state.ref_params
+  if state.critic is not None:
+    d["critic"] = state.critic
+  return d
+
+
+def sample_examples(task, seed: int, stream, n: int):
+  # data depends only on (seed, step[, round]): resumable
+  rng = np.random.default_rng([seed, *np.atleast_1d(stream).tolist()])
+  return [task.sample(rng) for _ in range(n)]
+
+
+def finite_or_stop(values: dict, step: int, ckpt: checkpoint.Checkpointer):
+  for name in ("loss/policy", "grad/norm"):
+    if not np.isfinite(values[name]):
+      last = ckpt.latest_step()
+      where = (f"the last good checkpoint is step {last} in {ckpt.directory}"
+               if last is not None else "no checkpoint was written yet")
+      raise FloatingPointError(f"{name} is {values[name]} at step {step}: stopping; {where}")

@@ -1,0 +1,115 @@
+"""The one training loop: warm-up then the algorithm's phase, by step; checkpoints, metrics and
+TensorBoard (process 0), progress, greedy evaluation (the final decision broadcast), resume
+and the NaN stop. What a step trains is the algorithm's (algorithms/: compile, start, batch,
+update); this module imports none of them."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import jax
+import numpy as np
+
+from branch_replay import checkpoint, metrics, tasks
+from branch_replay import state as train_state
+from branch_replay.config import Config
+from branch_replay.tokenizer import TOKENIZER
+
+
+def run(cfg: Config, workdir: str, algorithm=None, *, init_params=None, tokenizer=None) -> dict:
+  """Train (resuming from `workdir` if it holds a checkpoint); returns the summary.
+
+  algorithm: an `algorithms.Algorithm` class (default: the one the config selects,
+  `algorithms.for_config`). init_params: start from these (an imported checkpoint) instead
+  of a random init; a checkpoint in `workdir` still takes precedence (resume). tokenizer: the
+  text <-> ids map of the tasks (default: the shipped character tokenizer;
+  `tokenizer.from_model_dir` for an imported checkpoint's tokenizer.json)."""
+  tok = TOKENIZER if tokenizer is None else tokenizer
+  if tok.vocab_size > cfg.model.vocab_size:
+    raise ValueError(f"model.vocab_size={cfg.model.vocab_size}: expected >= the tokenizer's "
+                     f"{tok.vocab_size}")
+  if algorithm is None:
+    from branch_replay import algorithms  # the registry (it imports an algorithm when asked)
+    algorithm = algorithms.for_config(cfg)
+  t_start = time.time()
+  workdir = checkpoint.check_workdir(workdir)  # before any compute
+  task = tasks.make(cfg.task, tok)  # the run's tokenizer; a task that reads files checks them
+  task.check(cfg)
+  algo = algorithm(cfg, task, tok)  # compiles its jitted steps (cached across runs)
+  ckpt = checkpoint.Checkpointer(workdir, cfg)
+  ckpt.check_config()
+  state = train_state.init_state(cfg, init_params)
+  start = ckpt.latest_step() or 0
+  if start:
+    state = train_state.TrainState(**ckpt.restore(start, algo.restore_template(state, start)))
+  chief = jax.process_index() == 0  # several processes run this loop alike; one writes
+  writer = metrics.MetricsWriter(os.path.join(workdir, "metrics.jsonl") if chief else os.devnull,
+                                 tensorboard=cfg.train.tensorboard and chief)
+  t = cfg.train
+  eval_examples = algo.eval_examples() if t.eval_size else []
+
+  def evaluate(state, step):
+    reward = algo.evaluate(state, eval_examples)
+    writer.write({"step": step, "kind": "eval", "eval/greedy_reward": reward})
+    return reward
+
+  from tqdm import tqdm
+  bar = tqdm(total=t.total_steps, initial=start, disable=not (t.progress and chief),
+             dynamic_ncols=True, desc="train")
+  for step in range(start, t.total_steps):
+    t0 = time.time()
+    rec = {"step": step, "kind": "train"}
+    if step < t.sft_steps:
+      rec.update(phase="sft", **{"time/sample_s": 0.0})
+      batch = algo.warmup_batch(step)
+      t1 = time.time()
+      state, out = algo.warmup_update(state, batch)
+    else:
+      rec["phase"] = algo.phase
+      if step == t.sft_steps:
+        if eval_examples:
+          bar.write(f"step {step}: greedy eval reward before {algo.phase} "
+                    f"{evaluate(state, step):.3f}")
+        state = algo.start(state)
+      batch, sampled = algo.batch(state, step)
+      rec.update(sampled)
+      t1 = time.time()
+      state, out = algo.update(state, batch, step)
+    rec["time/train_s"] = time.time() - t1
+    train_state.finite_or_stop(out, step, ckpt)
+    prefix, tails, naive = algo.token_counts(batch, rec["phase"])
+    rec.update(out)
+    rec.update({"replay/prefix_tokens": prefix, "replay/tail_tokens": tails,
+                "replay/naive_equiv_tokens": naive,
+                "replay/computed_tokens": naive if cfg.replay.mode == "naive" else prefix + tails,
+                "time/step_s": time.time() - t0})
+    writer.write(rec)
+    if (step + 1) % t.checkpoint_every == 0 or step + 1 == t.total_steps:
+      ckpt.save(step + 1, train_state.state_dict(state))
+    bar.update(1)
+    bar.set_postfix({k: f"{rec[k]:.3f}" for k in algo.progress_keys if k in rec})
+  bar.close()
+  records = metrics.read(writer.path)
+  if eval_examples and t.rl_steps and final_eval_missing(records, t.total_steps):
+    evaluate(state, t.total_steps)
+    records = metrics.read(writer.path)
+  writer.close()
+  ckpt.close()
+  plot_path = (metrics.plot(records, os.path.join(workdir, "metrics.png"))
+               if t.plot and chief else None)
+  summary = algo.summarize(records)
+  summary.update(workdir=workdir, checkpoint=ckpt.directory, metrics=writer.path,
+                 plot=plot_path, wall_s=time.time() - t_start, final_params=state.params)
+  return summary
+
+
+def final_eval_missing(records, step: int) -> bool:
+  """Whether the final greedy evaluation still has to run. Only process 0 writes (and so can
+  read) metrics.jsonl, and the evaluation is a collective every process must enter alike:
+  process 0 decides and every process receives its decision."""
+  missing = not any(r.get("kind") == "eval" and r["step"] == step for r in records)
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    missing = bool(multihost_utils.broadcast_one_to_all(np.int32(missing)))
+  return missing

@@ -1,0 +1,94 @@
+"""The package's import graph (every import statement, top-level or inside a function): no
+circles, the config imports no algorithm, the trainer loop imports no algorithm, and no
+module imports another's private names."""
+
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ALGORITHM_MODULES = ("branch_replay.train", "branch_replay.tree_train", "branch_replay.dpo",
+                     "branch_replay.trainer", "branch_replay.algorithms")
+
+
+def _modules():
+  out = {}
+  for pkg in ("branch_replay", "models"):
+    for dirpath, _, files in os.walk(os.path.join(ROOT, pkg)):
+      for f in files:
+        if f.endswith(".py"):
+          rel = os.path.relpath(os.path.join(dirpath, f), ROOT)[:-3].replace(os.sep, ".")
+          out[rel[:-len(".__init__")] if rel.endswith(".__init__") else rel] = (
+              os.path.join(dirpath, f))
+  return out
+
+
+def _imports(path, modules):
+  """(module imported, names used from it) for every import in the file: names imported
+  from it, and attributes read from it (`train._compiled(...)`)."""
+  found, alias = [], {}
+  tree = ast.parse(open(path).read())
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      for a in node.names:
+        if a.name in modules:
+          found.append((a.name, ()))
+          alias[a.asname or a.name] = a.name
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      for a in node.names:
+        sub = f"{node.module}.{a.name}"
+        found.append((sub, ()) if sub in modules else (node.module, (a.name,)))
+        if sub in modules:
+          alias[a.asname or a.name] = sub
+  for node in ast.walk(tree):
+    if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+        and node.value.id in alias):
+      found.append((alias[node.value.id], (node.attr,)))
+  return [(m, names) for m, names in found if m in modules]
+
+
+def _graph():
+  modules = _modules()
+  return {m: _imports(p, modules) for m, p in modules.items()}
+
+
+def test_no_import_circles():
+  graph = {m: {d for d, _ in deps} for m, deps in _graph().items()}
+  state = {}
+
+  def visit(m, path):
+    state[m] = "open"
+    for d in sorted(graph[m]):
+      assert state.get(d) != "open", "import circle: " + " -> ".join(path + [m, d])
+      if d not in state:
+        visit(d, path + [m])
+    state[m] = "done"
+
+  for m in sorted(graph):
+    if m not in state:
+      visit(m, [])
+
+
+def test_config_and_trainer_import_no_algorithm():
+  graph = _graph()
+  for m in ("branch_replay.config", "branch_replay.trainer"):
+    deps = {d for d, _ in graph[m]}
+    bad = sorted(d for d in deps if d != m and d.startswith(ALGORITHM_MODULES)
+                 and not (m == "branch_replay.trainer" and d == "branch_replay.algorithms"))
+    assert not bad, f"{m} imports {bad}"
+
+
+# The engine half's (tree_sampler and tree_replay merge into one sampler and one engine).
+ENGINE_PENDING = {("branch_replay.tree_sampler", "branch_replay.tree_replay", "_flat"),
+                  ("branch_replay.tree_sharding", "branch_replay.sharding", "_sharding")}
+
+
+def test_no_private_names_across_modules():
+  modules = _modules()
+  users = dict(_graph())  # the package, and the experiments and run.py that use it
+  for path in [os.path.join(ROOT, "run.py")] + [
+      os.path.join(ROOT, "experiments", f) for f in os.listdir(os.path.join(ROOT, "experiments"))
+      if f.endswith(".py")]:
+    users[os.path.relpath(path, ROOT)] = _imports(path, modules)
+  bad = [(m, d, n) for m, deps in users.items() for d, names in deps for n in names
+         if n.startswith("_") and not n.startswith("__") and (m, d, n) not in ENGINE_PENDING]
+  assert not bad, bad

@@ -1,0 +1,307 @@
+"""The trainer loops' contracts on every path (flat, tree, DPO): the temperature-consistent
+loss, options refused by field rather than ignored, prompts encoded with the run's tokenizer
+(honouring `prompt_ids`) and `task.check`, metrics and TensorBoard from process 0 only,
+closed, and the final-eval decision broadcast."""
+
+import glob
+import os
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from branch_replay import dpo, metrics, tasks, train, tree_replay, tree_task, tree_train
+from branch_replay import trainer
+from branch_replay import state as train_state
+from branch_replay.config import Config, apply_overrides
+from branch_replay.tokenizer import TOKENIZER, CharTokenizer
+from models import transformer as tfm
+
+
+class _Stop(Exception):
+  pass
+
+
+def tiny_tree(*overrides):
+  return apply_overrides(Config(model=tfm.preset("tiny", vocab_size=TOKENIZER.vocab_size)), [
+      "task.name=tree_haystack", "task.prompt_len=16", "task.n_keys=2",
+      "task.sft_prompt_len=12", "tree.fanouts=2x2", "train.sft_steps=1", "train.rl_steps=1",
+      "train.batch_size=2", "train.sft_batch_size=2", "train.eval_size=2",
+      "train.progress=false", "train.plot=false", "train.checkpoint_every=2", *overrides])
+
+
+# ----------------------------------------------------------------------------- (1) temperature
+
+
+def test_tree_step_scores_at_the_sampler_temperature(monkeypatch):
+  cfg = tiny_tree("sampler.temperature=0.7")
+  seen = []
+
+  def spy(params, batch, model_cfg, loss_cfg, *args, **kwargs):
+    seen.append(loss_cfg)
+    raise _Stop
+
+  monkeypatch.setattr(tree_replay, "loss_and_grad", spy)
+  task = tasks.make(cfg.task)
+  batch = tree_train.sft_batch(task, np.random.default_rng(0), cfg)
+  state = jax.eval_shape(lambda: train_state.init_state(cfg))
+  with pytest.raises(_Stop):
+    jax.eval_shape(tree_train.make_tree_train_step(cfg, "rl"), state, batch)
+  assert seen[0] == train.rl_loss_config(cfg) and seen[0].temperature == 0.7
+
+
+# ----------------------------------------------------------------------------- (4) refusals
+
+
+@pytest.mark.parametrize("override, field", [
+    ("train.advantage=rloo", "train.advantage='rloo'"),
+    ("train.advantage=gae", "train.advantage='gae'"),  # no critic built that nothing trains
+    ("train.ppo_epochs=2", "train.ppo_epochs=2"),
+    ("train.minibatches=2", "train.minibatches=2"),
+    ("train.dynamic_sampling=true", "train.dynamic_sampling=True"),
+    ("train.overlong_buffer=1", "train.overlong_buffer=1"),
+    ("sampler.trunk_len=2", "sampler.trunk_len=2"),
+    ("train.n_branches=4", "train.n_branches=4"),
+    ("loss.kl_coef=0.1", "loss.kl_coef=0.1"),
+    ("mesh=data:2", "mesh='data:2'"),
+])
+def test_tree_refuses_options_it_cannot_serve(override, field):
+  with pytest.raises(ValueError, match=r"^" + field.replace("(", r"\(") + " with tree.fanouts"):
+    tiny_tree(override)
+
+
+def test_tree_branch_chunk_divides_the_last_fanout():
+  with pytest.raises(ValueError, match=r"replay.branch_chunk=3: expected a divisor of the last "
+                     r"fan-out 4"):
+    tiny_tree("tree.fanouts=3x4", "replay.branch_chunk=3")
+  cfg = tiny_tree("tree.fanouts=2x3", "replay.branch_chunk=3")  # 8 branches: not the rule
+  assert cfg.replay.branch_chunk == 3 and not cfg.uses_critic
+  assert tiny_tree("train.advantage=dr_grpo").train.advantage == "dr_grpo"
+
+
+def test_tree_task_checks_its_turns():
+  cfg = tiny_tree("tree.fanouts=4")
+  with pytest.raises(ValueError, match=r"tree.fanouts='4': task 'tree_haystack' has two turns"):
+    tasks.make(cfg.task).check(cfg)
+
+
+# ----------------------------------------------------------------------------- (5) prompts
+
+
+RUN_TOKENIZER = CharTokenizer()  # another instance than the default TOKENIZER
+
+
+class _Checked:
+  """A task mixin: built with the run's tokenizer (else fails at once), refuses in check."""
+
+  def __init__(self, cfg, tokenizer=TOKENIZER):
+    if tokenizer is not RUN_TOKENIZER:
+      raise AssertionError("the task was built without the run's tokenizer")
+    super().__init__(cfg, tokenizer)
+
+  def check(self, cfg):
+    raise ValueError("task.check ran")
+
+
+tasks.register("checked_haystack")(type("CheckedHaystack", (_Checked, tasks.Haystack), {}))
+tasks.register("checked_tree")(type("CheckedTree", (_Checked, tree_task.TreeHaystack), {}))
+
+
+@pytest.mark.parametrize("overrides", [
+    ["task.name=checked_tree"],
+    ["task.name=checked_haystack", "tree.fanouts=", "train.n_branches=2", "loss.name=dpo",
+     "train.eval_size=0"],
+])
+def test_run_builds_the_task_with_its_tokenizer_and_checks_it(tmp_path, overrides):
+  cfg = tiny_tree(*overrides)
+  with pytest.raises(ValueError, match="task.check ran"):
+    trainer.run(cfg, str(tmp_path / "run"), tokenizer=RUN_TOKENIZER)
+
+
+def test_tree_rollout_encodes_prompt_ids(monkeypatch):
+  cfg = tiny_tree()
+  task = tasks.make(cfg.task)
+  ids = (TOKENIZER.bos_id, *TOKENIZER.encode("abc?k"))  # not the prompt's own text
+  base = task.sample
+  monkeypatch.setattr(task, "sample", lambda rng: tree_task.TreeExample(
+      **{**vars(base(rng)), "prompt_ids": ids}))
+  seen = {}
+
+  def sample(params, prompt_BP, prompt_valid_BP, key):
+    seen.update(prompt_BP=prompt_BP, valid_BP=prompt_valid_BP)
+    raise _Stop
+
+  state = types.SimpleNamespace(params=None, rng=jax.random.key_data(jax.random.key(0)))
+  with pytest.raises(_Stop):
+    tree_train.rl_batch(types.SimpleNamespace(sample=sample), state, task, cfg, 0)
+  P = task.max_prompt_len
+  np.testing.assert_array_equal(np.asarray(seen["prompt_BP"])[:, P - len(ids):],
+                                [ids, ids])
+  assert np.asarray(seen["valid_BP"]).sum(1).tolist() == [len(ids)] * 2
+
+
+def test_dpo_pairs_encode_prompt_ids():
+  ids = (TOKENIZER.bos_id, *TOKENIZER.encode("xy"))
+  pairs = [dpo.Pair("a long prompt", "1", "2", prompt_ids=ids), dpo.Pair("ab", "3", "4")]
+  batch = dpo.make_batch(pairs, 8, 1)
+  np.testing.assert_array_equal(batch.prefix_BP[0, -3:], ids)
+  assert batch.prefix_valid_BP[0].sum() == 3
+  np.testing.assert_array_equal(batch.prefix_BP[1, -3:],
+                                [TOKENIZER.bos_id, *TOKENIZER.encode("ab")])
+  task = tasks.make(tasks.TaskConfig(name="haystack", prompt_len=16, n_keys=2))
+  ex = task.sample(np.random.default_rng(3))
+  with_ids = types.SimpleNamespace(sample=lambda rng: tasks.Example(
+      ex.prompt, ex.answer, prompt_ids=ids))
+  assert dpo.task_pair(with_ids, np.random.default_rng(0)).prompt_ids == ids
+
+
+# ----------------------------------------------------------------------------- (6) writers
+
+
+def test_final_eval_decision_is_broadcast(monkeypatch):
+  from jax.experimental import multihost_utils
+  calls = []
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(multihost_utils, "broadcast_one_to_all",
+                      lambda x: calls.append(int(x)) or np.int32(0))
+  assert not trainer.final_eval_missing([], 4)  # process 0's decision (here: 0) wins
+  assert calls == [1]
+
+
+class _SpyWriter(metrics.MetricsWriter):
+  made = []
+
+  def __init__(self, path, tensorboard=False):
+    super().__init__(path, tensorboard)
+    self.closed = False
+    self.tensorboard = tensorboard
+    _SpyWriter.made.append(self)
+
+  def close(self):
+    super().close()
+    self.closed = True
+
+
+class _OtherProcess:
+  """The jax module as process 1 of 2 sees it (for one module's view only)."""
+
+  def __getattr__(self, name):
+    return getattr(jax, name)
+
+  def process_index(self):
+    return 1
+
+
+def test_tree_run_writes_on_process_zero_only(tmp_path, monkeypatch):
+  _SpyWriter.made.clear()
+  monkeypatch.setattr(metrics, "MetricsWriter", _SpyWriter)
+  decided = []
+  real = trainer.final_eval_missing
+  monkeypatch.setattr(trainer, "final_eval_missing",
+                      lambda records, step: decided.append(step) or real(records, step))
+  cfg = tiny_tree("train.tensorboard=true", "train.sft_steps=0")  # (warm-up trees: -m slow)
+  out = trainer.run(cfg, str(tmp_path / "chief"))
+  recs = metrics.read(out["metrics"])
+  (rec,) = [r for r in recs if r["kind"] == "train"]
+  assert rec["phase"] == "rl" and 0 <= rec["reward/mean"] <= 1
+  assert np.isfinite(rec["loss/policy"])
+  assert [r["step"] for r in recs if r["kind"] == "eval"] == [0, 1] and decided == [1]
+  # 2 prompts x (16 root + 2 x 1 first-turn + 4 x 2 second-turn positions); naive: 4 paths
+  assert rec["replay/computed_tokens"] == 2 * (16 + 2 * 1 + 4 * 2)
+  assert rec["replay/naive_equiv_tokens"] == 2 * 4 * (16 + 1 + 2)
+  assert glob.glob(str(tmp_path / "chief" / "events.out.tfevents.*"))
+  assert [(w.tensorboard, w.closed) for w in _SpyWriter.made] == [(True, True)]
+  # Process 1 of a multi-host run computes alike and writes no metrics.
+  monkeypatch.setattr(trainer, "jax", _OtherProcess())
+  out = trainer.run(cfg, str(tmp_path / "other"))
+  assert out["metrics"] == os.devnull and not os.path.exists(tmp_path / "other" / "metrics.jsonl")
+  assert not glob.glob(str(tmp_path / "other" / "events.out.tfevents.*"))
+  assert [(w.tensorboard, w.closed) for w in _SpyWriter.made[1:]] == [(False, True)]
+
+
+# ----------------------------------------------------------------------------- the loop alone
+
+
+class _Counting:
+  """An algorithm that trains nothing: each step adds 1 to every parameter and reports a
+  loss (NaN at step `nan_at`); the loop's own logic (phases, checkpoints, resume, NaN stop)
+  runs as for any algorithm, without compiling a train step."""
+
+  phase, progress_keys, nan_at, made = "rl", (), None, []
+
+  def __init__(self, cfg, task, tok):
+    self.cfg, self.steps = cfg, []
+    _Counting.made.append(self)
+
+  def _step(self, state, step):
+    loss = float("nan") if step == self.nan_at else 1.0 / (step + 1)
+    state = state.replace(step=state.step + 1, params=jax.tree.map(lambda x: x + 1, state.params))
+    return state, {"loss/policy": loss, "grad/norm": 1.0}
+
+  def warmup_batch(self, step):
+    return ("sft", step)
+
+  def warmup_update(self, state, batch):
+    return self._step(state, batch[1])
+
+  def start(self, state):
+    self.steps.append("start")
+    return state
+
+  def batch(self, state, step):
+    self.steps.append(step)
+    return ("rl", step), {"reward/mean": 0.5}
+
+  def update(self, state, batch, step):
+    return self._step(state, step)
+
+  def token_counts(self, batch, phase):
+    return (1, 2, 4)
+
+  def eval_examples(self):
+    return []
+
+  def restore_template(self, state, step):
+    return train_state.state_dict(state)
+
+  def summarize(self, records):
+    return {"records": records}
+
+
+def _loop_cfg(*overrides):
+  return apply_overrides(Config(model=tfm.preset("tiny", vocab_size=TOKENIZER.vocab_size)), [
+      "task.prompt_len=16", "task.n_keys=2", "train.sft_steps=1", "train.rl_steps=2",
+      "train.eval_size=0", "train.progress=false", "train.plot=false",
+      "train.tensorboard=false", "train.checkpoint_every=1", *overrides])
+
+
+def test_loop_resumes_from_its_checkpoint(tmp_path):
+  workdir = str(tmp_path / "w")
+  first = trainer.run(_loop_cfg(), workdir, _Counting)
+  assert [(r["step"], r["phase"]) for r in first["records"]] == [(0, "sft"), (1, "rl"), (2, "rl")]
+  assert _Counting.made[-1].steps == ["start", 1, 2]
+  assert first["records"][1]["replay/computed_tokens"] == 1 + 2  # prefix + tails
+  second = trainer.run(_loop_cfg("train.rl_steps=4"), workdir, _Counting)
+  assert _Counting.made[-1].steps == [3, 4]  # restored at 3; the phase had started
+  assert [r["step"] for r in second["records"]] == [0, 1, 2, 3, 4]
+  expected = jax.tree.leaves(train_state.init_state(_loop_cfg()).params)[0]
+  for _ in range(5):  # 5 steps in all, each adding 1 (float32, in order)
+    expected = expected + 1
+  np.testing.assert_array_equal(np.asarray(jax.tree.leaves(second["final_params"])[0]),
+                                np.asarray(expected))
+
+
+def test_nan_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
+  class NaNAt2(_Counting):
+    nan_at = 2
+
+  workdir = str(tmp_path / "w")
+  with pytest.raises(FloatingPointError, match=r"loss/policy is nan at step 2: stopping; the "
+                     r"last good checkpoint is step 2 in .*checkpoints"):
+    trainer.run(_loop_cfg(), workdir, NaNAt2)
+  assert [r["step"] for r in metrics.read(os.path.join(workdir, "metrics.jsonl"))] == [0, 1]
+  with pytest.raises(FloatingPointError, match=r"at step 0: stopping; no checkpoint was "
+                     r"written yet"):
+    trainer.run(_loop_cfg("train.sft_steps=0"), str(tmp_path / "v"),
+                type("NaNAt0", (_Counting,), {"nan_at": 0}))
