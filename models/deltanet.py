@@ -70,10 +70,12 @@ def chunked_delta_rule(q_BTNH, k_BTNH, v_BTNJ, g_BTN, beta_BTN, state_BNHJ, chun
   """The same rule in chunks of c positions (the WY/UT form of Qwen3.5's torch reference).
 
   Inside a chunk, with Gamma the cumulative log-decay and A = strict_lower((beta k) k^T *
-  exp(Gamma_i - Gamma_j)): u = (I + A)^-1 (beta v) and w = (I + A)^-1 (beta k exp(Gamma)), so
-  the chunk's new values are u - w S and its outputs (q exp(Gamma)) S + tril(q k^T decay) (u - w S);
-  chunks then run under `lax.scan`, each body rematerialised in the backward (the scan keeps
-  one [B, N, H, J] state per chunk, not the per-chunk intermediates)."""
+  exp(Gamma_i - Gamma_j)): u = (I + A)^-1 (beta v) and w = (I + A)^-1 (beta k exp(Gamma)); the
+  chunk's new values are u - w S, its outputs (q exp(Gamma)) S + tril(q k^T decay) (u - w S),
+  and S <- exp(Gamma_c) S + (k exp(Gamma_c - Gamma))^T (u - w S). Chunks run under `lax.scan`,
+  each chunk rematerialised in the backward: the gradient keeps one [B, N, H, J] state per
+  chunk and the inputs, not the [c, c] intra-chunk matrices (cost: the chunk's forward once
+  more in the backward)."""
   B, T, N, H = k_BTNH.shape
   J = v_BTNJ.shape[-1]
   c = min(chunk, T)
@@ -81,40 +83,37 @@ def chunked_delta_rule(q_BTNH, k_BTNH, v_BTNJ, g_BTN, beta_BTN, state_BNHJ, chun
   pad = n * c - T
   # Padding positions: decay 1 (g = 0) and learning rate 0 leave the state as it is.
   padded = lambda x: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
-  chunks = lambda x: jnp.moveaxis(padded(x).reshape(B, n, c, *x.shape[2:]), 3, 1)
-  q_BNncH, k_BNncH, v_BNncJ = chunks(q_BTNH), chunks(k_BTNH), chunks(v_BTNJ)
-  g_BNnc, beta_BNnc = chunks(g_BTN), chunks(beta_BTN)
-
-  gamma_BNnc = jnp.cumsum(g_BNnc, axis=-1)
+  chunks = lambda x: jnp.moveaxis(padded(x).reshape(B, n, c, *x.shape[2:]), 1, 0)
   lower_cc = jnp.tril(jnp.ones((c, c), bool))
-  diff_BNncc = gamma_BNnc[..., :, None] - gamma_BNnc[..., None, :]
-  decay_BNncc = jnp.exp(jnp.where(lower_cc, diff_BNncc, -jnp.inf))  # 0 above the diagonal
-  kb_BNncH = k_BNncH * beta_BNnc[..., None]
-  A_BNncc = jnp.einsum("BNnih,BNnjh->BNnij", kb_BNncH, k_BNncH) * decay_BNncc
-  A_BNncc = jnp.where(jnp.tril(jnp.ones((c, c), bool), -1), A_BNncc, 0.0)
-  eye = jnp.eye(c, dtype=A_BNncc.dtype)
-  solve = lambda rhs: jax.scipy.linalg.solve_triangular(A_BNncc + eye, rhs, lower=True,
-                                                        unit_diagonal=True)
-  u_BNncJ = solve(v_BNncJ * beta_BNnc[..., None])
-  w_BNncH = solve(kb_BNncH * jnp.exp(gamma_BNnc)[..., None])
-  attn_BNncc = jnp.einsum("BNnih,BNnjh->BNnij", q_BNncH, k_BNncH) * decay_BNncc
-  qd_BNncH = q_BNncH * jnp.exp(gamma_BNnc)[..., None]
-  kd_BNncH = k_BNncH * jnp.exp(gamma_BNnc[..., -1:] - gamma_BNnc)[..., None]
-  end_BNn = jnp.exp(gamma_BNnc[..., -1])
+  strict_cc = jnp.tril(jnp.ones((c, c), bool), -1)
 
   @jax.checkpoint
   def body(S_BNHJ, xs):
-    u_BNcJ, w_BNcH, attn_BNcc, qd_BNcH, kd_BNcH, end_BN = xs
+    q_BcNH, k_BcNH, v_BcNJ, g_BcN, beta_BcN = xs
+    gamma_BNc = jnp.cumsum(jnp.swapaxes(g_BcN, 1, 2), axis=-1)
+    beta_BNc = jnp.swapaxes(beta_BcN, 1, 2)
+    diff_BNcc = gamma_BNc[..., :, None] - gamma_BNc[..., None, :]
+    decay_BNcc = jnp.exp(jnp.where(lower_cc, diff_BNcc, -jnp.inf))  # 0 above the diagonal
+    kb_BcNH = k_BcNH * beta_BcN[..., None]
+    A_BNcc = jnp.where(strict_cc, jnp.einsum("BiNh,BjNh->BNij", kb_BcNH, k_BcNH) * decay_BNcc,
+                       0.0) + jnp.eye(c, dtype=decay_BNcc.dtype)
+    solve = lambda rhs_BNcX: jax.scipy.linalg.solve_triangular(A_BNcc, rhs_BNcX, lower=True,
+                                                               unit_diagonal=True)
+    u_BNcJ = solve(jnp.einsum("BcNJ,BcN->BNcJ", v_BcNJ, beta_BcN))
+    w_BNcH = solve(jnp.swapaxes(kb_BcNH, 1, 2) * jnp.exp(gamma_BNc)[..., None])
     new_BNcJ = u_BNcJ - jnp.einsum("BNch,BNhJ->BNcJ", w_BNcH, S_BNHJ)
+    attn_BNcc = jnp.einsum("BiNh,BjNh->BNij", q_BcNH, k_BcNH) * decay_BNcc
+    qd_BNcH = jnp.swapaxes(q_BcNH, 1, 2) * jnp.exp(gamma_BNc)[..., None]
     o_BNcJ = (jnp.einsum("BNch,BNhJ->BNcJ", qd_BNcH, S_BNHJ)
               + jnp.einsum("BNij,BNjJ->BNiJ", attn_BNcc, new_BNcJ))
-    S_BNHJ = S_BNHJ * end_BN[..., None, None] + jnp.einsum("BNch,BNcJ->BNhJ", kd_BNcH, new_BNcJ)
-    return S_BNHJ, o_BNcJ
+    kd_BNcH = jnp.swapaxes(k_BcNH, 1, 2) * jnp.exp(gamma_BNc[..., -1:] - gamma_BNc)[..., None]
+    S_BNHJ = (S_BNHJ * jnp.exp(gamma_BNc[..., -1])[..., None, None]
+              + jnp.einsum("BNch,BNcJ->BNhJ", kd_BNcH, new_BNcJ))
+    return S_BNHJ, jnp.swapaxes(o_BNcJ, 1, 2)
 
-  xs = jax.tree.map(lambda x: jnp.moveaxis(x, 2, 0),
-                    (u_BNncJ, w_BNncH, attn_BNncc, qd_BNncH, kd_BNncH, end_BNn))
-  state_BNHJ, o_nBNcJ = jax.lax.scan(body, state_BNHJ, xs)
-  o_BTNJ = jnp.moveaxis(o_nBNcJ, 0, 2).reshape(B, N, n * c, J).swapaxes(1, 2)[:, :T]
+  xs = tuple(chunks(x) for x in (q_BTNH, k_BTNH, v_BTNJ, g_BTN, beta_BTN))
+  state_BNHJ, o_nBcNJ = jax.lax.scan(body, state_BNHJ, xs)
+  o_BTNJ = jnp.moveaxis(o_nBcNJ, 0, 1).reshape(B, n * c, N, J)[:, :T]
   return o_BTNJ, state_BNHJ
 
 
