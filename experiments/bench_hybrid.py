@@ -4,6 +4,7 @@ lines. Each (preset, mode, P) runs in its own `bench_replay.py --worker` subproc
 in --compile_only are compiled, not run (the compiled footprint from memory_analysis).
 
   python experiments/bench_hybrid.py --out=experiments/results/hybrid_cpu_2026-12-01.jsonl
+  python experiments/bench_hybrid.py --timed=0 --compile_only=32768 --modes=replay  # memory
 
 The useful-FLOP count of a linear layer is its projections, its convolution and the
 recurrent form of the delta rule (3 H x J products per value head and token: read, write,
@@ -30,6 +31,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_multi_string("presets", ["hybrid_small", "small"], "model presets to compare")
 flags.DEFINE_multi_integer("timed", [2048], "P values timed (both modes)")
 flags.DEFINE_multi_integer("compile_only", [8192, 32768], "P values only compiled")
+flags.DEFINE_multi_string("modes", ["replay", "naive"], "paths to run (0 in --timed: none)")
 
 
 def step_flops(cfg, B, R, P, T, mode):
@@ -60,12 +62,13 @@ def main(argv):
   from models import transformer as tfm
   T, R, B = FLAGS.tail_len[0], FLAGS.branches[0], FLAGS.prompts
   reps = FLAGS.reps
-  for P in [*FLAGS.timed, *FLAGS.compile_only]:
+  for P in [p for p in (*FLAGS.timed, *FLAGS.compile_only) if p > 0]:
     for preset in FLAGS.presets:
       FLAGS.preset = preset
       FLAGS.reps = reps if P in FLAGS.timed else 0
       cfg = tfm.preset(preset)
-      runs = {m: bench_replay.spawn(m, P, T, R, "") for m in ("replay", "naive")}
+      runs = {m: bench_replay.spawn(m, P, T, R, "") if m in FLAGS.modes else {}
+              for m in ("replay", "naive")}
       rep, nai = runs["replay"], runs["naive"]
       flop_ratio = step_flops(cfg, B, R, P, T, "naive") / step_flops(cfg, B, R, P, T, "replay")
       row = dict(preset=preset, layer_types=list(cfg.layer_types or []), prefix_len=P,
