@@ -129,6 +129,7 @@ def test_hybrid_tree_replay_equals_naive_float64():
     assert_equal_f64(fast, slow)
 
 
+@pytest.mark.slow  # the float64 cases cover the path; this one checks float32 tolerances
 def test_hybrid_replay_float32():
   cfg, params = hybrid("float32")
   batch = make_batch(3, B=2, R=4, P=12, T=6, W=2)
@@ -152,3 +153,28 @@ def test_hybrid_replay_float32():
 def test_bad_hybrid_configs_name_the_field(overrides, field):
   with pytest.raises(ValueError, match=field):
     tfm.preset("hybrid_tiny", **overrides)
+
+
+@pytest.mark.parametrize("trunk_len", [2])  # a trunk, then R branches forked from its state
+def test_hybrid_sampler_decodes_with_the_recurrent_state(trunk_len):
+  """Greedy decoding (prefill once, then one token at a time through the linear layers'
+  recurrent form) equals an argmax loop over the full forward."""
+  from branch_replay import sampler
+  cfg, params = hybrid("float32")
+  rng = np.random.default_rng(2)
+  prompt = jnp.asarray(rng.integers(3, 128, (2, 7)), jnp.int32)
+  valid = jnp.ones((2, 7), bool).at[0, :3].set(False)
+  prompt = jnp.where(valid, prompt, 0)
+  n = trunk_len + 4
+  s = jax.jit(lambda p: sampler.sample(
+      p, cfg, sampler.SamplerConfig(max_new_tokens=4, temperature=0.0, trunk_len=trunk_len),
+      prompt, valid, jax.random.key(0), 2))(params)
+  tokens = np.concatenate([np.asarray(prompt), np.zeros((2, n), np.int32)], 1)
+  mask = np.concatenate([np.asarray(valid), np.zeros((2, n), bool)], 1)
+  fwd = jax.jit(lambda t, v: tfm.logits(params, cfg, tfm.forward(params, cfg, t, v)))
+  for i in range(n):
+    tokens[:, 7 + i] = np.asarray(jnp.argmax(fwd(jnp.asarray(tokens), jnp.asarray(mask))[:, 6 + i], -1))
+    mask[:, 7 + i] = True
+  np.testing.assert_array_equal(np.asarray(s.trunk_BW), tokens[:, 7:7 + trunk_len])
+  for r in range(2):
+    np.testing.assert_array_equal(np.asarray(s.tokens_BRT[:, r]), tokens[:, 7 + trunk_len:])
