@@ -148,7 +148,8 @@ def test_hybrid_replay_float32():
     (dict(sliding_window=4), "sliding_window"),
     (dict(sliding_window=4, local_layers=(1,)), "sliding_window"),
     (dict(attn_logit_softcap=20.0), "attn_logit_softcap"),
-    (dict(rotary_fraction=0.3), "rotary_fraction"),
+    (dict(rotary_fraction=0.375), "rotary_fraction"),  # 3 of 8 dims: odd
+    (dict(rotary_fraction=1.5), "rotary_fraction"),
 ])
 def test_bad_hybrid_configs_name_the_field(overrides, field):
   with pytest.raises(ValueError, match=field):
