@@ -109,7 +109,8 @@ def _decode(params, model_cfg, cfg, shared, offset_B, logits_BV, keys_R, n_steps
     position_B1 = (offset_B + t)[:, None]
     h_B1D, own = model.apply({"params": params}, token_B[:, None], position_B1,
                              jnp.ones((B, 1), bool), context=[*shared, (kv, gen_valid_BT)])
-    kv = tuple(tfm.KV(jax.lax.dynamic_update_slice(c.k_BSKH, o.k_BSKH, (0, t, 0, 0)),
+    kv = tuple(o if not isinstance(o, tfm.KV) else  # hybrid: a linear layer's new state
+               tfm.KV(jax.lax.dynamic_update_slice(c.k_BSKH, o.k_BSKH, (0, t, 0, 0)),
                       jax.lax.dynamic_update_slice(c.v_BSKH, o.v_BSKH, (0, t, 0, 0)))
                for c, o in zip(kv, own))
     gen_valid_BT = jax.lax.dynamic_update_slice(gen_valid_BT, jnp.ones((B, 1), bool), (0, t))
@@ -123,7 +124,10 @@ def _decode(params, model_cfg, cfg, shared, offset_B, logits_BV, keys_R, n_steps
 
   R = keys_R.shape[0]
   empty = jnp.zeros((R, B, T, K, H), dt)
-  kv0 = tuple(tfm.KV(empty, empty) for _ in range(model_cfg.n_layers))
+  kv0 = tuple(tfm.KV(empty, empty) if model_cfg.layer_type(i) != "linear_attention" else
+              # hybrid: a linear layer carries the state after the shared context (recurrent form)
+              jax.tree.map(lambda x: jnp.broadcast_to(x, (R, *x.shape)), shared[-1][0][i])
+              for i in range(model_cfg.n_layers))
   carry0 = (jnp.broadcast_to(logits_BV, (R, *logits_BV.shape)), kv0,
             jnp.zeros((R, B, T), bool), jnp.zeros((R, B), bool))
   (logits_RBV, kv, _, _), (tokens_TRB, valid_TRB, logp_TRB) = jax.lax.scan(

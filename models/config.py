@@ -18,6 +18,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float64": jnp.float
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
 ROPE_SCALING_TYPES = ("linear", "llama3")
 REMAT_POLICIES = ("none", "full", "dots", "offload")
+LAYER_TYPES = ("full_attention", "linear_attention")  # hybrid: Gated DeltaNet (deltanet.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +85,17 @@ class ModelConfig:
   norm_offset: float = 0.0  # Gemma: RMSNorm multiplies by (norm_offset + scale)
   activation: str = "silu"  # MLP gate: silu (SwiGLU) | gelu_tanh (GeGLU, Gemma)
   query_pre_attn_scalar: Optional[float] = None  # Gemma: scores / sqrt(this); None: head_dim
+  # --- hybrid (Qwen3.5 / Qwen3-Next): per-layer kinds, Gated DeltaNet options (deltanet.py) ---
+  layer_types: Optional[tuple[str, ...]] = None  # per layer, LAYER_TYPES; None: all full
+  linear_key_heads: int = 2  # linear layers: query/key heads
+  linear_value_heads: int = 4  # linear layers: value heads (a multiple of the key heads)
+  linear_key_head_dim: int = 64
+  linear_value_head_dim: int = 64
+  linear_conv_kernel: int = 4  # the causal depthwise convolution's width
+  linear_chunk: int = 64  # positions per chunk of the chunked delta rule (compute only)
+  attn_output_gate: bool = False  # Qwen3.5 full attention: output * sigmoid(x W_gate)
+  rotary_fraction: float = 1.0  # Qwen3.5: RoPE on the first fraction of each head's dims
+  # --- end hybrid ---
 
   def __post_init__(self):
     if isinstance(self.remat, bool):
@@ -138,6 +150,53 @@ class ModelConfig:
     if self.activation not in ACTIVATIONS:
       raise ValueError(f"model.activation={self.activation!r}: expected one of "
                        f"{sorted(ACTIVATIONS)}")
+    self._check_hybrid()
+
+  def _check_hybrid(self):
+    """The hybrid options (layer_types, linear_*, attn_output_gate, rotary_fraction)."""
+    if isinstance(self.layer_types, list):
+      object.__setattr__(self, "layer_types", tuple(self.layer_types))
+    if not 0 < self.rotary_fraction <= 1 or int(self.head_dim * self.rotary_fraction) % 2:
+      raise ValueError(f"model.rotary_fraction={self.rotary_fraction!r}: expected in (0, 1] "
+                       f"with head_dim={self.head_dim} * fraction an even int")
+    if self.layer_types is None:
+      return
+    if len(self.layer_types) != self.n_layers:
+      raise ValueError(f"model.layer_types: {len(self.layer_types)} entries, expected "
+                       f"n_layers={self.n_layers}")
+    bad = [t for t in self.layer_types if t not in LAYER_TYPES]
+    if bad:
+      raise ValueError(f"model.layer_types: unsupported layer type {bad[0]!r}; expected one "
+                       f"of {LAYER_TYPES}")
+    linear = [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+    if not linear:
+      return
+    for name in ("linear_key_heads", "linear_value_heads", "linear_key_head_dim",
+                 "linear_value_head_dim", "linear_conv_kernel", "linear_chunk"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"model.{name}={value!r}: expected a positive int")
+    if self.linear_conv_kernel < 2:
+      raise ValueError(f"model.linear_conv_kernel={self.linear_conv_kernel}: expected >= 2")
+    for name in ("linear_key_heads", "linear_value_heads"):
+      if self.d_model % getattr(self, name):
+        raise ValueError(f"model.{name}={getattr(self, name)}: expected a divisor of "
+                         f"d_model={self.d_model}")
+    if self.linear_value_heads % self.linear_key_heads:
+      raise ValueError(f"model.linear_value_heads={self.linear_value_heads}: expected a "
+                       f"multiple of model.linear_key_heads={self.linear_key_heads}")
+    windowed = [i for i in linear if self.layer_window(i) is not None]
+    if windowed:
+      raise ValueError(f"model.sliding_window={self.sliding_window} applies to linear layers "
+                       f"{windowed} (model.local_layers={self.local_layers}): expected no "
+                       "window on a linear_attention layer")
+    if self.attn_logit_softcap is not None:
+      raise ValueError(f"model.attn_logit_softcap={self.attn_logit_softcap}: a soft-cap on "
+                       f"linear_attention layers {linear}; expected None in a hybrid model")
+
+  def layer_type(self, layer: int) -> str:
+    """'full_attention' or 'linear_attention' (a Gated DeltaNet layer)."""
+    return "full_attention" if self.layer_types is None else self.layer_types[layer]
 
   def layer_window(self, layer: int) -> Optional[int]:
     """The sliding window of layer `layer`, or None for a global (full attention) layer."""
@@ -155,7 +214,7 @@ class ModelConfig:
 
   def layer_kind(self, layer: int):
     """What makes two layers computationally different (their window and RoPE)."""
-    return self.layer_window(layer), self.layer_rope(layer)
+    return self.layer_window(layer), self.layer_rope(layer), self.layer_type(layer)
 
   def layer_period(self) -> int:
     """The smallest p with kind(i) == kind(i mod p) for every layer: layers are scanned in
@@ -184,6 +243,17 @@ PRESETS = {
                    mlp_hidden=1408, vocab_size=4096),
     "large": dict(d_model=2048, n_layers=16, n_heads=16, n_kv_heads=8, head_dim=128,
                   mlp_hidden=5632, vocab_size=32000),
+    # Hybrids (Qwen3.5's layout: 3 Gated DeltaNet layers, then one gated full attention).
+    "hybrid_tiny": dict(vocab_size=128, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2,
+                        head_dim=8, mlp_hidden=64, linear_key_heads=2, linear_value_heads=4,
+                        linear_key_head_dim=8, linear_value_head_dim=8, linear_chunk=4,
+                        layer_types=("linear_attention",) * 3 + ("full_attention",),
+                        attn_output_gate=True, rotary_fraction=0.5, qk_norm=True,
+                        norm_offset=1.0),
+    "hybrid_small": dict(linear_key_heads=2, linear_value_heads=4,
+                         layer_types=("linear_attention",) * 3 + ("full_attention",),
+                         attn_output_gate=True, rotary_fraction=0.25, qk_norm=True,
+                         norm_offset=1.0),
 }
 
 

@@ -23,6 +23,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
+from models import hf_qwen35  # hybrid: Qwen3.5 text (Gated DeltaNet + gated attention)
 from models import transformer as tfm
 
 # architectures entry -> (model_type, family)
@@ -33,6 +34,7 @@ ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
+    hf_qwen35.ARCHITECTURE: hf_qwen35.FAMILY,  # hybrid
 }
 FAMILIES = {family: arch for arch, family in ARCHITECTURES.items()}  # model_type -> arch
 GEMMA = ("gemma2", "gemma3_text")
@@ -162,8 +164,11 @@ def config_from_hf(hf: dict, dtype: str = "float32",
   for key in ("attention_bias", "mlp_bias", "use_bidirectional_attention"):
     if hf.get(key):
       raise _unsupported(key, hf[key], "expected false")
-  theta, scaling, local_theta = _rope(hf, family)
-  types = _layer_types(hf, family, L)
+  if family == hf_qwen35.FAMILY:  # hybrid: its own RoPE (partial) and layer types
+    theta, scaling, local_theta, types = 0.0, None, None, ["full_attention"] * L
+  else:
+    theta, scaling, local_theta = _rope(hf, family)
+    types = _layer_types(hf, family, L)
   local = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
   window = hf.get("sliding_window") if local else None
   if local and window is None:
@@ -188,6 +193,8 @@ def config_from_hf(hf: dict, dtype: str = "float32",
                                    30.0 if family == "gemma2" else None))
     if family == "gemma3_text":
       kwargs["local_rope_theta"] = local_theta
+  if family == hf_qwen35.FAMILY:  # hybrid
+    kwargs.update(hf_qwen35.config_kwargs(hf))
   try:
     return tfm.ModelConfig(**kwargs)
   except ValueError as e:
@@ -195,6 +202,8 @@ def config_from_hf(hf: dict, dtype: str = "float32",
 
 
 def _family_for(cfg: tfm.ModelConfig) -> str:
+  if cfg.layer_types is not None or cfg.attn_output_gate:  # hybrid
+    return hf_qwen35.FAMILY
   if cfg.norm_offset:
     return "gemma3_text" if cfg.qk_norm else "gemma2"
   if cfg.qk_norm:
@@ -208,7 +217,7 @@ def _canonical(cfg: tfm.ModelConfig) -> dict:
   """Fields that decide the computation, with equivalent spellings made equal."""
   c = dataclasses.asdict(cfg)
   for key in ("dtype", "param_dtype", "remat", "attention", "attention_block_q",
-              "attention_block_k", "logits_chunk", "scan_layers"):
+              "attention_block_k", "logits_chunk", "scan_layers", "linear_chunk"):
     c.pop(key)
   if c["query_pre_attn_scalar"] is None:
     c["query_pre_attn_scalar"] = float(cfg.head_dim)
@@ -251,7 +260,10 @@ def config_to_hf(cfg: tfm.ModelConfig, family: Optional[str] = None,
       {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
        "high_freq_factor": s.high_freq_factor,
        "original_max_position_embeddings": s.original_max_positions})
-  if family in GEMMA:
+  if family == hf_qwen35.FAMILY:  # hybrid
+    hf.pop("rope_theta")
+    hf.update(hf_qwen35.config_dict(cfg))
+  elif family in GEMMA:
     hf.update(hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh",
               query_pre_attn_scalar=_int_if_whole(cfg.query_pre_attn_scalar or cfg.head_dim),
               attn_logit_softcapping=cfg.attn_logit_softcap,
@@ -323,6 +335,8 @@ def tensor_layout(cfg: tfm.ModelConfig, family: Optional[str] = None) -> dict[st
                                                         False)
     for hf_name, ours in norms.items():
       out[f"{pre}{hf_name}.weight"] = Tensor((layer, ours, "scale"), (D,), False)
+  if family == hf_qwen35.FAMILY:  # hybrid: each layer's own token mixer
+    out = hf_qwen35.hybrid_layout(cfg, out, Tensor)
   return out
 
 
@@ -336,6 +350,8 @@ def params_from_tensors(cfg: tfm.ModelConfig, get: Callable[[str], np.ndarray],
                         names: set[str], dtype: str = "float32"):
   """Our parameter tree from HF tensors (`get(name)` reads one, `names` are all present)."""
   layout = tensor_layout(cfg)
+  if _family_for(cfg) == hf_qwen35.FAMILY:  # hybrid: q_proj holds query and gate
+    get, names = hf_qwen35.split_q_gate(cfg, get, names)
   shapes = _param_shapes(cfg)
   assert set(shapes) == {t.path for t in layout.values()}, "tensor_layout out of date"
   missing = [n for n in layout if n not in names]
@@ -374,6 +390,8 @@ def tensors_from_params(cfg: tfm.ModelConfig, params,
     x = np.asarray(x if dtype is None else jnp.asarray(x, tfm.DTYPES[dtype]))
     x = x.reshape(t.hf_shape[::-1]).T if t.linear else x.reshape(t.hf_shape)
     out[name] = np.ascontiguousarray(x)
+  if _family_for(cfg) == hf_qwen35.FAMILY:  # hybrid
+    out = hf_qwen35.merge_q_gate(cfg, out)
   return out
 
 

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from models import attention
+from models import deltanet  # hybrid: Gated DeltaNet layers (layer_types)
 from models.layers import RMSNorm, rope, rope_inv_freq  # noqa: F401
 from models.config import (ACTIVATIONS, DTYPES, PRESETS, REMAT_POLICIES,  # noqa: F401
                            ROPE_SCALING_TYPES, ModelConfig, RopeScaling, preset)
@@ -65,6 +66,8 @@ def keep_window(kv: KV, window: Optional[int]) -> KV:
   """A sliding-window layer's prefix cache: only the last `window` (left-padded) positions.
   A later query reaches at most the last window-1 of them; one more keeps the length the
   configured window. The dropped keys get a zero cotangent through the slice."""
+  if not isinstance(kv, KV):  # hybrid: a linear layer's state is constant in P
+    return kv
   S = kv.k_BSKH.shape[1]
   if window is None or window >= S:
     return kv
@@ -115,6 +118,8 @@ class Block(nn.Module):
     if cfg.post_norms:
       self.post_attn_norm = norm()
       self.post_mlp_norm = norm()
+    if cfg.attn_output_gate:  # hybrid (Qwen3.5): the attention output's sigmoid gate
+      self.w_gate_DNH = param("q_gate", (D, N, H), ("embed", "heads", "head_dim"), D)
 
   def __call__(self, x_BTD, positions_BT, valid_BT, context: Sequence[attention.KeySegment]):
     """Returns (x_BTD, own KV). `context` are the key segments before this block of queries
@@ -132,8 +137,12 @@ class Block(nn.Module):
     if cfg.qk_norm:
       q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
     theta, scaling = cfg.layer_rope(self.index)
-    q_BTNH = rope(q_BTNH, positions_BT, theta, scaling)
-    k_BTKH = rope(k_BTKH, positions_BT, theta, scaling)
+    if cfg.rotary_fraction == 1.0:
+      q_BTNH = rope(q_BTNH, positions_BT, theta, scaling)
+      k_BTKH = rope(k_BTKH, positions_BT, theta, scaling)
+    else:  # hybrid (Qwen3.5): partial RoPE on each head's first dims
+      q_BTNH, k_BTKH = (_partial_rope(t, positions_BT, theta, scaling, cfg.rotary_fraction)
+                        for t in (q_BTNH, k_BTKH))
     own = KV(k_BTKH, v_BTKH)
     # Context parallelism (sharding.py): q, K, V are computed on this device's sequence
     # shard, then each layer all-gathers its K/V. Logical names only; no-ops unless
@@ -149,6 +158,9 @@ class Block(nn.Module):
                               softcap=cfg.attn_logit_softcap,
                               window=cfg.layer_window(self.index), impl=cfg.attention,
                               block_q=cfg.attention_block_q, block_k=cfg.attention_block_k)
+    if cfg.attn_output_gate:  # hybrid (Qwen3.5)
+      a_BTNH = a_BTNH * jax.nn.sigmoid(jnp.einsum("BTD,DNH->BTNH", h_BTD,
+                                                  self.w_gate_DNH.astype(dt)))
     a_BTD = jnp.einsum("BTNH,NHD->BTD", a_BTNH, self.w_o_NHD.astype(dt))
     x_BTD = x_BTD + (self.post_attn_norm(a_BTD) if cfg.post_norms else a_BTD)
     h_BTD = self.mlp_norm(x_BTD)
@@ -168,7 +180,7 @@ class Transformer(nn.Module):
     self.embed = nn.Embed(cfg.vocab_size, cfg.d_model, param_dtype=cfg.weight_dtype,
                           embedding_init=nn.with_logical_partitioning(
                               nn.initializers.normal(1.0), ("vocab", "embed")))
-    self.blocks = [Block(cfg, i, name=f"layer_{i}") for i in range(cfg.n_layers)]
+    self.blocks = [_block_class(cfg, i)(cfg, i, name=f"layer_{i}") for i in range(cfg.n_layers)]
     self.final_norm = RMSNorm(cfg.norm_eps, cfg.weight_dtype, cfg.norm_offset)
     if not cfg.tie_embeddings:
       self.lm_head = self.param(
@@ -196,7 +208,7 @@ class Transformer(nn.Module):
     if self.is_initializing():  # creates the per-layer parameters
       own_kv = []
       for i, block in enumerate(self.blocks):
-        x_BTD, kv = block(x_BTD, positions_BT, valid_BT, _layer_segments(cfg, i, context))
+        x_BTD, kv = block(x_BTD, positions_BT, valid_BT, _layer_context(cfg, i, context))
         own_kv.append(kv)
       own_kv = tuple(own_kv)
     else:
@@ -243,6 +255,32 @@ def _layer_segments(cfg: ModelConfig, i: int, context, kv_of=None):
   return out
 
 
+# --- hybrid: per-layer kinds (a linear layer's context is the last segment's LinearState) ---
+
+
+def _block_class(cfg: ModelConfig, i: int):
+  return deltanet.GatedDeltaNetBlock if cfg.layer_type(i) == "linear_attention" else Block
+
+
+def _layer_context(cfg: ModelConfig, i: int, context, kv_of=None):
+  """Layer i's context: key segments (attention), or the state after the last context
+  segment (a linear layer: every segment's state was computed from those before it)."""
+  if cfg.layer_type(i) != "linear_attention":
+    return _layer_segments(cfg, i, context, kv_of)
+  if not context:
+    return None
+  return context[-1][0][i] if kv_of is None else kv_of(len(context) - 1)
+
+
+def _partial_rope(x_BTNH, positions_BT, theta, scaling, fraction: float):
+  rd = int(x_BTNH.shape[-1] * fraction)
+  return jnp.concatenate([rope(x_BTNH[..., :rd], positions_BT, theta, scaling),
+                          x_BTNH[..., rd:]], axis=-1)
+
+
+# --- end hybrid ---
+
+
 def _remat(fn, cfg: ModelConfig):
   if cfg.remat == "none":
     return fn
@@ -268,6 +306,11 @@ def run_layers(params, cfg: ModelConfig, x_BTD, positions_BT, valid_BT, context=
   L = cfg.n_layers
 
   def layer_fn(index):
+    if cfg.layer_type(index) == "linear_attention":  # hybrid: context is a LinearState
+      return _remat(lambda layer_params, x_BTD, state: deltanet.GatedDeltaNetBlock(
+          cfg, index, parent=None).apply({"params": layer_params}, x_BTD, positions_BT,
+                                         valid_BT, state), cfg)
+
     def fn(layer_params, x_BTD, key_arrays):  # only arrays cross jax.checkpoint
       segments = [attention.KeySegment(*arrays) for arrays in key_arrays]
       return Block(cfg, index, parent=None).apply({"params": layer_params}, x_BTD,
@@ -290,7 +333,7 @@ def run_layers(params, cfg: ModelConfig, x_BTD, positions_BT, valid_BT, context=
     def body(x_BTD, xs_group):
       kvs = []
       for r, (layer_params, ctx_kv) in enumerate(xs_group):
-        segments = _layer_segments(cfg, r, context, kv_of=lambda c: ctx_kv[c])
+        segments = _layer_context(cfg, r, context, kv_of=lambda c: ctx_kv[c])
         x_BTD, kv = fns[r](layer_params, x_BTD, segments)
         kvs.append(kv)
       return x_BTD, kvs
@@ -303,7 +346,7 @@ def run_layers(params, cfg: ModelConfig, x_BTD, positions_BT, valid_BT, context=
     reps = 0
   for i in range(reps * p, L):
     x_BTD, own_kv[i] = layer_fn(i)(params[f"layer_{i}"], x_BTD,
-                                   _layer_segments(cfg, i, context))
+                                   _layer_context(cfg, i, context))
   return x_BTD, tuple(own_kv)
 
 

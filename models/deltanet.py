@@ -1,0 +1,235 @@
+"""Gated DeltaNet (Qwen3.5 / Qwen3-Next `linear_attention` layers) in JAX: the gated delta
+rule in its chunked-parallel (WY/UT) form for training and its recurrent form for decoding,
+the causal depthwise convolution with its state, the gated RMSNorm, and the decoder layer.
+
+Shape letters as in transformer.py, plus for the linear layer:
+  K key (and query) heads · N value heads (N = K*G: key head n // G serves value head n) ·
+  H key head dim · J value head dim · C conv channels (2*K*H + N*J) · W conv kernel - 1 ·
+  n chunks · c positions in a chunk.
+
+A linear layer's "cache" is its `LinearState`: the final recurrent state S [B, N, H, J] and
+the last W inputs of its convolution, constant in the sequence length. Padding never touches
+it: padding tokens enter the convolution as zeros (as Hugging Face masks them) and the
+recurrence with decay 1 and learning rate 0, and the conv state is read at the last valid
+token, so a right-padded tail's state is the state after its last real token. A call that
+starts from a (nonzero) context state must hold its valid tokens first (right padding: tails,
+tree levels, decode steps); a left-padded call must start from the zero state (a prefix).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models.config import ACTIVATIONS, ModelConfig
+from models.layers import RMSNorm
+
+Array = jax.Array
+
+
+class LinearState(NamedTuple):
+  """What a linear layer passes on: the recurrent state and the last W conv inputs."""
+  state_BNHJ: Array
+  conv_BWC: Array
+
+
+def _acc(dtype):
+  return jnp.float64 if dtype == jnp.float64 else jnp.float32
+
+
+def l2norm(x, eps: float = 1e-6):
+  """x / sqrt(sum x^2 + eps) over the last axis (the FLA / Hugging Face convention)."""
+  return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+# ----------------------------------------------------------------------------- the delta rule
+
+
+def recurrent_delta_rule(q_BTNH, k_BTNH, v_BTNJ, g_BTN, beta_BTN, state_BNHJ):
+  """The gated delta rule one token at a time (decoding; the oracle of the chunked form).
+
+  S <- S * exp(g);  S <- S + k (beta (v - S^T k))^T;  o = S^T q.  Queries come scaled and
+  q, k normalised. Returns (o_BTNJ, final state)."""
+  def step(S_BNHJ, xs):
+    q_BNH, k_BNH, v_BNJ, g_BN, beta_BN = xs
+    S_BNHJ = S_BNHJ * jnp.exp(g_BN)[..., None, None]
+    mem_BNJ = jnp.einsum("BNHJ,BNH->BNJ", S_BNHJ, k_BNH)
+    delta_BNJ = (v_BNJ - mem_BNJ) * beta_BN[..., None]
+    S_BNHJ = S_BNHJ + jnp.einsum("BNH,BNJ->BNHJ", k_BNH, delta_BNJ)
+    return S_BNHJ, jnp.einsum("BNHJ,BNH->BNJ", S_BNHJ, q_BNH)
+
+  xs = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), (q_BTNH, k_BTNH, v_BTNJ, g_BTN, beta_BTN))
+  state_BNHJ, o_TBNJ = jax.lax.scan(step, state_BNHJ, xs)
+  return jnp.swapaxes(o_TBNJ, 0, 1), state_BNHJ
+
+
+def chunked_delta_rule(q_BTNH, k_BTNH, v_BTNJ, g_BTN, beta_BTN, state_BNHJ, chunk: int = 64):
+  """The same rule in chunks of c positions (the WY/UT form of Qwen3.5's torch reference).
+
+  Inside a chunk, with Gamma the cumulative log-decay and A = strict_lower((beta k) k^T *
+  exp(Gamma_i - Gamma_j)): u = (I + A)^-1 (beta v) and w = (I + A)^-1 (beta k exp(Gamma)); the
+  chunk's new values are u - w S, its outputs (q exp(Gamma)) S + tril(q k^T decay) (u - w S),
+  and S <- exp(Gamma_c) S + (k exp(Gamma_c - Gamma))^T (u - w S). Chunks run under `lax.scan`,
+  each chunk rematerialised in the backward: the gradient keeps one [B, N, H, J] state per
+  chunk and the inputs, not the [c, c] intra-chunk matrices (cost: the chunk's forward once
+  more in the backward)."""
+  B, T, N, H = k_BTNH.shape
+  J = v_BTNJ.shape[-1]
+  c = min(chunk, T)
+  n = -(-T // c)
+  pad = n * c - T
+  # Padding positions: decay 1 (g = 0) and learning rate 0 leave the state as it is.
+  padded = lambda x: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+  chunks = lambda x: jnp.moveaxis(padded(x).reshape(B, n, c, *x.shape[2:]), 1, 0)
+  lower_cc = jnp.tril(jnp.ones((c, c), bool))
+  strict_cc = jnp.tril(jnp.ones((c, c), bool), -1)
+
+  @jax.checkpoint
+  def body(S_BNHJ, xs):
+    q_BcNH, k_BcNH, v_BcNJ, g_BcN, beta_BcN = xs
+    gamma_BNc = jnp.cumsum(jnp.swapaxes(g_BcN, 1, 2), axis=-1)
+    beta_BNc = jnp.swapaxes(beta_BcN, 1, 2)
+    diff_BNcc = gamma_BNc[..., :, None] - gamma_BNc[..., None, :]
+    decay_BNcc = jnp.exp(jnp.where(lower_cc, diff_BNcc, -jnp.inf))  # 0 above the diagonal
+    kb_BcNH = k_BcNH * beta_BcN[..., None]
+    A_BNcc = jnp.where(strict_cc, jnp.einsum("BiNh,BjNh->BNij", kb_BcNH, k_BcNH) * decay_BNcc,
+                       0.0) + jnp.eye(c, dtype=decay_BNcc.dtype)
+    solve = lambda rhs_BNcX: jax.scipy.linalg.solve_triangular(A_BNcc, rhs_BNcX, lower=True,
+                                                               unit_diagonal=True)
+    u_BNcJ = solve(jnp.einsum("BcNJ,BcN->BNcJ", v_BcNJ, beta_BcN))
+    w_BNcH = solve(jnp.swapaxes(kb_BcNH, 1, 2) * jnp.exp(gamma_BNc)[..., None])
+    new_BNcJ = u_BNcJ - jnp.einsum("BNch,BNhJ->BNcJ", w_BNcH, S_BNHJ)
+    attn_BNcc = jnp.einsum("BiNh,BjNh->BNij", q_BcNH, k_BcNH) * decay_BNcc
+    qd_BNcH = jnp.swapaxes(q_BcNH, 1, 2) * jnp.exp(gamma_BNc)[..., None]
+    o_BNcJ = (jnp.einsum("BNch,BNhJ->BNcJ", qd_BNcH, S_BNHJ)
+              + jnp.einsum("BNij,BNjJ->BNiJ", attn_BNcc, new_BNcJ))
+    kd_BNcH = jnp.swapaxes(k_BcNH, 1, 2) * jnp.exp(gamma_BNc[..., -1:] - gamma_BNc)[..., None]
+    S_BNHJ = (S_BNHJ * jnp.exp(gamma_BNc[..., -1])[..., None, None]
+              + jnp.einsum("BNch,BNcJ->BNhJ", kd_BNcH, new_BNcJ))
+    return S_BNHJ, jnp.swapaxes(o_BNcJ, 1, 2)
+
+  xs = tuple(chunks(x) for x in (q_BTNH, k_BTNH, v_BTNJ, g_BTN, beta_BTN))
+  state_BNHJ, o_nBcNJ = jax.lax.scan(body, state_BNHJ, xs)
+  o_BTNJ = jnp.moveaxis(o_nBcNJ, 0, 1).reshape(B, n * c, N, J)[:, :T]
+  return o_BTNJ, state_BNHJ
+
+
+# ----------------------------------------------------------------------------- convolution
+
+
+def causal_conv(x_BTC, w_KC, conv_BWC, valid_BT):
+  """Depthwise causal convolution (kernel W+1, weight row W on the current input) after the
+  W context inputs conv_BWC, then SiLU. Returns (y_BTC, the last W inputs up to the last valid
+  token: the next call's conv state)."""
+  W = w_KC.shape[0] - 1
+  T = x_BTC.shape[1]
+  ext_BSC = jnp.concatenate([conv_BWC.astype(x_BTC.dtype), x_BTC], axis=1)
+  y_BTC = sum(ext_BSC[:, i:i + T] * w_KC[i] for i in range(W + 1))
+  # The index after the last valid token (0: no valid token, the old state is kept).
+  end_B = jnp.max(jnp.where(valid_BT, jnp.arange(1, T + 1), 0), axis=1)
+  idx_BW = end_B[:, None] + jnp.arange(W)
+  conv_BWC = jnp.take_along_axis(ext_BSC, idx_BW[..., None], axis=1)
+  return jax.nn.silu(y_BTC), conv_BWC
+
+
+# ----------------------------------------------------------------------------- the layer
+
+
+def zero_state(cfg: ModelConfig, rows: int, dtype) -> LinearState:
+  N, H, J = cfg.linear_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+  C = 2 * cfg.linear_key_heads * H + N * J
+  return LinearState(jnp.zeros((rows, N, H, J), dtype),
+                     jnp.zeros((rows, cfg.linear_conv_kernel - 1, C), dtype))
+
+
+class GatedDeltaNetBlock(nn.Module):
+  """Pre-norm decoder layer whose token mixer is a Gated DeltaNet, then the gated MLP.
+
+  Parameters (Hugging Face `linear_attn.*`): qkv [D, C] (channels q | k | v), conv [W+1, C],
+  z [D, N, J] (the output gate), b [D, N] (beta), a [D, N], dt_bias [N], A_log [N],
+  norm (the gated RMSNorm over J, no offset), out [N, J, D]."""
+  cfg: ModelConfig
+  index: int = 0
+
+  def setup(self):
+    cfg = self.cfg
+    D, F = cfg.d_model, cfg.mlp_hidden
+    K, N = cfg.linear_key_heads, cfg.linear_value_heads
+    H, J = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    C = 2 * K * H + N * J
+    pd = cfg.weight_dtype
+
+    def param(name, shape, axes, init):
+      return self.param(name, nn.with_logical_partitioning(init, axes), shape, pd)
+
+    normal = lambda fan_in: nn.initializers.normal(fan_in ** -0.5)
+    self.w_qkv_DC = param("qkv", (D, C), ("embed", None), normal(D))
+    self.w_conv_KC = param("conv", (cfg.linear_conv_kernel, C), (None, None),
+                           normal(cfg.linear_conv_kernel))
+    self.w_z_DNJ = param("z", (D, N, J), ("embed", None, None), normal(D))
+    self.w_b_DN = param("b", (D, N), ("embed", None), normal(D))
+    self.w_a_DN = param("a", (D, N), ("embed", None), normal(D))
+    self.dt_bias_N = param("dt_bias", (N,), (None,), nn.initializers.ones)
+    self.A_log_N = param("A_log", (N,), (None,),
+                         lambda key, shape, dtype: jnp.log(
+                             jax.random.uniform(key, shape, dtype, 0.5, 4.0)))
+    self.w_out_NJD = param("out", (N, J, D), (None, None, "embed"), normal(N * J))
+    self.w_gate_DF = param("gate", (D, F), ("embed", "mlp"), normal(D))
+    self.w_up_DF = param("up", (D, F), ("embed", "mlp"), normal(D))
+    self.w_down_FD = param("down", (F, D), ("mlp", "embed"), normal(F))
+    self.gated_norm = RMSNorm(cfg.norm_eps, pd, 0.0, (None,))
+    self.attn_norm = RMSNorm(cfg.norm_eps, pd, cfg.norm_offset)
+    self.mlp_norm = RMSNorm(cfg.norm_eps, pd, cfg.norm_offset)
+
+  def __call__(self, x_BTD, positions_BT, valid_BT, context: Optional[LinearState]):
+    """Returns (x_BTD, own LinearState). `context`: the state after everything before these
+    tokens (rows may be fewer: token rows [i*g, (i+1)*g) read its row i), None for zero."""
+    del positions_BT  # a linear layer is position-free
+    cfg = self.cfg
+    B, T, _ = x_BTD.shape
+    K, N = cfg.linear_key_heads, cfg.linear_value_heads
+    H, J = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    dt, acc = x_BTD.dtype, _acc(x_BTD.dtype)
+    if context is None:
+      context = zero_state(cfg, B, acc)
+    context = LinearState(*(_rows(s, B) for s in context))
+
+    # Padding tokens enter as zeros (Hugging Face's apply_mask_to_padding_states).
+    h_BTD = self.attn_norm(x_BTD) * valid_BT[..., None].astype(dt)
+    mixed_BTC = jnp.einsum("BTD,DC->BTC", h_BTD, self.w_qkv_DC.astype(dt))
+    mixed_BTC, conv_BWC = causal_conv(mixed_BTC, self.w_conv_KC.astype(dt), context.conv_BWC,
+                                      valid_BT)
+    q_BTKH, k_BTKH, v_BTNJ = jnp.split(mixed_BTC, [K * H, 2 * K * H], axis=-1)
+    G = N // K
+    heads = lambda x_BTC, n, d: jnp.repeat(x_BTC.reshape(B, T, n, d).astype(acc), G, axis=2)
+    q_BTNH, k_BTNH = l2norm(heads(q_BTKH, K, H)) * H ** -0.5, l2norm(heads(k_BTKH, K, H))
+    v_BTNJ = v_BTNJ.reshape(B, T, N, J).astype(acc)
+    beta_BTN = jax.nn.sigmoid(jnp.einsum("BTD,DN->BTN", h_BTD, self.w_b_DN.astype(dt)).astype(acc))
+    a_BTN = jnp.einsum("BTD,DN->BTN", h_BTD, self.w_a_DN.astype(dt)).astype(acc)
+    g_BTN = -jnp.exp(self.A_log_N.astype(acc)) * jax.nn.softplus(a_BTN + self.dt_bias_N.astype(acc))
+    # Padding leaves the state untouched: decay exp(0) = 1, learning rate 0.
+    g_BTN = jnp.where(valid_BT[..., None], g_BTN, 0.0)
+    beta_BTN = jnp.where(valid_BT[..., None], beta_BTN, 0.0)
+    rule = recurrent_delta_rule if T == 1 else (
+        lambda *a: chunked_delta_rule(*a, chunk=cfg.linear_chunk))
+    o_BTNJ, state_BNHJ = rule(q_BTNH, k_BTNH, v_BTNJ, g_BTN, beta_BTN,
+                              context.state_BNHJ.astype(acc))
+    z_BTNJ = jnp.einsum("BTD,DNJ->BTNJ", h_BTD, self.w_z_DNJ.astype(dt))
+    o_BTNJ = self.gated_norm(o_BTNJ.astype(dt)).astype(acc) * jax.nn.silu(z_BTNJ.astype(acc))
+    a_BTD = jnp.einsum("BTNJ,NJD->BTD", o_BTNJ.astype(dt), self.w_out_NJD.astype(dt))
+    x_BTD = x_BTD + a_BTD
+    h_BTD = self.mlp_norm(x_BTD)
+    gate_BTF = jnp.einsum("BTD,DF->BTF", h_BTD, self.w_gate_DF.astype(dt))
+    up_BTF = jnp.einsum("BTD,DF->BTF", h_BTD, self.w_up_DF.astype(dt))
+    m_BTD = jnp.einsum("BTF,FD->BTD", ACTIVATIONS[cfg.activation](gate_BTF) * up_BTF,
+                       self.w_down_FD.astype(dt))
+    x_BTD = nn.with_logical_constraint(x_BTD + m_BTD, ("batch", "seq", None))
+    return x_BTD, LinearState(state_BNHJ, conv_BWC.astype(acc))
+
+
+def _rows(x_B, rows: int):
+  """x repeated along axis 0 to `rows` rows (each row rows / len(x) times, in order)."""
+  return x_B if x_B.shape[0] == rows else jnp.repeat(x_B, rows // x_B.shape[0], axis=0)
