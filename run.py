@@ -32,6 +32,8 @@ flags.DEFINE_integer("num_processes", None, "Multi-host: how many processes.")
 flags.DEFINE_integer("process_id", None, "Multi-host: this process's index.")
 flags.DEFINE_string("model_dir", None, "A Hugging Face folder (config.json, *.safetensors, "
                     "optional tokenizer.json) to train from instead of the experiment's model.")
+flags.DEFINE_bool("char_tokenizer", False, "With --model_dir: train on the shipped character "
+                  "tokenizer (only for a folder without tokenizer.json).")
 flags.DEFINE_enum("model_dtype", "float32", ["float32", "bfloat16"],
                   "compute dtype of --model_dir (parameters and AdamW state stay float32)")
 FLAGS = flags.FLAGS
@@ -62,7 +64,8 @@ def main(argv):
     from models import hf
     try:
       model_cfg, init_params = hf.load(FLAGS.model_dir, dtype=FLAGS.model_dtype)
-      tokenizer = tokenizer_lib.from_model_dir(FLAGS.model_dir, hf.read_config(FLAGS.model_dir))
+      tokenizer = tokenizer_lib.from_model_dir(FLAGS.model_dir, hf.read_config(FLAGS.model_dir),
+                                               char_tokenizer=FLAGS.char_tokenizer)
     except ValueError as e:
       raise app.UsageError(f"--model_dir={FLAGS.model_dir}: {e}")
     base = dataclasses.replace(base, model=model_cfg)

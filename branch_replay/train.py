@@ -376,19 +376,21 @@ def _compile_key(cfg: Config) -> Config:
 
 
 @functools.lru_cache(maxsize=8)
-def _compiled(cfg: Config, eos_id: int = TOKENIZER.eos_id) -> _Fns:
+def _compiled(cfg: Config, eos_id=TOKENIZER.eos_id) -> _Fns:
   """The jitted functions of a config, kept across `run` calls in one process (a notebook,
-  the tests), so a second run of the same model does not compile again."""
+  the tests), so a second run of the same model does not compile again. eos_id: the stop
+  token, or a tuple of them (the tokenizer's stop_ids)."""
+  stops = (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
   greedy = sampler.SamplerConfig(max_new_tokens=cfg.sampler.max_new_tokens, temperature=0.0,
                                  trunk_len=cfg.sampler.trunk_len)
   sample = functools.partial(sampler.sample, model_cfg=cfg.model, n_branches=cfg.train.n_branches,
-                             stop_tokens=(eos_id,))
+                             stop_tokens=stops)
   return _Fns(
       rl_step=jax.jit(make_train_step(cfg, "rl"), donate_argnums=0),
       sft_step=jax.jit(make_train_step(cfg, "sft"), donate_argnums=0),
       sample=jax.jit(functools.partial(sample, cfg=cfg.sampler)),
       greedy=jax.jit(functools.partial(sampler.sample, model_cfg=cfg.model, cfg=greedy,
-                                       n_branches=1, stop_tokens=(eos_id,))),
+                                       n_branches=1, stop_tokens=stops)),
       score=jax.jit(functools.partial(sampler.score, model_cfg=cfg.model,
                                       temperature=cfg.sampler.temperature)),
       critic_step=jax.jit(make_critic_step(cfg), donate_argnums=0),
@@ -429,7 +431,7 @@ def run(cfg: Config, workdir: str, *, init_params=None, tokenizer=None) -> dict:
                                  tensorboard=cfg.train.tensorboard and chief)
   t = cfg.train
 
-  fns = _compiled(_compile_key(cfg), tok.eos_id)
+  fns = _compiled(_compile_key(cfg), tuple(getattr(tok, "stop_ids", (tok.eos_id,))))
   eval_examples = task.eval_examples(t.seed, t.eval_size) if t.eval_size else []
 
   def evaluate(state, step):
