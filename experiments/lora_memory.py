@@ -23,7 +23,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from absl import app, flags  # noqa: E402
 
-flags.DEFINE_enum("what", "memory", ["memory", "speed"], "footprint table or speed")
+flags.DEFINE_enum("what", "memory", ["memory", "speed", "table"],
+                  "footprint rows, speed rows, or a markdown table of --inputs")
+flags.DEFINE_list("inputs", [], "table: results files of --what=memory and --what=speed")
 flags.DEFINE_string("out", "", "results JSON-lines file ('' prints only)")
 flags.DEFINE_list("presets", ["small", "large"], "memory: model presets")
 flags.DEFINE_list("prefix_lens", ["8192", "32768"], "memory: P values")
@@ -154,7 +156,40 @@ def speed(writer):
                         reps=FLAGS.reps))
 
 
+def table(paths) -> str:
+  """Markdown: the footprint per (preset, P, mode), full vs LoRA, and the speedups."""
+  from experiments import provenance
+  rows = [r for p in paths for r in provenance.read(p)]
+  mb = lambda b: f"{b / 2 ** 20:,.1f}"
+  out = ["| preset | P | mode | method | trainable params | base B/param | trainable state "
+         "MB (16 B/param) | trainable state vs full | compiled total MB | temp MB |",
+         "|---|---|---|---|---|---|---|---|---|---|"]
+  mem = [r for r in rows if r["experiment"] == "lora_memory"]
+  full = {(r["preset"], r["P"], r["mode"]): r for r in mem if r["method"] == "full"}
+  for r in mem:
+    f = full.get((r["preset"], r["P"], r["mode"]))
+    ratio = f"{100 * r['trainable_state_bytes'] / f['trainable_state_bytes']:.2f}%" if f else ""
+    base = "4 (frozen)" if r["method"] == "lora" else "16 (trained)"
+    out.append(f"| {r['preset']} | {r['P']} | {r['mode']} | {r['method']} | "
+               f"{r['trainable_params']:,} | {base} | {mb(r['trainable_state_bytes'])} | "
+               f"{ratio} | {mb(r['compiled_total_bytes'])} | {mb(r['temp_bytes'])} |")
+  speed = {(r["method"], r["mode"]): r for r in rows if r["experiment"] == "lora_speed"}
+  if speed:
+    out += ["", "| method | replay cpu s | naive cpu s | speedup (cpu) | replay wall s | "
+            "naive wall s | speedup (wall) |", "|---|---|---|---|---|---|---|"]
+    for method in ("full", "lora"):
+      rp, nv = speed.get((method, "replay")), speed.get((method, "naive"))
+      if rp and nv:
+        out.append(f"| {method} | {rp['cpu_s']:.2f} | {nv['cpu_s']:.2f} | "
+                   f"{nv['cpu_s'] / rp['cpu_s']:.2f}x | {rp['wall_s']:.1f} | {nv['wall_s']:.1f} | "
+                   f"{nv['wall_s'] / rp['wall_s']:.2f}x |")
+  return "\n".join(out)
+
+
 def main(argv):
+  if FLAGS.what == "table":
+    print(table(FLAGS.inputs))
+    return
   from experiments import provenance
   writer = provenance.ResultsWriter(FLAGS.out, experiment=f"lora_{FLAGS.what}")
   memory(writer) if FLAGS.what == "memory" else speed(writer)
