@@ -264,3 +264,28 @@ def save_merged(model_dir: str, cfg: tfm.ModelConfig, base, adapters,
                      "run's base + adapters as full weights")
   check_adapters(cfg, lora, adapters)
   hf.save(model_dir, cfg, merge(base, adapters, lora), **save_kwargs)
+
+
+def main(argv=None) -> str:
+  """python -m models.lora --base=HF_DIR --adapter=PEFT_DIR --merge --out=DIR: the adapted
+  model as one full checkpoint (config.json kept from the base)."""
+  import argparse
+  parser = argparse.ArgumentParser(description="merge a PEFT LoRA adapter into its base")
+  parser.add_argument("--base", required=True, help="the base model's Hugging Face folder")
+  parser.add_argument("--adapter", default="", help="the PEFT adapter folder")
+  parser.add_argument("--merge", action="store_true", help="write base + adapter as full weights")
+  parser.add_argument("--out", required=True)
+  args = parser.parse_args(argv)
+  if not args.merge:
+    raise ValueError("--merge: expected (the only export of this command)")
+  config = hf.read_config(args.base)
+  cfg, base = hf.load(args.base)
+  lora, adapters = (load_peft(args.adapter, cfg, family=hf.family_of(config)) if args.adapter
+                    else (None, None))
+  save_merged(args.out, cfg, base, adapters, lora, family=hf.family_of(config),
+              extra_config=config)
+  return args.out
+
+
+if __name__ == "__main__":
+  print(main())

@@ -209,3 +209,18 @@ def test_import_a_peft_adapter_to_continue_training(tmp_path):
   loss, _, grads = jax.jit(lambda a: lora_train.loss_and_grad(
       base, a, batch, cfg, losses.LossConfig(name="grpo"), lora_cfg))(adapters)
   assert np.isfinite(float(loss)) and optax.tree.norm(grads) > 0
+
+
+def test_merge_command(tmp_path):
+  cfg, base, adapters = model_and_adapters(dtype="float32")
+  hf.save(str(tmp_path / "base"), cfg, base, family="llama",
+          extra_config=dict(eos_token_id=2, bos_token_id=1))
+  lora.save_peft(str(tmp_path / "adapter"), cfg, LORA, adapters, family="llama")
+  lora.main([f"--base={tmp_path / 'base'}", f"--adapter={tmp_path / 'adapter'}", "--merge",
+             f"--out={tmp_path / 'merged'}"])
+  merged_cfg, merged = hf.load(str(tmp_path / "merged"))
+  want = lora.merge(base, adapters, LORA)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), merged, want)
+  assert hf.read_config(str(tmp_path / "merged"))["eos_token_id"] == 2
+  with pytest.raises(ValueError, match="--merge: lora.rank=0"):
+    lora.main([f"--base={tmp_path / 'base'}", "--merge", f"--out={tmp_path / 'x'}"])
