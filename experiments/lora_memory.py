@@ -30,6 +30,8 @@ flags.DEFINE_string("out", "", "results JSON-lines file ('' prints only)")
 flags.DEFINE_list("presets", ["small", "large"], "memory: model presets")
 flags.DEFINE_list("prefix_lens", ["8192", "32768"], "memory: P values")
 flags.DEFINE_integer("rank", 16, "LoRA rank")
+flags.DEFINE_bool("compile", True, "memory: compile for the footprint (false: the state's bytes "
+                  "from shapes only, one row per preset, method and mode)")
 flags.DEFINE_integer("reps", 2, "speed: timed steps per configuration")
 flags.DEFINE_string("speed_preset", "small", "speed: model preset")
 flags.DEFINE_integer("speed_prefix_len", 2048, "speed: P")
@@ -103,7 +105,8 @@ def memory(writer):
           step, tx = _steps(cfg, lc, mode)
           args = _shapes(cfg, lc, tx)
           t0 = time.time()
-          mem = step.lower(*args, _batch(cfg, P)).compile().memory_analysis()
+          mem = step.lower(*args, _batch(cfg, P)).compile().memory_analysis() if (
+              FLAGS.compile) else None
           trainable = args[0] if lc is None else args[1]
           opt = args[-1]
           row = dict(preset=preset, P=P, R=R, T=T, B=1, method=method, mode=mode,
@@ -112,13 +115,15 @@ def memory(writer):
                      frozen_base_bytes=0 if lc is None else _nbytes(args[0]),
                      trainable_bytes=_nbytes(trainable), optimizer_bytes=_nbytes(opt),
                      # trainable state: trainable params + their gradient + AdamW mu, nu
-                     trainable_state_bytes=2 * _nbytes(trainable) + _nbytes(opt),
-                     argument_bytes=mem.argument_size_in_bytes,
-                     temp_bytes=mem.temp_size_in_bytes, output_bytes=mem.output_size_in_bytes,
-                     alias_bytes=mem.alias_size_in_bytes,
-                     compiled_total_bytes=(mem.argument_size_in_bytes + mem.temp_size_in_bytes
-                                           + mem.output_size_in_bytes - mem.alias_size_in_bytes),
-                     compile_s=round(time.time() - t0, 1))
+                     trainable_state_bytes=2 * _nbytes(trainable) + _nbytes(opt))
+          if mem is not None:
+            row.update(argument_bytes=mem.argument_size_in_bytes,
+                       temp_bytes=mem.temp_size_in_bytes, output_bytes=mem.output_size_in_bytes,
+                       alias_bytes=mem.alias_size_in_bytes,
+                       compiled_total_bytes=(mem.argument_size_in_bytes + mem.temp_size_in_bytes
+                                             + mem.output_size_in_bytes
+                                             - mem.alias_size_in_bytes),
+                       compile_s=round(time.time() - t0, 1))
           writer.write(row)
 
 
@@ -172,7 +177,8 @@ def table(paths) -> str:
     base = "4 (frozen)" if r["method"] == "lora" else "16 (trained)"
     out.append(f"| {r['preset']} | {r['P']} | {r['mode']} | {r['method']} | "
                f"{r['trainable_params']:,} | {base} | {mb(r['trainable_state_bytes'])} | "
-               f"{ratio} | {mb(r['compiled_total_bytes'])} | {mb(r['temp_bytes'])} |")
+               f"{ratio} | {mb(r['compiled_total_bytes']) if 'temp_bytes' in r else 'not compiled'}"
+               f" | {mb(r['temp_bytes']) if 'temp_bytes' in r else ''} |")
   speed = {(r["method"], r["mode"]): r for r in rows if r["experiment"] == "lora_speed"}
   if speed:
     out += ["", "| method | replay cpu s | naive cpu s | speedup (cpu) | replay wall s | "
