@@ -40,6 +40,8 @@ def define_flags(fv: flags.FlagValues) -> flags.FlagValues:
   flags.DEFINE_string("model_dir", None, "A Hugging Face folder (config.json, *.safetensors, "
                       "optional tokenizer.json) to train from instead of the experiment's model.",
                       flag_values=fv)
+  flags.DEFINE_bool("char_tokenizer", False, "With --model_dir: train on the shipped character "
+                    "tokenizer (only for a folder without tokenizer.json).", flag_values=fv)
   flags.DEFINE_enum("model_dtype", "float32", ["float32", "bfloat16"],
                     "compute dtype of --model_dir (parameters and AdamW state stay float32)",
                     flag_values=fv)
@@ -79,7 +81,8 @@ def config_from(fv):
     from models import hf
     try:
       model_cfg, init_params = hf.load(fv.model_dir, dtype=fv.model_dtype)
-      tokenizer = tokenizer_lib.from_model_dir(fv.model_dir, hf.read_config(fv.model_dir))
+      tokenizer = tokenizer_lib.from_model_dir(fv.model_dir, hf.read_config(fv.model_dir),
+                                               char_tokenizer=fv.char_tokenizer)
     except ValueError as e:
       raise app.UsageError(f"--model_dir={fv.model_dir}: {e}")
     base = dataclasses.replace(base, model=model_cfg)

@@ -166,3 +166,30 @@ def contains(examples, completions, *, case_sensitive: bool = True):
   fold = (lambda s: s) if case_sensitive else str.lower
   return [float(fold(e.answer) in fold(c)) for e, c in zip(examples, completions)]
 
+
+
+_GSM8K_FINAL = re.compile(r"####\s*([-+$]?[\d,]*\.?\d+)")
+
+
+def final_number_of(text: str):
+  """The number after `####` (GSM8K's final-answer mark), else the last number in the text;
+  None when there is none. Commas and a leading $ are dropped."""
+  match = _GSM8K_FINAL.search(text)
+  if match:
+    return float(match.group(1).replace(",", "").replace("$", ""))
+  numbers = re.findall(r"[-+]?(?:\d+\.?\d*|\.\d+)", text.replace(",", ""))
+  return float(numbers[-1]) if numbers else None
+
+
+@register("final_number", needs=("answer",))
+def final_number(examples, completions):
+  """GSM8K's grading: 1 when the completion's final number (after `####`, else its last
+  number) equals the answer's (after `####`), else 0."""
+  out = []
+  for i, (e, c) in enumerate(zip(examples, completions)):
+    target = final_number_of(e.answer)
+    if target is None:
+      raise _Indexed(i, f"answer {e.answer!r} holds no number (expected '... #### 42')")
+    got = final_number_of(c)
+    out.append(float(got is not None and abs(got - target) <= 1e-6 * max(1.0, abs(target))))
+  return out

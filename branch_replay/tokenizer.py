@@ -5,6 +5,7 @@ Small on purpose: a tiny vocabulary keeps the embedding and softmax cheap on a C
 
 from __future__ import annotations
 
+import os
 import string
 from typing import Iterable, Sequence
 
@@ -17,6 +18,7 @@ class CharTokenizer:
   """encode(text) -> ids (optionally with BOS/EOS); decode(ids) -> text (specials dropped)."""
 
   pad_id, bos_id, eos_id = PAD, BOS, EOS
+  stop_ids = (EOS,)  # the sampler stops a branch at any of these
 
   def __init__(self, chars: str = CHARS):
     if len(set(chars)) != len(chars):
@@ -63,15 +65,17 @@ TOKENIZER = CharTokenizer()
 
 
 class HFTokenizer:
-  """A Hugging Face `tokenizer.json` (through the optional `tokenizers` library) behind the
-  CharTokenizer interface, so the tasks, the sampler's stop token and the rewards use the
-  imported checkpoint's own vocabulary. Special ids come from the checkpoint's config.json."""
+  """A Hugging Face `tokenizer.json` (through the `tokenizers` library) behind the
+  CharTokenizer interface, so the tasks, the sampler's stop tokens and the rewards use the
+  imported checkpoint's own vocabulary. Special ids come from the checkpoint's config.json;
+  stop ids: eos_id plus generation_config.json's eos ids."""
 
   def __init__(self, tokenizer, bos_id: int, eos_id: int, pad_id: int | None = None,
-               chat_template=None):
+               chat_template=None, stop_ids: Sequence[int] = ()):
     self._tok = tokenizer
     self.bos_id, self.eos_id = int(bos_id), int(eos_id)
     self.pad_id = self.eos_id if pad_id is None else int(pad_id)
+    self.stop_ids = tuple(dict.fromkeys([self.eos_id, *map(int, stop_ids)]))
     self.chat_template = chat_template  # branch_replay.chat.ChatTemplate or None
 
   @property
@@ -86,13 +90,13 @@ class HFTokenizer:
     out = []
     for i in ids:
       i = int(i)
-      if i == self.eos_id and stop_at_eos:
+      if i in self.stop_ids and stop_at_eos:
         break
       if i >= self.vocab_size:
         if strict:
           raise ValueError(f"tokenizer.decode: id {i} out of range [0, {self.vocab_size})")
         continue
-      if i in (self.bos_id, self.pad_id, self.eos_id):  # as CharTokenizer: specials dropped
+      if i in (self.bos_id, self.pad_id, *self.stop_ids):  # as CharTokenizer: specials dropped
         continue
       out.append(i)
     return self._tok.decode(out, skip_special_tokens=True)
@@ -101,13 +105,26 @@ class HFTokenizer:
     return [self.decode(row, strict=False) for row in ids_NT]
 
 
-def from_model_dir(model_dir: str, hf_config: dict):
-  """The checkpoint's tokenizer.json as an HFTokenizer, or None when it has none (or the
-  `tokenizers` library is missing): the caller then keeps the character tokenizer."""
+def from_model_dir(model_dir: str, hf_config: dict, *, char_tokenizer: bool = False):
+  """The checkpoint's tokenizer.json as an HFTokenizer. A folder without one is an error
+  unless `char_tokenizer` asks for the shipped CharTokenizer explicitly (then returned);
+  a vocabulary larger than the checkpoint's embedding rows is an error."""
   from models import hf  # the only place that imports `tokenizers`
+  path = os.path.join(model_dir, "tokenizer.json")
+  if char_tokenizer:
+    if os.path.exists(path):
+      raise ValueError(f"{path}: the folder has its own tokenizer; the character tokenizer "
+                       "(--char_tokenizer) would train on other ids than it was trained on")
+    return TOKENIZER
   tok = hf.load_tokenizer(model_dir)
   if tok is None:
-    return None
+    raise ValueError(f"{path}: missing; the checkpoint's text needs its tokenizer (pass "
+                     "--char_tokenizer to train on the shipped character tokenizer instead)")
+  rows = hf_config.get("vocab_size")
+  vocab = tok.get_vocab_size(with_added_tokens=True)
+  if rows is not None and vocab > rows:
+    raise ValueError(f"{path}: vocabulary of {vocab} tokens exceeds {model_dir}/config.json "
+                     f"vocab_size={rows} (the embedding's rows): not this checkpoint's tokenizer")
   first = lambda v: v[0] if isinstance(v, (list, tuple)) else v
   eos = first(hf_config.get("eos_token_id"))
   bos = first(hf_config.get("bos_token_id"))
@@ -121,7 +138,14 @@ def from_model_dir(model_dir: str, hf_config: dict):
     eos_id = tok.token_to_id(template.eos_token)
     if eos_id is None:
       raise ValueError(f"{template.where}: eos_token {template.eos_token!r} is not in "
-                       f"{model_dir}/tokenizer.json")
+                       f"{path}")
     eos = eos_id
+  config_eos = hf_config.get("eos_token_id")
+  config_eos = list(config_eos) if isinstance(config_eos, (list, tuple)) else [config_eos]
+  stops = [*config_eos, *hf.generation_eos_ids(model_dir)]
+  for i in stops:
+    if not 0 <= int(i) < (rows or vocab):
+      raise ValueError(f"{model_dir}: eos_token_id {i} is outside the vocabulary "
+                       f"[0, {rows or vocab})")
   return HFTokenizer(tok, bos, eos, first(hf_config.get("pad_token_id")),
-                     chat_template=template)
+                     chat_template=template, stop_ids=stops)

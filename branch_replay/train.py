@@ -287,19 +287,21 @@ def compile_key(cfg: Config) -> Config:
 
 
 @functools.lru_cache(maxsize=8)
-def compiled(cfg: Config, eos_id: int = TOKENIZER.eos_id) -> Fns:
+def compiled(cfg: Config, eos_id=TOKENIZER.eos_id) -> Fns:
   """The jitted functions of a config, kept across `run` calls in one process (a notebook,
-  the tests), so a second run of the same model does not compile again."""
+  the tests), so a second run of the same model does not compile again. eos_id: the stop
+  token, or a tuple of them (the tokenizer's stop_ids)."""
+  stops = (eos_id,) if isinstance(eos_id, int) else tuple(eos_id)
   greedy = sampler.SamplerConfig(max_new_tokens=cfg.sampler.max_new_tokens, temperature=0.0,
                                  trunk_len=cfg.sampler.trunk_len)
   sample = functools.partial(sampler.sample, model_cfg=cfg.model, n_branches=cfg.train.n_branches,
-                             stop_tokens=(eos_id,))
+                             stop_tokens=stops)
   return Fns(
       rl_step=jax.jit(make_train_step(cfg, "rl"), donate_argnums=0),
       sft_step=jax.jit(make_train_step(cfg, "sft"), donate_argnums=0),
       sample=jax.jit(functools.partial(sample, cfg=cfg.sampler)),
       greedy=jax.jit(functools.partial(sampler.sample, model_cfg=cfg.model, cfg=greedy,
-                                       n_branches=1, stop_tokens=(eos_id,))),
+                                       n_branches=1, stop_tokens=stops)),
       score=jax.jit(functools.partial(sampler.score, model_cfg=cfg.model,
                                       temperature=cfg.sampler.temperature)),
       critic_step=jax.jit(make_critic_step(cfg), donate_argnums=0),

@@ -5,7 +5,7 @@ different model.
 
   cfg, params = hf.load("/path/to/Qwen2.5-0.5B", dtype="float32")
   hf.save("/tmp/policy", cfg, params)            # transformers.AutoModelForCausalLM loads it
-  tokenizer = hf.load_tokenizer("/path/to/Qwen2.5-0.5B")  # tokenizers.Tokenizer or None
+  tokenizer = hf.load_tokenizer("/path/to/Qwen2.5-0.5B")  # tokenizers.Tokenizer, None if absent
 """
 
 from __future__ import annotations
@@ -410,15 +410,15 @@ def _safetensors_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, name) for name in files]
   files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
   if not files:
-    raise ValueError(f"{model_dir}: no *.safetensors files (and no "
-                     "model.safetensors.index.json)")
+    raise ValueError(f"{model_dir}: no weights: model.safetensors (or *.safetensors, or "
+                     "model.safetensors.index.json) is missing")
   return files
 
 
 def read_config(model_dir: str) -> dict:
   path = os.path.join(model_dir, "config.json")
   if not os.path.exists(path):
-    raise ValueError(f"{model_dir}: no config.json")
+    raise ValueError(f"{path}: missing (a Hugging Face folder needs config.json)")
   with open(path) as f:
     return json.load(f)
 
@@ -477,15 +477,30 @@ def save(model_dir: str, cfg: tfm.ModelConfig, params, family: Optional[str] = N
 
 
 def load_tokenizer(model_dir: str):
-  """The folder's tokenizer.json as a `tokenizers.Tokenizer`; None when there is no
-  tokenizer.json or the `tokenizers` library is not installed (it is optional)."""
+  """The folder's tokenizer.json as a `tokenizers.Tokenizer` (a required dependency); None
+  when the folder has no tokenizer.json."""
   path = os.path.join(model_dir, "tokenizer.json")
   if not os.path.exists(path):
     return None
+  import tokenizers
   try:
-    import tokenizers  # optional: only needed for real checkpoints' text
-  except ImportError:
-    logging.warning("%s: found, but the `tokenizers` library is not installed; "
-                    "pip install tokenizers to use it", path)
-    return None
-  return tokenizers.Tokenizer.from_file(path)
+    return tokenizers.Tokenizer.from_file(path)
+  except Exception as e:  # the Rust library raises its own exception type
+    raise ValueError(f"{path}: not a tokenizers file ({e})") from None
+
+
+def generation_eos_ids(model_dir: str) -> tuple[int, ...]:
+  """generation_config.json's eos_token_id (an int or a list: chat models often stop at
+  several, e.g. <|im_end|> and <|endoftext|>); () when the folder has no such file."""
+  path = os.path.join(model_dir, "generation_config.json")
+  if not os.path.exists(path):
+    return ()
+  with open(path) as f:
+    try:
+      eos = json.load(f).get("eos_token_id")
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{path}: not valid JSON ({e})") from None
+  eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+  if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in eos):
+    raise ValueError(f"{path}: eos_token_id={eos!r}: expected an int or a list of ints >= 0")
+  return tuple(eos)

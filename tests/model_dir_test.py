@@ -1,6 +1,7 @@
 """Training from an imported Hugging Face folder: its weights and its tokenizer.json are used."""
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from branch_replay.config import Config, apply_overrides
 from models import hf
 from models import transformer as tfm
 
-tokenizers = pytest.importorskip("tokenizers")
+import tokenizers  # a required dependency (requirements.txt)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -88,4 +89,65 @@ def test_run_py_model_dir(tmp_path):
 def test_run_py_bad_model_dir(tmp_path):
   out = subprocess.run([sys.executable, "run.py", f"--model_dir={tmp_path}"], cwd=ROOT,
                        capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-  assert out.returncode != 0 and "no config.json" in out.stderr
+  assert out.returncode != 0 and "config.json: missing" in out.stderr
+
+
+def test_folder_without_tokenizer_needs_the_explicit_flag(tmp_path):
+  make_folder(tmp_path)
+  os.remove(tmp_path / "tokenizer.json")
+  hf_config = hf.read_config(str(tmp_path))
+  with pytest.raises(ValueError, match=r"tokenizer.json: missing.*--char_tokenizer"):
+    tokenizer_lib.from_model_dir(str(tmp_path), hf_config)
+  assert tokenizer_lib.from_model_dir(str(tmp_path), hf_config,
+                                      char_tokenizer=True) is tokenizer_lib.TOKENIZER
+  out = subprocess.run([sys.executable, "run.py", f"--model_dir={tmp_path}",
+                        f"--workdir={tmp_path / 'w'}"], cwd=ROOT, capture_output=True,
+                       text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert out.returncode != 0 and "tokenizer.json: missing" in out.stderr, out.stderr[-2000:]
+
+
+def test_char_tokenizer_flag_refused_when_the_folder_has_one(tmp_path):
+  make_folder(tmp_path)
+  with pytest.raises(ValueError, match="has its own tokenizer"):
+    tokenizer_lib.from_model_dir(str(tmp_path), hf.read_config(str(tmp_path)),
+                                 char_tokenizer=True)
+
+
+def test_tokenizer_larger_than_the_embedding_is_an_error(tmp_path):
+  make_folder(tmp_path, vocab_size=64)  # the tokenizer has 79 tokens
+  with pytest.raises(ValueError, match=r"vocabulary of 79 tokens exceeds .*vocab_size=64"):
+    tokenizer_lib.from_model_dir(str(tmp_path), hf.read_config(str(tmp_path)))
+
+
+def test_missing_weights_name_the_file(tmp_path):
+  make_folder(tmp_path)
+  os.remove(tmp_path / "model.safetensors")
+  with pytest.raises(ValueError, match="no weights: model.safetensors"):
+    hf.load(str(tmp_path))
+
+
+def test_generation_config_eos_ids_stop_the_sampler(tmp_path):
+  make_folder(tmp_path)
+  with open(tmp_path / "generation_config.json", "w") as f:
+    json.dump({"eos_token_id": [2, 5]}, f)
+  tok = tokenizer_lib.from_model_dir(str(tmp_path), hf.read_config(str(tmp_path)))
+  assert tok.stop_ids == (2, 5)
+  text = tok.decode(tok.encode("ab") + [5] + tok.encode("cd"))
+  assert text == "ab"  # decoding (the rewards' text) stops at any stop id
+  with open(tmp_path / "generation_config.json", "w") as f:
+    json.dump({"eos_token_id": "x"}, f)
+  with pytest.raises(ValueError, match="generation_config.json: eos_token_id"):
+    tokenizer_lib.from_model_dir(str(tmp_path), hf.read_config(str(tmp_path)))
+
+
+def test_trainer_samples_with_every_stop_id():
+  """train.run hands the tokenizer's stop ids to both samplers (sampling and greedy eval)."""
+  cfg = Config(model=tfm.preset("tiny", vocab_size=96))
+  fns = train.compiled(train.compile_key(cfg), (2, 5))
+  for fn in (fns.sample, fns.greedy):
+    partial = fn.__wrapped__
+    while "stop_tokens" not in partial.keywords:
+      partial = partial.func
+    assert partial.keywords["stop_tokens"] == (2, 5)
+  partial = train.compiled(train.compile_key(cfg), 2).greedy.__wrapped__
+  assert partial.keywords["stop_tokens"] == (2,)

@@ -25,7 +25,7 @@ class GRPO:
 
   def __init__(self, cfg, task, tok):
     self.cfg, self.task, self.tok = cfg, task, tok
-    self.fns = train.compiled(train.compile_key(cfg), tok.eos_id)
+    self.fns = train.compiled(train.compile_key(cfg), tuple(getattr(tok, "stop_ids", (tok.eos_id,))))
 
   def warmup_batch(self, step):
     cfg = self.cfg
