@@ -293,3 +293,4 @@ def encode_right(texts, length: int, tokenizer=TOKENIZER):
 
 
 from branch_replay import jsonl_task  # noqa: E402,F401  (registers "jsonl")
+from branch_replay import rollouts  # noqa: E402,F401  (registers "rollouts")

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from branch_replay import (advantages, checkpoint, critic, dapo, losses, metrics, policy,
-                           sampler, sharding, tasks)
+from branch_replay import (advantages, checkpoint, critic, dapo, losses, metrics, phases,
+                           policy, sampler, sharding, tasks, verify)
 from branch_replay.batch import ReplayBatch, validate
 from branch_replay.config import Config
 from branch_replay.tasks import TaskConfig
@@ -206,9 +206,9 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
   from `train.advantage` (a group estimator, or GAE from the critic's values). With
   `train.dynamic_sampling` (DAPO) groups whose rewards are all equal are replaced by
   groups of fresh prompts, up to `train.max_sample_rounds` sampling rounds."""
-  t0 = time.time()
   t = cfg.train
   stats = {}
+  timer = phases.Timer()  # [rollouts] time by phase
 
   def draw(round_):
     examples = _examples(task, t.seed, step if round_ == 0 else (step, round_), t.batch_size)
@@ -217,8 +217,9 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
     key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), step)
     if round_:
       key = jax.random.fold_in(key, round_)
-    samples = jax.block_until_ready(fns.sample(state.params, prompt_BP=placed_BP,
-                                               prompt_valid_BP=placed_valid_BP, key=key))
+    with timer("sample"):
+      samples = jax.block_until_ready(fns.sample(state.params, prompt_BP=placed_BP,
+                                                 prompt_valid_BP=placed_valid_BP, key=key))
     if cfg.mesh:  # every process decodes and rewards all samples (they may span hosts)
       samples = sharding.to_host(samples)
     samples = jax.tree.map(np.asarray, samples)
@@ -226,7 +227,8 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
     chex.assert_shape([samples.tokens_BRT, samples.valid_BRT, samples.logp_BRT],
                       (B, R, cfg.sampler.max_new_tokens))
     chex.assert_shape([samples.trunk_BW, samples.trunk_logp_BW], (B, W))
-    raw_BR = rewards_of(task, examples, completions(samples, tok))
+    with timer("reward"):
+      raw_BR = rewards_of(task, examples, completions(samples, tok))
     rows = dict(prompt_BP=prompt_BP, valid_BP=valid_BP, raw_BR=raw_BR,
                 **samples._asdict())
     return rows, raw_BR + _overlong(samples, cfg)
@@ -236,14 +238,14 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
   else:
     rows, rewards_BR = draw(0)
   samples = sampler.Samples(**{k: rows[k] for k in sampler.Samples._fields})
-  sample_s = time.time() - t0
   prompt_BP, valid_BP = rows["prompt_BP"], rows["valid_BP"]
   B, R = rewards_BR.shape
   adv_BR = (np.zeros((B, R), np.float32) if t.advantage in advantages.NEEDS_CRITIC
             else advantages.compute(t.advantage, rewards_BR, t))
   batch = sampler.to_batch(prompt_BP, valid_BP, samples, jnp.asarray(adv_BR))
   if state.ref_params is not None:  # k3 KL: reference log-probs, one shared-prefix forward
-    scored = fns.score(state.ref_params, batch=place(batch, "batch", cfg))
+    with timer("ref_logp"):
+      scored = jax.block_until_ready(fns.score(state.ref_params, batch=place(batch, "batch", cfg)))
     ref_BRT, ref_trunk_BW = sharding.to_host(scored) if cfg.mesh else scored
     batch = batch.replace(ref_logp_BRT=ref_BRT,
                           trunk_ref_logp_BW=ref_trunk_BW if batch.trunk_len else None)
@@ -255,7 +257,7 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
   raw = rows["raw_BR"]
   return batch, cb, {"reward/mean": float(raw.mean()), "reward/std": float(raw.std()),
                      "reward/shaped_mean": float(rewards_BR.mean()),
-                     "time/sample_s": sample_s, **stats}
+                     **timer.metrics(), **stats}  # old_logp_s 0: the sampler's log-probs
 
 
 def _overlong(samples, cfg: Config):
@@ -405,6 +407,9 @@ def run(cfg: Config, workdir: str, *, init_params=None, tokenizer=None) -> dict:
   if cfg.tree.fanouts:  # trees: the tree trainer (tree_train.py) runs the same loop
     from branch_replay import tree_train
     return tree_train.run(cfg, workdir, init_params=init_params, tokenizer=tokenizer)
+  if cfg.task.name == "rollouts":  # [rollouts] completions from a file, not our sampler
+    from branch_replay import rollouts_train
+    return rollouts_train.run(cfg, workdir, init_params=init_params, tokenizer=tokenizer)
   if cfg.loss.name == "dpo":  # preference pairs, not sampled groups
     from branch_replay import dpo
     return dpo.run(cfg, workdir, init_params=init_params, tokenizer=tokenizer)
@@ -430,6 +435,7 @@ def run(cfg: Config, workdir: str, *, init_params=None, tokenizer=None) -> dict:
   t = cfg.train
 
   fns = _compiled(_compile_key(cfg), tok.eos_id)
+  do_verify = verify.enabled(cfg.replay.verify, init_params is not None)  # [rollouts]
   eval_examples = task.eval_examples(t.seed, t.eval_size) if t.eval_size else []
 
   def evaluate(state, step):
@@ -471,9 +477,14 @@ def run(cfg: Config, workdir: str, *, init_params=None, tokenizer=None) -> dict:
       batch, cb, sampled = rl_batch(fns, state, task, cfg, step, tok)
       rec.update(sampled)
       step_fn = fns.rl_step
+    if rec["phase"] == "rl" and do_verify and not cfg.mesh:  # [rollouts] self-check, once
+      rec.update(verify.check(state.params, batch, cfg.model, rl_loss_config(cfg),
+                              branch_chunk=cfg.replay.branch_chunk))
+      do_verify = False
     t1 = time.time()
     if rec["phase"] == "rl":
       state, out = _rl_update(fns, state, batch, cb, cfg, step)
+      rec["time/update_s"] = time.time() - t1  # [rollouts]
     else:
       batch = place(batch, "batch", cfg)
       state, out = step_fn(state, batch)

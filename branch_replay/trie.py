@@ -132,10 +132,12 @@ def _layout_cost(prompt_lens, lens_BR, shared_B, group, lcp_BG):
 
 def layout(prompts: Sequence, responses: Sequence, advantages_BR, *, scored=None,
            old_logps=None, ref_logps=None, max_depth: int = 2, min_shared: int = 1,
-           pad_id: int = 0):
+           pad_id: int = 0, bucket: int = 1):
   """B prompts (id lists) x R responses (id lists; `scored`, `old_logps`, `ref_logps`: per
   response per-token lists, or None) -> (TreeBatch, stats). Leaf r of prompt b is response
-  stats['order'][b][r]. max_depth: 1 = the trunk only, 2 = a level of groups below it."""
+  stats['order'][b][r]. max_depth: 1 = the trunk only, 2 = a level of groups below it.
+  bucket: pad the root and every level to a multiple of this (fewer distinct shapes, fewer
+  compilations across batches)."""
   B, R = len(prompts), len(responses[0])
   if any(len(rs) != R for rs in responses):
     raise ValueError(f"trie.layout: responses per prompt {[len(rs) for rs in responses]}: "
@@ -170,7 +172,7 @@ def layout(prompts: Sequence, responses: Sequence, advantages_BR, *, scored=None
       if cost < best_cost:
         best, best_cost, best_lcp = g, cost, lcp_BG
   # 3. The arrays.
-  P = max(len(p) for p in prompts) + W
+  P = _round(max(len(p) for p in prompts) + W, bucket)
   root_BP = np.full((B, P), pad_id, np.int32)
   root_valid_BP = np.zeros((B, P), bool)
   for b in range(B):
@@ -186,15 +188,18 @@ def layout(prompts: Sequence, responses: Sequence, advantages_BR, *, scored=None
     fanouts = (R // g, g)
     inner = [[(W, W + int(best_lcp[b, i])) for i in range(R // g)] for b in range(B)]
     heads = [[orders[b][i * g] for i in range(R // g)] for b in range(B)]
-    levels.append(_level(responses, heads, inner, scored, old_logps, ref_logps, None, pad_id))
+    levels.append(_level(responses, heads, inner, scored, old_logps, ref_logps, None, pad_id,
+                         bucket))
     spans = [[(inner[b][r // g][1], None) for r in range(R)] for b in range(B)]
   adv = np.asarray(advantages_BR)
   leaf_adv = np.stack([adv[b][orders[b]] for b in range(B)])
-  levels.append(_level(responses, orders, spans, scored, old_logps, ref_logps, leaf_adv, pad_id))
+  levels.append(_level(responses, orders, spans, scored, old_logps, ref_logps, leaf_adv, pad_id,
+                       bucket))
   batch = TreeBatch(root_BP=jnp.asarray(root_BP), root_valid_BP=jnp.asarray(root_valid_BP),
                     levels=tuple(levels), trunk_old_logp_BW=trunk(old_logps),
                     trunk_ref_logp_BW=trunk(ref_logps), fanouts=fanouts, trunk_len=W)
-  flat = B * R * (max(len(p) for p in prompts) + int(lens_BR.max()))
+  flat = B * R * (_round(max(len(p) for p in prompts), bucket) + _round(int(lens_BR.max()),
+                                                                       bucket))
   laid = sum(batch.token_counts()[:2])
   ideal = sum(R * len(prompts[b]) + lens_BR[b].sum() for b in range(B)) / sum(
       len(prompts[b]) + tries[b].positions() for b in range(B))
@@ -204,12 +209,16 @@ def layout(prompts: Sequence, responses: Sequence, advantages_BR, *, scored=None
   return batch, stats
 
 
-def _level(responses, rows, spans, scored, old, ref, adv_BR, pad_id) -> TreeLevel:
+def _round(n, bucket):
+  return -(-n // bucket) * bucket
+
+
+def _level(responses, rows, spans, scored, old, ref, adv_BR, pad_id, bucket=1) -> TreeLevel:
   """One level's arrays: node (b, i) is response rows[b][i]'s tokens spans[b][i]."""
   B, R = len(rows), len(rows[0])
   cut = lambda xs, b, i: np.asarray(xs[b][rows[b][i]])[spans[b][i][0]:spans[b][i][1]]
   seg = [[cut(responses, b, i) for i in range(R)] for b in range(B)]
-  T = max(len(s) for row in seg for s in row)
+  T = _round(max(len(s) for row in seg for s in row), bucket)
   stack = lambda xs, dtype, fill: np.stack([_pad([cut(xs, b, i) for i in range(R)], T, dtype,
                                                  fill) for b in range(B)])
   tokens = stack(responses, np.int32, pad_id)
@@ -220,6 +229,24 @@ def _level(responses, rows, spans, scored, old, ref, adv_BR, pad_id) -> TreeLeve
                    scored_BRT=None if sc is None else jnp.asarray(sc),
                    advantages_BR=None if adv_BR is None else jnp.asarray(adv_BR),
                    old_logp_BRT=f(old), ref_logp_BRT=f(ref))
+
+
+def unroll(batch: TreeBatch, order, per_level_BRT, trunk_BW=None) -> list:
+  """Per-token values of a laid-out tree (e.g. `tree_replay.logps`) back per response, in
+  the original order: out[b][i] is response i's values, trunk + every level's node."""
+  B = np.shape(batch.root_BP)[0]
+  W, n = batch.trunk_len, batch.n_leaves
+  levels = [(np.asarray(v), np.asarray(l.valid_BRT, bool)) for v, l in zip(per_level_BRT,
+                                                                            batch.levels)]
+  out = [[None] * n for _ in range(B)]
+  for b in range(B):
+    for r in range(n):
+      parts = [np.asarray(trunk_BW)[b]] if W else []
+      for values, valid in levels:
+        node = r // (n // values.shape[1])
+        parts.append(values[b, node][valid[b, node]])
+      out[b][order[b][r]] = np.concatenate(parts)
+  return out
 
 
 def flat_batch(prompts, responses, advantages_BR, *, scored=None, old_logps=None,
