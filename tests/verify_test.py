@@ -7,6 +7,7 @@ import pytest
 
 from branch_replay import losses, policy, tree, verify
 from tests.replay_test import make_batch
+from models import transformer as tfm
 from tests.tree_test import model
 
 
@@ -36,8 +37,8 @@ def test_verify_passes_a_right_engine_and_catches_a_wrong_one(monkeypatch):
 
 
 def test_tolerance_follows_the_dtype():
-  cfg, _ = model(dtype="float64")
-  assert verify.tolerance(cfg) == 1e-8
+  assert verify.tolerance(tfm.preset("tiny", dtype="float64", param_dtype="float64")) == 1e-8
+  assert verify.tolerance(tfm.preset("tiny", dtype="bfloat16")) == 6e-2
   assert verify.enabled("auto", imported=True) and not verify.enabled("auto", imported=False)
   assert verify.enabled("first", imported=False) and not verify.enabled("off", imported=True)
   with pytest.raises(ValueError, match="replay.verify='sometimes'"):
