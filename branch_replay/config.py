@@ -27,10 +27,14 @@ MODES = ("replay", "naive")
 class ReplayConfig:
   mode: str = "replay"  # replay | naive (every branch as its own sequence, for A/B)
   branch_chunk: Optional[int] = None  # stream the R branches in chunks of this size
+  # [rollouts] first-step self-check (verify.py): first | off | auto (first for --model_dir)
+  verify: str = "auto"
 
   def __post_init__(self):
     if self.mode not in MODES:
       raise ValueError(f"replay.mode={self.mode!r}: expected one of {MODES}")
+    if self.verify not in ("auto", "first", "off"):  # [rollouts]
+      raise ValueError(f"replay.verify={self.verify!r}: expected one of auto, first, off")
     if self.branch_chunk is not None and (not isinstance(self.branch_chunk, int)
                                           or self.branch_chunk < 1):
       raise ValueError(f"replay.branch_chunk={self.branch_chunk!r}: expected None or an int >= 1")

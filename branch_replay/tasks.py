@@ -48,7 +48,8 @@ def register(name: str):
 
 
 # Built-in tasks in their own modules, imported when first named (they import this module).
-BUILTIN = {"jsonl": "branch_replay.jsonl_task", "tree_haystack": "branch_replay.tree_task"}
+BUILTIN = {"jsonl": "branch_replay.jsonl_task", "tree_haystack": "branch_replay.tree_task",
+           "rollouts": "branch_replay.rollouts"}
 
 
 def task_class(name: str) -> type:

@@ -11,7 +11,7 @@ import time
 import jax
 import numpy as np
 
-from branch_replay import checkpoint, metrics, tasks
+from branch_replay import checkpoint, metrics, tasks, verify
 from branch_replay import state as train_state
 from branch_replay.config import Config
 from branch_replay.tokenizer import TOKENIZER
@@ -29,6 +29,9 @@ def run(cfg: Config, workdir: str, algorithm=None, *, init_params=None, tokenize
   if tok.vocab_size > cfg.model.vocab_size:
     raise ValueError(f"model.vocab_size={cfg.model.vocab_size}: expected >= the tokenizer's "
                      f"{tok.vocab_size}")
+  if cfg.task.name == "rollouts" and algorithm is None:  # completions from a file: its own
+    from branch_replay import rollouts_train  # loop over the file's lines (epochs, resume)
+    return rollouts_train.run(cfg, workdir, init_params=init_params, tokenizer=tokenizer)
   if algorithm is None:
     from branch_replay import algorithms  # the registry (it imports an algorithm when asked)
     algorithm = algorithms.for_config(cfg)
@@ -48,6 +51,9 @@ def run(cfg: Config, workdir: str, algorithm=None, *, init_params=None, tokenize
                                  tensorboard=cfg.train.tensorboard and chief)
   t = cfg.train
   eval_examples = algo.eval_examples() if t.eval_size else []
+  # The first-step self-check (replay.verify): replay == naive on the first batch, once.
+  verify_pending = (verify.enabled(cfg.replay.verify, init_params is not None)
+                    and hasattr(algo, "verify") and not cfg.mesh)
 
   def evaluate(state, step):
     reward = algo.evaluate(state, eval_examples)
@@ -74,8 +80,12 @@ def run(cfg: Config, workdir: str, algorithm=None, *, init_params=None, tokenize
         state = algo.start(state)
       batch, sampled = algo.batch(state, step)
       rec.update(sampled)
+      if verify_pending:
+        rec.update(algo.verify(state, batch))
+        verify_pending = False
       t1 = time.time()
       state, out = algo.update(state, batch, step)
+      rec["time/update_s"] = time.time() - t1
     rec["time/train_s"] = time.time() - t1
     train_state.finite_or_stop(out, step, ckpt)
     prefix, tails, naive = algo.token_counts(batch, rec["phase"])

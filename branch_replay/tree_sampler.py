@@ -21,8 +21,13 @@ import jax.numpy as jnp
 from branch_replay import sampler
 from branch_replay.sampler import SamplerConfig
 from branch_replay.tree import TreeBatch, TreeLevel
-from branch_replay.tree_replay import _flat
 from models import transformer as tfm
+
+
+def _flat(x, d):
+  """[R_1, ..., R_d, B, ...] (vmapped node axes first) -> [B, R_1*...*R_d, ...]."""
+  x = jnp.moveaxis(x, d, 0)
+  return x.reshape(x.shape[0], -1, *x.shape[d + 1:])
 
 
 class TreeSamples(NamedTuple):

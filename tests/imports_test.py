@@ -78,8 +78,7 @@ def test_config_and_trainer_import_no_algorithm():
 
 
 # The engine half's (tree_sampler and tree_replay merge into one sampler and one engine).
-ENGINE_PENDING = {("branch_replay.tree_sampler", "branch_replay.tree_replay", "_flat"),
-                  ("branch_replay.tree_sharding", "branch_replay.sharding", "_sharding")}
+ENGINE_PENDING = {("branch_replay.tree_sharding", "branch_replay.sharding", "_sharding")}
 
 
 def test_no_private_names_across_modules():

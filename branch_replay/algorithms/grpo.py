@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from branch_replay import sharding, tasks, train, tree, tree_train
+from branch_replay import sharding, tasks, train, tree, tree_train, verify
 from branch_replay import state as train_state
 from branch_replay.batch import validate
 
@@ -25,7 +25,8 @@ class GRPO:
 
   def __init__(self, cfg, task, tok):
     self.cfg, self.task, self.tok = cfg, task, tok
-    self.fns = train.compiled(train.compile_key(cfg), tuple(getattr(tok, "stop_ids", (tok.eos_id,))))
+    self.fns = train.compiled(train.compile_key(cfg),
+                              tuple(getattr(tok, "stop_ids", (tok.eos_id,))))
 
   def warmup_batch(self, step):
     cfg = self.cfg
@@ -55,6 +56,11 @@ class GRPO:
 
   def update(self, state, batch, step):
     return train.rl_update(self.fns, state, *batch, self.cfg, step)
+
+  def verify(self, state, batch):
+    """replay.verify: the first batch through replay and the naive twin (raises on a gap)."""
+    return verify.check(state.params, batch[0], self.cfg.model, train.rl_loss_config(self.cfg),
+                        branch_chunk=self.cfg.replay.branch_chunk)
 
   def token_counts(self, batch, phase):
     if phase == "sft":

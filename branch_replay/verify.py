@@ -1,0 +1,91 @@
+"""The first-step self-check (`replay.verify=first`): the first training batch runs through
+branch replay and through its naive twin on the user's own model and data, and the run stops
+if they differ beyond a tolerance for the compute dtype, naming the worst gradient leaf.
+
+  stats = verify.check(params, batch, model_cfg, loss_cfg)   # ReplayBatch or TreeBatch
+
+Its cost (one replay and one naive loss-and-gradient, compiled once) is returned for the log.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from branch_replay import policy, tree_replay
+from branch_replay.tree import TreeBatch
+
+MODES = ("auto", "first", "off")  # auto: first for imported checkpoints (run.py --model_dir)
+
+# Largest error a correct engine shows, relative to each gradient leaf's largest entry: the
+# two paths sum the same terms in a different order (prefix cotangents summed over branches).
+TOLERANCE = {"float64": 1e-8, "float32": 2e-3, "bfloat16": 6e-2, "float16": 6e-2}
+
+
+class MismatchError(ValueError):
+  """Replay and the naive twin disagree on this model and batch."""
+
+
+def enabled(mode: str, imported: bool) -> bool:
+  if mode not in MODES:
+    raise ValueError(f"replay.verify={mode!r}: expected one of {MODES}")
+  return mode == "first" or (mode == "auto" and imported)
+
+
+def tolerance(model_cfg) -> float:
+  """The loosest of the compute and parameter dtypes decides."""
+  return max(TOLERANCE[str(jnp.dtype(d))] for d in (model_cfg.compute_dtype,
+                                                    model_cfg.weight_dtype))
+
+
+def _errors(fast, slow):
+  """Per leaf: (path, max |fast - slow| / max |slow|, fast value, slow value) at the worst entry."""
+  out = []
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(fast)[0], jax.tree.leaves(slow)):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    diff = np.abs(a - b)
+    i = np.unravel_index(np.argmax(diff), diff.shape) if diff.size else ()
+    scale = float(np.max(np.abs(b))) if b.size else 0.0
+    err = float(diff[i]) / (scale + 1e-30) if diff.size else 0.0
+    if not np.isfinite(a).all() or not np.isfinite(b).all():
+      err = float("inf")
+    out.append((jax.tree_util.keystr(path), err, float(a[i]), float(b[i]), i))
+  return out
+
+
+def check(params, batch, model_cfg, loss_cfg, *, branch_chunk=None, tol=None) -> dict:
+  """Run `batch` through replay and the naive twin; raise MismatchError naming the worst
+  leaf and both values if the loss or any gradient leaf differs by more than `tol` (default:
+  `tolerance(model_cfg)`). Returns metrics: verify/max_rel_err, verify/worst_leaf,
+  time/verify_s (both paths, compilation included)."""
+  engine = tree_replay if isinstance(batch, TreeBatch) else policy
+  tol = tolerance(model_cfg) if tol is None else tol
+  run = lambda mode: jax.block_until_ready(jax.jit(functools.partial(
+      engine.loss_and_grad, model_cfg=model_cfg, loss_cfg=loss_cfg, mode=mode,
+      branch_chunk=branch_chunk if mode == "replay" else None))(params, batch))
+  t0 = time.perf_counter()
+  loss_fast, _, grads_fast = run("replay")
+  t1 = time.perf_counter()
+  loss_slow, _, grads_slow = run("naive")
+  t2 = time.perf_counter()
+  leaves = _errors(grads_fast, grads_slow)
+  name, err, fast, slow, index = max(leaves, key=lambda e: e[1])
+  loss_err = abs(float(loss_fast) - float(loss_slow)) / max(abs(float(loss_slow)), 1e-30)
+  if not err <= tol:
+    raise MismatchError(
+        f"replay.verify: branch replay and the naive twin disagree on the first batch: "
+        f"gradient leaf {name}{list(index)} is {fast!r} through replay and {slow!r} through "
+        f"the naive twin (relative error {err:.3g} > tolerance {tol:g} for "
+        f"{model_cfg.dtype}); loss {float(loss_fast)!r} vs {float(loss_slow)!r}. Train with "
+        "replay.mode=naive, or report the model config and batch shapes")
+  if not loss_err <= tol:
+    raise MismatchError(f"replay.verify: the loss is {float(loss_fast)!r} through replay and "
+                        f"{float(loss_slow)!r} through the naive twin (relative error "
+                        f"{loss_err:.3g} > tolerance {tol:g} for {model_cfg.dtype})")
+  return {"verify/max_rel_err": err, "verify/loss_rel_err": loss_err, "verify/worst_leaf": name,
+          "time/verify_s": t2 - t0, "time/verify_replay_s": t1 - t0,
+          "time/verify_naive_s": t2 - t1}

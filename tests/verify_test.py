@@ -1,0 +1,45 @@
+"""The first-step self-check passes a right engine (flat and tree batches) and stops a
+deliberately wrong one, naming the worst gradient leaf and both values."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from branch_replay import losses, policy, tree, verify
+from tests.replay_test import make_batch
+from models import transformer as tfm
+from tests.tree_test import model
+
+
+def test_verify_passes_a_right_engine_and_catches_a_wrong_one(monkeypatch):
+  cfg, params = model(dtype="float32")
+  params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+  batch = make_batch(0, B=2, R=3, P=6, T=4, W=1, logps=True, dtype=jnp.float32)
+  loss_cfg = losses.LossConfig()
+  stats = verify.check(params, batch, cfg, loss_cfg)
+  assert stats["verify/max_rel_err"] < verify.tolerance(cfg) and stats["time/verify_s"] > 0
+  stats = verify.check(params, tree.from_replay_batch(batch), cfg, loss_cfg)  # the tree engine
+  assert stats["verify/max_rel_err"] < verify.tolerance(cfg)
+
+  right = policy.replay_loss_and_grad
+
+  def wrong(*args, **kwargs):  # a bug in one leaf: the prefix half of its gradient lost
+    loss, aux, grads = right(*args, **kwargs)
+    grads = {**grads, "layer_0": {**grads["layer_0"], "q": grads["layer_0"]["q"] * 0.9}}
+    return loss, aux, grads
+
+  monkeypatch.setattr(policy, "replay_loss_and_grad", wrong)
+  with pytest.raises(verify.MismatchError) as e:
+    verify.check(params, batch, cfg, loss_cfg)
+  message = str(e.value)
+  assert "['layer_0']['q']" in message and "through replay" in message
+  assert "naive twin" in message and "tolerance 0.002" in message
+
+
+def test_tolerance_follows_the_dtype():
+  assert verify.tolerance(tfm.preset("tiny", dtype="float64", param_dtype="float64")) == 1e-8
+  assert verify.tolerance(tfm.preset("tiny", dtype="bfloat16")) == 6e-2
+  assert verify.enabled("auto", imported=True) and not verify.enabled("auto", imported=False)
+  assert verify.enabled("first", imported=False) and not verify.enabled("off", imported=True)
+  with pytest.raises(ValueError, match="replay.verify='sometimes'"):
+    verify.enabled("sometimes", imported=False)
