@@ -113,7 +113,7 @@ def reference_kernel() -> Kernel:
     B, T, N, H = q.shape
     K = k.shape[2]
     m, l = residuals
-    raw, capped, s = _scores(q, k, mask, scale, softcap)
+    _, capped, s = _scores(q, k, mask, scale, softcap)
     p = jnp.exp(s - m[..., None]) / l[..., None]  # [B, N, T, S]
     acc = p.dtype
     do_BNTH = do.astype(acc).swapaxes(1, 2)
@@ -130,7 +130,6 @@ def reference_kernel() -> Kernel:
     ds_BKGTS = ds.reshape(B, K, N // K, T, -1)
     dq = jnp.einsum("BKGTS,BSKH->BTKGH", ds_BKGTS, k.astype(acc)).reshape(B, T, N, H)
     dk = jnp.einsum("BKGTS,BTKGH->BSKH", ds_BKGTS, q.astype(acc).reshape(B, T, K, N // K, H))
-    del raw
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
   return Kernel("reference", fwd, vjp)
