@@ -111,6 +111,7 @@ def test_fused_replay_gradient_matches_blockwise_float64(reference):
     assert np.max(np.abs(a - b)) <= 1e-10 * np.max(np.abs(a))
 
 
+@pytest.mark.slow  # three subprocess benches: > 15 min on the loaded 2-core machine
 def test_gpu_check_smoke_on_cpu(tmp_path):
   """experiments/gpu_check.sh with SMOKE=1: the fused-vs-blockwise check (reference kernel)
   passes and the bench writes a blockwise row and a fused row that records the refusal."""
