@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from experiments.measure import PeakRSS, matmul_gflops  # noqa: E402,F401
+from experiments.measure import PeakRSS, matmul_gflops, step_flops  # noqa: E402,F401
 
 FLAGS = flags.FLAGS
 flags.DEFINE_multi_integer("prefix_len", [2048], "P: shared prefix tokens (repeatable)")
@@ -81,24 +81,6 @@ def model_config():
     base = importlib.import_module(f"experiments.{FLAGS.model_from}").get_config().model
     return dataclasses.replace(base, **options)
   return tfm.preset(FLAGS.preset, **options)
-
-
-def step_flops(cfg, B, R, P, T, mode, value_head=False):
-  """*Useful* matmul + attention FLOPs of one forward+backward (backward = 2x forward):
-  causal attention counts each allowed query x key pair once (not the masked half), and
-  remat's recomputation is not counted. value_head: a critic's D -> 1 head in place of the
-  D -> V logits."""
-  D, N, K, H, F, V, L = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                         cfg.mlp_hidden, 1 if value_head else cfg.vocab_size, cfg.n_layers)
-  per_token = L * (D * (N + 2 * K) * H + N * H * D + 3 * D * F)  # MACs per position
-  pairs = lambda n: n * (n + 1) / 2  # causal query x key pairs of n positions
-  attn = lambda n_pairs: L * 2 * n_pairs * N * H  # QK^T and PV MACs
-  if mode == "naive":
-    macs = B * R * ((P + T) * per_token + attn(pairs(P + T)) + T * D * V)
-  else:
-    macs = (B * (P * per_token + attn(pairs(P)))
-            + B * R * (T * per_token + attn(T * P + pairs(T)) + T * D * V))
-  return 3 * 2 * macs
 
 
 def run_worker(mode, P, T, R):

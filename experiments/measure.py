@@ -1,5 +1,5 @@
 """Measuring helpers shared by the benchmarks (flag-free, importable anywhere): the machine's
-matmul rate and a thread sampling this process's peak RSS."""
+matmul rate, a thread sampling this process's peak RSS, and the useful FLOPs of a step."""
 
 from __future__ import annotations
 
@@ -42,3 +42,21 @@ class PeakRSS:
   def __exit__(self, *exc):
     self._stop = True
     self._thread.join()
+
+
+def step_flops(cfg, B, R, P, T, mode, value_head=False):
+  """*Useful* matmul + attention FLOPs of one forward+backward (backward = 2x forward):
+  causal attention counts each allowed query x key pair once (not the masked half), and
+  remat's recomputation is not counted. value_head: a critic's D -> 1 head in place of the
+  D -> V logits."""
+  D, N, K, H, F, V, L = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                         cfg.mlp_hidden, 1 if value_head else cfg.vocab_size, cfg.n_layers)
+  per_token = L * (D * (N + 2 * K) * H + N * H * D + 3 * D * F)  # MACs per position
+  pairs = lambda n: n * (n + 1) / 2  # causal query x key pairs of n positions
+  attn = lambda n_pairs: L * 2 * n_pairs * N * H  # QK^T and PV MACs
+  if mode == "naive":
+    macs = B * R * ((P + T) * per_token + attn(pairs(P + T)) + T * D * V)
+  else:
+    macs = (B * (P * per_token + attn(pairs(P)))
+            + B * R * (T * per_token + attn(T * P + pairs(T)) + T * D * V))
+  return 3 * 2 * macs

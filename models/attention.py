@@ -20,6 +20,8 @@ Two implementations behind one signature (`impl`):
   dense      materialises the [B, K, T, G, S] scores: the test oracle.
   blockwise  flash-style online softmax under one jax.custom_vjp, saving only the output and
              the log-sum-exp; the backward recomputes score tiles with the global LSE.
+  fused      a fused GPU kernel per segment (tokamax, attention_fused.py), merged the same way;
+             refused (ValueError) without tokamax and a supported GPU: use blockwise.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from jax import lax
 import jax.numpy as jnp
 
 Array = jax.Array
-IMPLS = ("blockwise", "dense")
+IMPLS = ("blockwise", "dense", "fused")  # fused: attention_fused.py (tokamax, GPU)
 
 
 class KeySegment(NamedTuple):
@@ -482,10 +484,17 @@ def attend(q_BTNH, q_pos_BT, q_valid_BT, segments: Sequence[KeySegment], *,
   if impl == "dense":
     return attend_dense(q_BTNH, q_pos_BT, q_valid_BT, segments, scale=scale, softcap=softcap,
                         window=window)
+  if impl == "fused":  # refuses (ValueError) without tokamax and a supported GPU
+    from models import attention_fused
+    attention_fused.check_available()
   segments = [s for s in segments if s.k_BSKH.shape[1]]  # an empty segment adds no key
   if not segments or not q_BTNH.size:
     return jnp.zeros_like(q_BTNH)
   H = q_BTNH.shape[-1]
+  if impl == "fused":
+    return attention_fused.attend_fused(
+        q_BTNH, q_pos_BT, q_valid_BT, segments, softcap=softcap, window=window,
+        scale=1.0 / math.sqrt(H) if scale is None else scale)
   st = _Static(causal=tuple(bool(s.causal) for s in segments),
                scale=float(1.0 / math.sqrt(H) if scale is None else scale),
                softcap=None if softcap is None else float(softcap),

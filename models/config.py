@@ -66,7 +66,8 @@ class ModelConfig:
   # Compute and memory options; both paths (replay and the naive twin) use the same ones.
   remat: Union[bool, str] = "none"  # per layer: none | full | dots (save matmul outputs) |
   #   offload (dots saved to host memory; GPU/TPU only). True/False mean full/none.
-  attention: str = "blockwise"  # blockwise (flash-style, custom VJP) | dense (the oracle)
+  attention: str = "blockwise"  # blockwise (flash-style, custom VJP) | dense (the oracle) |
+  #   fused (tokamax's GPU kernel per segment; H100/H200/B200 only, models/attention_fused.py)
   attention_block_q: int = 128  # query rows per score tile (x G query heads per kv head)
   attention_block_k: int = 64  # keys per score tile
   logits_chunk: Optional[int] = 1024  # tokens per [chunk, V] logits block (None: all at once)

@@ -1,0 +1,316 @@
+"""Side by side on one CPU: branch replay's step against PrefixGrouper's, same model, same weights.
+
+PrefixGrouper (`prefix-grouper`, PyTorch) packs a prompt and its R completions into one row
+[prefix, tail_1, ..., tail_R]; in every layer it ungroups q/k/v, attends the prefix causally
+and the R tails against the (repeated) prefix K/V plus their own, and regroups. Its attention
+backend is pluggable; this CPU has no flash-attention, so the peer's attention function here
+is torch's `scaled_dot_product_attention` with a bottom-right-aligned causal mask (the
+flash-attention-2 semantics PrefixGrouper expects), plugged into `PrefixGrouper.forward` and
+registered with transformers' AttentionInterface the way PrefixGrouper registers its own.
+
+Both sides: the same decoder (our ModelConfig, exported with models/hf.py and loaded by
+transformers' LlamaForCausalLM), the same tokens, float32, GRPO on-policy loss
+(-A * exp(logp - sg(logp)), token mean over the R*T completion tokens), completion-only
+logits, forward + backward (no optimizer). Each framework lives in its own subprocess (its own
+RSS baseline, taken after imports); the timed steps alternate ABBA between them. One JSON line:
+both times (median, min; wall and CPU), both peak RSS growths, the ratio (peer / ours: > 1
+means ours is faster), useful-FLOP rates and the gradient agreement (every leaf, float32).
+
+  pip install -r requirements-peer.txt
+  python experiments/bench_peer.py --out=experiments/results/peer_cpu_2026-12-01.jsonl
+  python experiments/bench_peer.py --prefix_len=8192 --tail_len=128 --branches=16
+  python experiments/bench_peer.py --preset=tiny --prefix_len=32 --tail_len=8 --branches=2 \
+      --reps=2   # the smoke test's shape
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("prefix_len", 2048, "P: shared prefix tokens")
+flags.DEFINE_integer("tail_len", 128, "T: tail tokens per branch")
+flags.DEFINE_integer("branches", 16, "R: branches of the one prompt")
+flags.DEFINE_string("preset", "small", "model size preset (models.config.PRESETS)")
+flags.DEFINE_integer("reps", 6, "timed steps per framework (even: ABBA pairs)")
+flags.DEFINE_integer("threads", 2, "intra-op threads of both frameworks")
+flags.DEFINE_string("out", "", "also append the JSON line to this file")
+flags.DEFINE_string("worker", "", "internal: 'ours' or 'peer', driven over stdin")
+flags.DEFINE_string("data", "", "internal: the folder holding the checkpoint and the batch")
+PEER_NAME = "prefix_grouper(torch sdpa, bottom-right causal)"
+
+
+# ----------------------------------------------------------------------------- the peer
+
+
+def peer_attention(module, q_BNSH, k_BKSH, v_BKSH, attention_mask, *args, prefix_grouper,
+                   scaling=None, **kwargs):
+  """transformers' attention interface -> PrefixGrouper.forward with an sdpa attention
+  function. PrefixGrouper hands the function padding masks [b, S] (flash-attention-2's
+  varlen convention): the causal part is bottom-right aligned, the prefix keys of a tail all
+  visible."""
+  import torch
+  import torch.nn.functional as F
+
+  def attn(q, k, v, key_valid_bS):
+    Tq, S = q.shape[2], k.shape[2]
+    causal = (torch.arange(S)[None, :] <= torch.arange(Tq)[:, None] + (S - Tq))
+    mask = causal[None, None] & key_valid_bS.bool()[:, None, None, :]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
+                                         enable_gqa=True)
+    return out.transpose(1, 2).contiguous()  # [b, S, N, H], as PrefixGrouper.group wants
+
+  return prefix_grouper.forward(attn, q_BNSH, k_BKSH, v_BKSH), None
+
+
+def peer_step_fn(folder, batch, threads):
+  import numpy as np
+  import torch
+  import transformers
+  from prefix_grouper import PrefixGrouper
+  torch.set_num_threads(threads)
+  transformers.AttentionInterface.register("prefix_grouper_sdpa", peer_attention)
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      folder, attn_implementation="prefix_grouper_sdpa", dtype=torch.float32)
+  model.train()
+  prefix_P, tails_RT, adv_R = batch["prefix_BP"][0], batch["tails_BRT"][0], batch["adv_BR"][0]
+  P, (R, T) = prefix_P.shape[0], tails_RT.shape
+  grouper = PrefixGrouper([[P] + [T] * R])
+  input_ids = torch.tensor(np.concatenate([prefix_P, tails_RT.reshape(-1)]))[None]
+  positions = torch.tensor(np.concatenate([np.arange(P), np.tile(np.arange(P, P + T), R)]))[None]
+  # Completion-only logits: tail r's token t is predicted by the hidden state before it
+  # (the prefix's last for t = 0).
+  pred_RT = P + np.arange(R)[:, None] * T + np.arange(T)[None, :] - 1
+  pred_RT[:, 0] = P - 1
+  pred = torch.tensor(pred_RT.reshape(-1))
+  targets = torch.tensor(tails_RT.reshape(-1))
+  adv = torch.tensor(np.repeat(adv_R, T).astype(np.float32))
+
+  def step():
+    model.zero_grad(set_to_none=True)
+    h = model.model(input_ids=input_ids, position_ids=positions, prefix_grouper=grouper,
+                    use_cache=False).last_hidden_state[0]
+    logits = model.lm_head(h[pred])
+    logp = torch.gather(torch.log_softmax(logits.float(), -1), -1, targets[:, None])[:, 0]
+    loss = (-adv * torch.exp(logp - logp.detach())).mean()
+    loss.backward()
+    return float(loss.detach())
+
+  def grads():
+    return {n: p.grad.numpy().astype(np.float64) for n, p in model.named_parameters()}
+
+  return step, grads
+
+
+# ----------------------------------------------------------------------------- ours
+
+
+def ours_step_fn(folder, batch, threads):
+  del threads  # XLA's CPU client uses every core of this (2-core) machine
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from branch_replay import losses, policy
+  from branch_replay.batch import ReplayBatch
+  from models import hf
+  cfg, params = hf.load(folder)
+  B, R, T = batch["tails_BRT"].shape
+  rb = ReplayBatch(prefix_BP=jnp.asarray(batch["prefix_BP"], jnp.int32),
+                   prefix_valid_BP=jnp.ones(batch["prefix_BP"].shape, bool),
+                   tails_BRT=jnp.asarray(batch["tails_BRT"], jnp.int32),
+                   tail_valid_BRT=jnp.ones((B, R, T), bool),
+                   advantages_BR=jnp.asarray(batch["adv_BR"], jnp.float32))
+  loss_cfg = losses.LossConfig("grpo")
+  compiled = jax.jit(lambda p, b: policy.loss_and_grad(p, b, cfg, loss_cfg, "replay")[::2]
+                     ).lower(params, rb).compile()
+  out = {}
+
+  def step():
+    loss, out["grads"] = jax.block_until_ready(compiled(params, rb))
+    return float(loss)
+
+  def grads():
+    return {k: v.astype(np.float64) for k, v in hf.tensors_from_params(cfg, out["grads"]).items()}
+
+  return step, grads
+
+
+def run_worker(kind, folder):
+  """Load, warm up (one step), then answer commands on stdin: step | grads PATH | peak."""
+  import numpy as np
+  import psutil
+  from experiments.measure import PeakRSS
+  if kind == "ours":
+    import jax.numpy as jnp
+    jnp.zeros(()).block_until_ready()
+  else:
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+    import prefix_grouper  # noqa: F401
+  rss0 = psutil.Process().memory_info().rss
+  batch = dict(np.load(os.path.join(folder, "batch.npz")))
+  make = ours_step_fn if kind == "ours" else peer_step_fn
+  step, grads = make(folder, batch, FLAGS.threads)
+  loss = step()  # warm-up (compilation, allocator pools)
+  print(json.dumps(dict(ready=True, loss=loss)), flush=True)
+  with PeakRSS() as rss:
+    for line in sys.stdin:
+      cmd = line.split()
+      if cmd[0] == "step":
+        t0, c0 = time.perf_counter(), time.process_time()
+        loss = step()
+        reply = dict(seconds=time.perf_counter() - t0, cpu_seconds=time.process_time() - c0,
+                     loss=loss)
+      elif cmd[0] == "grads":
+        np.savez(cmd[1], **grads())
+        reply = dict(saved=cmd[1])
+      elif cmd[0] == "peak":
+        reply = dict(peak_mb=(rss.peak - rss0) / 2 ** 20)
+      else:
+        break
+      print(json.dumps(reply), flush=True)
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+class Worker:
+  def __init__(self, kind, folder):
+    argv = [sys.executable, os.path.abspath(__file__), f"--worker={kind}", f"--data={folder}",
+            f"--threads={FLAGS.threads}"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS=str(FLAGS.threads))
+    self.kind = kind
+    self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                 env=env)
+    self.ready = self._read()
+
+  def _read(self):
+    for line in self.proc.stdout:
+      if line.startswith("{"):
+        return json.loads(line)
+    raise RuntimeError(f"worker {self.kind} exited with {self.proc.wait()}")
+
+  def ask(self, cmd):
+    self.proc.stdin.write(cmd + "\n")
+    self.proc.stdin.flush()
+    return self._read()
+
+  def close(self):
+    self.proc.stdin.close()
+    self.proc.wait()
+
+
+def write_inputs(folder, P, T, R):
+  """The shared checkpoint (our init, exported) and batch: both frameworks read these."""
+  import jax
+  import numpy as np
+  from models import config, hf, transformer as tfm
+  cfg = config.preset(FLAGS.preset)
+  hf.save(folder, cfg, tfm.init_params(cfg, jax.random.key(0)))
+  rng = np.random.default_rng(0)
+  np.savez(os.path.join(folder, "batch.npz"),
+           prefix_BP=rng.integers(0, cfg.vocab_size, (1, P)),
+           tails_BRT=rng.integers(0, cfg.vocab_size, (1, R, T)),
+           adv_BR=rng.normal(size=(1, R)).astype(np.float32))
+  return cfg
+
+
+def grad_agreement(path_ours, path_peer):
+  """max over leaves of max|ours - peer| / max|peer| (and the worst leaf)."""
+  import numpy as np
+  a, b = np.load(path_ours), np.load(path_peer)
+  if set(a.files) != set(b.files):
+    raise ValueError(f"gradient leaves differ: {sorted(set(a.files) ^ set(b.files))[:5]}")
+  errs = {k: float(np.max(np.abs(a[k] - b[k])) / (np.max(np.abs(b[k])) + 1e-30)) for k in b.files}
+  worst = max(errs, key=errs.get)
+  close = all(np.allclose(a[k], b[k], rtol=1e-4, atol=1e-4 * np.max(np.abs(b[k])))
+              for k in b.files)
+  return errs[worst], worst, close
+
+
+def torch_matmul_gflops(threads, n=2048, reps=5):
+  import torch
+  torch.set_num_threads(threads)
+  a = torch.randn(n, n)
+  a @ a
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    a @ a
+    times.append(time.perf_counter() - t0)
+  return 2 * n ** 3 / sorted(times)[len(times) // 2] / 1e9
+
+
+def main(argv):
+  del argv
+  if FLAGS.worker:
+    run_worker(FLAGS.worker, FLAGS.data)
+    return
+  import numpy as np
+  from experiments import provenance
+  from experiments.measure import matmul_gflops, step_flops
+  P, T, R = FLAGS.prefix_len, FLAGS.tail_len, FLAGS.branches
+  with tempfile.TemporaryDirectory() as folder:
+    cfg = write_inputs(folder, P, T, R)
+    workers = {k: Worker(k, folder) for k in ("ours", "peer")}
+    try:
+      times = {k: [] for k in workers}
+      cpu = {k: [] for k in workers}
+      order = ["ours", "peer", "peer", "ours"]
+      for i in range(FLAGS.reps * 2):  # ABBA ABBA ...
+        kind = order[i % 4]
+        reply = workers[kind].ask("step")
+        times[kind].append(reply["seconds"])
+        cpu[kind].append(reply["cpu_seconds"])
+      peaks = {k: w.ask("peak")["peak_mb"] for k, w in workers.items()}
+      paths = {k: os.path.join(folder, f"grads_{k}.npz") for k in workers}
+      for k, w in workers.items():
+        w.ask(f"grads {paths[k]}")
+      losses = {k: w.ready["loss"] for k, w in workers.items()}
+    finally:
+      for w in workers.values():
+        w.close()
+    err, worst, close = grad_agreement(paths["ours"], paths["peer"])
+  flops = step_flops(cfg, 1, R, P, T, "replay")
+  med = {k: float(np.median(v)) for k, v in times.items()}
+  row = dict(prefix_len=P, tail_len=T, branches=R, preset=FLAGS.preset, dtype="float32",
+             threads=FLAGS.threads, reps=FLAGS.reps, order="ABBA", peer=PEER_NAME,
+             ours_s=round(med["ours"], 4), ours_min_s=round(min(times["ours"]), 4),
+             peer_s=round(med["peer"], 4), peer_min_s=round(min(times["peer"]), 4),
+             ours_cpu_s=round(float(np.median(cpu["ours"])), 4),
+             peer_cpu_s=round(float(np.median(cpu["peer"])), 4),
+             ratio=round(med["peer"] / med["ours"], 3),
+             cpu_ratio=round(float(np.median(cpu["peer"]) / np.median(cpu["ours"])), 3),
+             ours_times=[round(t, 4) for t in times["ours"]],
+             peer_times=[round(t, 4) for t in times["peer"]],
+             ours_peak_mb=round(peaks["ours"], 1), peer_peak_mb=round(peaks["peer"], 1),
+             useful_gflop=round(flops / 1e9, 2),
+             ours_gflops=round(flops / med["ours"] / 1e9, 1),
+             peer_gflops=round(flops / med["peer"] / 1e9, 1),
+             xla_matmul_gflops=round(matmul_gflops(), 1),
+             torch_matmul_gflops=round(torch_matmul_gflops(FLAGS.threads), 1),
+             loss_ours=losses["ours"], loss_peer=losses["peer"],
+             grad_max_rel_err=err, grad_worst_leaf=worst, grads_agree=close, grad_rtol=1e-4,
+             date=time.strftime("%Y-%m-%d"))
+  row["ours_matmul_frac"] = round(row["ours_gflops"] / row["xla_matmul_gflops"], 3)
+  row["peer_matmul_frac"] = round(row["peer_gflops"] / row["torch_matmul_gflops"], 3)
+  row["provenance"] = provenance.provenance()
+  line = json.dumps(row)
+  print(line, flush=True)
+  if FLAGS.out:
+    with open(FLAGS.out, "a") as f:
+      f.write(line + "\n")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,242 @@
+"""Where branch replay's step goes: its stages timed apart, and the top XLA ops by self time.
+
+Stages (each its own jit, median of --reps, wall and CPU seconds), in the order they run:
+  prefix_fwd   step 1: jax.vjp of the prefill (K/V cache, residuals kept)
+  tails        step 2: forward+backward of every tail against the cache (includes log-probs)
+  logprobs     the tails' log-prob head alone: lm-head + log-softmax forward+backward over
+               the R*T predicting hidden states (part of `tails`; `tails_body` = the rest)
+  prefix_bwd   step 3: the prefix backward with the branch-summed cotangent
+  optimizer    AdamW (clip + update + apply), as train.py's
+  step         the whole fused step (policy.loss_and_grad, one jit) for comparison
+Ops: one jax.profiler trace of --trace_reps fused steps; every XLA CPU thunk's self time
+(its duration less the thunks nested in it on the same thread), summed per HLO instruction,
+with its opcode and the jax op that made it (HLO metadata).
+
+  python experiments/profile_replay.py --out=experiments/results/profile_cpu_before_2026-12-01.jsonl \
+      --md=experiments/results/profile_cpu_before_2026-12-01.md
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("prefix_len", 2048, "P")
+flags.DEFINE_integer("tail_len", 128, "T")
+flags.DEFINE_integer("branches", 16, "R")
+flags.DEFINE_string("preset", "small", "model size preset")
+flags.DEFINE_integer("reps", 3, "timed repetitions per stage (median)")
+flags.DEFINE_integer("trace_reps", 2, "fused steps under the profiler trace")
+flags.DEFINE_integer("top", 20, "ops reported")
+flags.DEFINE_string("out", "", "write the JSON lines here (else stdout only)")
+flags.DEFINE_string("md", "", "write the markdown table here")
+
+
+def timed(fn, *args, reps):
+  import jax
+  import numpy as np
+  out = jax.block_until_ready(fn(*args))  # compile + warm-up
+  walls, cpus = [], []
+  for _ in range(reps):
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = jax.block_until_ready(fn(*args))
+    walls.append(time.perf_counter() - t0)
+    cpus.append(time.process_time() - c0)
+  return out, float(np.median(walls)), float(np.median(cpus))
+
+
+def make_inputs(P, T, R):
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from branch_replay.batch import ReplayBatch
+  from models import config, transformer as tfm
+  cfg = config.preset(FLAGS.preset)
+  params = tfm.init_params(cfg, jax.random.key(0))
+  rng = np.random.default_rng(0)
+  batch = ReplayBatch(
+      prefix_BP=jnp.asarray(rng.integers(0, cfg.vocab_size, (1, P)), jnp.int32),
+      prefix_valid_BP=jnp.ones((1, P), bool),
+      tails_BRT=jnp.asarray(rng.integers(0, cfg.vocab_size, (1, R, T)), jnp.int32),
+      tail_valid_BRT=jnp.ones((1, R, T), bool),
+      advantages_BR=jnp.asarray(rng.normal(size=(1, R)), jnp.float32))
+  return cfg, params, batch
+
+
+def stage_times(cfg, params, batch):
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from branch_replay import losses, policy, replay
+  from models import transformer as tfm
+  loss_cfg = losses.LossConfig("grpo")
+  prefill_fn, branch_loss_fn, prefix, branches_R = policy.replay_fns(cfg, loss_cfg, batch)
+  reps = FLAGS.reps
+  rows = {}
+  # Stages take their inputs as arguments (nothing is a compile-time constant).
+  (cache, prefix_vjp), *t = timed(jax.jit(
+      lambda p, pre: replay.prefix_forward(prefill_fn, p, pre)), params, prefix, reps=reps)
+  rows["prefix_fwd"] = t
+  tails = jax.jit(lambda p, c, b: replay.tails_value_and_grad(
+      branch_loss_fn, p, c, b, combine=policy.combine_fn(loss_cfg), batched=True))
+  (_, _, dparams_tail, dcache), *t = timed(tails, params, cache, branches_R, reps=reps)
+  rows["tails"] = t
+  N, T = batch.tails_BRT.shape[0] * batch.tails_BRT.shape[1], batch.tails_BRT.shape[2]
+  h_NTD = jax.random.normal(jax.random.key(1), (N, T, cfg.d_model), cfg.compute_dtype)
+  tokens_NT = batch.tails_BRT.reshape(N, T)
+
+  def logp_loss(p, h):
+    logp, entropy = tfm.token_logps(p, cfg, h, tokens_NT)
+    return logp.sum() + 0.0 * entropy.sum()
+  _, *t = timed(jax.jit(jax.value_and_grad(logp_loss, (0, 1))), params, h_NTD, reps=reps)
+  rows["logprobs"] = t
+  dcache = jax.tree.map(lambda d, c: d.astype(c.dtype), dcache, cache)
+  (dparams_prefix,), *t = timed(jax.jit(lambda v, d: v(d)), prefix_vjp, dcache, reps=reps)
+  rows["prefix_bwd"] = t
+  grads = jax.tree.map(jnp.add, dparams_tail, dparams_prefix)
+  opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-5, b1=0.9, b2=0.99))
+  opt_state = opt.init(params)
+
+  def opt_step(p, s, g):
+    updates, s = opt.update(g, s, p)
+    return optax.apply_updates(p, updates), s
+  _, *t = timed(jax.jit(opt_step), params, opt_state, grads, reps=reps)
+  rows["optimizer"] = t
+  step = jax.jit(lambda p, b: policy.loss_and_grad(p, b, cfg, loss_cfg, "replay")[::2])
+  _, *t = timed(step, params, batch, reps=reps)
+  rows["step"] = t
+  rows["tails_body"] = [rows["tails"][0] - rows["logprobs"][0],
+                        rows["tails"][1] - rows["logprobs"][1]]
+  return rows, step
+
+
+def hlo_index(hlo_text):
+  """HLO instruction name -> (opcode, jax op_name from the metadata)."""
+  out = {}
+  pat = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = [^=]*?\b([a-z][\w\-]*)\(")
+  for line in hlo_text.splitlines():
+    m = pat.match(line)
+    if not m:
+      continue
+    op = re.search(r'op_name="([^"]*)"', line)
+    kind = re.search(r"kind=(k\w+)", line)
+    opcode = m.group(2) + (f"({kind.group(1)})" if kind else "")
+    out[m.group(1)] = (opcode, op.group(1) if op else "")
+  return out
+
+
+def top_ops(step, params, batch):
+  """Self time per HLO instruction over FLAGS.trace_reps traced steps."""
+  import jax
+  compiled = step.lower(params, batch).compile()
+  index = hlo_index(compiled.as_text())
+  jax.block_until_ready(compiled(params, batch))
+  folder = tempfile.mkdtemp()
+  with jax.profiler.trace(folder):
+    for _ in range(FLAGS.trace_reps):
+      jax.block_until_ready(compiled(params, batch))
+  (path,) = glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True)
+  data = jax.profiler.ProfileData.from_file(path)
+  self_ns, calls = collections.Counter(), collections.Counter()
+  for plane in data.planes:
+    for line in plane.lines:
+      events = []
+      for e in line.events:
+        stats = dict(e.stats)
+        if "hlo_op" in stats:
+          events.append((e.start_ns, e.end_ns, stats["hlo_op"]))
+      events.sort(key=lambda x: (x[0], -x[1]))
+      stack = []  # [start, end, name, child_ns]
+      def pop():
+        s, e, name, child = stack.pop()
+        self_ns[name] += (e - s) - child
+        calls[name] += 1
+        if stack:
+          stack[-1][3] += e - s
+      for s, e, name in events:
+        while stack and stack[-1][1] <= s:
+          pop()
+        stack.append([s, e, name, 0])
+      while stack:
+        pop()
+  total = sum(self_ns.values())
+  rows = []
+  for name, ns in self_ns.most_common(FLAGS.top):
+    opcode, op_name = index.get(name, ("?", ""))
+    rows.append(dict(hlo=name, opcode=opcode, op_name=op_name[-160:],
+                     ms_per_step=round(ns / 1e6 / FLAGS.trace_reps, 2),
+                     share=round(ns / total, 4), calls_per_step=calls[name] // FLAGS.trace_reps))
+  return rows, total / 1e9 / FLAGS.trace_reps
+
+
+def main(argv):
+  del argv
+  from experiments import provenance
+  from experiments.measure import matmul_gflops, step_flops
+  P, T, R = FLAGS.prefix_len, FLAGS.tail_len, FLAGS.branches
+  cfg, params, batch = make_inputs(P, T, R)
+  stages, step = stage_times(cfg, params, batch)
+  ops, traced_s = top_ops(step, params, batch)
+  flops = step_flops(cfg, 1, R, P, T, "replay")
+  rate = matmul_gflops()
+  prov = provenance.provenance()
+  shape = dict(prefix_len=P, tail_len=T, branches=R, preset=FLAGS.preset, dtype="float32")
+  lines = []
+  for name in ("prefix_fwd", "tails", "logprobs", "tails_body", "prefix_bwd", "optimizer",
+               "step"):
+    wall, cpu = stages[name]
+    lines.append(dict(kind="stage", stage=name, seconds=round(wall, 4), cpu_seconds=round(cpu, 4),
+                      share_of_step=round(wall / stages["step"][0], 3), **shape))
+  lines.append(dict(kind="summary", useful_gflop=round(flops / 1e9, 2),
+                    step_gflops=round(flops / stages["step"][0] / 1e9, 1),
+                    matmul_gflops=round(rate, 1),
+                    matmul_frac=round(flops / stages["step"][0] / 1e9 / rate, 3),
+                    traced_thunk_s_per_step=round(traced_s, 4), **shape))
+  lines += [dict(kind="op", rank=i + 1, **op, **shape) for i, op in enumerate(ops)]
+  lines = [dict(line, provenance=prov) for line in lines]
+  text = "\n".join(json.dumps(line) for line in lines)
+  print(text, flush=True)
+  if FLAGS.out:
+    with open(FLAGS.out, "w") as f:
+      f.write(text + "\n")
+  if FLAGS.md:
+    with open(FLAGS.md, "w") as f:
+      f.write(markdown(lines, prov))
+
+
+def markdown(lines, prov):
+  s = lines[0]
+  out = [f"# Replay step profile: P={s['prefix_len']} T={s['tail_len']} R={s['branches']}, "
+         f"{s['preset']} preset, float32, CPU", "",
+         f"commit {prov.get('git_commit')} (dirty={prov.get('git_dirty')}), {prov.get('date')}, "
+         f"{prov.get('hostname')} ({prov.get('cpu_count')} cores, load {prov.get('load_avg_1m')})",
+         f"command: `{prov.get('command')}`", "",
+         "| stage | wall s | cpu s | share of step |", "|---|---|---|---|"]
+  for l in lines:
+    if l["kind"] == "stage":
+      out.append(f"| {l['stage']} | {l['seconds']} | {l['cpu_seconds']} | {l['share_of_step']} |")
+  (summary,) = [l for l in lines if l["kind"] == "summary"]
+  out += ["", f"useful {summary['useful_gflop']} GFLOP per step: {summary['step_gflops']} GFLOP/s "
+          f"= {summary['matmul_frac']} of the {summary['matmul_gflops']} GFLOP/s matmul rate", "",
+          "| # | HLO | opcode | ms/step | share | calls/step | jax op |", "|---|---|---|---|---|---|---|"]
+  for l in lines:
+    if l["kind"] == "op":
+      out.append(f"| {l['rank']} | {l['hlo']} | {l['opcode']} | {l['ms_per_step']} | {l['share']} "
+                 f"| {l['calls_per_step']} | `{l['op_name'][-90:]}` |")
+  return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+  app.run(main)
