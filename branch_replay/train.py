@@ -156,8 +156,7 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
     chex.assert_shape([samples.tokens_BRT, samples.valid_BRT, samples.logp_BRT],
                       (B, R, cfg.sampler.max_new_tokens))
     chex.assert_shape([samples.trunk_BW, samples.trunk_logp_BW], (B, W))
-    with timer("reward"):
-      raw_BR = rewards_of(task, examples, completions(samples, tok))
+    raw_BR = rewards_of(task, examples, completions(samples, tok))
     rows = dict(prompt_BP=prompt_BP, valid_BP=valid_BP, raw_BR=raw_BR,
                 **samples._asdict())
     for name, seconds in (("data", d1 - d0), ("generate", d2 - d1),
@@ -177,8 +176,9 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
             else advantages.compute(t.advantage, rewards_BR, t))
   batch = sampler.to_batch(prompt_BP, valid_BP, samples, jnp.asarray(adv_BR))
   if state.ref_params is not None:  # k3 KL: reference log-probs, one shared-prefix forward
-    with timer("ref_logp"):
-      scored = jax.block_until_ready(fns.score(state.ref_params, batch=place(batch, "batch", cfg)))
+    r0 = time.perf_counter()
+    scored = jax.block_until_ready(fns.score(state.ref_params, batch=place(batch, "batch", cfg)))
+    stats["time/ref_logp_s"] = time.perf_counter() - r0
     ref_BRT, ref_trunk_BW = sharding.to_host(scored) if cfg.mesh else scored
     batch = batch.replace(ref_logp_BRT=ref_BRT,
                           trunk_ref_logp_BW=ref_trunk_BW if batch.trunk_len else None)
