@@ -269,17 +269,11 @@ def naive_loss_and_grad(params, batch, model_cfg, loss_cfg):
 
 
 def loss_and_grad(params, batch: TreeBatch, model_cfg, loss_cfg, mode: str = "replay",
-                  branch_chunk: Optional[int] = None, mesh=None):
-  """(loss, aux_BR per leaf, grads) of the tree by replay or by its naive twin; with a mesh,
-  the sharded replay (tree_sharding.py's layout)."""
+                  branch_chunk: Optional[int] = None):
+  """(loss, aux_BR per leaf, grads) of the tree by replay or by its naive twin (on a mesh:
+  tree_sharding.tree_loss_and_grad, which wraps this engine's replay)."""
   if mode not in MODES:
     raise ValueError(f"replay.mode={mode!r}: expected one of {MODES}")
-  if mesh is not None:
-    if mode != "replay":
-      raise ValueError(f"replay.mode={mode!r}: a mesh runs replay only")
-    from branch_replay import tree_sharding
-    return tree_sharding.tree_loss_and_grad(mesh, params, batch, model_cfg, loss_cfg,
-                                            branch_chunk)
   if mode == "replay":
     return replay_loss_and_grad(params, batch, model_cfg, loss_cfg, branch_chunk)
   return naive_loss_and_grad(params, batch, model_cfg, loss_cfg)

@@ -145,7 +145,8 @@ def check_divisible(what: str, shape: Sequence[int], spec: PartitionSpec, mesh: 
                        f"devices of mesh axes {entry} (mesh {dict(mesh.shape)})")
 
 
-def _sharding(mesh, what, shape, names):
+def named_sharding(mesh, what, shape, names):
+  """The NamedSharding of a leaf named `what` with logical axis names, divisibility checked."""
   spec = logical_spec(names)
   check_divisible(what, shape, spec, mesh)
   return NamedSharding(mesh, spec)
@@ -159,7 +160,7 @@ def param_shardings(mesh: Mesh, model_cfg: tfm.ModelConfig):
   axes = tfm.param_axes(model_cfg)
   shapes = jax.eval_shape(lambda: tfm.init_params(model_cfg, jax.random.key(0)))
   return jax.tree_util.tree_map_with_path(
-      lambda path, names, leaf: _sharding(mesh, "params" + jax.tree_util.keystr(path),
+      lambda path, names, leaf: named_sharding(mesh, "params" + jax.tree_util.keystr(path),
                                           leaf.shape, names),
       axes, shapes, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
@@ -176,7 +177,7 @@ def batch_shardings(mesh: Mesh, batch: ReplayBatch) -> ReplayBatch:
   fields = {}
   for name, names in BATCH_AXES.items():
     arr = getattr(batch, name)
-    fields[name] = None if arr is None else _sharding(mesh, f"batch.{name}", np.shape(arr),
+    fields[name] = None if arr is None else named_sharding(mesh, f"batch.{name}", np.shape(arr),
                                                       names)
   return batch.replace(**fields)
 
@@ -184,7 +185,7 @@ def batch_shardings(mesh: Mesh, batch: ReplayBatch) -> ReplayBatch:
 def prompt_shardings(mesh: Mesh, tree):
   """Prompt-major arrays ([B, ...], e.g. prompts for the sampler): split by `batch`."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, x: _sharding(mesh, "prompts" + jax.tree_util.keystr(path), np.shape(x),
+      lambda path, x: named_sharding(mesh, "prompts" + jax.tree_util.keystr(path), np.shape(x),
                                 ("batch",) + (None,) * (np.ndim(x) - 1)), tree)
 
 

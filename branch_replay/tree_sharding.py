@@ -27,7 +27,7 @@ def tree_batch_shardings(mesh: Mesh, batch: TreeBatch) -> TreeBatch:
   """A TreeBatch of NamedShardings (None fields stay None); a dimension its mesh axes do not
   divide is a ValueError naming the level, the field and both numbers."""
   def spec(where, x, names):
-    return None if x is None else sharding._sharding(mesh, f"tree.{where}", np.shape(x), names)
+    return None if x is None else sharding.named_sharding(mesh, f"tree.{where}", np.shape(x), names)
 
   levels = []
   for d, level in enumerate(batch.levels, start=1):

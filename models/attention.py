@@ -34,51 +34,10 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from models.segments import IMPLS, KeySegment  # noqa: F401 (attention.KeySegment, .IMPLS)
+from models.segments import acc_dtype as _acc_dtype, check, check_masks, merge, segment_mask
+
 Array = jax.Array
-IMPLS = ("blockwise", "dense", "fused")  # fused: attention_fused.py (tokamax, GPU)
-
-
-class KeySegment(NamedTuple):
-  """Keys a block of queries may attend to. Rows Bk divide the queries' rows Bq."""
-  k_BSKH: Array
-  v_BSKH: Array
-  pos_BS: Array  # int RoPE positions (for sliding windows)
-  valid_BS: Array  # bool
-  causal: bool = False  # the queries' own keys: Bk == Bq, S == T, key j <= query i
-
-
-def _acc_dtype(dtype):
-  return jnp.float64 if dtype == jnp.float64 else jnp.float32
-
-
-def check(q_BTNH: Array, segments: Sequence[KeySegment], impl: str) -> None:
-  """Static shape checks (trace time): rows divide, causal segments match the queries."""
-  if impl not in IMPLS:
-    raise ValueError(f"model.attention={impl!r}: expected one of {IMPLS}")
-  Bq, T, N, H = q_BTNH.shape
-  for i, seg in enumerate(segments):
-    Bk, S, K, Hk = seg.k_BSKH.shape
-    if Hk != H or N % K or Bq % Bk or seg.v_BSKH.shape != seg.k_BSKH.shape:
-      raise ValueError(f"attention segment {i}: k {seg.k_BSKH.shape}, v {seg.v_BSKH.shape} "
-                       f"against queries {q_BTNH.shape}: expected [Bk, S, K, {H}] with Bk "
-                       f"dividing {Bq} and K dividing {N}")
-    if seg.causal and (Bk != Bq or S != T):
-      raise ValueError(f"attention segment {i}: causal keys {seg.k_BSKH.shape} must match "
-                       f"the queries' rows and length {(Bq, T)}")
-
-
-def segment_mask(q_pos_BT, q_valid_BT, seg: KeySegment, window: Optional[int]) -> Array:
-  """allowed_BTS for one segment, with the queries' rows (key rows repeated g times)."""
-  Bq, T = q_valid_BT.shape
-  g = Bq // seg.valid_BS.shape[0]
-  k_valid_BS = jnp.repeat(seg.valid_BS, g, axis=0)
-  allowed_BTS = q_valid_BT[:, :, None] & k_valid_BS[:, None, :]
-  if seg.causal:
-    allowed_BTS &= jnp.tril(jnp.ones((T, T), bool))[None]
-  if window is not None:
-    k_pos_BS = jnp.repeat(seg.pos_BS, g, axis=0)
-    allowed_BTS &= q_pos_BT[:, :, None] - k_pos_BS[:, None, :] < window
-  return allowed_BTS
 
 
 def attend_dense(q_BTNH, q_pos_BT, q_valid_BT, segments, *, scale=None, softcap=None,
@@ -403,16 +362,7 @@ def _blockwise_fwd(st: _Static, q_BTNH, q_pos_BT, q_valid_BT, segs):
     o_BKQH, lse_BKQ = _segment_fwd(st, sg, acc)
     o_parts.append(_unfold(o_BKQH, sg.g, T, N // K))
     lse_parts.append(_unfold(lse_BKQ, sg.g, T, N // K))
-  # Merge the segments' partial softmaxes by log-sum-exp.
-  lse_LBTN = jnp.stack(lse_parts)
-  m_BTN = lse_LBTN.max(0)
-  m_safe = jnp.where(m_BTN == -jnp.inf, 0.0, m_BTN)
-  w_LBTN = jnp.exp(lse_LBTN - m_safe)
-  total_BTN = w_LBTN.sum(0)
-  some = total_BTN > 0
-  lse_BTN = jnp.where(some, m_safe + jnp.log(jnp.where(some, total_BTN, 1.0)), -jnp.inf)
-  w_LBTN = w_LBTN / jnp.where(some, total_BTN, 1.0)
-  o_BTNH = sum(w_BTN[..., None] * o for w_BTN, o in zip(w_LBTN, o_parts))
+  o_BTNH, lse_BTN = merge(o_parts, lse_parts)
   return o_BTNH.astype(q_BTNH.dtype), lse_BTN
 
 
@@ -451,21 +401,6 @@ def _blockwise_vjp_bwd(st, res, do_BTNH):
 _blockwise.defvjp(_blockwise_vjp_fwd, _blockwise_vjp_bwd)
 
 
-def _check_masks(q_BTNH, q_pos_BT, q_valid_BT, segments) -> None:
-  """Positions and validity match the rows and lengths of their queries / keys."""
-  want = q_BTNH.shape[:2]
-  for name, x in (("q_pos_BT", q_pos_BT), ("q_valid_BT", q_valid_BT)):
-    if tuple(x.shape) != tuple(want):
-      raise ValueError(f"attention {name}: shape {x.shape}, expected {want} (queries "
-                       f"{q_BTNH.shape})")
-  for i, seg in enumerate(segments):
-    want = seg.k_BSKH.shape[:2]
-    for name, x in (("pos_BS", seg.pos_BS), ("valid_BS", seg.valid_BS)):
-      if tuple(x.shape) != tuple(want):
-        raise ValueError(f"attention segment {i} {name}: shape {x.shape}, expected {want} "
-                         f"(keys {seg.k_BSKH.shape})")
-
-
 def _check_blocks(block_q, block_k) -> None:
   for name, b in (("model.attention_block_q", block_q), ("model.attention_block_k", block_k)):
     if isinstance(b, bool) or not isinstance(b, int) or b < 1:
@@ -479,7 +414,7 @@ def attend(q_BTNH, q_pos_BT, q_valid_BT, segments: Sequence[KeySegment], *,
            block_k: int = 64) -> Array:
   """Attention of q over the concatenation of `segments` (see the module docstring)."""
   check(q_BTNH, segments, impl)
-  _check_masks(q_BTNH, q_pos_BT, q_valid_BT, segments)
+  check_masks(q_BTNH, q_pos_BT, q_valid_BT, segments)
   _check_blocks(block_q, block_k)
   if impl == "dense":
     return attend_dense(q_BTNH, q_pos_BT, q_valid_BT, segments, scale=scale, softcap=softcap,

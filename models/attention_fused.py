@@ -26,6 +26,8 @@ from typing import Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from models import segments
+
 FALLBACK = "blockwise"
 SUPPORTED_DEVICE_KINDS = ("H100", "H200", "H800", "H20", "B200", "GB200")
 
@@ -152,13 +154,12 @@ class _Static(NamedTuple):
 def _segment_inputs(st, q_BTNH, q_pos_BT, q_valid_BT, seg, causal):
   """One segment in the kernel's layout: a prompt's g query rows folded into one query axis
   against its key row, and the allowed mask [Bk, 1, g*T, S]."""
-  from models import attention
   k, v, kpos, kvalid = seg
   Bq, T, N, H = q_BTNH.shape
   Bk, S = k.shape[:2]
   g = Bq // Bk
-  mask_BTS = attention.segment_mask(q_pos_BT, q_valid_BT,
-                                    attention.KeySegment(k, v, kpos, kvalid, causal), st.window)
+  mask_BTS = segments.segment_mask(q_pos_BT, q_valid_BT,
+                                   segments.KeySegment(k, v, kpos, kvalid, causal), st.window)
   fold = lambda x: x.reshape(Bk, g * T, *x.shape[2:])
   return fold(q_BTNH), k, v, fold(mask_BTS)[:, None]
 
@@ -175,15 +176,7 @@ def _fwd(st: _Static, q_BTNH, q_pos_BT, q_valid_BT, segs):
     o = jnp.where(some.swapaxes(1, 2)[..., None], o.astype(acc), 0.0)
     o_parts.append(o.reshape(Bq, T, N, H))
     lse_parts.append(lse_BNQ.swapaxes(1, 2).reshape(Bq, T, N))
-  lse_LBTN = jnp.stack(lse_parts)
-  m_BTN = lse_LBTN.max(0)
-  m_safe = jnp.where(m_BTN == -jnp.inf, 0.0, m_BTN)
-  w_LBTN = jnp.exp(lse_LBTN - m_safe)
-  total_BTN = w_LBTN.sum(0)
-  some = total_BTN > 0
-  lse_BTN = jnp.where(some, m_safe + jnp.log(jnp.where(some, total_BTN, 1.0)), -jnp.inf)
-  w_LBTN = w_LBTN / jnp.where(some, total_BTN, 1.0)
-  o_BTNH = sum(w[..., None] * o for w, o in zip(w_LBTN, o_parts))
+  o_BTNH, lse_BTN = segments.merge(o_parts, lse_parts)
   return o_BTNH.astype(q_BTNH.dtype), lse_BTN
 
 
@@ -221,11 +214,11 @@ def _vjp_bwd(st, res, do_BTNH):
 fused.defvjp(_vjp_fwd, _vjp_bwd)
 
 
-def attend_fused(q_BTNH, q_pos_BT, q_valid_BT, segments, *, scale, softcap, window):
+def attend_fused(q_BTNH, q_pos_BT, q_valid_BT, key_segments, *, scale, softcap, window):
   """attention.attend(impl='fused') after its checks: the kernel per segment, merged."""
   check_available()
-  st = _Static(causal=tuple(bool(s.causal) for s in segments), scale=float(scale),
+  st = _Static(causal=tuple(bool(s.causal) for s in key_segments), scale=float(scale),
                softcap=None if softcap is None else float(softcap),
                window=None if window is None else int(window), kernel=kernel())
-  segs = tuple((s.k_BSKH, s.v_BSKH, s.pos_BS, s.valid_BS) for s in segments)
+  segs = tuple((s.k_BSKH, s.v_BSKH, s.pos_BS, s.valid_BS) for s in key_segments)
   return fused(st, q_BTNH, q_pos_BT, q_valid_BT, segs)

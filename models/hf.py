@@ -201,7 +201,8 @@ def config_from_hf(hf: dict, dtype: str = "float32",
     raise ValueError(f"config.json ({family}): {e}") from e
 
 
-def _family_for(cfg: tfm.ModelConfig) -> str:
+def family_for(cfg: tfm.ModelConfig) -> str:
+  """The checkpoint family config.json names for a model config (llama, qwen2, qwen3_5, ...)."""
   if cfg.layer_types is not None or cfg.attn_output_gate:  # hybrid
     return hf_qwen35.FAMILY
   if cfg.norm_offset:
@@ -239,7 +240,7 @@ def config_to_hf(cfg: tfm.ModelConfig, family: Optional[str] = None,
                  extra: Optional[dict] = None) -> dict:
   """ModelConfig -> config.json dict in the transformers-4 spelling (which transformers 5
   also reads). `extra` keys (token ids, max_position_embeddings...) go in first."""
-  family = family or _family_for(cfg)
+  family = family or family_for(cfg)
   if family not in FAMILIES:
     raise ValueError(f"family={family!r}: expected one of {sorted(FAMILIES)}")
   local = [i for i in range(cfg.n_layers) if cfg.layer_window(i)]
@@ -304,7 +305,7 @@ class Tensor(NamedTuple):
 
 def tensor_layout(cfg: tfm.ModelConfig, family: Optional[str] = None) -> dict[str, Tensor]:
   """HF tensor name -> where it lives in our parameter tree, for this config and family."""
-  family = family or _family_for(cfg)
+  family = family or family_for(cfg)
   D, N, K, H, F, V = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_hidden,
                       cfg.vocab_size)
   out = {"model.embed_tokens.weight": Tensor(("embed", "embedding"), (V, D), False),
@@ -350,7 +351,7 @@ def params_from_tensors(cfg: tfm.ModelConfig, get: Callable[[str], np.ndarray],
                         names: set[str], dtype: str = "float32"):
   """Our parameter tree from HF tensors (`get(name)` reads one, `names` are all present)."""
   layout = tensor_layout(cfg)
-  if _family_for(cfg) == hf_qwen35.FAMILY:  # hybrid: q_proj holds query and gate
+  if family_for(cfg) == hf_qwen35.FAMILY:  # hybrid: q_proj holds query and gate
     get, names = hf_qwen35.split_q_gate(cfg, get, names)
   shapes = _param_shapes(cfg)
   assert set(shapes) == {t.path for t in layout.values()}, "tensor_layout out of date"
@@ -390,7 +391,7 @@ def tensors_from_params(cfg: tfm.ModelConfig, params,
     x = np.asarray(x if dtype is None else jnp.asarray(x, tfm.DTYPES[dtype]))
     x = x.reshape(t.hf_shape[::-1]).T if t.linear else x.reshape(t.hf_shape)
     out[name] = np.ascontiguousarray(x)
-  if _family_for(cfg) == hf_qwen35.FAMILY:  # hybrid
+  if family_for(cfg) == hf_qwen35.FAMILY:  # hybrid
     out = hf_qwen35.merge_q_gate(cfg, out)
   return out
 

@@ -154,7 +154,7 @@ def save_peft(adapter_dir: str, cfg: tfm.ModelConfig, lora: LoraConfig, adapters
               family: Optional[str] = None, base_model: str = "") -> None:
   """adapter_config.json + adapter_model.safetensors that `peft.PeftModel.from_pretrained`
   loads onto the matching transformers model (float32 tensors)."""
-  family = family or hf._family_for(cfg)
+  family = family or hf.family_for(cfg)
   check_adapters(cfg, lora, adapters)
   names = _peft_names(cfg, family)
   tensors = {}
@@ -228,7 +228,7 @@ def load_peft(adapter_dir: str, cfg: tfm.ModelConfig, lora: Optional[LoraConfig]
   if not os.path.exists(weights):
     raise ValueError(f"{weights}: missing (a PEFT adapter folder needs {WEIGHTS_FILE})")
   tensors = safetensors.numpy.load_file(weights)
-  names = _peft_names(cfg, family or hf._family_for(cfg))
+  names = _peft_names(cfg, family or hf.family_for(cfg))
   shapes = adapter_shapes(cfg, found)
   expected = set()
   adapters = {}

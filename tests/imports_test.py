@@ -77,10 +77,6 @@ def test_config_and_trainer_import_no_algorithm():
     assert not bad, f"{m} imports {bad}"
 
 
-# The engine half's (tree_sampler and tree_replay merge into one sampler and one engine).
-ENGINE_PENDING = {("branch_replay.tree_sharding", "branch_replay.sharding", "_sharding")}
-
-
 def test_no_private_names_across_modules():
   modules = _modules()
   users = dict(_graph())  # the package, and the experiments and run.py that use it
@@ -89,5 +85,5 @@ def test_no_private_names_across_modules():
       if f.endswith(".py")]:
     users[os.path.relpath(path, ROOT)] = _imports(path, modules)
   bad = [(m, d, n) for m, deps in users.items() for d, names in deps for n in names
-         if n.startswith("_") and not n.startswith("__") and (m, d, n) not in ENGINE_PENDING]
+         if n.startswith("_") and not n.startswith("__")]
   assert not bad, bad

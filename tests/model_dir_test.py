@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from branch_replay import tasks
+from branch_replay import train
 from branch_replay import trainer
 from branch_replay import state as train_state
 from branch_replay import tokenizer as tokenizer_lib

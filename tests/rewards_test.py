@@ -71,7 +71,7 @@ def test_register_a_new_reward():
 
 @pytest.mark.parametrize("spec, match", [
     ("exact", r"task.reward='exact': unknown reward; expected one of \['contains', "
-              r"'exact_match', 'numeric', 'regex'\] or 'module:function'"),
+              r"'exact_match', 'final_number', 'numeric', 'regex'\] or 'module:function'"),
     ("no_such_module:f", "cannot import 'f' from 'no_such_module'"),
     ("rewards_test:missing", "cannot import 'missing' from 'rewards_test'"),
 ])

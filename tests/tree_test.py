@@ -245,5 +245,6 @@ def test_bad_trees_fail_naming_level_and_field():
        r"old_logp_BRT .* on every level or on none")
   with jax.enable_x64(True):
     cfg, params = model()
-    with pytest.raises(ValueError, match="additive"):
+    # DPO runs on trees (engine_test), but not without its reference log-probs
+    with pytest.raises(ValueError, match=r"levels\[0\]\.ref_logp_BRT: None, but loss.name='dpo'"):
       tree_replay.loss_and_grad(params, make_tree(0, (2,)), cfg, losses.LossConfig(name="dpo"))
