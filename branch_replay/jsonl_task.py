@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 
 import numpy as np
 from absl import logging
 
 from branch_replay import rewards
-from branch_replay.tasks import Example, Task, register
+from branch_replay.tasks import Example, Task, jsonl_records, register
 
 OVERLONG = ("truncate", "reject")
 CHAT_TEMPLATE = ("auto", "none")
@@ -109,33 +108,21 @@ class JsonlTask(Task):
 
   def _load(self, path: str) -> list:
     cfg = self.cfg
-    if not os.path.isfile(path):
-      raise ValueError(f"task file {path!r}: no such file")
     needs = {cfg.prompt_field, *self.reward.needs}
     needs = {cfg.answer_field if n == "answer" else n for n in needs}
     out = []
-    with open(path, encoding="utf-8") as f:
-      for number, line in enumerate(f, 1):
-        if not line.strip():
-          continue
-        where = f"{path}:{number}"
-        try:
-          record = json.loads(line)
-        except json.JSONDecodeError as e:
-          raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(record, dict):
-          raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-        missing = sorted(needs - set(record))
-        if missing:
-          raise ValueError(f"{where}: missing field {missing[0]!r} (expected fields "
-                           f"{sorted(needs)}; reward {cfg.reward!r})")
-        for name in (cfg.prompt_field, cfg.answer_field):
-          if name in record and not isinstance(record[name], str):
-            raise ValueError(f"{where}: field {name!r} is {type(record[name]).__name__} "
-                             f"{record[name]!r}, expected a string")
-        if not record[cfg.prompt_field]:
-          raise ValueError(f"{where}: field {cfg.prompt_field!r} is empty")
-        out.append(self._example(record, where))
+    for where, record in jsonl_records(path, f"task file {path!r}"):
+      missing = sorted(needs - set(record))
+      if missing:
+        raise ValueError(f"{where}: missing field {missing[0]!r} (expected fields "
+                         f"{sorted(needs)}; reward {cfg.reward!r})")
+      for name in (cfg.prompt_field, cfg.answer_field):
+        if name in record and not isinstance(record[name], str):
+          raise ValueError(f"{where}: field {name!r} is {type(record[name]).__name__} "
+                           f"{record[name]!r}, expected a string")
+      if not record[cfg.prompt_field]:
+        raise ValueError(f"{where}: field {cfg.prompt_field!r} is empty")
+      out.append(self._example(record, where))
     if not out:
       raise ValueError(f"task file {path!r}: no prompts (expected one JSON object per line)")
     return out

@@ -85,8 +85,9 @@ def compute(reward: Reward, examples: Sequence, completions_BR: Sequence[Sequenc
     raise ValueError(f"reward {reward.name!r} raised{at}: {type(e).__name__}: {e}") from e
   try:
     values_N = np.asarray(values, np.float64).reshape(-1)
-  except (TypeError, ValueError) as e:
-    raise ValueError(f"reward {reward.name!r}: expected {B * R} numbers, got {values!r:.200}")
+  except (TypeError, ValueError):
+    raise ValueError(f"reward {reward.name!r}: expected {B * R} numbers, "
+                     f"got {values!r:.200}") from None
   if values_N.shape != (B * R,):
     raise ValueError(f"reward {reward.name!r}: returned {values_N.size} values for {B * R} "
                      f"completions ({B} prompts x {R} branches)")

@@ -18,21 +18,19 @@ pass's ratio is taken against our own scoring, which is recorded and reused for 
 later epoch. `turns` (optional): per token, 1 marks tool/observation text (read, not
 scored). Advantages: the configured group estimator (`train.advantage`). Every problem is
 a ValueError naming file:line and the field, raised when the task is built (before any
-compute): nothing is trained on a partial line. Training: branch_replay/rollouts_train.py.
+compute): nothing is trained on a partial line. Training: branch_replay/algorithms/rollouts.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 from typing import Optional
 
 import numpy as np
 
 from branch_replay import advantages, trie
-from branch_replay.tasks import Task, register
+from branch_replay.tasks import Task, jsonl_records, register
 
 STOPS = ("eos", "none")
 
@@ -221,24 +219,14 @@ def parse(record, where: str, tokenizer, cfg, template=None) -> Rollout:
 
 
 def load(path: str, tokenizer, cfg, template=None) -> list:
-  if not os.path.isfile(path):
-    raise ValueError(f"task.path={path!r}: no such file")
   out = []
-  with open(path, encoding="utf-8") as f:
-    for number, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      where = f"{path}:{number}"
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-      rollout = parse(record, where, tokenizer, cfg, template)
-      if out and len(rollout.responses) != len(out[0].responses):
-        raise ValueError(f"{where}: field 'responses' has {len(rollout.responses)} entries, "
-                         f"expected {len(out[0].responses)} as on {out[0].source} (one group "
-                         "size per file)")
-      out.append(rollout)
+  for where, record in jsonl_records(path, f"task.path={path!r}"):
+    rollout = parse(record, where, tokenizer, cfg, template)
+    if out and len(rollout.responses) != len(out[0].responses):
+      raise ValueError(f"{where}: field 'responses' has {len(rollout.responses)} entries, "
+                       f"expected {len(out[0].responses)} as on {out[0].source} (one group "
+                       "size per file)")
+    out.append(rollout)
   if not out:
     raise ValueError(f"task.path={path!r}: no rollouts (expected one JSON object per line)")
   return out

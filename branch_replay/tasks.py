@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
+import os
 import string
 import typing
 from typing import Any, Optional
@@ -24,6 +26,26 @@ from typing import Any, Optional
 import numpy as np
 
 from branch_replay.tokenizer import TOKENIZER
+
+
+def jsonl_records(path: str, what: str):
+  """(where, record) for every non-blank line of a JSON-lines file, `where` = path:line; a
+  missing file or a line that is not a JSON object fails naming `what` (e.g. task.path=...)
+  or the line."""
+  if not os.path.isfile(path):
+    raise ValueError(f"{what}: no such file")
+  with open(path, encoding="utf-8") as f:
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      where = f"{path}:{number}"
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+      if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+      yield where, record
 
 
 TASKS: dict[str, type] = {}  # name -> task class (its options: the class's `Options`)

@@ -29,9 +29,6 @@ def run(cfg: Config, workdir: str, algorithm=None, *, init_params=None, tokenize
   if tok.vocab_size > cfg.model.vocab_size:
     raise ValueError(f"model.vocab_size={cfg.model.vocab_size}: expected >= the tokenizer's "
                      f"{tok.vocab_size}")
-  if cfg.task.name == "rollouts" and algorithm is None:  # completions from a file: its own
-    from branch_replay import rollouts_train  # loop over the file's lines (epochs, resume)
-    return rollouts_train.run(cfg, workdir, init_params=init_params, tokenizer=tokenizer)
   if algorithm is None:
     from branch_replay import algorithms  # the registry (it imports an algorithm when asked)
     algorithm = algorithms.for_config(cfg)
@@ -39,7 +36,7 @@ def run(cfg: Config, workdir: str, algorithm=None, *, init_params=None, tokenize
   workdir = checkpoint.check_workdir(workdir)  # before any compute
   task = tasks.make(cfg.task, tok)  # the run's tokenizer; a task that reads files checks them
   task.check(cfg)
-  algo = algorithm(cfg, task, tok)  # compiles its jitted steps (cached across runs)
+  algo = algorithm(cfg, task, tok, workdir=workdir)  # compiles its jitted steps (cached)
   ckpt = checkpoint.Checkpointer(workdir, cfg)
   ckpt.check_config()
   state = train_state.init_state(cfg, init_params)
@@ -49,7 +46,7 @@ def run(cfg: Config, workdir: str, algorithm=None, *, init_params=None, tokenize
   chief = jax.process_index() == 0  # several processes run this loop alike; one writes
   writer = metrics.MetricsWriter(os.path.join(workdir, "metrics.jsonl") if chief else os.devnull,
                                  tensorboard=cfg.train.tensorboard and chief)
-  t = cfg.train
+  t, total = cfg.train, algo.total_steps
   eval_examples = algo.eval_examples() if t.eval_size else []
   # The first-step self-check (replay.verify): replay == naive on the first batch, once.
   verify_pending = (verify.enabled(cfg.replay.verify, init_params is not None)
@@ -61,9 +58,9 @@ def run(cfg: Config, workdir: str, algorithm=None, *, init_params=None, tokenize
     return reward
 
   from tqdm import tqdm
-  bar = tqdm(total=t.total_steps, initial=start, disable=not (t.progress and chief),
+  bar = tqdm(total=total, initial=start, disable=not (t.progress and chief),
              dynamic_ncols=True, desc="train")
-  for step in range(start, t.total_steps):
+  for step in range(start, total):
     t0 = time.time()
     rec = {"step": step, "kind": "train"}
     if step < t.sft_steps:
@@ -95,14 +92,14 @@ def run(cfg: Config, workdir: str, algorithm=None, *, init_params=None, tokenize
                 "replay/computed_tokens": naive if cfg.replay.mode == "naive" else prefix + tails,
                 "time/step_s": time.time() - t0})
     writer.write(rec)
-    if (step + 1) % t.checkpoint_every == 0 or step + 1 == t.total_steps:
+    if (step + 1) % t.checkpoint_every == 0 or step + 1 == total:
       ckpt.save(step + 1, train_state.state_dict(state))
     bar.update(1)
     bar.set_postfix({k: f"{rec[k]:.3f}" for k in algo.progress_keys if k in rec})
   bar.close()
   records = metrics.read(writer.path)
-  if eval_examples and t.rl_steps and final_eval_missing(records, t.total_steps):
-    evaluate(state, t.total_steps)
+  if eval_examples and t.rl_steps and final_eval_missing(records, total):
+    evaluate(state, total)
     records = metrics.read(writer.path)
   writer.close()
   ckpt.close()

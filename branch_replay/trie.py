@@ -178,7 +178,6 @@ def layout(prompts: Sequence, responses: Sequence, advantages_BR, *, scored=None
   for b in range(B):
     ids = list(prompts[b]) + list(responses[b][orders[b][0]][:W])
     root_BP[b, P - len(ids):], root_valid_BP[b, P - len(ids):] = ids, True
-  per = lambda xs, b, r, lo, hi: None if xs is None else np.asarray(xs[b][r])[lo:hi]
   trunk = lambda xs: None if xs is None or not W else jnp.asarray(
       np.stack([np.asarray(xs[b][orders[b][0]][:W]) for b in range(B)]))
   spans = [[(W, None)] * R for _ in range(B)]  # per leaf (start, stop) of its own tokens
@@ -257,7 +256,7 @@ def flat_batch(prompts, responses, advantages_BR, *, scored=None, old_logps=None
   if scored is not None and not all(np.all(s) for rs in scored for s in rs):
     raise ValueError("trie.flat_batch: unscored (tool/observation) tokens need the tree "
                      "layout (trie.layout): a flat ReplayBatch scores every valid tail token")
-  B, R = len(prompts), len(responses[0])
+  B = len(prompts)
   P = max(len(p) for p in prompts)
   T = max(len(r) for rs in responses for r in rs)
   prefix = np.full((B, P), pad_id, np.int32)

@@ -25,36 +25,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from experiments import bench_replay  # noqa: E402  (its flags: --reps, --dtype, ...)
+from experiments import bench_replay, measure  # noqa: E402  (its flags: --reps, --dtype, ...)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_multi_string("presets", ["hybrid_small", "small"], "model presets to compare")
 flags.DEFINE_multi_integer("timed", [2048], "P values timed (both modes)")
 flags.DEFINE_multi_integer("compile_only", [8192, 32768], "P values only compiled")
 flags.DEFINE_multi_string("modes", ["replay", "naive"], "paths to run (0 in --timed: none)")
-
-
-def step_flops(cfg, B, R, P, T, mode):
-  """Useful FLOPs of one forward+backward (3x forward), per layer kind."""
-  D, N, K, H, F, V = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_hidden,
-                      cfg.vocab_size)
-  Kl, Nl = cfg.linear_key_heads, cfg.linear_value_heads
-  Hl, J, Wc = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel
-  kinds = [cfg.layer_type(i) for i in range(cfg.n_layers)]
-  n_full, n_lin = kinds.count("full_attention"), kinds.count("linear_attention")
-  gate = N * H * D if cfg.attn_output_gate else 0
-  full_tok = D * (N + 2 * K) * H + N * H * D + gate + 3 * D * F
-  C = 2 * Kl * Hl + Nl * J
-  lin_tok = D * C + D * Nl * J + 2 * D * Nl + Nl * J * D + C * Wc + 3 * Nl * Hl * J + 3 * D * F
-  per_token = n_full * full_tok + n_lin * lin_tok
-  pairs = lambda n: n * (n + 1) / 2
-  attn = lambda n_pairs: n_full * 2 * n_pairs * N * H
-  if mode == "naive":
-    macs = B * R * ((P + T) * per_token + attn(pairs(P + T)) + T * D * V)
-  else:
-    macs = (B * (P * per_token + attn(pairs(P)))
-            + B * R * (T * per_token + attn(T * P + pairs(T)) + T * D * V))
-  return 3 * 2 * macs
 
 
 def main(argv):
@@ -70,7 +47,8 @@ def main(argv):
       runs = {m: bench_replay.spawn(m, P, T, R, "") if m in FLAGS.modes else {}
               for m in ("replay", "naive")}
       rep, nai = runs["replay"], runs["naive"]
-      flop_ratio = step_flops(cfg, B, R, P, T, "naive") / step_flops(cfg, B, R, P, T, "replay")
+      flops = {m: measure.step_flops(cfg, B, R, P, T, m) for m in ("naive", "replay")}
+      flop_ratio = flops["naive"] / flops["replay"]
       row = dict(preset=preset, layer_types=list(cfg.layer_types or []), prefix_len=P,
                  tail_len=T, branches=R, prompts=B, dtype=FLAGS.dtype, timed=FLAGS.reps > 0,
                  reps=FLAGS.reps, flop_ratio=round(flop_ratio, 3),

@@ -304,12 +304,7 @@ def main(argv):
              date=time.strftime("%Y-%m-%d"))
   row["ours_matmul_frac"] = round(row["ours_gflops"] / row["xla_matmul_gflops"], 3)
   row["peer_matmul_frac"] = round(row["peer_gflops"] / row["torch_matmul_gflops"], 3)
-  row["provenance"] = provenance.provenance()
-  line = json.dumps(row)
-  print(line, flush=True)
-  if FLAGS.out:
-    with open(FLAGS.out, "a") as f:
-      f.write(line + "\n")
+  provenance.emit(row, FLAGS.out)
 
 
 if __name__ == "__main__":

@@ -296,12 +296,7 @@ def main(argv):
 
 def emit(row):
   from experiments import provenance  # commit, dirty flag, command, jax/devices, machine, date
-  row = dict(row, provenance=provenance.provenance())
-  line = json.dumps(row)
-  print(line, flush=True)
-  if FLAGS.out:
-    with open(FLAGS.out, "a") as f:
-      f.write(line + "\n")
+  provenance.emit(row, FLAGS.out)
 
 
 if __name__ == "__main__":

@@ -216,11 +216,8 @@ def main(argv):
         row[f"{m}_loss_abs_err"] = abs(runs[m]["loss"] - runs["naive"]["loss"])
     if runs.get("flat", {}).get("seconds") and runs.get("tree", {}).get("seconds"):
       row["tree_over_flat_speedup"] = round(runs["flat"]["seconds"] / runs["tree"]["seconds"], 3)
-  line = json.dumps(row)
-  print(line, flush=True)
-  if FLAGS.out:
-    with open(FLAGS.out, "a") as f:
-      f.write(line + "\n")
+  from experiments import provenance  # commit, command, jax/devices, machine, date
+  provenance.emit(row, FLAGS.out)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ max|blockwise| (rtol 1e-3 by default). Exit status 1 on a mismatch.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -115,11 +114,7 @@ def main(argv):
              dtype="float32", rtol=FLAGS.rtol, max_rel_err=worst[0], worst_leaf=worst[1],
              passed=worst[0] <= FLAGS.rtol, errors=errs, device=attention_fused.device_found(),
              provenance=provenance.provenance())
-  line = json.dumps(row)
-  print(line, flush=True)
-  if FLAGS.out:
-    with open(FLAGS.out, "a") as f:
-      f.write(line + "\n")
+  provenance.emit(row, FLAGS.out)
   sys.exit(0 if row["passed"] else 1)
 
 

@@ -92,6 +92,18 @@ def provenance(argv=None, with_jax: bool = True, **extra) -> dict:
   return out
 
 
+def emit(row: dict, out: str = "") -> dict:
+  """Print one result row as a JSON line (with `provenance` added where it has none) and
+  append it to `out` (a JSON-lines file; '' prints only)."""
+  row = row if "provenance" in row else dict(row, provenance=provenance())
+  line = json.dumps(row, default=_jsonable)
+  print(line, flush=True)
+  if out:
+    with open(out, "a") as f:
+      f.write(line + "\n")
+  return row
+
+
 class ResultsWriter:
   """Appends JSON lines, each with a `provenance` dict (computed once per writer) and
   `experiment`. path '' prints only."""

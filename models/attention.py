@@ -300,7 +300,7 @@ def _segment_bwd(st: _Static, sg: _Seg, lse_BKQ, do_BKQH, d_BKQ, acc):
   R = sg.bq * G
   nq = Q // R
   bk = sg.bk
-  qdt, vdt = sg.q_BKQH.dtype, sg.v_BKSH.dtype
+  qdt = sg.q_BKQH.dtype
   lse_BKQ = jnp.where(lse_BKQ == -jnp.inf, 0.0, lse_BKQ)  # such rows have no allowed key
 
   def q_block(i, carry):

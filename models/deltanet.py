@@ -91,7 +91,6 @@ def chunked_delta_rule(q_BTNH, k_BTNH, v_BTNJ, g_BTN, beta_BTN, state_BNHJ, chun
   def body(S_BNHJ, xs):
     q_BcNH, k_BcNH, v_BcNJ, g_BcN, beta_BcN = xs
     gamma_BNc = jnp.cumsum(jnp.swapaxes(g_BcN, 1, 2), axis=-1)
-    beta_BNc = jnp.swapaxes(beta_BcN, 1, 2)
     diff_BNcc = gamma_BNc[..., :, None] - gamma_BNc[..., None, :]
     decay_BNcc = jnp.exp(jnp.where(lower_cc, diff_BNcc, -jnp.inf))  # 0 above the diagonal
     kb_BcNH = k_BcNH * beta_BcN[..., None]

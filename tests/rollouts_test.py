@@ -120,3 +120,15 @@ def test_rollouts_run_epochs_resume_and_phases(tmp_path):
   strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith(("time/", "verify/"))}
                       for r in rs]
   assert strip(_records(workdir)) == strip(recs)
+
+
+def test_rollouts_config_selects_the_rollouts_algorithm(tmp_path):
+  """run.py hands trainer.run the algorithm the config selects: a rollouts task gets the
+  rollouts algorithm (no sampling), whatever the loss."""
+  from branch_replay import algorithms
+  path = write(tmp_path / "r.jsonl", lines())
+  for loss in ("grpo", "ppo", "pg"):
+    cfg = config(path, f"loss.name={loss}")
+    assert algorithms.for_config(cfg).__name__ == "Rollouts"
+  with pytest.raises(ValueError, match=r"train.sft_steps=2: expected 0"):
+    trainer.run(config(path, "train.sft_steps=2"), str(tmp_path / "w"))

@@ -1,8 +1,9 @@
 """Training algorithms behind one small protocol; the loop (trainer.py) drives any of them.
 
-An algorithm is a class built once per run, `Algorithm(cfg, task, tokenizer)`, which compiles
-its jitted steps (cached across runs in one process) and then answers the loop:
+An algorithm is a class built once per run, `Algorithm(cfg, task, tokenizer, workdir=...)`,
+which compiles its jitted steps (cached across runs in one process) and then answers the loop:
 
+  total_steps: int                            steps of the run (warm-up included)
   phase: str                                  the name of its phase in metrics ("rl", "dpo")
   progress_keys: tuple                        metrics shown beside the progress bar
   warmup_batch(step) -> batch                 the supervised warm-up (train.sft_steps)
@@ -25,12 +26,15 @@ import importlib
 
 # name -> (module, class); a new algorithm is one module and one line here
 ALGORITHMS = {"grpo": ("grpo", "GRPO"), "tree_grpo": ("grpo", "TreeGRPO"),
-              "dpo": ("dpo", "DPO")}
+              "dpo": ("dpo", "DPO"), "rollouts": ("rollouts", "Rollouts")}
 
 
 def name_for(cfg) -> str:
-  """The algorithm a config selects: preference pairs (loss.name=dpo), sampled trees
-  (tree.fanouts), else flat sampled groups (GRPO, PPO with train.advantage=gae, DAPO, ...)."""
+  """The algorithm a config selects: completions from a file (task.name=rollouts), preference
+  pairs (loss.name=dpo), sampled trees (tree.fanouts), else flat sampled groups (GRPO, PPO
+  with train.advantage=gae, DAPO, ...)."""
+  if cfg.task.name == "rollouts":
+    return "rollouts"
   if cfg.loss.name == "dpo":
     return "dpo"
   return "tree_grpo" if cfg.tree.fanouts else "grpo"

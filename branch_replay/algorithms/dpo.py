@@ -21,8 +21,8 @@ class DPO(GRPO):  # the flat warm-up and compiled steps; its own phase
   phase = "dpo"
   progress_keys = ("dpo/accuracy", "loss/policy")
 
-  def __init__(self, cfg, task, tok):
-    super().__init__(cfg, task, tok)
+  def __init__(self, cfg, task, tok, workdir=None):
+    super().__init__(cfg, task, tok, workdir)
     self.file_pairs = dpo.load_pairs(cfg.dpo.pairs_file) if cfg.dpo.pairs_file else None
     if self.file_pairs is not None:
       enc = lambda text: len(tok.encode(text, bos=False, eos=False))

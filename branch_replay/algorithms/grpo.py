@@ -23,8 +23,9 @@ class GRPO:
   phase = "rl"
   progress_keys = ("reward/mean", "loss/policy")
 
-  def __init__(self, cfg, task, tok):
+  def __init__(self, cfg, task, tok, workdir=None):
     self.cfg, self.task, self.tok = cfg, task, tok
+    self.total_steps = cfg.train.total_steps
     self.fns = train.compiled(train.compile_key(cfg),
                               tuple(getattr(tok, "stop_ids", (tok.eos_id,))))
 
@@ -92,8 +93,9 @@ class TreeGRPO(GRPO):
 
   progress_keys = ("reward/mean", "reward/turn1", "loss/policy")
 
-  def __init__(self, cfg, task, tok):
+  def __init__(self, cfg, task, tok, workdir=None):
     self.cfg, self.task, self.tok = cfg, task, tok
+    self.total_steps = cfg.train.total_steps
     self.fns = tree_train.compiled(tree_train.compile_key(cfg), task.turn_lengths,
                                    task.stop_tokens(tok))
 

@@ -1,0 +1,167 @@
+"""Training on a rollouts file (task.name=rollouts): epochs over the file, B lines a step,
+each step's lines one TreeBatch (their shared openings found by trie.py), GRPO/PPO-style
+clipped updates (`train.ppo_epochs` passes over each batch); the loop (trainer.py) owns
+checkpoints, resume mid-file, metrics, the first-step self-check and the NaN stop. Each step's
+time is split by phase (phases.py).
+
+Lines without `logprobs` are scored by the policy before their first update (ratio 1 on the
+first pass); those log-probs are recorded in workdir/recorded_logprobs.jsonl (process 0) and
+are the behaviour policy of every later epoch (and of a resumed run).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from branch_replay import advantages, phases, rollouts, tree, tree_replay, trie, verify
+from branch_replay import state as train_state
+
+
+def make_step(cfg, loss_cfg):
+  """Pure `step(state, batch: TreeBatch) -> (state, metrics)`."""
+  tx = train_state.make_optimizer(cfg)
+
+  def step(state, batch):
+    loss, aux_BR, grads = tree_replay.loss_and_grad(state.params, batch, cfg.model, loss_cfg,
+                                                    cfg.replay.mode, cfg.replay.branch_chunk)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    n = jnp.maximum(aux_BR["tokens"].sum(), 1)
+    out = {"loss/policy": loss, "kl": aux_BR["kl_sum"].sum() / n,
+           "entropy": aux_BR["entropy_sum"].sum() / n, "grad/norm": optax.tree.norm(grads),
+           "logp/mean": aux_BR["logp_sum"].sum() / n}
+    return state.replace(params=optax.apply_updates(state.params, updates),
+                         opt_state=opt_state, step=state.step + 1), out
+
+  return step
+
+
+class Recorded:
+  """Our own scoring of lines without logprobs, kept across epochs and runs (JSON lines;
+  `path=None`: in memory only, as on every process but the first)."""
+
+  def __init__(self, path):
+    self.path, self.logps = path, {}
+    if path and os.path.exists(path):
+      with open(path) as f:
+        for line in f:
+          rec = json.loads(line)
+          self.logps[rec["source"]] = [np.asarray(x, np.float64) for x in rec["logprobs"]]
+
+  def add(self, source, logps):
+    self.logps[source] = logps
+    if self.path:
+      with open(self.path, "a") as f:
+        f.write(json.dumps({"source": source, "logprobs": [x.tolist() for x in logps]}) + "\n")
+
+
+def old_logps(lines, recorded: Recorded, score_fn, params, cfg, adv_BR, pad_id):
+  """Behaviour log-probs per line: the file's, else recorded, else scored now on the tree."""
+  missing = [l for l in lines if l.logprobs is None and l.source not in recorded.logps]
+  if missing:
+    probe, stats = trie.layout([l.prompt_ids for l in lines], [list(l.responses) for l in lines],
+                               adv_BR, max_depth=cfg.task.max_depth,
+                               min_shared=cfg.task.min_shared, pad_id=pad_id)
+    per_level, trunk_BW = jax.device_get(score_fn(params, probe))
+    scored = trie.unroll(probe, stats["order"], per_level, trunk_BW)
+    for b, l in enumerate(lines):
+      if l.logprobs is None and l.source not in recorded.logps:
+        recorded.add(l.source, scored[b])
+  return [list(l.logprobs) if l.logprobs is not None else recorded.logps[l.source]
+          for l in lines]
+
+
+class Rollouts:
+  """Completions sampled elsewhere (vLLM, SGLang, a log): no sampling, no warm-up, no greedy
+  evaluation; `train.rl_steps` caps the steps at `task.epochs` passes over the file."""
+
+  phase = "rl"
+  progress_keys = ("reward/mean", "loss/policy")
+
+  def __init__(self, cfg, task, tok, workdir=None):
+    self.cfg, self.task, self.tok = cfg, task, tok
+    t = cfg.train
+    self.total_steps = min(t.rl_steps, task.cfg.epochs * task.steps_per_epoch(t.batch_size))
+    chief = jax.process_index() == 0
+    self.recorded = Recorded(os.path.join(workdir, "recorded_logprobs.jsonl")
+                             if workdir and chief else None)
+    self.step_fn = jax.jit(make_step(cfg, cfg.loss), donate_argnums=0)
+    self.score_fn = jax.jit(functools.partial(tree_replay.logps, model_cfg=cfg.model))
+
+  def warmup_batch(self, step):  # task.check refuses train.sft_steps > 0
+    raise ValueError("task.name=rollouts: no supervised warm-up (train.sft_steps=0)")
+
+  warmup_update = warmup_batch
+
+  def start(self, state):
+    if state.ref_params is None and self.cfg.loss.needs_ref:
+      raise ValueError(f"loss.kl_coef={self.cfg.loss.kl_coef}: the reference policy is missing")
+    return state
+
+  def batch(self, state, step):
+    cfg, t, timer = self.cfg, self.cfg.train, phases.Timer()
+    lines = self.task.batch_lines(step, t.batch_size)
+    rewards_BR = np.stack([l.rewards for l in lines])
+    adv_BR = advantages.compute(t.advantage, rewards_BR, t)
+    with timer("old_logp"):
+      old = old_logps(lines, self.recorded, self.score_fn, state.params, cfg, adv_BR,
+                      self.tok.pad_id)
+    batch, stats = rollouts.make_batch(lines, adv_BR, self.task.cfg, old_logps=old,
+                                       pad_id=self.tok.pad_id)
+    tree.validate(batch, cfg.model.vocab_size, cfg.replay.branch_chunk)
+    if state.ref_params is not None:
+      with timer("ref_logp"):
+        ref_levels, ref_trunk = jax.block_until_ready(self.score_fn(state.ref_params, batch))
+      batch = batch.replace(
+          levels=tuple(l.replace(ref_logp_BRT=r) for l, r in zip(batch.levels, ref_levels)),
+          trunk_ref_logp_BW=ref_trunk if batch.trunk_len else None)
+    self.flat_positions = stats["flat_positions"]
+    return batch, {"epoch": step // self.task.steps_per_epoch(t.batch_size),
+                   "reward/mean": float(rewards_BR.mean()),
+                   "reward/std": float(rewards_BR.std()),
+                   "replay/tree_token_ratio": stats["tree_token_ratio"],
+                   "replay/trie_token_ratio": stats["trie_token_ratio"],
+                   "replay/trunk_len": stats["trunk_len"],
+                   "replay/fanouts": "x".join(map(str, stats["fanouts"])), **timer.metrics()}
+
+  def update(self, state, batch, step):
+    outs = []
+    for _ in range(self.cfg.train.ppo_epochs):
+      state, out = self.step_fn(state, batch)
+      outs.append(jax.device_get(out))
+    return state, {k: float(np.mean([o[k] for o in outs])) for k in outs[0]}
+
+  def verify(self, state, batch):
+    return verify.check(state.params, batch, self.cfg.model, self.cfg.loss,
+                        branch_chunk=self.cfg.replay.branch_chunk)
+
+  def token_counts(self, batch, phase):
+    prefix, below, _ = batch.token_counts()
+    return prefix, below, self.flat_positions
+
+  def eval_examples(self):
+    return []
+
+  def evaluate(self, state, examples):
+    raise ValueError("task.name=rollouts: no greedy evaluation (train.eval_size=0)")
+
+  def restore_template(self, state, step):
+    return train_state.state_dict(state)
+
+  def summarize(self, records):
+    train = [r for r in records if r.get("kind") == "train"]
+    k = max(1, min(10, len(train) // 4))
+    mean = lambda rs: float(np.mean([r["reward/mean"] for r in rs])) if rs else float("nan")
+    return {"steps": len(train), "records": records, "reward_first": mean(train[:k]),
+            "reward_last": mean(train[-k:]), "window": k}
+
+  @staticmethod
+  def format_summary(summary) -> str:
+    return (f"rollouts: {summary['steps']} steps, reward (file) first {summary['window']} "
+            f"{summary['reward_first']:.3f}, last {summary['reward_last']:.3f}")
