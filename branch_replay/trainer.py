@@ -46,7 +46,8 @@ def run(cfg: Config, workdir: str, algorithm=None, *, init_params=None, tokenize
   chief = jax.process_index() == 0  # several processes run this loop alike; one writes
   writer = metrics.MetricsWriter(os.path.join(workdir, "metrics.jsonl") if chief else os.devnull,
                                  tensorboard=cfg.train.tensorboard and chief)
-  t, total = cfg.train, algo.total_steps
+  t = cfg.train
+  total = getattr(algo, "total_steps", t.total_steps)  # a file's epochs may end a run sooner
   eval_examples = algo.eval_examples() if t.eval_size else []
   # The first-step self-check (replay.verify): replay == naive on the first batch, once.
   verify_pending = (verify.enabled(cfg.replay.verify, init_params is not None)

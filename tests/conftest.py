@@ -7,12 +7,6 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# Compile time dominates this suite (tiny models, many distinct jitted steps), not run time:
-# LLVM's optimisation level 0 compiles about a third faster here and changes no tolerance
-# (set XLA_FLAGS=--xla_backend_optimization_level=2 to test the default code generation).
-if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
-  os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
-
 import fnmatch  # noqa: E402
 
 import pytest  # noqa: E402

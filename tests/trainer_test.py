@@ -230,7 +230,7 @@ class _Counting:
 
   phase, progress_keys, nan_at, made = "rl", (), None, []
 
-  def __init__(self, cfg, task, tok):
+  def __init__(self, cfg, task, tok, workdir=None):
     self.cfg, self.steps = cfg, []
     _Counting.made.append(self)
 

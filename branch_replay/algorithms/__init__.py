@@ -3,7 +3,8 @@
 An algorithm is a class built once per run, `Algorithm(cfg, task, tokenizer, workdir=...)`,
 which compiles its jitted steps (cached across runs in one process) and then answers the loop:
 
-  total_steps: int                            steps of the run (warm-up included)
+  total_steps: int                            steps of the run, warm-up included (optional:
+                                              default train.sft_steps + train.rl_steps)
   phase: str                                  the name of its phase in metrics ("rl", "dpo")
   progress_keys: tuple                        metrics shown beside the progress bar
   warmup_batch(step) -> batch                 the supervised warm-up (train.sft_steps)
