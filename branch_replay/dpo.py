@@ -14,7 +14,6 @@ rewards/chosen, rewards/rejected (beta * log pi/ref summed over the completion).
 from __future__ import annotations
 
 import dataclasses
-import json
 import string
 from typing import Optional
 
@@ -38,21 +37,12 @@ class Pair:
 def load_pairs(path: str) -> list[Pair]:
   """Preference pairs from a JSON-lines file; a bad line is named."""
   pairs = []
-  with open(path) as f:
-    for i, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{i}: not JSON ({e.msg})") from None
-      if not isinstance(row, dict):
-        raise ValueError(f"{path}:{i}: expected an object with fields {FIELDS}")
-      for name in FIELDS:
-        if not isinstance(row.get(name), str):
-          raise ValueError(f"{path}:{i}: field {name!r} missing or not a string; expected "
-                           f"fields {FIELDS}")
-      pairs.append(Pair(row["prompt"], row["chosen"], row["rejected"]))
+  for where, row in tasks.jsonl_records(path, f"dpo.pairs_file={path!r}"):
+    for name in FIELDS:
+      if not isinstance(row.get(name), str):
+        raise ValueError(f"{where}: field {name!r} missing or not a string; expected "
+                         f"fields {FIELDS}")
+    pairs.append(Pair(row["prompt"], row["chosen"], row["rejected"]))
   if not pairs:
     raise ValueError(f"{path}: no preference pairs")
   return pairs

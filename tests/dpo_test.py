@@ -61,7 +61,8 @@ def test_dpo_run_from_jsonl(tmp_path):
     (['{"prompt": "a", "chosen": "b", "rejected": "c"}', '{"prompt": "a", "chosen": "b"}'],
      r"pairs.jsonl:2: field 'rejected' missing"),
     (['{"prompt": "a", "chosen": 3, "rejected": "c"}'], r":1: field 'chosen' missing or not a"),
-    (["not json"], r":1: not JSON"),
+    (["not json"], r":1: not valid JSON"),
+    (['["a", "b"]'], r":1: expected a JSON object, got list"),
     ([], r"no preference pairs"),
 ])
 def test_bad_pairs_file_names_the_line(tmp_path, lines, match):
