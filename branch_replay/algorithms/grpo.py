@@ -25,7 +25,6 @@ class GRPO:
 
   def __init__(self, cfg, task, tok, workdir=None):
     self.cfg, self.task, self.tok = cfg, task, tok
-    self.total_steps = cfg.train.total_steps
     self.fns = train.compiled(train.compile_key(cfg),
                               tuple(getattr(tok, "stop_ids", (tok.eos_id,))))
 
@@ -95,7 +94,6 @@ class TreeGRPO(GRPO):
 
   def __init__(self, cfg, task, tok, workdir=None):
     self.cfg, self.task, self.tok = cfg, task, tok
-    self.total_steps = cfg.train.total_steps
     self.fns = tree_train.compiled(tree_train.compile_key(cfg), task.turn_lengths,
                                    task.stop_tokens(tok))
 

@@ -94,10 +94,8 @@ class Rollouts:
     self.step_fn = jax.jit(make_step(cfg, cfg.loss), donate_argnums=0)
     self.score_fn = jax.jit(functools.partial(tree_replay.logps, model_cfg=cfg.model))
 
-  def warmup_batch(self, step):  # task.check refuses train.sft_steps > 0
+  def warmup_batch(self, step):  # unreachable: task.check refuses train.sft_steps > 0
     raise ValueError("task.name=rollouts: no supervised warm-up (train.sft_steps=0)")
-
-  warmup_update = warmup_batch
 
   def start(self, state):
     if state.ref_params is None and self.cfg.loss.needs_ref:
@@ -147,9 +145,6 @@ class Rollouts:
 
   def eval_examples(self):
     return []
-
-  def evaluate(self, state, examples):
-    raise ValueError("task.name=rollouts: no greedy evaluation (train.eval_size=0)")
 
   def restore_template(self, state, step):
     return train_state.state_dict(state)
