@@ -7,6 +7,20 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# One persistent compilation cache per test session, shared by the xdist workers and the
+# subprocesses the tests start (they inherit the environment): many tests compile the same
+# step (each run.py start-up, each trainer run, the grids' shared shapes), and a cache hit
+# loads the executable XLA compiled the first time, so results are bitwise the same. A fresh
+# directory per session: nothing carries over between runs.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  import atexit
+  import shutil
+  import tempfile
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="branch-replay-jax-cache-")
+  atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
 import fnmatch  # noqa: E402
 
 import pytest  # noqa: E402
