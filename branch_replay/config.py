@@ -195,17 +195,12 @@ class Config:
          "tree rollouts use tree-aware group advantages (tree.tree_advantages)"),
         ("train.n_branches", t.n_branches, (default.n_branches,),
          "a tree's branches are its fan-outs (tree.fanouts)"),
-        ("train.ppo_epochs", t.ppo_epochs, (1,), "the tree trainer takes one pass per batch"),
-        ("train.minibatches", t.minibatches, (1,), "the tree trainer takes one step per batch"),
         ("train.dynamic_sampling", t.dynamic_sampling, (False,),
          "DAPO's resampling is not implemented for trees"),
         ("train.overlong_buffer", t.overlong_buffer, (0,),
          "overlong shaping is not implemented for trees"),
         ("sampler.trunk_len", self.sampler.trunk_len, (0,),
          "a tree samples its own levels (a trunk is a fan-out-1 level)"),
-        ("loss.kl_coef", self.loss.kl_coef, (0.0,),
-         "the tree trainer has no reference policy yet"),
-        ("mesh", self.mesh, ("",), "the tree trainer runs on one device"),
     ]
     for field, value, expected, why in refused:
       if value not in expected:

@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from branch_replay import checkpoint, critic, sharding
+from branch_replay import checkpoint, critic, sharding, tree_sharding
 from branch_replay.batch import ReplayBatch
+from branch_replay.tree import TreeBatch
 from branch_replay.config import Config
 from models import transformer as tfm
 
@@ -59,6 +60,8 @@ def shardings(tree, kind: str, cfg: Config):
           ref_params=None if tree.ref_params is None else params)
     if isinstance(tree, ReplayBatch):
       return sharding.batch_shardings(mesh, tree)
+    if isinstance(tree, TreeBatch):
+      return tree_sharding.tree_batch_shardings(mesh, tree)
     return sharding.prompt_shardings(mesh, tree)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   return jax.tree.map(lambda _: device, tree)

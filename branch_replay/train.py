@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from branch_replay import advantages, critic, dapo, losses, policy, sampler, sharding, tasks
+from branch_replay import (advantages, critic, dapo, engine, losses, policy, sampler, sharding,
+                           tasks, tree, tree_sharding)
 from branch_replay.batch import ReplayBatch, validate
 from branch_replay.config import Config
 from branch_replay.state import (TrainState, make_critic_optimizer, make_optimizer, place,
@@ -41,19 +42,32 @@ def rl_loss_config(cfg: Config) -> losses.LossConfig:
   return dataclasses.replace(cfg.loss, temperature=cfg.sampler.temperature)
 
 
-def make_train_step(cfg: Config, phase: str = "rl"):
-  """Pure `train_step(state, batch) -> (state, metrics)`; phase 'sft' uses -log p."""
+def loss_and_grad(cfg: Config, params, batch, loss_cfg, branch_chunk=None):
+  """(loss, aux_BR, grads) of a flat ReplayBatch or a TreeBatch: replay or the naive twin
+  (`replay.mode`), on one device or, with `mesh`, sharded (the naive twin by the partitioner
+  alone, from the sharded inputs)."""
+  is_tree = isinstance(batch, tree.TreeBatch)
+  if cfg.mesh and cfg.replay.mode == "replay":
+    mesh = sharding.make_mesh(cfg.mesh)
+    if is_tree:
+      return tree_sharding.tree_loss_and_grad(mesh, params, batch, cfg.model, loss_cfg,
+                                              branch_chunk)
+    return sharding.sharded_loss_and_grad(mesh, params, batch, cfg.model, loss_cfg, branch_chunk)
+  engine_ = engine if is_tree else policy
+  return engine_.loss_and_grad(params, batch, cfg.model, loss_cfg, mode=cfg.replay.mode,
+                               branch_chunk=branch_chunk)
+
+
+def make_train_step(cfg: Config, phase: str = "rl", loss_cfg=None):
+  """Pure `train_step(state, batch) -> (state, metrics)` for flat and tree batches; phase
+  'sft' uses -log p; loss_cfg replaces the RL objective (default `rl_loss_config`)."""
   tx = make_optimizer(cfg)
-  loss_cfg = rl_loss_config(cfg) if phase == "rl" else SFT_LOSS
+  if loss_cfg is None:
+    loss_cfg = rl_loss_config(cfg) if phase == "rl" else SFT_LOSS
   branch_chunk = cfg.replay.branch_chunk if phase == "rl" else None
 
-  def train_step(state: TrainState, batch: ReplayBatch):
-    if cfg.mesh and cfg.replay.mode == "replay":
-      loss, aux_BR, grads = sharding.sharded_loss_and_grad(
-          sharding.make_mesh(cfg.mesh), state.params, batch, cfg.model, loss_cfg, branch_chunk)
-    else:
-      loss, aux_BR, grads = policy.loss_and_grad(state.params, batch, cfg.model, loss_cfg,
-                                                 mode=cfg.replay.mode, branch_chunk=branch_chunk)
+  def train_step(state: TrainState, batch):
+    loss, aux_BR, grads = loss_and_grad(cfg, state.params, batch, loss_cfg, branch_chunk)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     n = jnp.maximum(aux_BR["tokens"].sum(), 1)

@@ -2,7 +2,8 @@
 algorithms/grpo.py's TreeGRPO):
   RL    sample a tree per prompt (tree_sampler: prompt prefilled once, R_1 first turns, R_2
         second turns of each), reward the leaves, tree-aware advantages (tree.tree_advantages),
-        one jitted step through tree replay;
+        the flat GRPO/PPO step (train.make_train_step: the engine takes trees), epochs x
+        minibatches, the KL reference, one device or a mesh (tree_sharding);
   SFT   warm-up trees from the task's reference turns (objective -log p), same engine.
 """
 
@@ -14,35 +15,13 @@ import time
 import types
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 
-from branch_replay import tasks, tree, tree_replay, tree_sampler, train
+from branch_replay import engine, sharding, tasks, tree, tree_sampler, train
 from branch_replay.config import Config
 from branch_replay.sampler import SamplerConfig
 from branch_replay.tokenizer import TOKENIZER
 from branch_replay import state as train_state
-
-
-def make_tree_train_step(cfg: Config, phase: str = "rl"):
-  """Pure `train_step(state, batch: TreeBatch) -> (state, metrics)`."""
-  tx = train_state.make_optimizer(cfg)
-  loss_cfg = train.rl_loss_config(cfg) if phase == "rl" else train.SFT_LOSS
-  branch_chunk = cfg.replay.branch_chunk if phase == "rl" else None
-
-  def train_step(state: train_state.TrainState, batch: tree.TreeBatch):
-    loss, aux_BR, grads = tree_replay.loss_and_grad(state.params, batch, cfg.model, loss_cfg,
-                                                    cfg.replay.mode, branch_chunk)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    n = jnp.maximum(aux_BR["tokens"].sum(), 1)
-    out = {"loss/policy": loss, "kl": aux_BR["kl_sum"].sum() / n,
-           "entropy": aux_BR["entropy_sum"].sum() / n, "grad/norm": optax.tree.norm(grads),
-           "logp/mean": aux_BR["logp_sum"].sum() / n}
-    return state.replace(params=params, opt_state=opt_state, step=state.step + 1), out
-
-  return train_step
 
 
 def _encode_nodes(texts, length, tok, eos):
@@ -79,22 +58,36 @@ def rl_batch(fns, state: train_state.TrainState, task, cfg: Config, step: int, t
   fanouts = cfg.tree.fanout_tuple
   examples = train_state.sample_examples(task, cfg.train.seed, step, cfg.train.batch_size)
   prompt_BP, valid_BP = tasks.encode_prompts(examples, task.max_prompt_len, tok)
+  placed_BP, placed_valid_BP = train_state.place((prompt_BP, valid_BP), "batch", cfg)
   key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), step)
-  samples = jax.block_until_ready(fns.sample(state.params, prompt_BP=prompt_BP,
-                                             prompt_valid_BP=valid_BP, key=key))
+  samples = jax.block_until_ready(fns.sample(state.params, prompt_BP=placed_BP,
+                                             prompt_valid_BP=placed_valid_BP, key=key))
+  samples = _host(samples, cfg)  # every process decodes and rewards all samples
   sample_s = time.time() - t0
   rewards_BR = rewards_of(task, examples, samples, fanouts, tok)
   use_std = cfg.train.advantage_std and cfg.train.advantage != "dr_grpo"  # config-checked
   advantages = tree.tree_advantages(rewards_BR, fanouts, use_std=use_std)
   if not cfg.tree.node_advantages:
     advantages = [None] * (len(fanouts) - 1) + advantages[-1:]
-  batch = tree_sampler.to_tree_batch(prompt_BP, valid_BP, jax.device_get(samples), fanouts,
-                                     advantages)
+  batch = tree_sampler.to_tree_batch(prompt_BP, valid_BP, samples, fanouts, advantages)
+  stats = {}
+  if state.ref_params is not None:  # k3 KL: reference log-probs of every node, one forward
+    r0 = time.time()
+    ref_levels, _ = _host(jax.block_until_ready(
+        fns.score(state.ref_params, train_state.place(batch, "batch", cfg))), cfg)
+    batch = batch.replace(levels=tuple(level.replace(ref_logp_BRT=ref)
+                                       for level, ref in zip(batch.levels, ref_levels)))
+    stats["time/ref_logp_s"] = time.time() - r0
   tree.validate(batch, cfg.model.vocab_size, cfg.replay.branch_chunk)
   turn1_ok = np.mean([[task.first_turn_right(e, t) for t in row]
                       for e, row in zip(examples, _texts(samples.tokens[0], tok))])
   return batch, {"reward/mean": float(rewards_BR.mean()), "reward/std": float(rewards_BR.std()),
-                 "reward/turn1": float(turn1_ok), "time/sample_s": sample_s}
+                 "reward/turn1": float(turn1_ok), "time/sample_s": sample_s, **stats}
+
+
+def _host(tree_, cfg: Config):
+  """Device arrays -> numpy (gathered across processes on a mesh that spans several)."""
+  return sharding.to_host(tree_) if cfg.mesh else jax.tree.map(np.asarray, tree_)
 
 
 def _texts(tokens_BRT, tok):
@@ -121,8 +114,10 @@ def compiled(cfg: Config, turn_lengths: tuple, stop_tokens: tuple) -> types.Simp
                              fanouts=cfg.tree.fanout_tuple, lengths=turn_lengths,
                              stop_tokens=stop_tokens)
   greedy_cfg = SamplerConfig(temperature=0.0)
-  return types.SimpleNamespace(
-      rl_step=jax.jit(make_tree_train_step(cfg, "rl"), donate_argnums=0),
-      sft_step=jax.jit(make_tree_train_step(cfg, "sft"), donate_argnums=0),
+  return types.SimpleNamespace(  # the flat steps serve trees (train.loss_and_grad)
+      rl_step=jax.jit(train.make_train_step(cfg, "rl"), donate_argnums=0),
+      sft_step=jax.jit(train.make_train_step(cfg, "sft"), donate_argnums=0),
+      score=jax.jit(functools.partial(engine.forward, model_cfg=cfg.model,
+                                      temperature=cfg.sampler.temperature)),
       sample=jax.jit(functools.partial(sample, cfg=cfg.sampler)),
       greedy=jax.jit(functools.partial(sample, cfg=greedy_cfg, fanouts=(1, 1))))

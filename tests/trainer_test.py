@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from branch_replay import dpo, metrics, tasks, train, tree_replay, tree_task, tree_train
+from branch_replay import dpo, engine, metrics, tasks, train, tree_task, tree_train
 from branch_replay import trainer
 from branch_replay import state as train_state
 from branch_replay.config import Config, apply_overrides
@@ -42,12 +42,12 @@ def test_tree_step_scores_at_the_sampler_temperature(monkeypatch):
     seen.append(loss_cfg)
     raise _Stop
 
-  monkeypatch.setattr(tree_replay, "loss_and_grad", spy)
+  monkeypatch.setattr(engine, "loss_and_grad", spy)
   task = tasks.make(cfg.task)
   batch = tree_train.sft_batch(task, np.random.default_rng(0), cfg)
   state = jax.eval_shape(lambda: train_state.init_state(cfg))
   with pytest.raises(_Stop):
-    jax.eval_shape(tree_train.make_tree_train_step(cfg, "rl"), state, batch)
+    jax.eval_shape(train.make_train_step(cfg, "rl"), state, batch)
   assert seen[0] == train.rl_loss_config(cfg) and seen[0].temperature == 0.7
 
 
@@ -57,18 +57,46 @@ def test_tree_step_scores_at_the_sampler_temperature(monkeypatch):
 @pytest.mark.parametrize("override, field", [
     ("train.advantage=rloo", "train.advantage='rloo'"),
     ("train.advantage=gae", "train.advantage='gae'"),  # no critic built that nothing trains
-    ("train.ppo_epochs=2", "train.ppo_epochs=2"),
-    ("train.minibatches=2", "train.minibatches=2"),
     ("train.dynamic_sampling=true", "train.dynamic_sampling=True"),
     ("train.overlong_buffer=1", "train.overlong_buffer=1"),
     ("sampler.trunk_len=2", "sampler.trunk_len=2"),
     ("train.n_branches=4", "train.n_branches=4"),
-    ("loss.kl_coef=0.1", "loss.kl_coef=0.1"),
-    ("mesh=data:2", "mesh='data:2'"),
 ])
 def test_tree_refuses_options_it_cannot_serve(override, field):
   with pytest.raises(ValueError, match=r"^" + field.replace("(", r"\(") + " with tree.fanouts"):
     tiny_tree(override)
+
+
+def test_tree_trains_epochs_minibatches_and_kl_on_a_mesh(tmp_path, monkeypatch):
+  """Trees take GRPO's update: epochs x minibatches, the KL reference scored per node, a
+  mesh (prompts over data, leaves over context), with the PPO diagnostics."""
+  cfg = tiny_tree("train.sft_steps=0", "train.rl_steps=1", "train.batch_size=4",
+                  "train.ppo_epochs=2", "train.minibatches=2", "loss.kl_coef=0.05",
+                  "sampler.temperature=0.7", "mesh=data:2,context:4", "train.eval_size=0")
+  batches = []
+  rl_batch = tree_train.rl_batch
+
+  def keep(*args, **kwargs):
+    batch, stats = rl_batch(*args, **kwargs)
+    batches.append(batch)
+    return batch, stats
+
+  monkeypatch.setattr(tree_train, "rl_batch", keep)
+  summary = trainer.run(cfg, str(tmp_path / "run"))
+  records = metrics.read(summary["metrics"])
+  train_recs = [r for r in records if r["kind"] == "train"]
+  assert len(train_recs) == 1 and len(batches) == 1
+  for r in train_recs:
+    for key in ("loss/policy", "kl", "clip_frac", "approx_kl", "ratio/max", "grad/norm"):
+      assert np.isfinite(r[key]), (key, r)
+  # The reference is the policy as RL begins, scored at the sampling temperature: on the
+  # first batch it equals the sampler's own log-probs, node by node.
+  for level in batches[0].levels:
+    assert level.ref_logp_BRT is not None
+    np.testing.assert_allclose(level.ref_logp_BRT, level.old_logp_BRT, atol=2e-5)
+  # Four updates of the batch: after the first, the ratios move off 1 (the old log-probs
+  # are the sampler's) and the policy drifts from the reference.
+  assert train_recs[0]["ratio/max"] > 1.0 and train_recs[0]["kl"] > 0.0
 
 
 def test_tree_branch_chunk_divides_the_last_fanout():

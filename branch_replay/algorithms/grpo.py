@@ -88,7 +88,8 @@ class GRPO:
 
 class TreeGRPO(GRPO):
   """Tree rollouts (tree_train.rl_batch): the prompt prefilled once, R_1 first turns, R_2
-  second turns of each; tree-aware advantages; warm-up trees from the task's turns."""
+  second turns of each; tree-aware advantages; warm-up trees from the task's turns. The
+  update, epochs x minibatches, KL reference and mesh are GRPO's (the step takes trees)."""
 
   progress_keys = ("reward/mean", "reward/turn1", "loss/policy")
 
@@ -104,19 +105,9 @@ class TreeGRPO(GRPO):
     tree.validate(batch, cfg.model.vocab_size)
     return batch
 
-  def warmup_update(self, state, batch):
-    state, out = self.fns.sft_step(state, batch)
-    return state, _floats(out)
-
-  def batch(self, state, step):
-    return tree_train.rl_batch(self.fns, state, self.task, self.cfg, step, self.tok)
-
-  def update(self, state, batch, step):
-    state, out = self.fns.rl_step(state, batch)
-    return state, _floats(out)
-
-  def token_counts(self, batch, phase):
-    return batch.token_counts()
+  def batch(self, state, step):  # (tree batch, no critic batch): GRPO's update and verify
+    batch, stats = tree_train.rl_batch(self.fns, state, self.task, self.cfg, step, self.tok)
+    return (batch, None), stats
 
   def eval_examples(self):
     t = self.cfg.train
@@ -126,4 +117,5 @@ class TreeGRPO(GRPO):
     prompt_BP, valid_BP = tasks.encode_prompts(examples, self.task.max_prompt_len, self.tok)
     s = self.fns.greedy(state.params, prompt_BP=prompt_BP, prompt_valid_BP=valid_BP,
                         key=jax.random.key(0))
+    s = sharding.to_host(s) if self.cfg.mesh else s
     return float(tree_train.rewards_of(self.task, examples, s, (1, 1), self.tok).mean())

@@ -16,30 +16,10 @@ import json
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 
-from branch_replay import advantages, phases, rollouts, tree, tree_replay, trie, verify
+from branch_replay import advantages, phases, rollouts, train, tree, tree_replay, trie, verify
 from branch_replay import state as train_state
-
-
-def make_step(cfg, loss_cfg):
-  """Pure `step(state, batch: TreeBatch) -> (state, metrics)`."""
-  tx = train_state.make_optimizer(cfg)
-
-  def step(state, batch):
-    loss, aux_BR, grads = tree_replay.loss_and_grad(state.params, batch, cfg.model, loss_cfg,
-                                                    cfg.replay.mode, cfg.replay.branch_chunk)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    n = jnp.maximum(aux_BR["tokens"].sum(), 1)
-    out = {"loss/policy": loss, "kl": aux_BR["kl_sum"].sum() / n,
-           "entropy": aux_BR["entropy_sum"].sum() / n, "grad/norm": optax.tree.norm(grads),
-           "logp/mean": aux_BR["logp_sum"].sum() / n}
-    return state.replace(params=optax.apply_updates(state.params, updates),
-                         opt_state=opt_state, step=state.step + 1), out
-
-  return step
 
 
 class Recorded:
@@ -91,7 +71,7 @@ class Rollouts:
     chief = jax.process_index() == 0
     self.recorded = Recorded(os.path.join(workdir, "recorded_logprobs.jsonl")
                              if workdir and chief else None)
-    self.step_fn = jax.jit(make_step(cfg, cfg.loss), donate_argnums=0)
+    self.step_fn = jax.jit(train.make_train_step(cfg, "rl", cfg.loss), donate_argnums=0)
     self.score_fn = jax.jit(functools.partial(tree_replay.logps, model_cfg=cfg.model))
 
   def warmup_batch(self, step):  # unreachable: task.check refuses train.sft_steps > 0
