@@ -13,7 +13,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from branch_replay import engine, losses, replay, tree
+from branch_replay import engine, losses, tree
 from branch_replay.batch import ReplayBatch
 from models import transformer as tfm
 
