@@ -27,12 +27,11 @@ from typing import Any, Optional, Sequence
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from branch_replay import losses, policy, replay
+from branch_replay import engine, losses, policy, replay, tree
 from branch_replay.batch import ReplayBatch
 from models import transformer as tfm
 
@@ -256,15 +255,31 @@ def sharded_loss_and_grad(mesh: Mesh, params, batch: ReplayBatch, model_cfg: tfm
   over R, so each chunk's branches stay split over `context` (branch_chunk must be a
   multiple of the `context` size for that).
   """
+  policy.check_ref(batch, loss_cfg)
+  batch = constrain(batch, batch_shardings(mesh, batch))
+  return engine_loss_and_grad(mesh, params, tree.from_replay_batch(batch), model_cfg, loss_cfg,
+                              branch_chunk)
+
+
+def engine_loss_and_grad(mesh: Mesh, params, batch, model_cfg: tfm.ModelConfig,
+                         loss_cfg: losses.LossConfig, branch_chunk: Optional[int] = None):
+  """The one engine's replay (engine.replay_loss_and_grad) of a tree batch already placed on
+  `mesh` (flat: the depth-1 tree): the root prefill context-parallel under the model's
+  logical rules, its cache gathered over the sequence where it crosses to the levels below,
+  params and grads sharded like the parameters."""
   p_shardings = param_shardings(mesh, model_cfg)
   params = constrain(params, p_shardings)
-  batch = constrain(batch, batch_shardings(mesh, batch))
-  prefill_fn, branch_loss_fn, prefix, branches_R = policy.replay_fns(model_cfg, loss_cfg, batch)
-  loss, aux_R, grads = replay.value_and_grad(
-      sharded_prefill(mesh, prefill_fn), branch_loss_fn, params, prefix, branches_R,
-      branch_chunk=branch_chunk, combine=policy.combine_fn(loss_cfg),
-      cache_constraint=cache_constraint(mesh), batched=True)
-  aux_BR = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), aux_R)
+  root_constraint = cache_constraint(mesh)
+
+  def root_wrap(root_fn):
+    prefill = sharded_prefill(mesh, lambda p, _: root_fn(p))
+    return lambda p: prefill(p, None)
+
+  loss, aux_BR, grads = engine.replay_loss_and_grad(
+      params, batch, model_cfg, loss_cfg, branch_chunk, root_wrap=root_wrap,
+      cache_constraint=lambda level, cache: root_constraint(cache) if level == 0 else cache)
+  aux_BR = constrain(aux_BR, jax.tree.map(  # per leaf, split like the leaves
+      lambda x: named_sharding(mesh, "aux", x.shape, ("batch", "branch")), aux_BR))
   return loss, aux_BR, constrain(grads, p_shardings)
 
 

@@ -18,7 +18,7 @@ from typing import Optional
 import numpy as np
 from jax.sharding import Mesh
 
-from branch_replay import losses, sharding, tree_replay
+from branch_replay import losses, sharding
 from branch_replay.tree import TreeBatch
 from models import transformer as tfm
 
@@ -51,16 +51,6 @@ def tree_loss_and_grad(mesh: Mesh, params, batch: TreeBatch, model_cfg: tfm.Mode
                        loss_cfg: losses.LossConfig, branch_chunk: Optional[int] = None):
   """Tree replay on `mesh` (call it inside one jit): (loss, aux_BR, grads), equal to
   `tree_replay.loss_and_grad(..., mode='replay')` on one device."""
-  p_shardings = sharding.param_shardings(mesh, model_cfg)
-  params = sharding.constrain(params, p_shardings)
-  batch = sharding.constrain(batch, tree_batch_shardings(mesh, batch))
-  root_constraint = sharding.cache_constraint(mesh)
-
-  def root_wrap(root_fn):  # the context-parallel prefill (the model's logical constraints on)
-    prefill = sharding.sharded_prefill(mesh, lambda p, _: root_fn(p))
-    return lambda p: prefill(p, None)
-
-  loss, aux_BR, grads = tree_replay.replay_loss_and_grad(
-      params, batch, model_cfg, loss_cfg, branch_chunk, root_wrap=root_wrap,
-      cache_constraint=lambda level, cache: root_constraint(cache) if level == 0 else cache)
-  return loss, aux_BR, sharding.constrain(grads, p_shardings)
+  return sharding.engine_loss_and_grad(
+      mesh, params, sharding.constrain(batch, tree_batch_shardings(mesh, batch)), model_cfg,
+      loss_cfg, branch_chunk)
