@@ -110,7 +110,8 @@ def check(batch: TreeBatch, loss_cfg: losses.LossConfig, branch_chunk=None) -> N
                      f"fan-out R_{batch.depth}={batch.fanouts[-1]} (fanouts {batch.fanouts})")
 
 
-def _combine(loss_cfg):
+def combine_fn(loss_cfg):
+  """The objective's combining of the last fan-out's values ([R, M] -> loss; None = sum)."""
   fn = loss_cfg.objective.combine
   return None if fn is None else (lambda values_RM: fn(values_RM, loss_cfg))
 
@@ -193,17 +194,25 @@ def _per_leaf(x_RM, B):
 def replay_loss_and_grad(params, batch: TreeBatch, model_cfg: tfm.ModelConfig,
                          loss_cfg: losses.LossConfig, branch_chunk: Optional[int] = None, *,
                          root_wrap: Optional[Callable] = None,
-                         cache_constraint: Optional[Callable] = None):
+                         cache_constraint: Optional[Callable] = None,
+                         params_fn: Optional[Callable] = None):
   """Tree replay: (loss, aux_BR per leaf, grads), grads equal to the naive gradient.
   root_wrap(root_fn) -> root_fn (the context-parallel prefill); cache_constraint(level, cache)
-  -> cache where each level's cache crosses to the levels below."""
+  -> cache where each level's cache crosses to the levels below; params_fn(params) -> the
+  model's params, inside every differentiated function (LoRA: `params` are the adapters,
+  merged into the frozen base; grads are the adapters')."""
   check(batch, loss_cfg, branch_chunk)
   root_fn, level_fns, leaf_loss_fn, leaves_R = replay_fns(batch, model_cfg, loss_cfg)
+  if params_fn is not None:
+    root_fn = (lambda fn: lambda p: fn(params_fn(p)))(root_fn)
+    level_fns = [(lambda fn: lambda p, caches: fn(params_fn(p), caches))(fn) for fn in level_fns]
+    leaf_loss_fn = (lambda fn: lambda p, caches, leaves: fn(params_fn(p), caches, leaves))(
+        leaf_loss_fn)
   if root_wrap is not None:
     root_fn = root_wrap(root_fn)
   loss, aux_R, grads = replay.tree_value_and_grad(
       root_fn, level_fns, leaf_loss_fn, params, leaves_R, branch_chunk=branch_chunk,
-      combine=_combine(loss_cfg), cache_constraint=cache_constraint)
+      combine=combine_fn(loss_cfg), cache_constraint=cache_constraint)
   B = batch.root_BP.shape[0]
   return loss, jax.tree.map(lambda x: _per_leaf(x, B), aux_R), grads
 
@@ -256,7 +265,7 @@ def naive_loss(params, batch: TreeBatch, model_cfg: tfm.ModelConfig,
   T_D = batch.leaves.tokens_BRT.shape[2]
   value_M, aux = path_value(logp_MX, entropy_MX[:, -T_D:], path_inputs(batch, loss_cfg),
                             loss_cfg)
-  combine = _combine(loss_cfg)
+  combine = combine_fn(loss_cfg)
   R = batch.fanouts[-1]
   loss = value_M.sum() if combine is None else combine(value_M.reshape(-1, R).T)
   return loss, jax.tree.map(lambda x: x.reshape(B, n), aux)

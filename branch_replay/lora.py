@@ -16,24 +16,23 @@ from __future__ import annotations
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
 import optax
 
-from branch_replay import policy, replay
+from branch_replay import engine, policy, tree
 from models import lora as lora_lib
 
 
 def replay_loss_and_grad(base, adapters, batch, model_cfg, loss_cfg,
                          lora: lora_lib.LoraConfig, branch_chunk: Optional[int] = None,
                          cache_constraint=None):
-  """Branch replay over the adapters: (loss, aux_BR, adapter grads)."""
-  prefill_fn, branch_loss_fn, prefix, branches_R = policy.replay_fns(model_cfg, loss_cfg, batch)
-  merged = lambda a: lora_lib.merge(base, a, lora)
-  loss, aux_R, grads = replay.value_and_grad(
-      lambda a, p: prefill_fn(merged(a), p), lambda a, c, b: branch_loss_fn(merged(a), c, b),
-      adapters, prefix, branches_R, branch_chunk=branch_chunk,
-      combine=policy.combine_fn(loss_cfg), cache_constraint=cache_constraint, batched=True)
-  return loss, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), aux_R), grads
+  """Branch replay over the adapters (the one engine, params = merge(base, adapters) inside
+  each differentiated function): (loss, aux_BR, adapter grads)."""
+  policy.check_ref(batch, loss_cfg)
+  constrain = None if cache_constraint is None else (
+      lambda level, cache: cache_constraint(cache) if level == 0 else cache)
+  return engine.replay_loss_and_grad(adapters, tree.from_replay_batch(batch), model_cfg, loss_cfg,
+                                     branch_chunk, cache_constraint=constrain,
+                                     params_fn=lambda a: lora_lib.merge(base, a, lora))
 
 
 def naive_loss_and_grad(base, adapters, batch, model_cfg, loss_cfg, lora: lora_lib.LoraConfig):

@@ -1,9 +1,8 @@
-"""The transformer as a policy: replay's prefill/branch-loss pair and its naive twin.
-
-Both paths score tokens with the same `branch_value` (objective x aggregation weights) and
-differ only in how log-probs are computed: replay runs the prefix once and the tails
-against its cache; the naive twin runs every branch as its own [P+T] sequence through the
-same model, attention and remat setting. A speedup therefore measures replay alone.
+"""Flat batches (batch.ReplayBatch) as a policy: replay through the one engine (the depth-1
+tree, engine.py) and a flat naive twin that shares no tree code: every branch as its own
+[P+T] sequence through the same model, attention and remat setting, scored by its own
+`branch_value`. A speedup therefore measures replay alone, and the two agreeing checks the
+engine's path scoring against an independent statement of the objective.
 """
 
 from __future__ import annotations
@@ -94,50 +93,6 @@ def branch_value(tail_logp_BT, tail_entropy_BT, trunk_logp_BW, branch, trunk, lo
   return value_B, aux
 
 
-def combine_fn(loss_cfg):
-  """The objective's branch-combining function for `replay.value_and_grad` (None = sum)."""
-  fn = loss_cfg.objective.combine
-  return None if fn is None else (lambda values_RB: fn(values_RB, loss_cfg))
-
-
-def replay_fns(model_cfg: tfm.ModelConfig, loss_cfg: losses.LossConfig, batch: ReplayBatch):
-  """(prefill_fn, branch_loss_fn, prefix, branches_R) for `replay.value_and_grad(...,
-  batched=True)`: branch_loss_fn takes all branches (leaves [R, B, ...]) at once."""
-  branches_R, trunk = _branches(batch, loss_cfg)
-  prefix_valid_BP = batch.prefix_valid_BP
-
-  def prefill_fn(params, prefix):
-    cache = tfm.prefill(params, model_cfg, prefix["tokens_BP"], prefix["valid_BP"],
-                        batch.trunk_len)
-    trunk_logp_BW, _ = tfm.token_logps(params, model_cfg, cache.trunk_h_BWD, trunk["tokens_BW"],
-                                       temperature=loss_cfg.temperature)
-    # Everything the tails read from the prefix; its cotangent is summed over branches.
-    return dict(kv=cache.kv, h_last_BD=cache.h_last_BD, trunk_logp_BW=trunk_logp_BW)
-
-  def branch_loss_fn(params, cache, branches_R):
-    """Every branch at once (replay's `batched=True`): the tails run as B*R rows (b, r),
-    their attention folding a prompt's R*T queries against its one prefix K/V."""
-    tokens_RBT = branches_R["tokens_BT"]
-    R, B = tokens_RBT.shape[:2]
-    rows = lambda x_RB: jnp.swapaxes(x_RB, 0, 1).reshape(B * R, *x_RB.shape[2:])
-    unrows = lambda x_N: jnp.swapaxes(x_N.reshape(B, R, *x_N.shape[1:]), 0, 1)
-    kv_cache = tfm.PrefixCache(cache["kv"], cache["h_last_BD"], None)
-    tokens_NT = rows(tokens_RBT)
-    h_NTD = tfm.tail(params, model_cfg, kv_cache, prefix_valid_BP, tokens_NT,
-                     rows(branches_R["valid_BT"]))
-    # Tail token t is predicted by the hidden state before it: the prefix's last for t=0.
-    h_last_ND = jnp.repeat(cache["h_last_BD"], R, axis=0)
-    h_pred_NTD = jnp.concatenate([h_last_ND[:, None], h_NTD[:, :-1]], axis=1)
-    logp_NT, entropy_NT = tfm.token_logps(params, model_cfg, h_pred_NTD, tokens_NT,
-                                          temperature=loss_cfg.temperature)
-    value = lambda logp_BT, entropy_BT, branch: branch_value(
-        logp_BT, entropy_BT, cache["trunk_logp_BW"], branch, trunk, loss_cfg)
-    return jax.vmap(value)(unrows(logp_NT), unrows(entropy_NT), branches_R)
-
-  prefix = dict(tokens_BP=batch.prefix_BP, valid_BP=batch.prefix_valid_BP)
-  return prefill_fn, branch_loss_fn, prefix, branches_R
-
-
 def replay_loss_and_grad(params, batch: ReplayBatch, model_cfg: tfm.ModelConfig,
                          loss_cfg: losses.LossConfig, branch_chunk: Optional[int] = None,
                          cache_constraint=None):
@@ -170,7 +125,7 @@ def naive_loss(params, batch: ReplayBatch, model_cfg: tfm.ModelConfig,
 
   values_RB, aux_R = jax.vmap(one_branch)(r_first(logp_NT), r_first(entropy_NT),
                                           r_first(trunk_logp_NW), branches_R)
-  combine = combine_fn(loss_cfg)
+  combine = engine.combine_fn(loss_cfg)
   loss = values_RB.sum() if combine is None else combine(values_RB)
   return loss, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), aux_R)
 

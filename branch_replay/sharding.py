@@ -289,8 +289,8 @@ def prefix_residuals(mesh: Mesh, params, batch: ReplayBatch, model_cfg: tfm.Mode
   the prefix backward keeps alive; jit this to inspect their shardings."""
   params = constrain(params, param_shardings(mesh, model_cfg))
   batch = constrain(batch, batch_shardings(mesh, batch))
-  prefill_fn, _, prefix, _ = policy.replay_fns(model_cfg, loss_cfg, batch)
-  return replay.prefix_forward(sharded_prefill(mesh, prefill_fn), params, prefix)
+  root_fn, _, _, _ = engine.replay_fns(tree.from_replay_batch(batch), model_cfg, loss_cfg)
+  return replay.prefix_forward(sharded_prefill(mesh, lambda p, _: root_fn(p)), params, None)
 
 
 # ----------------------------------------------------------------------------- memory

@@ -79,19 +79,21 @@ def stage_times(cfg, params, batch):
   import jax
   import jax.numpy as jnp
   import optax
-  from branch_replay import losses, policy, replay
+  from branch_replay import engine, losses, policy, replay, tree
   from models import transformer as tfm
   loss_cfg = losses.LossConfig("grpo")
-  prefill_fn, branch_loss_fn, prefix, branches_R = policy.replay_fns(cfg, loss_cfg, batch)
+  # The one engine's depth-1 functions: the root (prefix) and every leaf (tail) at once.
+  root_fn, _, leaf_loss_fn, branches_R = engine.replay_fns(tree.from_replay_batch(batch), cfg,
+                                                           loss_cfg)
   reps = FLAGS.reps
   rows = {}
-  # Stages take their inputs as arguments (nothing is a compile-time constant).
+  # The tails' inputs are arguments; the prefix tokens are constants of root_fn.
   (cache, prefix_vjp), *t = timed(jax.jit(
-      lambda p, pre: replay.prefix_forward(prefill_fn, p, pre)), params, prefix, reps=reps)
+      lambda p: replay.prefix_forward(lambda q, _: root_fn(q), p, None)), params, reps=reps)
   rows["prefix_fwd"] = t
   tails = jax.jit(lambda p, c, b: replay.tails_value_and_grad(
-      branch_loss_fn, p, c, b, combine=policy.combine_fn(loss_cfg), batched=True))
-  (_, _, dparams_tail, dcache), *t = timed(tails, params, cache, branches_R, reps=reps)
+      leaf_loss_fn, p, (c,), b, combine=engine.combine_fn(loss_cfg), batched=True))
+  (_, _, dparams_tail, (dcache,)), *t = timed(tails, params, cache, branches_R, reps=reps)
   rows["tails"] = t
   N, T = batch.tails_BRT.shape[0] * batch.tails_BRT.shape[1], batch.tails_BRT.shape[2]
   h_NTD = jax.random.normal(jax.random.key(1), (N, T, cfg.d_model), cfg.compute_dtype)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from branch_replay import losses, policy, replay
+from branch_replay import engine, losses, policy, replay, tree
 from branch_replay.batch import ReplayBatch, validate
 from models import transformer as tfm
 
@@ -153,20 +153,21 @@ def test_staged_jits_equal_fused_and_prefix_compiles_once():
     lc = losses.LossConfig()
     traces = []
 
-    def stages(batch):
-      prefill_fn, branch_loss_fn, prefix, branches_R = policy.replay_fns(cfg, lc, batch)
-      return prefill_fn, branch_loss_fn, prefix, branches_R
+    def stages(batch):  # the engine's depth-1 functions: root, (no inner levels), leaves
+      root_fn, _, leaf_loss_fn, leaves_R = engine.replay_fns(tree.from_replay_batch(batch), cfg,
+                                                             lc)
+      return root_fn, leaf_loss_fn, leaves_R
 
     @jax.jit
     def prefix_stage(params, batch):
       traces.append(1)
-      prefill_fn, _, prefix, _ = stages(batch)
-      return replay.prefix_forward(prefill_fn, params, prefix)
+      root_fn, _, _ = stages(batch)
+      return replay.prefix_forward(lambda p, _: root_fn(p), params, None)
 
     @jax.jit
     def tail_stage(params, cache, batch):
-      _, branch_loss_fn, _, branches_R = stages(batch)
-      return replay.tails_value_and_grad(branch_loss_fn, params, cache, branches_R, batched=True)
+      _, leaf_loss_fn, leaves_R = stages(batch)
+      return replay.tails_value_and_grad(leaf_loss_fn, params, (cache,), leaves_R, batched=True)
 
     @jax.jit
     def prefix_backward(prefix_vjp, dcache):
@@ -176,7 +177,7 @@ def test_staged_jits_equal_fused_and_prefix_compiles_once():
       batch = make_batch(seed, B=2, R=3, P=8, T=4, W=1, dtype=jnp.float64)
       cache, prefix_vjp = prefix_stage(params, batch)
       loss, _, dparams_tail, dcache = tail_stage(params, cache, batch)
-      grads = jax.tree.map(jnp.add, dparams_tail, prefix_backward(prefix_vjp, dcache))
+      grads = jax.tree.map(jnp.add, dparams_tail, prefix_backward(prefix_vjp, dcache[0]))
       fused_loss, _, fused = jax.jit(lambda p, b: policy.loss_and_grad(p, b, cfg, lc))(params,
                                                                                      batch)
       assert abs(float(loss - fused_loss)) < 1e-12
