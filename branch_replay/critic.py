@@ -25,13 +25,14 @@ Every function below takes `body_params=None` (separate model) or the policy's p
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from branch_replay import losses, replay
+from branch_replay import engine, losses, tree
 from branch_replay.batch import ReplayBatch
 from models import transformer as tfm
 
@@ -141,53 +142,29 @@ def _branches(cb: CriticBatch):
               old_values_BX=r_first(cb.old_values_BRX))
 
 
-def replay_fns(model_cfg: tfm.ModelConfig, cfg: CriticConfig, cb: CriticBatch,
-               body_params=None):
-  """(prefill_fn, branch_loss_fn, prefix, branches_R) of the critic for replay.value_and_grad.
-  With body_params (shared critic) the K/V and hidden states are constants: the tails'
-  backward stops at the head and the prefix backward only carries the trunk values'."""
-  batch = cb.batch
-  shared = body_params is not None
-  detach = jax.lax.stop_gradient if shared else (lambda x: x)
-  W = batch.trunk_len
-  prefix_valid_BP = batch.prefix_valid_BP
-
-  def prefill_fn(params, prefix):
-    cache = tfm.prefill(_body(params, body_params), model_cfg, prefix["tokens_BP"],
-                        prefix["valid_BP"], W)
-    # Everything the tails read: K/V, the last hidden state, and the trunk tokens' values.
-    return dict(kv=cache.kv, h_last_BD=cache.h_last_BD,
-                trunk_v_BW=value_head(params["head"], cache.trunk_h_BWD))
-
-  def branch_loss_fn(params, cache, branches_R):
-    """Every branch at once (replay's `batched=True`), as the policy's: B*R tail rows whose
-    attention folds a prompt's R*T queries against its one prefix K/V."""
-    tokens_RBT = branches_R["tokens_BT"]
-    R, B, T = tokens_RBT.shape
-    rows = lambda x_RB: jnp.swapaxes(x_RB, 0, 1).reshape(B * R, *x_RB.shape[2:])
-    h_last_BD = detach(cache["h_last_BD"])
-    kv_cache = tfm.PrefixCache(detach(cache["kv"]), h_last_BD, None)
-    h_NTD = tfm.tail(_body(params, body_params), model_cfg, kv_cache, prefix_valid_BP,
-                     rows(tokens_RBT), rows(branches_R["valid_BT"]))
-    h_last_ND = jnp.repeat(h_last_BD, R, axis=0)
-    h_pred_NTD = jnp.concatenate([h_last_ND[:, None], h_NTD[:, :-1]], axis=1)
-    v_RBT = jnp.swapaxes(value_head(params["head"], h_pred_NTD).reshape(B, R, T), 0, 1)
-    values_RBX = jnp.concatenate(
-        [jnp.broadcast_to(cache["trunk_v_BW"], (R, *cache["trunk_v_BW"].shape)), v_RBT], -1)
-    return jax.vmap(lambda v, br: _branch_loss(v, br, cfg))(values_RBX, branches_R)
-
-  prefix = dict(tokens_BP=batch.prefix_BP, valid_BP=batch.prefix_valid_BP)
-  return prefill_fn, branch_loss_fn, prefix, _branches(cb)
+def head(model_cfg: tfm.ModelConfig, cfg: Optional[CriticConfig] = None,
+         cb: Optional[CriticBatch] = None, body_params=None) -> engine.Head:
+  """The value head on the one engine: a value for every scored position (the trunk's, then
+  each tail token's, predicted by the hidden state before it) and PPO's clipped value loss
+  per branch. With body_params (shared critic) the transformer is a constant: the backward
+  stops at the head, except through the trunk values."""
+  fold = lambda x_BRX: x_BRX.reshape(-1, x_BRX.shape[-1])
+  path = None if cb is None else dict(returns_BX=fold(cb.returns_BRX),
+                                      old_values_BX=fold(cb.old_values_BRX),
+                                      weight_BX=fold(_weights_BRX(cb.batch)))
+  return engine.Head(body=lambda params: _body(params, body_params),
+                     score=lambda params, h_MTD, _: (value_head(params["head"], h_MTD), None),
+                     value=lambda values_MX, _, path: _branch_loss(values_MX, path, cfg),
+                     path=path)
 
 
 def replay_loss_and_grad(params, cb: CriticBatch, model_cfg, cfg: CriticConfig,
                          body_params=None):
-  """The critic's value loss and gradient through branch replay: (loss, aux_BR, grads);
-  grads has params' tree ({'head'} alone for a shared critic)."""
-  prefill_fn, branch_loss_fn, prefix, branches_R = replay_fns(model_cfg, cfg, cb, body_params)
-  loss, aux_R, grads = replay.value_and_grad(prefill_fn, branch_loss_fn, params, prefix,
-                                             branches_R, batched=True)
-  return loss, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), aux_R), grads
+  """The critic's value loss and gradient through branch replay (the one engine with the
+  value head): (loss, aux_BR, grads); grads has params' tree ({'head'} alone for a shared
+  critic)."""
+  return engine.replay_loss_and_grad(params, tree.from_replay_batch(cb.batch), model_cfg, None,
+                                     head=head(model_cfg, cfg, cb, body_params))
 
 
 def naive_values(params, batch: ReplayBatch, model_cfg, body_params=None) -> jax.Array:
@@ -223,20 +200,14 @@ def loss_and_grad(params, cb: CriticBatch, model_cfg, cfg: CriticConfig, mode: s
 
 
 def values(params, model_cfg, batch: ReplayBatch, body_params=None) -> jax.Array:
-  """Values of every scored token from ONE shared-prefix forward: [B, R, W+T] (0 where a
-  tail is padded). The 'old' values of PPO, computed once per sampled batch. body_params:
-  the policy's params for a shared critic (params = {'head'})."""
-  W = batch.trunk_len
-  body = _body(params, body_params)
-  cache = tfm.prefill(body, model_cfg, batch.prefix_BP, batch.prefix_valid_BP, W)
-  trunk_v_BW = value_head(params["head"], cache.trunk_h_BWD)
-
-  B, R, T = batch.tails_BRT.shape
-  tokens_NT, valid_NT = batch.tails_BRT.reshape(B * R, T), batch.tail_valid_BRT.reshape(B * R, T)
-  h_NTD = tfm.tail(body, model_cfg, cache, batch.prefix_valid_BP, tokens_NT, valid_NT)
-  h_pred_NTD = jnp.concatenate([jnp.repeat(cache.h_last_BD, R, 0)[:, None], h_NTD[:, :-1]], 1)
-  v_BRT = jnp.where(valid_NT, value_head(params["head"], h_pred_NTD), 0.0).reshape(B, R, T)
-  return jnp.concatenate([jnp.broadcast_to(trunk_v_BW[:, None], (B, R, W)), v_BRT], -1)
+  """Values of every scored token from ONE shared-prefix forward (the engine's, value head):
+  [B, R, W+T] (0 where a tail is padded). The 'old' values of PPO, computed once per sampled
+  batch. body_params: the policy's params for a shared critic (params = {'head'})."""
+  (v_BRT,), trunk_v_BW = engine.forward(params, tree.from_replay_batch(batch), model_cfg,
+                                        head=head(model_cfg, body_params=body_params))
+  B, R, _ = v_BRT.shape
+  return jnp.concatenate([jnp.broadcast_to(trunk_v_BW[:, None], (B, R, batch.trunk_len)), v_BRT],
+                         -1)
 
 
 # ----------------------------------------------------------------------------- GAE (host)

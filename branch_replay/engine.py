@@ -6,7 +6,7 @@ sequence. A flat batch is the depth-1 tree (`tree.from_replay_batch`)."""
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -119,53 +119,74 @@ def combine_fn(loss_cfg):
 # ----------------------------------------------------------------------------- replay
 
 
-def _node_rows(params, model_cfg, caches, context_valid, tokens_MT, valid_MT, temperature):
+class Head(NamedTuple):
+  """What a level's hidden states become and what a path's scores are worth. The policy's
+  (`policy_head`): log-probs and the RL/DPO objective; the critic's (critic.py): values and
+  the clipped value loss. The engine's folding, VJPs and cotangent sums are the same."""
+  body: Callable  # params -> the transformer's params
+  score: Callable  # (params, h_pred_MTD, tokens_MT) -> (score_MT, entropy_MT or None)
+  value: Callable  # (score_MX, entropy_MT, path) -> (value_M, aux of per-path sums)
+  path: Optional[dict] = None  # per-path inputs [B*leaves, ...] (path_inputs for the policy)
+  combine: Optional[Callable] = None  # [R, M] values -> loss (None: their sum)
+
+
+def policy_head(batch: TreeBatch, model_cfg: tfm.ModelConfig, loss_cfg: losses.LossConfig,
+                with_path: bool = True) -> Head:
+  """Log-probs at loss.temperature, scored by the objective over every root-to-leaf path."""
+  score = lambda params, h_MTD, tokens_MT: tfm.token_logps(params, model_cfg, h_MTD, tokens_MT,
+                                                           temperature=loss_cfg.temperature)
+  return Head(body=lambda params: params, score=score,
+              value=lambda logp_MX, entropy_MT, path: path_value(logp_MX, entropy_MT, path,
+                                                                 loss_cfg),
+              path=path_inputs(batch, loss_cfg) if with_path else None,
+              combine=combine_fn(loss_cfg))
+
+
+def _node_rows(params, head: Head, model_cfg, caches, context_valid, tokens_MT, valid_MT):
   """Rows of one level against the caches of its ancestors (each with fewer rows, dividing):
-  (h_MTD, kv, logp_MT, entropy_MT); a row's first token is predicted by its parent's last
+  (h_MTD, kv, score_MT, entropy_MT); a row's first token is predicted by its parent's last
   hidden state."""
   M = tokens_MT.shape[0]
   context = [(c["kv"], v) for c, v in zip(caches, context_valid)]
   offset_M1 = sum(_rows(jnp.sum(v.astype(jnp.int32), axis=1, keepdims=True), M)
                   for v in context_valid)
   positions_MT = tfm.positions_from_valid(valid_MT, offset_M1)
-  h_MTD, kv = tfm.Transformer(model_cfg).apply({"params": params}, tokens_MT, positions_MT,
-                                               valid_MT, context)
+  h_MTD, kv = tfm.Transformer(model_cfg).apply({"params": head.body(params)}, tokens_MT,
+                                               positions_MT, valid_MT, context)
   h_last_MD = _rows(caches[-1]["h_last_BD"], M)
   h_pred_MTD = jnp.concatenate([h_last_MD[:, None], h_MTD[:, :-1]], axis=1)
-  logp_MT, entropy_MT = tfm.token_logps(params, model_cfg, h_pred_MTD, tokens_MT,
-                                        temperature=temperature)
-  return h_MTD, kv, logp_MT, entropy_MT
+  score_MT, entropy_MT = head.score(params, h_pred_MTD, tokens_MT)
+  return h_MTD, kv, score_MT, entropy_MT
 
 
-def replay_fns(batch: TreeBatch, model_cfg: tfm.ModelConfig, loss_cfg: losses.LossConfig):
-  """(root_fn, level_fns, leaf_loss_fn, leaves_R) for `replay.tree_value_and_grad`."""
+def replay_fns(batch: TreeBatch, model_cfg: tfm.ModelConfig, head: Head):
+  """(root_fn, level_fns, leaf_loss_fn, leaves_R) for `replay.tree_value_and_grad`. The
+  caches carry each level's scores (`score_BT`; the root's trunk: `trunk_score_BW`)."""
   B, P = batch.root_BP.shape
-  W, temp = batch.trunk_len, loss_cfg.temperature
+  W = batch.trunk_len
   valid = [batch.root_valid_BP] + [_fold(l.valid_BRT) for l in batch.levels]
 
   def root_fn(params):
-    cache = tfm.prefill(params, model_cfg, batch.root_BP, batch.root_valid_BP, W)
-    trunk_logp_BW, _ = tfm.token_logps(params, model_cfg, cache.trunk_h_BWD,
-                                       batch.root_BP[:, P - W:], temperature=temp)
-    return dict(kv=cache.kv, h_last_BD=cache.h_last_BD, trunk_logp_BW=trunk_logp_BW)
+    cache = tfm.prefill(head.body(params), model_cfg, batch.root_BP, batch.root_valid_BP, W)
+    trunk_score_BW, _ = head.score(params, cache.trunk_h_BWD, batch.root_BP[:, P - W:])
+    return dict(kv=cache.kv, h_last_BD=cache.h_last_BD, trunk_score_BW=trunk_score_BW)
 
   def level_fn(d):
     def fn(params, caches):
       tokens_MT, valid_MT = _fold(batch.levels[d - 1].tokens_BRT), valid[d]
-      h_MTD, kv, logp_MT, _ = _node_rows(params, model_cfg, caches, valid[:d], tokens_MT,
-                                         valid_MT, temp)
+      h_MTD, kv, score_MT, _ = _node_rows(params, head, model_cfg, caches, valid[:d], tokens_MT,
+                                          valid_MT)
       last_M = jnp.sum(valid_MT.astype(jnp.int32), axis=1) - 1
       h_last_MD = jnp.take_along_axis(h_MTD, last_M[:, None, None], axis=1)[:, 0]
-      return dict(kv=kv, h_last_BD=h_last_MD, logp_BT=logp_MT)
+      return dict(kv=kv, h_last_BD=h_last_MD, score_BT=score_MT)
     return fn
 
-  path = path_inputs(batch, loss_cfg)
   leaf = batch.leaves
   R = batch.fanouts[-1]
   r_first = lambda x_M: None if x_M is None else jnp.swapaxes(
       x_M.reshape(-1, R, *x_M.shape[1:]), 0, 1)
   leaves_R = dict(tokens=r_first(_fold(leaf.tokens_BRT)), valid=r_first(_fold(leaf.valid_BRT)),
-                  path={k: r_first(v) for k, v in path.items()})
+                  path={k: r_first(v) for k, v in (head.path or {}).items()})
 
   def leaf_loss_fn(params, caches, leaves_R):
     """Every leaf at once: [R, M'] -> rows (parent, r), folded against the ancestors."""
@@ -174,12 +195,11 @@ def replay_fns(batch: TreeBatch, model_cfg: tfm.ModelConfig, loss_cfg: losses.Lo
     unrows = lambda x_M: jnp.swapaxes(x_M.reshape(Mp, R_, *x_M.shape[1:]), 0, 1)
     tokens_MT = rows(leaves_R["tokens"])
     M = tokens_MT.shape[0]
-    _, _, logp_MT, entropy_MT = _node_rows(params, model_cfg, caches, valid[:-1], tokens_MT,
-                                           rows(leaves_R["valid"]), temp)
-    cached = [caches[0]["trunk_logp_BW"]] + [c["logp_BT"] for c in caches[1:]]
-    logp_MX = jnp.concatenate([_rows(x, M) for x in cached] + [logp_MT], axis=1)
-    value_M, aux = path_value(logp_MX, entropy_MT, jax.tree.map(rows, leaves_R["path"]),
-                              loss_cfg)
+    _, _, score_MT, entropy_MT = _node_rows(params, head, model_cfg, caches, valid[:-1],
+                                            tokens_MT, rows(leaves_R["valid"]))
+    cached = [caches[0]["trunk_score_BW"]] + [c["score_BT"] for c in caches[1:]]
+    score_MX = jnp.concatenate([_rows(x, M) for x in cached] + [score_MT], axis=1)
+    value_M, aux = head.value(score_MX, entropy_MT, jax.tree.map(rows, leaves_R["path"]))
     return unrows(value_M), jax.tree.map(unrows, aux)
 
   level_fns = [level_fn(d) for d in range(1, batch.depth)]
@@ -192,17 +212,20 @@ def _per_leaf(x_RM, B):
 
 
 def replay_loss_and_grad(params, batch: TreeBatch, model_cfg: tfm.ModelConfig,
-                         loss_cfg: losses.LossConfig, branch_chunk: Optional[int] = None, *,
-                         root_wrap: Optional[Callable] = None,
+                         loss_cfg: Optional[losses.LossConfig], branch_chunk: Optional[int] = None,
+                         *, root_wrap: Optional[Callable] = None,
                          cache_constraint: Optional[Callable] = None,
-                         params_fn: Optional[Callable] = None):
+                         params_fn: Optional[Callable] = None, head: Optional[Head] = None):
   """Tree replay: (loss, aux_BR per leaf, grads), grads equal to the naive gradient.
   root_wrap(root_fn) -> root_fn (the context-parallel prefill); cache_constraint(level, cache)
   -> cache where each level's cache crosses to the levels below; params_fn(params) -> the
   model's params, inside every differentiated function (LoRA: `params` are the adapters,
-  merged into the frozen base; grads are the adapters')."""
-  check(batch, loss_cfg, branch_chunk)
-  root_fn, level_fns, leaf_loss_fn, leaves_R = replay_fns(batch, model_cfg, loss_cfg)
+  merged into the frozen base; grads are the adapters'); head: what is scored (default the
+  policy's objective `loss_cfg`; critic.py passes the value head and loss_cfg=None)."""
+  if head is None:
+    check(batch, loss_cfg, branch_chunk)
+    head = policy_head(batch, model_cfg, loss_cfg)
+  root_fn, level_fns, leaf_loss_fn, leaves_R = replay_fns(batch, model_cfg, head)
   if params_fn is not None:
     root_fn = (lambda fn: lambda p: fn(params_fn(p)))(root_fn)
     level_fns = [(lambda fn: lambda p, caches: fn(params_fn(p), caches))(fn) for fn in level_fns]
@@ -212,27 +235,32 @@ def replay_loss_and_grad(params, batch: TreeBatch, model_cfg: tfm.ModelConfig,
     root_fn = root_wrap(root_fn)
   loss, aux_R, grads = replay.tree_value_and_grad(
       root_fn, level_fns, leaf_loss_fn, params, leaves_R, branch_chunk=branch_chunk,
-      combine=combine_fn(loss_cfg), cache_constraint=cache_constraint)
+      combine=head.combine, cache_constraint=cache_constraint)
   B = batch.root_BP.shape[0]
   return loss, jax.tree.map(lambda x: _per_leaf(x, B), aux_R), grads
 
 
-def forward(params, batch: TreeBatch, model_cfg: tfm.ModelConfig, temperature: float = 1.0):
-  """Log-probs of every node's tokens (no grad): (per level [B, R, T], 0 where invalid;
-  trunk_logp_BW). E.g. the reference or sampling policy's."""
-  lc = losses.LossConfig(temperature=temperature)
-  root_fn, level_fns, _, _ = replay_fns(batch, model_cfg, lc)
+def forward(params, batch: TreeBatch, model_cfg: tfm.ModelConfig, temperature: float = 1.0,
+            head: Optional[Head] = None):
+  """Scores of every node's tokens (no grad): (per level [B, R, T], 0 where invalid; the
+  trunk's [B, W]). Default head: log-probs at `temperature` (the reference or sampling
+  policy's); critic.values passes the value head."""
+  if head is None:
+    head = policy_head(batch, model_cfg, losses.LossConfig(temperature=temperature),
+                       with_path=False)
+  root_fn, level_fns, _, _ = replay_fns(batch, model_cfg, head)
   caches = [root_fn(params)]
   for fn in level_fns:
     caches.append(fn(params, tuple(caches)))
   valid = [_fold(l.valid_BRT) for l in batch.levels]
   leaf = batch.leaves
-  _, _, logp_MT, _ = _node_rows(params, model_cfg, caches, [batch.root_valid_BP] + valid[:-1],
-                                _fold(leaf.tokens_BRT), valid[-1], temperature)
-  logps = [c["logp_BT"] for c in caches[1:]] + [logp_MT]
+  _, _, score_MT, _ = _node_rows(params, head, model_cfg, caches,
+                                 [batch.root_valid_BP] + valid[:-1], _fold(leaf.tokens_BRT),
+                                 valid[-1])
+  scores = [c["score_BT"] for c in caches[1:]] + [score_MT]
   out = tuple(jnp.where(l.valid_BRT, x.reshape(l.valid_BRT.shape), 0.0)
-              for l, x in zip(batch.levels, logps))
-  return out, caches[0]["trunk_logp_BW"]
+              for l, x in zip(batch.levels, scores))
+  return out, caches[0]["trunk_score_BW"]
 
 
 # ----------------------------------------------------------------------------- naive twin

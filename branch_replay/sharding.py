@@ -68,7 +68,7 @@ BATCH_AXES = dict(
 # Where the prefix cache crosses to the tails: K/V gathered over the sequence (every tail
 # token attends to every prefix key), still split by prompt and kv head.
 CACHE_AXES = dict(kv=("batch", None, "kv_heads", "head_dim"), h_last_BD=("batch", None),
-                  trunk_logp_BW=("batch", None))
+                  trunk_score_BW=("batch", None))
 
 
 # ----------------------------------------------------------------------------- the mesh
@@ -225,7 +225,7 @@ def cache_constraint(mesh: Mesh):
             x, NamedSharding(mesh, logical_spec(CACHE_AXES["kv"]))), cache["kv"]),
         **{k: jax.lax.with_sharding_constraint(
             cache[k], NamedSharding(mesh, logical_spec(CACHE_AXES[k])))
-           for k in ("h_last_BD", "trunk_logp_BW")})
+           for k in ("h_last_BD", "trunk_score_BW")})
   return apply
 
 
@@ -289,7 +289,9 @@ def prefix_residuals(mesh: Mesh, params, batch: ReplayBatch, model_cfg: tfm.Mode
   the prefix backward keeps alive; jit this to inspect their shardings."""
   params = constrain(params, param_shardings(mesh, model_cfg))
   batch = constrain(batch, batch_shardings(mesh, batch))
-  root_fn, _, _, _ = engine.replay_fns(tree.from_replay_batch(batch), model_cfg, loss_cfg)
+  flat = tree.from_replay_batch(batch)
+  root_fn, _, _, _ = engine.replay_fns(flat, model_cfg, engine.policy_head(flat, model_cfg,
+                                                                           loss_cfg))
   return replay.prefix_forward(sharded_prefill(mesh, lambda p, _: root_fn(p)), params, None)
 
 

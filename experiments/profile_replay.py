@@ -83,8 +83,9 @@ def stage_times(cfg, params, batch):
   from models import transformer as tfm
   loss_cfg = losses.LossConfig("grpo")
   # The one engine's depth-1 functions: the root (prefix) and every leaf (tail) at once.
-  root_fn, _, leaf_loss_fn, branches_R = engine.replay_fns(tree.from_replay_batch(batch), cfg,
-                                                           loss_cfg)
+  flat = tree.from_replay_batch(batch)
+  root_fn, _, leaf_loss_fn, branches_R = engine.replay_fns(
+      flat, cfg, engine.policy_head(flat, cfg, loss_cfg))
   reps = FLAGS.reps
   rows = {}
   # The tails' inputs are arguments; the prefix tokens are constants of root_fn.

@@ -154,8 +154,9 @@ def test_staged_jits_equal_fused_and_prefix_compiles_once():
     traces = []
 
     def stages(batch):  # the engine's depth-1 functions: root, (no inner levels), leaves
-      root_fn, _, leaf_loss_fn, leaves_R = engine.replay_fns(tree.from_replay_batch(batch), cfg,
-                                                             lc)
+      flat = tree.from_replay_batch(batch)
+      root_fn, _, leaf_loss_fn, leaves_R = engine.replay_fns(flat, cfg,
+                                                             engine.policy_head(flat, cfg, lc))
       return root_fn, leaf_loss_fn, leaves_R
 
     @jax.jit
