@@ -62,7 +62,7 @@ def rl_batch(fns, state: train_state.TrainState, task, cfg: Config, step: int, t
   key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), step)
   samples = jax.block_until_ready(fns.sample(state.params, prompt_BP=placed_BP,
                                              prompt_valid_BP=placed_valid_BP, key=key))
-  samples = _host(samples, cfg)  # every process decodes and rewards all samples
+  samples = sharding.to_host(samples)  # every process decodes and rewards all samples
   sample_s = time.time() - t0
   rewards_BR = rewards_of(task, examples, samples, fanouts, tok)
   use_std = cfg.train.advantage_std and cfg.train.advantage != "dr_grpo"  # config-checked
@@ -73,8 +73,8 @@ def rl_batch(fns, state: train_state.TrainState, task, cfg: Config, step: int, t
   stats = {}
   if state.ref_params is not None:  # k3 KL: reference log-probs of every node, one forward
     r0 = time.time()
-    ref_levels, _ = _host(jax.block_until_ready(
-        fns.score(state.ref_params, train_state.place(batch, "batch", cfg))), cfg)
+    ref_levels, _ = sharding.to_host(jax.block_until_ready(
+        fns.score(state.ref_params, train_state.place(batch, "batch", cfg))))
     batch = batch.replace(levels=tuple(level.replace(ref_logp_BRT=ref)
                                        for level, ref in zip(batch.levels, ref_levels)))
     stats["time/ref_logp_s"] = time.time() - r0
@@ -83,11 +83,6 @@ def rl_batch(fns, state: train_state.TrainState, task, cfg: Config, step: int, t
                       for e, row in zip(examples, _texts(samples.tokens[0], tok))])
   return batch, {"reward/mean": float(rewards_BR.mean()), "reward/std": float(rewards_BR.std()),
                  "reward/turn1": float(turn1_ok), "time/sample_s": sample_s, **stats}
-
-
-def _host(tree_, cfg: Config):
-  """Device arrays -> numpy (gathered across processes on a mesh that spans several)."""
-  return sharding.to_host(tree_) if cfg.mesh else jax.tree.map(np.asarray, tree_)
 
 
 def _texts(tokens_BRT, tok):

@@ -117,5 +117,5 @@ class TreeGRPO(GRPO):
     prompt_BP, valid_BP = tasks.encode_prompts(examples, self.task.max_prompt_len, self.tok)
     s = self.fns.greedy(state.params, prompt_BP=prompt_BP, prompt_valid_BP=valid_BP,
                         key=jax.random.key(0))
-    s = sharding.to_host(s) if self.cfg.mesh else s
+    s = sharding.to_host(s)  # numpy; gathered when the mesh spans several processes
     return float(tree_train.rewards_of(self.task, examples, s, (1, 1), self.tok).mean())
