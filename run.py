@@ -4,6 +4,8 @@
   python run.py --experiment=grpo_arithmetic --set=train.rl_steps=100 --workdir=/tmp/arith
   python run.py --mode=naive                      # the same run through the naive twin
   python run.py --model_dir=PATH                  # train an imported Hugging Face checkpoint
+  python run.py --model_dir=PATH --set=lora.rank=16 --merge
+                                                  # LoRA: WORKDIR/adapter (PEFT) + WORKDIR/merged
   python run.py --mesh=data:2,fsdp:2,context:2    # sharded over 8 devices (branch_replay/sharding.py)
   python run.py --mesh=... --coordinator_address=HOST0:1234 --num_processes=N --process_id=I
                                                   # one per host, all with the same flags
@@ -45,7 +47,33 @@ def define_flags(fv: flags.FlagValues) -> flags.FlagValues:
   flags.DEFINE_enum("model_dtype", "float32", ["float32", "bfloat16"],
                     "compute dtype of --model_dir (parameters and AdamW state stay float32)",
                     flag_values=fv)
+  flags.DEFINE_bool("merge", False, "LoRA (lora.rank > 0): also write base + adapters as "
+                    "full weights to WORKDIR/merged at the end", flag_values=fv)
+  flags.DEFINE_string("adapter_dir", None, "LoRA: a PEFT adapter folder (adapter_config.json, "
+                      "adapter_model.safetensors) to continue training from", flag_values=fv)
   return fv
+
+
+def lora_options(fv, cfg):
+  """(init_adapters, merge export kwargs) of --adapter_dir and --merge, checked before any
+  compute (app.UsageError naming the flag or the file's field)."""
+  if (fv.merge or fv.adapter_dir) and not cfg.lora.enabled:
+    flag = "--merge" if fv.merge else "--adapter_dir"
+    raise app.UsageError(f"{flag}: lora.rank=0 (LoRA off); {flag} needs a LoRA run, e.g. "
+                         "--set=lora.rank=16")
+  from models import hf
+  from models import lora as lora_lib
+  family, extra = None, None
+  if fv.model_dir:
+    extra = hf.read_config(fv.model_dir)
+    family = hf.family_of(extra)
+  adapters = None
+  if fv.adapter_dir:
+    try:
+      _, adapters = lora_lib.load_peft(fv.adapter_dir, cfg.model, cfg.lora, family=family)
+    except ValueError as e:
+      raise app.UsageError(f"--adapter_dir={fv.adapter_dir}: {e}")
+  return adapters, dict(family=family, extra_config=extra)
 
 
 def parse(argv):
@@ -103,11 +131,17 @@ def main(argv):
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU runs
     jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   cfg, init_params, tokenizer = config_from(FLAGS)
+  init_adapters, merge_kwargs = lora_options(FLAGS, cfg)
   from branch_replay import algorithms, trainer
   algorithm = algorithms.for_config(cfg)
   try:
     summary = trainer.run(cfg, FLAGS.workdir, algorithm, init_params=init_params,
-                          tokenizer=tokenizer)
+                          tokenizer=tokenizer, init_adapters=init_adapters)
+    if FLAGS.merge:
+      from models import lora as lora_lib
+      merged = os.path.join(FLAGS.workdir, "merged")
+      lora_lib.save_merged(merged, cfg.model, summary["base_params"], summary["final_params"],
+                           cfg.lora, **merge_kwargs)
   except (ValueError, FloatingPointError) as e:
     sys.exit(f"error: {e}")
   except KeyboardInterrupt:
@@ -116,6 +150,10 @@ def main(argv):
   import jax
   if jax.process_index() == 0:  # multi-host: one summary
     print(algorithm.format_summary(summary))
+    if summary.get("adapter"):
+      print(f"LoRA adapter (PEFT): {summary['adapter']}"
+            + (f"; merged weights: {os.path.join(FLAGS.workdir, 'merged')}" if FLAGS.merge
+               else ""))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ from branch_replay.sampler import SamplerConfig
 from branch_replay.tasks import TaskConfig
 from branch_replay.tokenizer import TOKENIZER
 from branch_replay.tree import TreeConfig
+from models import lora as lora_lib
+from models.lora import LoraConfig
 from models.transformer import ModelConfig
 
 MODES = ("replay", "naive")
@@ -127,6 +129,9 @@ class Config:
   dpo: DPOConfig = DPOConfig()
   mesh: str = ""  # e.g. "data:2,fsdp:2"; "" = one device
   tree: TreeConfig = TreeConfig()  # fan-outs of sampled trees (tree_train.py); "" = flat
+  # LoRA (models/lora.py): rank 0 = full fine-tuning; rank > 0 trains adapters on
+  # lora.targets, the base frozen (no gradient, no optimizer state, not checkpointed)
+  lora: LoraConfig = LoraConfig()
 
   def __post_init__(self):
     if self.model.vocab_size < TOKENIZER.vocab_size:
@@ -146,6 +151,7 @@ class Config:
       raise ValueError(f"train.n_branches={self.train.n_branches}: GRPO normalises over a "
                        "group, expected >= 2")
     self._check_rl_algorithm()
+    self._check_lora()
     chunk = self.replay.branch_chunk
     if chunk is not None and not self.tree.fanouts and self.train.n_branches % chunk:
       raise ValueError(f"replay.branch_chunk={chunk}: expected a divisor of "
@@ -177,6 +183,25 @@ class Config:
     if self.uses_critic and self.mesh:
       raise ValueError(f"train.advantage={self.train.advantage!r} with mesh={self.mesh!r}: "
                        "the critic runs on one device; expected mesh=''")
+
+  def _check_lora(self):
+    """LoRA trains the policy of flat and tree GRPO-family runs (any mesh); what it does not
+    serve is refused by field."""
+    if not self.lora.enabled:
+      return
+    lora_lib.adapter_shapes(self.model, self.lora)  # targets on no layer: ValueError
+    refused = [  # (field, value, refused value, why)
+        ("loss.name", self.loss.name, "dpo", "DPO scores the policy and its reference with "
+         "full weights"),
+        ("train.advantage", self.train.advantage, "gae", "PPO's critic is a full copy of the "
+         "model (critic.share included)"),
+        ("task.name", self.task.name, "rollouts", "the rollouts trainer scores with full "
+         "weights"),
+    ]
+    for field, value, bad, why in refused:
+      if value == bad:
+        raise ValueError(f"lora.rank={self.lora.rank} with {field}={value!r}: LoRA is not "
+                         f"supported there ({why}); expected lora.rank=0 or another {field}")
 
   def _check_tree(self):
     """Tree rollouts (tree.fanouts): what the tree trainer cannot serve is refused here, by
@@ -236,6 +261,9 @@ def _parse(text: str, hint, where: str):
       raise ValueError(f"{where}={text!r}: expected {hint.__name__}") from None
   if hint is str:
     return text
+  if origin is tuple:  # e.g. lora.targets=q,k,v
+    return tuple(_parse(item.strip(), typing.get_args(hint)[0], where)
+                 for item in text.split(",") if item.strip())
   raise ValueError(f"{where}: cannot be set from the command line (type {hint})")
 
 
@@ -298,6 +326,8 @@ RESUMABLE = ("train.rl_steps", "train.checkpoint_every", "train.keep_checkpoints
 def incompatible(saved: dict, cfg: Config) -> list[str]:
   """'field: saved X, now Y' for every difference that forbids resuming."""
   now = json.loads(json.dumps(to_dict(cfg)))
+  # a config saved before a section existed had that section's defaults
+  saved = {"lora": json.loads(json.dumps(dataclasses.asdict(LoraConfig()))), **saved}
   flat = lambda d: {f"{s}.{k}" if isinstance(v, dict) else s: vv
                     for s, v in d.items()
                     for k, vv in (v.items() if isinstance(v, dict) else [(None, v)])}

@@ -299,18 +299,20 @@ def naive_loss(params, batch: TreeBatch, model_cfg: tfm.ModelConfig,
   return loss, jax.tree.map(lambda x: x.reshape(B, n), aux)
 
 
-def naive_loss_and_grad(params, batch, model_cfg, loss_cfg):
-  (loss, aux), grads = jax.value_and_grad(naive_loss, has_aux=True)(params, batch, model_cfg,
-                                                                    loss_cfg)
+def naive_loss_and_grad(params, batch, model_cfg, loss_cfg, params_fn=None):
+  fn = lambda p: naive_loss(p if params_fn is None else params_fn(p), batch, model_cfg, loss_cfg)
+  (loss, aux), grads = jax.value_and_grad(fn, has_aux=True)(params)
   return loss, aux, grads
 
 
 def loss_and_grad(params, batch: TreeBatch, model_cfg, loss_cfg, mode: str = "replay",
-                  branch_chunk: Optional[int] = None):
+                  branch_chunk: Optional[int] = None, params_fn: Optional[Callable] = None):
   """(loss, aux_BR per leaf, grads) of the tree by replay or by its naive twin (on a mesh:
-  tree_sharding.tree_loss_and_grad, which wraps this engine's replay)."""
+  tree_sharding.tree_loss_and_grad, which wraps this engine's replay); params_fn as in
+  replay_loss_and_grad (LoRA)."""
   if mode not in MODES:
     raise ValueError(f"replay.mode={mode!r}: expected one of {MODES}")
   if mode == "replay":
-    return replay_loss_and_grad(params, batch, model_cfg, loss_cfg, branch_chunk)
-  return naive_loss_and_grad(params, batch, model_cfg, loss_cfg)
+    return replay_loss_and_grad(params, batch, model_cfg, loss_cfg, branch_chunk,
+                                params_fn=params_fn)
+  return naive_loss_and_grad(params, batch, model_cfg, loss_cfg, params_fn)

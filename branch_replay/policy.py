@@ -95,12 +95,14 @@ def branch_value(tail_logp_BT, tail_entropy_BT, trunk_logp_BW, branch, trunk, lo
 
 def replay_loss_and_grad(params, batch: ReplayBatch, model_cfg: tfm.ModelConfig,
                          loss_cfg: losses.LossConfig, branch_chunk: Optional[int] = None,
-                         cache_constraint=None):
-  """Branch replay: (loss, aux_BR, grads), through the one engine (the depth-1 tree)."""
+                         cache_constraint=None, params_fn=None):
+  """Branch replay: (loss, aux_BR, grads), through the one engine (the depth-1 tree);
+  params_fn(params) -> the model's weights (LoRA: params are the adapters)."""
   check_ref(batch, loss_cfg)
   constrain = None if cache_constraint is None else (lambda level, cache: cache_constraint(cache))
   return engine.replay_loss_and_grad(params, tree.from_replay_batch(batch), model_cfg, loss_cfg,
-                                     branch_chunk, cache_constraint=constrain)
+                                     branch_chunk, cache_constraint=constrain,
+                                     params_fn=params_fn)
 
 
 def naive_loss(params, batch: ReplayBatch, model_cfg: tfm.ModelConfig,
@@ -130,17 +132,17 @@ def naive_loss(params, batch: ReplayBatch, model_cfg: tfm.ModelConfig,
   return loss, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), aux_R)
 
 
-def naive_loss_and_grad(params, batch, model_cfg, loss_cfg):
-  (loss, aux), grads = jax.value_and_grad(naive_loss, has_aux=True)(params, batch, model_cfg,
-                                                                    loss_cfg)
+def naive_loss_and_grad(params, batch, model_cfg, loss_cfg, params_fn=None):
+  fn = lambda p: naive_loss(p if params_fn is None else params_fn(p), batch, model_cfg, loss_cfg)
+  (loss, aux), grads = jax.value_and_grad(fn, has_aux=True)(params)
   return loss, aux, grads
 
 
 def loss_and_grad(params, batch, model_cfg, loss_cfg, mode: str = "replay",
-                  branch_chunk: Optional[int] = None, cache_constraint=None):
+                  branch_chunk: Optional[int] = None, cache_constraint=None, params_fn=None):
   if mode == "replay":
     return replay_loss_and_grad(params, batch, model_cfg, loss_cfg, branch_chunk,
-                                cache_constraint)
+                                cache_constraint, params_fn)
   if mode == "naive":
-    return naive_loss_and_grad(params, batch, model_cfg, loss_cfg)
+    return naive_loss_and_grad(params, batch, model_cfg, loss_cfg, params_fn)
   raise ValueError(f"replay.mode={mode!r}: expected one of {MODES}")

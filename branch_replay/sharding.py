@@ -243,7 +243,8 @@ def sharded_prefill(mesh: Mesh, prefill_fn):
 
 
 def sharded_loss_and_grad(mesh: Mesh, params, batch: ReplayBatch, model_cfg: tfm.ModelConfig,
-                          loss_cfg: losses.LossConfig, branch_chunk: Optional[int] = None):
+                          loss_cfg: losses.LossConfig, branch_chunk: Optional[int] = None,
+                          params_fn=None):
   """Branch replay on `mesh` (call it inside one jit): (loss, aux_BR, grads).
 
   Equal to `policy.loss_and_grad(..., mode='replay')` on one device. The tails' cache
@@ -258,17 +259,22 @@ def sharded_loss_and_grad(mesh: Mesh, params, batch: ReplayBatch, model_cfg: tfm
   policy.check_ref(batch, loss_cfg)
   batch = constrain(batch, batch_shardings(mesh, batch))
   return engine_loss_and_grad(mesh, params, tree.from_replay_batch(batch), model_cfg, loss_cfg,
-                              branch_chunk)
+                              branch_chunk, params_fn)
 
 
 def engine_loss_and_grad(mesh: Mesh, params, batch, model_cfg: tfm.ModelConfig,
-                         loss_cfg: losses.LossConfig, branch_chunk: Optional[int] = None):
+                         loss_cfg: losses.LossConfig, branch_chunk: Optional[int] = None,
+                         params_fn=None):
   """The one engine's replay (engine.replay_loss_and_grad) of a tree batch already placed on
   `mesh` (flat: the depth-1 tree): the root prefill context-parallel under the model's
   logical rules, its cache gathered over the sequence where it crosses to the levels below,
-  params and grads sharded like the parameters."""
+  params and grads sharded like the parameters. With params_fn (LoRA: params are the
+  adapters, replicated) the weights it returns are sharded like the parameters instead."""
   p_shardings = param_shardings(mesh, model_cfg)
-  params = constrain(params, p_shardings)
+  if params_fn is None:
+    params = constrain(params, p_shardings)
+  else:
+    params_fn = (lambda fn: lambda p: constrain(fn(p), p_shardings))(params_fn)
   root_constraint = cache_constraint(mesh)
 
   def root_wrap(root_fn):
@@ -277,10 +283,11 @@ def engine_loss_and_grad(mesh: Mesh, params, batch, model_cfg: tfm.ModelConfig,
 
   loss, aux_BR, grads = engine.replay_loss_and_grad(
       params, batch, model_cfg, loss_cfg, branch_chunk, root_wrap=root_wrap,
-      cache_constraint=lambda level, cache: root_constraint(cache) if level == 0 else cache)
+      cache_constraint=lambda level, cache: root_constraint(cache) if level == 0 else cache,
+      params_fn=params_fn)
   aux_BR = constrain(aux_BR, jax.tree.map(  # per leaf, split like the leaves
       lambda x: named_sharding(mesh, "aux", x.shape, ("batch", "branch")), aux_BR))
-  return loss, aux_BR, constrain(grads, p_shardings)
+  return loss, aux_BR, (grads if params_fn is not None else constrain(grads, p_shardings))
 
 
 def prefix_residuals(mesh: Mesh, params, batch: ReplayBatch, model_cfg: tfm.ModelConfig,

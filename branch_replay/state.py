@@ -16,6 +16,7 @@ from branch_replay import checkpoint, critic, sharding, tree_sharding
 from branch_replay.batch import ReplayBatch
 from branch_replay.tree import TreeBatch
 from branch_replay.config import Config
+from models import lora as lora_lib
 from models import transformer as tfm
 
 
@@ -28,6 +29,8 @@ class TrainState:
   ref_params: Any = None  # the frozen reference policy (only with loss.kl_coef > 0)
   critic: Any = None  # PPO's value model: dict(params, opt_state) (train.advantage=gae);
   # params {'model', 'head'}, or {'head'} alone with critic.share (the body is `params`)
+  base: Any = None  # LoRA (lora.rank > 0): the frozen base weights, not checkpointed; then
+  # `params` are the adapters, the only trained (and optimized) leaves
 
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
@@ -53,11 +56,14 @@ def shardings(tree, kind: str, cfg: Config):
     mesh = sharding.make_mesh(cfg.mesh)
     if kind == "state":
       params = sharding.param_shardings(mesh, cfg.model)
+      trained = params if tree.base is None else jax.tree.map(  # LoRA: adapters replicated
+          lambda _: sharding.replicated(mesh), tree.params)
       return tree.replace(
-          params=params, step=sharding.replicated(mesh), rng=sharding.replicated(mesh),
+          params=trained, step=sharding.replicated(mesh), rng=sharding.replicated(mesh),
           opt_state=sharding.opt_state_shardings(mesh, make_optimizer(cfg), tree.opt_state,
-                                                 params),
-          ref_params=None if tree.ref_params is None else params)
+                                                 trained),
+          ref_params=None if tree.ref_params is None else params,
+          base=None if tree.base is None else params)
     if isinstance(tree, ReplayBatch):
       return sharding.batch_shardings(mesh, tree)
     if isinstance(tree, TreeBatch):
@@ -73,20 +79,27 @@ def place(tree, kind: str, cfg: Config):
   return jax.device_put(tree, shardings(tree, kind, cfg))
 
 
-def init_state(cfg: Config, init_params=None) -> TrainState:
+def init_state(cfg: Config, init_params=None, init_adapters=None) -> TrainState:
   """Shapes first (eval_shape), then placement, then the arrays (created where they live).
-  init_params (e.g. an imported checkpoint, `models.hf.load`) replace the random init."""
+  init_params (e.g. an imported checkpoint, `models.hf.load`) replace the random init. With
+  LoRA they are the frozen base; the adapters start as PEFT's init (B = 0: the base), or as
+  init_adapters (an imported PEFT adapter, `models.lora.load_peft`)."""
 
-  def init(init_params):
+  def init(init_params, init_adapters):
     init_key, rng = jax.random.split(jax.random.key(cfg.train.seed))
     params = tfm.init_params(cfg.model, init_key) if init_params is None else init_params
-    ref = jax.tree.map(jnp.copy, params) if cfg.loss.kl_coef else None
+    base = None
+    if cfg.lora.enabled:  # the reference for KL is the base itself (no copy)
+      base, params = params, (lora_lib.init_adapters(cfg.model, cfg.lora,
+                                                     jax.random.fold_in(init_key, 1))
+                              if init_adapters is None else init_adapters)
+    ref = jax.tree.map(jnp.copy, params) if cfg.loss.kl_coef and base is None else None
     value = None
     if cfg.uses_critic:  # the value model starts as the policy (copied again at RL start)
       critic_params = critic.init_params(cfg.model, init_key, params, share=cfg.critic.share)
       value = dict(params=critic_params, opt_state=make_critic_optimizer(cfg).init(critic_params))
     return TrainState(params, make_optimizer(cfg).init(params), jnp.zeros((), jnp.int32),
-                      jax.random.key_data(rng), ref, value)
+                      jax.random.key_data(rng), ref, value, base)
 
   if init_params is not None:
     expected = jax.eval_shape(lambda: tfm.init_params(cfg.model, jax.random.key(0)))
@@ -94,12 +107,35 @@ def init_state(cfg: Config, init_params=None) -> TrainState:
     if jax.tree.structure(got) != jax.tree.structure(expected) or got != expected:
       raise ValueError("init_params: the parameter tree does not match model config "
                        f"{cfg.model} (shapes/dtypes differ)")
-  shapes = jax.eval_shape(init, init_params)
-  return jax.jit(init, out_shardings=shardings(shapes, "state", cfg))(init_params)
+  if init_adapters is not None:
+    if not cfg.lora.enabled:
+      raise ValueError("init_adapters: lora.rank=0 (LoRA off); expected lora.rank > 0")
+    lora_lib.check_adapters(cfg.model, cfg.lora, init_adapters, "init_adapters")
+  shapes = jax.eval_shape(init, init_params, init_adapters)
+  return jax.jit(init, out_shardings=shardings(shapes, "state", cfg))(init_params, init_adapters)
+
+
+def weights(state: TrainState, lora: lora_lib.LoraConfig):
+  """The weights the model runs (sampling, evaluation): the params, or with LoRA the base
+  merged with the adapters (a transient copy)."""
+  return state.params if state.base is None else _merged(state.base, state.params, lora)
+
+
+_merged = jax.jit(lora_lib.merge, static_argnums=2)
+
+
+def reference(state: TrainState, cfg: Config):
+  """The reference policy of the KL term (loss.kl_coef > 0): the frozen copy, or with LoRA
+  the base itself (adapters off); None without KL."""
+  if state.ref_params is not None:
+    return state.ref_params
+  return state.base if cfg.loss.kl_coef and state.base is not None else None
 
 
 
 def state_dict(state: TrainState) -> dict:
+  """What a checkpoint holds (LoRA: the adapters and their optimizer state; the frozen base
+  comes from init / --model_dir again at resume)."""
   d = dict(params=state.params, opt_state=state.opt_state, step=state.step, rng=state.rng)
   if state.ref_params is not None:
     d["ref_params"] = state.ref_params

@@ -29,9 +29,10 @@ from branch_replay import (advantages, critic, dapo, engine, losses, policy, sam
 from branch_replay.batch import ReplayBatch, validate
 from branch_replay.config import Config
 from branch_replay.state import (TrainState, make_critic_optimizer, make_optimizer, place,
-                                 sample_examples)
+                                 reference, sample_examples, weights)
 from branch_replay.tasks import TaskConfig
 from branch_replay.tokenizer import TOKENIZER
+from models import lora as lora_lib
 
 SFT_LOSS = losses.LossConfig(name="pg", aggregation="token_mean")  # -mean log p(answer)
 
@@ -42,20 +43,30 @@ def rl_loss_config(cfg: Config) -> losses.LossConfig:
   return dataclasses.replace(cfg.loss, temperature=cfg.sampler.temperature)
 
 
-def loss_and_grad(cfg: Config, params, batch, loss_cfg, branch_chunk=None):
+def loss_and_grad(cfg: Config, params, batch, loss_cfg, branch_chunk=None, params_fn=None):
   """(loss, aux_BR, grads) of a flat ReplayBatch or a TreeBatch: replay or the naive twin
   (`replay.mode`), on one device or, with `mesh`, sharded (the naive twin by the partitioner
-  alone, from the sharded inputs)."""
+  alone, from the sharded inputs). params_fn(params) -> the model's weights (LoRA:
+  `lora_params_fn`; params are the adapters and grads theirs)."""
   is_tree = isinstance(batch, tree.TreeBatch)
   if cfg.mesh and cfg.replay.mode == "replay":
     mesh = sharding.make_mesh(cfg.mesh)
     if is_tree:
       return tree_sharding.tree_loss_and_grad(mesh, params, batch, cfg.model, loss_cfg,
-                                              branch_chunk)
-    return sharding.sharded_loss_and_grad(mesh, params, batch, cfg.model, loss_cfg, branch_chunk)
+                                              branch_chunk, params_fn)
+    return sharding.sharded_loss_and_grad(mesh, params, batch, cfg.model, loss_cfg, branch_chunk,
+                                          params_fn)
   engine_ = engine if is_tree else policy
   return engine_.loss_and_grad(params, batch, cfg.model, loss_cfg, mode=cfg.replay.mode,
-                               branch_chunk=branch_chunk)
+                               branch_chunk=branch_chunk, params_fn=params_fn)
+
+
+def lora_params_fn(cfg: Config, state: TrainState):
+  """LoRA: adapters -> the merged weights, the frozen base a constant of the differentiated
+  function (no gradient); None for full fine-tuning."""
+  if state.base is None:
+    return None
+  return lambda adapters: lora_lib.merge(state.base, adapters, cfg.lora)
 
 
 def make_train_step(cfg: Config, phase: str = "rl", loss_cfg=None):
@@ -67,7 +78,8 @@ def make_train_step(cfg: Config, phase: str = "rl", loss_cfg=None):
   branch_chunk = cfg.replay.branch_chunk if phase == "rl" else None
 
   def train_step(state: TrainState, batch):
-    loss, aux_BR, grads = loss_and_grad(cfg, state.params, batch, loss_cfg, branch_chunk)
+    loss, aux_BR, grads = loss_and_grad(cfg, state.params, batch, loss_cfg, branch_chunk,
+                                        lora_params_fn(cfg, state))
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     n = jnp.maximum(aux_BR["tokens"].sum(), 1)
@@ -149,6 +161,7 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
   t = cfg.train
   stats = {}
   phase_s = dict.fromkeys(("data", "generate", "reward"), 0.0)
+  model_weights = weights(state, cfg.lora)  # LoRA: the merged weights
 
   def draw(round_):
     d0 = time.perf_counter()
@@ -160,7 +173,7 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
     if round_:
       key = jax.random.fold_in(key, round_)
     d1 = time.perf_counter()
-    samples = jax.block_until_ready(fns.sample(state.params, prompt_BP=placed_BP,
+    samples = jax.block_until_ready(fns.sample(model_weights, prompt_BP=placed_BP,
                                                prompt_valid_BP=placed_valid_BP, key=key))
     if cfg.mesh:  # every process decodes and rewards all samples (they may span hosts)
       samples = sharding.to_host(samples)
@@ -189,9 +202,10 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
   adv_BR = (np.zeros((B, R), np.float32) if t.advantage in advantages.NEEDS_CRITIC
             else advantages.compute(t.advantage, rewards_BR, t))
   batch = sampler.to_batch(prompt_BP, valid_BP, samples, jnp.asarray(adv_BR))
-  if state.ref_params is not None:  # k3 KL: reference log-probs, one shared-prefix forward
+  ref = reference(state, cfg)  # LoRA: the base, adapters off
+  if ref is not None:  # k3 KL: reference log-probs, one shared-prefix forward
     r0 = time.perf_counter()
-    scored = jax.block_until_ready(fns.score(state.ref_params, batch=place(batch, "batch", cfg)))
+    scored = jax.block_until_ready(fns.score(ref, batch=place(batch, "batch", cfg)))
     stats["time/ref_logp_s"] = time.perf_counter() - r0
     ref_BRT, ref_trunk_BW = sharding.to_host(scored) if cfg.mesh else scored
     batch = batch.replace(ref_logp_BRT=ref_BRT,

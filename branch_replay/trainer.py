@@ -11,20 +11,26 @@ import time
 import jax
 import numpy as np
 
-from branch_replay import checkpoint, metrics, tasks, verify
+from branch_replay import checkpoint, metrics, sharding, tasks, verify
 from branch_replay import state as train_state
 from branch_replay.config import Config
 from branch_replay.tokenizer import TOKENIZER
+from models import lora as lora_lib
 
 
-def run(cfg: Config, workdir: str, algorithm=None, *, init_params=None, tokenizer=None) -> dict:
+def run(cfg: Config, workdir: str, algorithm=None, *, init_params=None, tokenizer=None,
+        init_adapters=None) -> dict:
   """Train (resuming from `workdir` if it holds a checkpoint); returns the summary.
 
   algorithm: an `algorithms.Algorithm` class (default: the one the config selects,
   `algorithms.for_config`). init_params: start from these (an imported checkpoint) instead
   of a random init; a checkpoint in `workdir` still takes precedence (resume). tokenizer: the
   text <-> ids map of the tasks (default: the shipped character tokenizer;
-  `tokenizer.from_model_dir` for an imported checkpoint's tokenizer.json)."""
+  `tokenizer.from_model_dir` for an imported checkpoint's tokenizer.json). With LoRA
+  (lora.rank > 0) init_params are the frozen base, init_adapters (`models.lora.load_peft`)
+  the adapters to start from, and the run ends by writing workdir/adapter in PEFT's format;
+  the summary's final_params are the adapters and base_params the base
+  (`models.lora.save_merged` for --merge)."""
   tok = TOKENIZER if tokenizer is None else tokenizer
   if tok.vocab_size > cfg.model.vocab_size:
     raise ValueError(f"model.vocab_size={cfg.model.vocab_size}: expected >= the tokenizer's "
@@ -39,10 +45,10 @@ def run(cfg: Config, workdir: str, algorithm=None, *, init_params=None, tokenize
   algo = algorithm(cfg, task, tok, workdir=workdir)  # compiles its jitted steps (cached)
   ckpt = checkpoint.Checkpointer(workdir, cfg)
   ckpt.check_config()
-  state = train_state.init_state(cfg, init_params)
+  state = train_state.init_state(cfg, init_params, init_adapters)
   start = ckpt.latest_step() or 0
-  if start:
-    state = train_state.TrainState(**ckpt.restore(start, algo.restore_template(state, start)))
+  if start:  # the checkpointed fields (LoRA: not the base, which init rebuilt)
+    state = state.replace(**ckpt.restore(start, algo.restore_template(state, start)))
   chief = jax.process_index() == 0  # several processes run this loop alike; one writes
   writer = metrics.MetricsWriter(os.path.join(workdir, "metrics.jsonl") if chief else os.devnull,
                                  tensorboard=cfg.train.tensorboard and chief)
@@ -104,11 +110,18 @@ def run(cfg: Config, workdir: str, algorithm=None, *, init_params=None, tokenize
     records = metrics.read(writer.path)
   writer.close()
   ckpt.close()
+  adapter_dir = None
+  if cfg.lora.enabled:  # the adapters in PEFT's format (models/lora.py)
+    adapter_dir = os.path.join(workdir, "adapter")
+    adapters = sharding.to_host(state.params)
+    if chief:
+      lora_lib.save_peft(adapter_dir, cfg.model, cfg.lora, adapters)
   plot_path = (metrics.plot(records, os.path.join(workdir, "metrics.png"))
                if t.plot and chief else None)
   summary = algo.summarize(records)
   summary.update(workdir=workdir, checkpoint=ckpt.directory, metrics=writer.path,
-                 plot=plot_path, wall_s=time.time() - t_start, final_params=state.params)
+                 plot=plot_path, wall_s=time.time() - t_start, final_params=state.params,
+                 adapter=adapter_dir, base_params=state.base)
   return summary
 
 

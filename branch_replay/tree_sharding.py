@@ -48,9 +48,10 @@ def tree_batch_shardings(mesh: Mesh, batch: TreeBatch) -> TreeBatch:
 
 
 def tree_loss_and_grad(mesh: Mesh, params, batch: TreeBatch, model_cfg: tfm.ModelConfig,
-                       loss_cfg: losses.LossConfig, branch_chunk: Optional[int] = None):
+                       loss_cfg: losses.LossConfig, branch_chunk: Optional[int] = None,
+                       params_fn=None):
   """Tree replay on `mesh` (call it inside one jit): (loss, aux_BR, grads), equal to
   `tree_replay.loss_and_grad(..., mode='replay')` on one device."""
   return sharding.engine_loss_and_grad(
       mesh, params, sharding.constrain(batch, tree_batch_shardings(mesh, batch)), model_cfg,
-      loss_cfg, branch_chunk)
+      loss_cfg, branch_chunk, params_fn)

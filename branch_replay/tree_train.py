@@ -60,7 +60,8 @@ def rl_batch(fns, state: train_state.TrainState, task, cfg: Config, step: int, t
   prompt_BP, valid_BP = tasks.encode_prompts(examples, task.max_prompt_len, tok)
   placed_BP, placed_valid_BP = train_state.place((prompt_BP, valid_BP), "batch", cfg)
   key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), step)
-  samples = jax.block_until_ready(fns.sample(state.params, prompt_BP=placed_BP,
+  samples = jax.block_until_ready(fns.sample(train_state.weights(state, cfg.lora),
+                                             prompt_BP=placed_BP,
                                              prompt_valid_BP=placed_valid_BP, key=key))
   samples = sharding.to_host(samples)  # every process decodes and rewards all samples
   sample_s = time.time() - t0
@@ -71,10 +72,11 @@ def rl_batch(fns, state: train_state.TrainState, task, cfg: Config, step: int, t
     advantages = [None] * (len(fanouts) - 1) + advantages[-1:]
   batch = tree_sampler.to_tree_batch(prompt_BP, valid_BP, samples, fanouts, advantages)
   stats = {}
-  if state.ref_params is not None:  # k3 KL: reference log-probs of every node, one forward
+  ref = train_state.reference(state, cfg)  # LoRA: the base, adapters off
+  if ref is not None:  # k3 KL: reference log-probs of every node, one forward
     r0 = time.time()
     ref_levels, _ = sharding.to_host(jax.block_until_ready(
-        fns.score(state.ref_params, train_state.place(batch, "batch", cfg))))
+        fns.score(ref, train_state.place(batch, "batch", cfg))))
     batch = batch.replace(levels=tuple(level.replace(ref_logp_BRT=ref)
                                        for level, ref in zip(batch.levels, ref_levels)))
     stats["time/ref_logp_s"] = time.time() - r0

@@ -16,6 +16,7 @@ writes the full merged checkpoint (`--merge`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -76,18 +77,34 @@ def _in_ndim(target: str) -> int:
 
 
 def adapter_shapes(cfg: tfm.ModelConfig, lora: LoraConfig) -> dict:
-  """{layer_i: {target: {a: (in, r), b: (r, out)}}} from the base's weight shapes."""
+  """{layer_i: {target: {a: (in, r), b: (r, out)}}} from the base's weight shapes (a layer
+  without a target, e.g. a hybrid's linear-attention layer for q/k/v/o, gets none of it).
+  ValueError naming lora.targets when a target is on no layer of the model."""
+  return {layer: {t: dict(ab) for t, ab in targets} for layer, targets in _shapes(cfg, lora)}
+
+
+@functools.lru_cache(maxsize=32)
+def _shapes(cfg: tfm.ModelConfig, lora: LoraConfig):
   base = jax.eval_shape(lambda: tfm.init_params(cfg, jax.random.key(0)))
-  out = {}
+  out, found = [], set()
   for i in range(cfg.n_layers):
     layer = base[f"layer_{i}"]
-    out[f"layer_{i}"] = {}
+    targets = []
     for t in lora.targets:
+      if t not in layer:
+        continue
+      found.add(t)
       shape = layer[t].shape
       n_in = math.prod(shape[:_in_ndim(t)])
       n_out = math.prod(shape[_in_ndim(t):])
-      out[f"layer_{i}"][t] = {"a": (n_in, lora.rank), "b": (lora.rank, n_out)}
-  return out
+      targets.append((t, (("a", (n_in, lora.rank)), ("b", (lora.rank, n_out)))))
+    out.append((f"layer_{i}", tuple(targets)))
+  missing = [t for t in lora.targets if t not in found]
+  if missing:
+    raise ValueError(f"lora.targets={lora.targets!r}: {missing} names no layer of this model "
+                     f"(family {hf.family_for(cfg)}, {cfg.n_layers} layers); expected targets "
+                     "among the projections its layers have")
+  return tuple(out)
 
 
 def init_adapters(cfg: tfm.ModelConfig, lora: LoraConfig, key: jax.Array):

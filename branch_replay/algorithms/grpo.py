@@ -59,7 +59,7 @@ class GRPO:
 
   def verify(self, state, batch):
     """replay.verify: the first batch through replay and the naive twin (raises on a gap)."""
-    return verify.check(state.params, batch[0], self.cfg.model, train.rl_loss_config(self.cfg),
+    return verify.check(train_state.weights(state, self.cfg.lora), batch[0], self.cfg.model, train.rl_loss_config(self.cfg),
                         branch_chunk=self.cfg.replay.branch_chunk)
 
   def token_counts(self, batch, phase):
@@ -72,8 +72,8 @@ class GRPO:
 
   def evaluate(self, state, examples):
     prompt_BP, valid_BP = tasks.encode_prompts(examples, self.task.max_prompt_len, self.tok)
-    s = self.fns.greedy(state.params, prompt_BP=prompt_BP, prompt_valid_BP=valid_BP,
-                        key=jax.random.key(0))
+    s = self.fns.greedy(train_state.weights(state, self.cfg.lora), prompt_BP=prompt_BP,
+                        prompt_valid_BP=valid_BP, key=jax.random.key(0))
     s = sharding.to_host(s) if self.cfg.mesh else s
     return float(train.rewards_of(self.task, examples, train.completions(s, self.tok)).mean())
 
@@ -115,7 +115,7 @@ class TreeGRPO(GRPO):
 
   def evaluate(self, state, examples):
     prompt_BP, valid_BP = tasks.encode_prompts(examples, self.task.max_prompt_len, self.tok)
-    s = self.fns.greedy(state.params, prompt_BP=prompt_BP, prompt_valid_BP=valid_BP,
-                        key=jax.random.key(0))
+    s = self.fns.greedy(train_state.weights(state, self.cfg.lora), prompt_BP=prompt_BP,
+                        prompt_valid_BP=valid_BP, key=jax.random.key(0))
     s = sharding.to_host(s)  # numpy; gathered when the mesh spans several processes
     return float(tree_train.rewards_of(self.task, examples, s, (1, 1), self.tok).mean())

@@ -1,0 +1,160 @@
+"""LoRA in the trainer (lora.rank > 0): the step's adapter gradients equal the naive twin
+(branch_replay/lora.py) in float64; a run trains the adapters alone (base bitwise unchanged,
+optimizer state and checkpoints adapters-only), samples from the merged weights, scores the KL
+reference with the base, resumes bitwise, and exports a PEFT adapter that peft loads."""
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from absl import app
+
+import run
+from branch_replay import losses, sampler, tasks, train, trainer
+from branch_replay import lora as lora_train
+from branch_replay import state as train_state
+from branch_replay.config import Config, apply_overrides
+from branch_replay.tokenizer import TOKENIZER
+from models import hf
+from models import lora as lora_lib
+from models import transformer as tfm
+from tests.replay_test import make_batch, max_rel_err
+
+
+def lora_cfg(*overrides, **model):
+  return apply_overrides(Config(model=tfm.preset("tiny", vocab_size=TOKENIZER.vocab_size,
+                                                 **model)), [
+      "task.prompt_len=16", "task.n_keys=2", "train.sft_steps=0", "train.rl_steps=2",
+      "train.batch_size=2", "train.n_branches=2", "sampler.max_new_tokens=4",
+      "train.eval_size=0", "train.progress=false", "train.plot=false",
+      "train.tensorboard=false", "train.checkpoint_every=1", "lora.rank=4",
+      "lora.targets=q,v,o,down", "loss.kl_coef=0.05", *overrides])
+
+
+def _randomized(adapters, seed=2, scale=0.2):
+  """B = 0 at init makes the adapted model the base: give every leaf values."""
+  keys = iter(jax.random.split(jax.random.key(seed), 64))
+  return jax.tree.map(lambda x: x + scale * jax.random.normal(next(keys), x.shape, x.dtype),
+                      adapters)
+
+
+@pytest.mark.parametrize("mode", ["replay", pytest.param("naive", marks=pytest.mark.slow)])
+def test_trainer_lora_grads_equal_the_naive_twin_float64(mode):
+  with jax.enable_x64(True):
+    cfg = lora_cfg(f"replay.mode={mode}", "loss.kl_coef=0", dtype="float64",
+                   param_dtype="float64")
+    state = train_state.init_state(cfg)
+    assert state.ref_params is None and state.base is not None
+    assert jax.tree.structure(state.params) == jax.tree.structure(
+        jax.tree.map(lambda _: 0, lora_lib.adapter_shapes(cfg.model, cfg.lora),
+                     is_leaf=lambda x: isinstance(x, tuple)))
+    adapters = _randomized(state.params)
+    batch = make_batch(3, B=2, R=2, P=6, T=4, vocab=cfg.model.vocab_size, dtype=jnp.float64)
+    loss_cfg = train.rl_loss_config(cfg)
+    step = jax.jit(lambda a, b: train.loss_and_grad(
+        cfg, a, b, loss_cfg, None, train.lora_params_fn(cfg, state)))
+    loss, _, grads = step(adapters, batch)
+    want_loss, _, want = jax.jit(lambda a, b: lora_train.naive_loss_and_grad(
+        state.base, a, b, cfg.model, loss_cfg, cfg.lora))(adapters, batch)
+    assert abs(float(loss) - float(want_loss)) <= 1e-10 * max(abs(float(want_loss)), 1e-3)
+    assert jax.tree.structure(grads) == jax.tree.structure(adapters)
+    assert max_rel_err(grads, want) < 1e-10
+    assert min(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(want)) > 1e-6
+
+
+def test_lora_run_trains_adapters_resumes_and_exports_peft(tmp_path):
+  cfg = lora_cfg()
+  base0 = jax.tree.map(np.asarray, train_state.init_state(cfg).base)  # what the run starts from
+  full = trainer.run(cfg, str(tmp_path / "full"))
+  # the base is bitwise the init; the adapters moved (B left 0)
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, full["base_params"]),
+               base0)
+  adapters = jax.tree.map(np.asarray, full["final_params"])
+  assert all(np.abs(t["b"]).max() > 0 for layer in adapters.values() for t in layer.values())
+  # checkpoints: adapters, their optimizer state, step and rng; no base, no reference copy
+  restored = ocp.StandardCheckpointer().restore(str(tmp_path / "full" / "checkpoints" / "2" /
+                                                    "default"))
+  assert sorted(restored) == ["opt_state", "params", "rng", "step"]
+  adapter_shapes = {x.shape for x in jax.tree.leaves(adapters)}
+  big = [x.shape for x in jax.tree.leaves(restored["opt_state"]) if np.ndim(x)]
+  assert big and set(big) <= adapter_shapes  # AdamW moments of adapter leaves only
+  assert len(big) == 2 * len(jax.tree.leaves(adapters))
+  # resume: 1 step, then the same command to 2 steps == the uninterrupted run, bitwise
+  part = str(tmp_path / "part")
+  trainer.run(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, rl_steps=1)), part)
+  resumed = trainer.run(cfg, part)
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, resumed["final_params"]),
+               adapters)
+  # the PEFT export: our loader gives back the adapters; peft on transformers' model gives
+  # the merged model's logits
+  _, loaded = lora_lib.load_peft(full["adapter"], cfg.model, cfg.lora)
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, loaded), adapters)
+  transformers = pytest.importorskip("transformers")
+  peft = pytest.importorskip("peft")
+  import torch
+  hf.save(str(tmp_path / "base"), cfg.model, base0)
+  model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"),
+                                                            attn_implementation="eager")
+  model = peft.PeftModel.from_pretrained(model, full["adapter"]).eval()
+  tokens = np.random.default_rng(0).integers(0, TOKENIZER.vocab_size, (2, 9))
+  with torch.no_grad():
+    ref = model(input_ids=torch.tensor(tokens)).logits.numpy()
+  merged = lora_lib.merge(base0, loaded, cfg.lora)
+  ours = tfm.logits(merged, cfg.model, tfm.forward(merged, cfg.model, jnp.asarray(tokens),
+                                                   jnp.ones(tokens.shape, bool)))
+  np.testing.assert_allclose(np.asarray(ours), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_lora_samples_merged_weights_and_scores_kl_against_the_base():
+  """rl_batch samples from base + adapters and takes the reference log-probs from the base
+  (no copy of the weights in the state)."""
+  cfg = lora_cfg()
+  state = train_state.init_state(cfg)
+  assert state.ref_params is None
+  state = state.replace(params=_randomized(state.params, scale=0.5))
+  merged = lora_lib.merge(state.base, state.params, cfg.lora)
+  fns = train.compiled(train.compile_key(cfg), TOKENIZER.eos_id)
+  sampled_with = []
+  sample = fns.sample
+
+  def spy(params, **kwargs):
+    sampled_with.append(params)
+    return sample(params, **kwargs)
+
+  fns = fns._replace(sample=spy)
+  task = tasks.make(cfg.task, TOKENIZER)
+  batch, _, _ = train.rl_batch(fns, state, task, cfg, 0)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6),
+               sampled_with[0], merged)
+  score = lambda p: np.asarray(sampler.score(p, cfg.model, batch,
+                                             temperature=cfg.sampler.temperature)[0])
+  np.testing.assert_allclose(np.asarray(batch.ref_logp_BRT), score(state.base), rtol=1e-5,
+                             atol=1e-5)
+  assert np.abs(score(merged) - score(state.base)).max() > 1e-3  # the policy differs
+
+
+def test_lora_config_and_flags_refuse_bad_input(tmp_path):
+  assert lora_cfg("lora.targets=q, gate").lora.targets == ("q", "gate")
+  with pytest.raises(ValueError, match=r"lora.rank=-1: expected an int >= 0"):
+    lora_cfg("lora.rank=-1")
+  with pytest.raises(ValueError, match=r"lora.targets=\('qkv',\)"):
+    lora_cfg("lora.targets=qkv")
+  with pytest.raises(ValueError, match=r"lora.targets=.*: \['q', 'k', 'v', 'o'\] names no "
+                     r"layer of this model \(family qwen3_5_text"):
+    lora_cfg(layer_types=("linear_attention",) * 2, n_layers=2)
+  with pytest.raises(ValueError, match=r"lora.rank=4 with train.advantage='gae'"):
+    lora_cfg("train.advantage=gae")
+  with pytest.raises(ValueError, match=r"lora.rank=4 with loss.name='dpo'"):
+    lora_cfg("loss.name=dpo")
+  assert lora_cfg("lora.rank=0", "train.advantage=gae").lora.enabled is False
+  fv, cfg, _, _ = run.parse(["run.py", "--experiment=grpo_arithmetic", "--merge"])
+  with pytest.raises(app.UsageError, match=r"--merge: lora.rank=0 \(LoRA off\)"):
+    run.lora_options(fv, cfg)
+  fv, cfg, _, _ = run.parse(["run.py", "--experiment=grpo_arithmetic", "--set=lora.rank=4",
+                             f"--adapter_dir={tmp_path}"])
+  with pytest.raises(app.UsageError, match=r"adapter_config.json: missing"):
+    run.lora_options(fv, cfg)
