@@ -30,6 +30,7 @@ flags.DEFINE_string("out", "", "results JSON-lines file ('' prints only)")
 flags.DEFINE_list("presets", ["small", "large"], "memory: model presets")
 flags.DEFINE_list("prefix_lens", ["8192", "32768"], "memory: P values")
 flags.DEFINE_integer("rank", 16, "LoRA rank")
+flags.DEFINE_list("methods", ["full", "lora"], "memory: methods, in the order measured")
 flags.DEFINE_bool("compile", True, "memory: compile for the footprint (false: the state's bytes "
                   "from shapes only, one row per preset, method and mode)")
 flags.DEFINE_integer("reps", 2, "speed: timed steps per configuration")
@@ -100,7 +101,8 @@ def memory(writer):
     lora_cfg = lora.LoraConfig(rank=FLAGS.rank, alpha=2.0 * FLAGS.rank)
     n_params = _nbytes(_shapes(cfg, None, _steps(cfg, None, "replay")[1])[0]) // 4
     for P in map(int, FLAGS.prefix_lens):
-      for method, lc in (("full", None), ("lora", lora_cfg)):
+      for method in FLAGS.methods:
+        lc = {"full": None, "lora": lora_cfg}[method]
         for mode in ("replay", "naive"):
           step, tx = _steps(cfg, lc, mode)
           args = _shapes(cfg, lc, tx)
