@@ -327,7 +327,7 @@ def incompatible(saved: dict, cfg: Config) -> list[str]:
   """'field: saved X, now Y' for every difference that forbids resuming."""
   now = json.loads(json.dumps(to_dict(cfg)))
   # a config saved before a section existed had that section's defaults
-  saved = {"lora": json.loads(json.dumps(dataclasses.asdict(LoraConfig()))), **saved}
+  saved = json.loads(json.dumps({"lora": dataclasses.asdict(LoraConfig()), **saved}))
   flat = lambda d: {f"{s}.{k}" if isinstance(v, dict) else s: vv
                     for s, v in d.items()
                     for k, vv in (v.items() if isinstance(v, dict) else [(None, v)])}
