@@ -164,14 +164,17 @@ def speed(writer):
 
 
 def table(paths) -> str:
-  """Markdown: the footprint per (preset, P, mode), full vs LoRA, and the speedups."""
+  """Markdown: the footprint per (preset, P, mode), full vs LoRA, and the speedups (rows of
+  a later input replace the same rows of an earlier one)."""
   from experiments import provenance
   rows = [r for p in paths for r in provenance.read(p)]
   mb = lambda b: f"{b / 2 ** 20:,.1f}"
   out = ["| preset | P | mode | method | trainable params | base B/param | trainable state "
          "MB (16 B/param) | trainable state vs full | compiled total MB | temp MB |",
          "|---|---|---|---|---|---|---|---|---|---|"]
-  mem = [r for r in rows if r["experiment"] == "lora_memory"]
+  # a row measured again in a later input replaces the earlier one (same preset, P, method, mode)
+  mem = list({(r["preset"], r["P"], r["method"], r["mode"]): r for r in rows
+              if r["experiment"] == "lora_memory"}.values())
   full = {(r["preset"], r["P"], r["mode"]): r for r in mem if r["method"] == "full"}
   for r in mem:
     f = full.get((r["preset"], r["P"], r["mode"]))
@@ -183,12 +186,13 @@ def table(paths) -> str:
                f" | {mb(r['temp_bytes']) if 'temp_bytes' in r else ''} |")
   speed = {(r["method"], r["mode"]): r for r in rows if r["experiment"] == "lora_speed"}
   if speed:
-    out += ["", "| method | replay cpu s | naive cpu s | speedup (cpu) | replay wall s | "
-            "naive wall s | speedup (wall) |", "|---|---|---|---|---|---|---|"]
+    out += ["", "| preset, P, T, R | method | replay cpu s | naive cpu s | speedup (cpu) | "
+            "replay wall s | naive wall s | speedup (wall) |", "|---|---|---|---|---|---|---|---|"]
     for method in ("full", "lora"):
       rp, nv = speed.get((method, "replay")), speed.get((method, "naive"))
       if rp and nv:
-        out.append(f"| {method} | {rp['cpu_s']:.2f} | {nv['cpu_s']:.2f} | "
+        out.append(f"| {rp['preset']}, {rp['P']}, {rp['T']}, {rp['R']} | {method} | "
+                   f"{rp['cpu_s']:.2f} | {nv['cpu_s']:.2f} | "
                    f"{nv['cpu_s'] / rp['cpu_s']:.2f}x | {rp['wall_s']:.1f} | {nv['wall_s']:.1f} | "
                    f"{nv['wall_s'] / rp['wall_s']:.2f}x |")
   return "\n".join(out)

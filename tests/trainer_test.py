@@ -160,7 +160,8 @@ def test_tree_rollout_encodes_prompt_ids(monkeypatch):
     seen.update(prompt_BP=prompt_BP, valid_BP=prompt_valid_BP)
     raise _Stop
 
-  state = types.SimpleNamespace(params=None, rng=jax.random.key_data(jax.random.key(0)))
+  state = types.SimpleNamespace(params=None, base=None,
+                                rng=jax.random.key_data(jax.random.key(0)))
   with pytest.raises(_Stop):
     tree_train.rl_batch(types.SimpleNamespace(sample=sample), state, task, cfg, 0)
   P = task.max_prompt_len
