@@ -14,7 +14,7 @@ import pytest
 from absl import app
 
 import run
-from branch_replay import losses, sampler, tasks, train, trainer
+from branch_replay import losses, sampler, sharding, tasks, train, trainer
 from branch_replay import lora as lora_train
 from branch_replay import state as train_state
 from branch_replay.config import Config, apply_overrides
@@ -158,3 +158,29 @@ def test_lora_config_and_flags_refuse_bad_input(tmp_path):
                              f"--adapter_dir={tmp_path}"])
   with pytest.raises(app.UsageError, match=r"adapter_config.json: missing"):
     run.lora_options(fv, cfg)
+
+
+@pytest.mark.parametrize("fanouts", ["", "2x4"])
+def test_lora_step_on_a_mesh_shapes(fanouts):
+  """The mesh paths (flat and tree) take params_fn: traced, the step returns adapter-shaped
+  params and optimizer state; the base keeps the parameter shardings (compile-free check)."""
+  extra = (["train.n_branches=8", f"tree.fanouts={fanouts}", "task.name=tree_haystack",
+            "task.sft_prompt_len=12"] if fanouts else ["train.n_branches=4"])
+  cfg = lora_cfg("mesh=data:2,context:4", *extra)
+  state = jax.eval_shape(lambda: train_state.init_state(cfg))
+  shardings = train_state.shardings(state, "state", cfg)
+  mesh = sharding.make_mesh(cfg.mesh)
+  assert shardings.base == sharding.param_shardings(mesh, cfg.model)
+  assert all(s == sharding.replicated(mesh) for s in jax.tree.leaves(shardings.params))
+  if fanouts:
+    from tests.tree_test import make_tree
+    batch = make_tree(4, (2, 4), B=2, P=8, T=(4, 4), vocab=cfg.model.vocab_size,
+                      dtype=jnp.float32)
+  else:
+    batch = make_batch(4, B=2, R=4, P=8, T=4, vocab=cfg.model.vocab_size)
+  new_state, out = jax.eval_shape(train.make_train_step(cfg, "rl", losses.LossConfig("pg")),
+                                  state, batch)
+  same = lambda a, b: jax.tree.map(lambda x, y: (x.shape, x.dtype) == (y.shape, y.dtype), a, b)
+  assert all(jax.tree.leaves(same(new_state.params, state.params)))
+  assert all(jax.tree.leaves(same(new_state.base, state.base)))
+  assert set(out) >= {"loss/policy", "grad/norm"}
