@@ -184,3 +184,17 @@ def test_lora_step_on_a_mesh_shapes(fanouts):
   assert all(jax.tree.leaves(same(new_state.params, state.params)))
   assert all(jax.tree.leaves(same(new_state.base, state.base)))
   assert set(out) >= {"loss/policy", "grad/norm"}
+
+
+def test_adapter_dir_starts_the_run_from_a_peft_adapter(tmp_path):
+  import types
+  cfg = lora_cfg()
+  start = _randomized(lora_lib.init_adapters(cfg.model, cfg.lora, jax.random.key(5)))
+  lora_lib.save_peft(str(tmp_path / "a"), cfg.model, cfg.lora, start)
+  fv = types.SimpleNamespace(merge=False, adapter_dir=str(tmp_path / "a"), model_dir=None)
+  adapters, _ = run.lora_options(fv, cfg)
+  state = train_state.init_state(cfg, init_adapters=adapters)
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.params),
+               jax.tree.map(np.asarray, start))
+  with pytest.raises(app.UsageError, match=r"r=4 but lora.rank=8"):
+    run.lora_options(fv, dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, rank=8)))
