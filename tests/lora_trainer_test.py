@@ -160,18 +160,20 @@ def test_lora_config_and_flags_refuse_bad_input(tmp_path):
     run.lora_options(fv, cfg)
 
 
-@pytest.mark.parametrize("fanouts", ["", "2x4"])
-def test_lora_step_on_a_mesh_shapes(fanouts):
-  """The mesh paths (flat and tree) take params_fn: traced, the step returns adapter-shaped
-  params and optimizer state; the base keeps the parameter shardings (compile-free check)."""
+@pytest.mark.parametrize("fanouts, mesh", [("", "data:2,context:4"), ("2x4", "data:2,context:4"),
+                                           ("2x4", "")])
+def test_lora_step_shapes_on_trees_and_a_mesh(fanouts, mesh):
+  """The tree and mesh paths take params_fn: traced, the step returns adapter-shaped params
+  and optimizer state; on a mesh the base keeps the parameter shardings (compile-free)."""
   extra = (["train.n_branches=8", f"tree.fanouts={fanouts}", "task.name=tree_haystack",
             "task.sft_prompt_len=12"] if fanouts else ["train.n_branches=4"])
-  cfg = lora_cfg("mesh=data:2,context:4", *extra)
+  cfg = lora_cfg(f"mesh={mesh}", *extra)
   state = jax.eval_shape(lambda: train_state.init_state(cfg))
-  shardings = train_state.shardings(state, "state", cfg)
-  mesh = sharding.make_mesh(cfg.mesh)
-  assert shardings.base == sharding.param_shardings(mesh, cfg.model)
-  assert all(s == sharding.replicated(mesh) for s in jax.tree.leaves(shardings.params))
+  if mesh:
+    shardings = train_state.shardings(state, "state", cfg)
+    mesh_ = sharding.make_mesh(cfg.mesh)
+    assert shardings.base == sharding.param_shardings(mesh_, cfg.model)
+    assert all(s == sharding.replicated(mesh_) for s in jax.tree.leaves(shardings.params))
   if fanouts:
     from tests.tree_test import make_tree
     batch = make_tree(4, (2, 4), B=2, P=8, T=(4, 4), vocab=cfg.model.vocab_size,
