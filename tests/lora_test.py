@@ -224,3 +224,32 @@ def test_merge_command(tmp_path):
   assert hf.read_config(str(tmp_path / "merged"))["eos_token_id"] == 2
   with pytest.raises(ValueError, match="--merge: lora.rank=0"):
     lora.main([f"--base={tmp_path / 'base'}", "--merge", f"--out={tmp_path / 'x'}"])
+
+
+def test_memory_table_takes_a_later_inputs_row_and_the_speedups(tmp_path):
+  """experiments/lora_memory.py --what=table: a row measured again replaces the earlier one;
+  the speedup is naive / replay per method."""
+  import json as json_lib
+  import subprocess
+  import sys
+  mem = lambda method, total, **kw: dict(
+      experiment="lora_memory", preset="large", P=32768, R=16, T=128, B=1, method=method,
+      mode="replay", rank=16, n_params=10, trainable_params=10, frozen_base_bytes=0,
+      trainable_bytes=40, optimizer_bytes=80, trainable_state_bytes=kw.get("state", 160),
+      argument_bytes=0, temp_bytes=total, output_bytes=0, alias_bytes=0,
+      compiled_total_bytes=total)
+  speed = lambda method, mode, cpu: dict(experiment="lora_speed", preset="small", P=2048, R=16,
+                                         T=128, method=method, mode=mode, cpu_s=cpu, wall_s=cpu)
+  old, new = tmp_path / "old.jsonl", tmp_path / "new.jsonl"
+  old.write_text(json_lib.dumps(mem("full", 2 ** 20)) + "\n")
+  new.write_text("\n".join(json_lib.dumps(r) for r in [
+      mem("full", 3 * 2 ** 20), mem("lora", 2 ** 20, state=16), speed("full", "replay", 2.0),
+      speed("full", "naive", 20.0), speed("lora", "replay", 2.0),
+      speed("lora", "naive", 18.0)]) + "\n")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  table = subprocess.run(  # a subprocess: the experiments' absl flags share names
+      [sys.executable, os.path.join(root, "experiments", "lora_memory.py"), "--what=table",
+       f"--inputs={old},{new}"], capture_output=True, text=True, check=True, cwd=root).stdout
+  rows = [line for line in table.splitlines() if line.startswith("| large")]
+  assert len(rows) == 2 and "| 3.0 |" in rows[0] and "| 10.00% |" in rows[1]
+  assert "| 10.00x |" in table and "| 9.00x |" in table
