@@ -5,7 +5,7 @@ one process, the same seed (so the same sampled groups, up to float32 drift). Pe
 median of every phase over the RL steps after the first (which compiles), the mean step,
 and the totals; a results line per mode with provenance.
 
-  python experiments/phase_times.py --out=experiments/results/phase_times_cpu.jsonl
+  python experiments/phase_times.py --out=experiments/results/phase_times_cpu.jsonl   # 100 + 20 steps
   python experiments/phase_times.py --sft_steps=600 --rl_steps=150   # the whole default run
 
 old_logp_s is 0 on this path: the sampler returns the behaviour log-probs with the tokens
@@ -29,9 +29,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("sft_steps", 600, "warm-up steps (the default run's 600: the policy "
-                     "then answers as in the default run's RL phase)")
-flags.DEFINE_integer("rl_steps", 30, "RL steps per mode (the default run: 150)")
+flags.DEFINE_integer("sft_steps", 100, "warm-up steps (the default run: 600; the policy "
+                     "then answers more alike, as in the default run)")
+flags.DEFINE_integer("rl_steps", 20, "RL steps per mode (the default run: 150)")
 flags.DEFINE_list("modes", ["replay", "naive", "auto_tree"], "replay | naive | auto_tree")
 flags.DEFINE_multi_string("set", [], "extra config overrides, as run.py's --set")
 flags.DEFINE_string("out", "", "append JSON lines here")
