@@ -43,4 +43,4 @@ def totals(records) -> dict:
 
 
 def format_totals(seconds: dict) -> str:
-  return "time by phase (RL steps): " + ", ".join(f"{p} {s:.1f} s" for p, s in seconds.items())
+  return "time by phase (RL steps): " + ", ".join(f"{p} {s:.2f} s" for p, s in seconds.items())
