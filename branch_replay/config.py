@@ -31,6 +31,10 @@ class ReplayConfig:
   branch_chunk: Optional[int] = None  # stream the R branches in chunks of this size
   # [rollouts] first-step self-check (verify.py): first | off | auto (first for --model_dir)
   verify: str = "auto"
+  # [autotree] the sampler's flat groups laid out as their token trie (trie.py: a shared
+  # opening becomes trunk, shared runs a level) and trained as a TreeBatch, same step, same
+  # gradient; False: the flat batch
+  auto_tree: bool = False
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -152,6 +156,8 @@ class Config:
                        "group, expected >= 2")
     self._check_rl_algorithm()
     self._check_lora()
+    if self.replay.auto_tree:
+      self._check_auto_tree()
     chunk = self.replay.branch_chunk
     if chunk is not None and not self.tree.fanouts and self.train.n_branches % chunk:
       raise ValueError(f"replay.branch_chunk={chunk}: expected a divisor of "
@@ -231,6 +237,24 @@ class Config:
       if value not in expected:
         raise ValueError(f"{field}={value!r} with tree.fanouts={self.tree.fanouts!r}: {why}; "
                          f"expected {' or '.join(map(repr, expected))}")
+
+  def _check_auto_tree(self):  # [autotree]
+    """replay.auto_tree: what the flat sampler's tree layout cannot serve, by field."""
+    refused = [  # (field, value, allowed, expected, why)
+        ("tree.fanouts", self.tree.fanouts, ("",), "''", "sampled trees are trees already"),
+        ("task.name", self.task.name, None, "a sampled task (not 'rollouts')",
+         "a rollouts file has its own layout switch, task.auto_tree"),
+        ("loss.name", self.loss.name, tuple(n for n in losses.OBJECTIVES if n != "dpo"),
+         None, "preference pairs are not sampled groups"),
+        ("train.advantage", self.train.advantage, tuple(sorted(advantages.ESTIMATORS)), None,
+         "per-token (GAE) advantages and the critic's batch are not laid out as a tree"),
+    ]
+    for field, value, allowed, expected, why in refused:
+      bad = value == "rollouts" if allowed is None else value not in allowed
+      if bad:
+        expected = expected or " or ".join(map(repr, allowed))
+        raise ValueError(f"{field}={value!r} with replay.auto_tree=true: {why}; expected "
+                         f"{expected}")
 
   @property
   def uses_critic(self) -> bool:
@@ -319,7 +343,7 @@ def from_dict(d: dict) -> Config:
 # another experiment.
 RESUMABLE = ("train.rl_steps", "train.checkpoint_every", "train.keep_checkpoints",
              "train.eval_size", "train.progress", "train.plot", "train.tensorboard",
-             "replay.mode", "replay.branch_chunk", "mesh", "train.max_sample_rounds",
+             "replay.mode", "replay.branch_chunk", "replay.auto_tree", "mesh", "train.max_sample_rounds",
              "dpo.pairs_file")
 
 

@@ -78,8 +78,11 @@ def plot(records: list[dict], path: str) -> str:
   ax_r.set_ylabel("reward")
   ax_r.legend(loc="lower right")
   ax_t.plot([r["step"] for r in train], [r.get("time/step_s") for r in train], label="train step")
-  ax_t.plot([r["step"] for r in train], [r.get("time/sample_s") or 0.0 for r in train],
-            label="sampling")
+  from branch_replay import phases
+  for phase in phases.PHASES:  # the RL step by phase (those that ran)
+    seconds = [r.get(f"time/{phase}_s") or 0.0 for r in rl]
+    if any(seconds):
+      ax_t.plot([r["step"] for r in rl], seconds, label=phase, lw=0.8)
   ax_t.set_xlabel("step")
   ax_t.set_ylabel("seconds (log)")
   ax_t.set_yscale("log")

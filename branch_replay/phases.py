@@ -4,6 +4,10 @@
   with timer("sample"):
     samples = jax.block_until_ready(sample(...))   # block inside: JAX dispatches async
   rec.update(timer.metrics())   # every phase present (0.0 for one that did not run)
+
+Every RL path writes all five per step (flat and sampled-tree GRPO, a rollouts file); where
+the sampler returns the behaviour log-probs with its tokens, old_logp_s is 0 (part of
+sample_s). `totals(records)` sums them over a run's RL steps for its summary.
 """
 
 from __future__ import annotations
@@ -30,3 +34,13 @@ class Timer:
 
   def metrics(self) -> dict:
     return {f"time/{p}_s": s for p, s in self.seconds.items()}
+
+
+def totals(records) -> dict:
+  """Seconds per phase summed over a run's RL steps (every phase present; warm-up excluded)."""
+  rl = [r for r in records if r.get("kind", "train") == "train" and r.get("phase") != "sft"]
+  return {p: float(sum(r.get(f"time/{p}_s") or 0.0 for r in rl)) for p in PHASES}
+
+
+def format_totals(seconds: dict) -> str:
+  return "time by phase (RL steps): " + ", ".join(f"{p} {s:.2f} s" for p, s in seconds.items())

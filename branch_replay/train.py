@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from branch_replay import (advantages, critic, dapo, engine, losses, policy, sampler, sharding,
-                           tasks, tree, tree_sharding)
+from branch_replay import (advantages, critic, dapo, engine, losses, phases, policy, sampler,
+                           sharding, tasks, tree, tree_sharding)
 from branch_replay.batch import ReplayBatch, validate
 from branch_replay.config import Config
 from branch_replay.state import (TrainState, make_critic_optimizer, make_optimizer, place,
@@ -155,9 +155,9 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
   from `train.advantage` (a group estimator, or GAE from the critic's values). With
   `train.dynamic_sampling` (DAPO) groups whose rewards are all equal are replaced by
   groups of fresh prompts, up to `train.max_sample_rounds` sampling rounds. Stats include
-  the seconds of each phase (time/data_s, generate_s, reward_s, assemble_s; time/sample_s =
-  the first three), every sampling round included."""
-  t0 = time.perf_counter()
+  the seconds of each phase (phases.py; every sampling round included): time/sample_s =
+  data_s (prompts drawn, encoded) + generate_s; reward_s; old_logp_s = 0 (the sampler returns
+  the behaviour log-probs with the tokens: part of sampling); ref_logp_s; assemble_s."""
   t = cfg.train
   stats = {}
   phase_s = dict.fromkeys(("data", "generate", "reward"), 0.0)
@@ -218,8 +218,9 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
   raw = rows["raw_BR"]
   return batch, cb, {"reward/mean": float(raw.mean()), "reward/std": float(raw.std()),
                      "reward/shaped_mean": float(rewards_BR.mean()),
-                     "time/sample_s": t1 - t0,
                      **{f"time/{name}_s": seconds for name, seconds in phase_s.items()},
+                     "time/sample_s": phase_s["data"] + phase_s["generate"],
+                     "time/old_logp_s": 0.0, "time/ref_logp_s": 0.0,
                      "time/assemble_s": time.perf_counter() - t1, **stats}
 
 
@@ -313,7 +314,8 @@ def compile_key(cfg: Config) -> Config:
   train = dataclasses.replace(cfg.train, seed=0, rl_steps=0, checkpoint_every=1,
                               keep_checkpoints=1, eval_size=0, progress=False, plot=False,
                               tensorboard=False)
-  return dataclasses.replace(cfg, train=train, task=TaskConfig())
+  replay = dataclasses.replace(cfg.replay, auto_tree=False)  # trees dispatch at trace time
+  return dataclasses.replace(cfg, train=train, task=TaskConfig(), replay=replay)
 
 
 @functools.lru_cache(maxsize=8)
@@ -360,6 +362,7 @@ def summarize(records, cfg: Config) -> dict:
       # PPO's critic: explained variance of the old values, pooled over the same windows
       "value_ev_before": critic.pooled_explained_variance(rl[:k]) if has_critic else None,
       "value_ev_after": critic.pooled_explained_variance(rl[-k:]) if has_critic else None,
+      "time_by_phase": phases.totals(records),
   }
 
 
@@ -386,6 +389,7 @@ def format_summary(s: dict) -> str:
          f"{fmt(s['value_ev_before'])} -> {fmt(s['value_ev_after'])}"]
         if s.get("value_ev_before") is not None else []),
       f"time: {s['wall_s']:.0f} s wall ({s['train_time_s']:.0f} s in {s['steps']} steps)",
+      *([phases.format_totals(s["time_by_phase"])] if s.get("time_by_phase") else []),
       f"checkpoints: {_shown(s['checkpoint'])}",
       f"metrics: {_shown(s['metrics'])}",
       f"plot: {_shown(s['plot'])}",

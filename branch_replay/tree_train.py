@@ -66,12 +66,14 @@ def rl_batch(fns, state: train_state.TrainState, task, cfg: Config, step: int, t
   samples = sharding.to_host(samples)  # every process decodes and rewards all samples
   sample_s = time.time() - t0
   rewards_BR = rewards_of(task, examples, samples, fanouts, tok)
+  reward_s = time.time() - t0 - sample_s
   use_std = cfg.train.advantage_std and cfg.train.advantage != "dr_grpo"  # config-checked
   advantages = tree.tree_advantages(rewards_BR, fanouts, use_std=use_std)
   if not cfg.tree.node_advantages:
     advantages = [None] * (len(fanouts) - 1) + advantages[-1:]
   batch = tree_sampler.to_tree_batch(prompt_BP, valid_BP, samples, fanouts, advantages)
-  stats = {}
+  # the phases (phases.py); the sampler returns the behaviour log-probs (old_logp: sampling's)
+  stats = {"time/reward_s": reward_s, "time/old_logp_s": 0.0, "time/ref_logp_s": 0.0}
   ref = train_state.reference(state, cfg)  # LoRA: the base, adapters off
   if ref is not None:  # k3 KL: reference log-probs of every node, one forward
     r0 = time.time()

@@ -7,7 +7,8 @@
                      without log-probs;
   (d) shared_open    responses sharing a 64-token opening, then their own tokens (file).
 For each: the automatic tree's shape (trie.py), tree_token_ratio, one loss+gradient step of
-flat replay vs the automatic tree (median wall and CPU seconds), their useful-FLOP ratio,
+flat replay vs the automatic tree (median wall and CPU seconds, the two timed alternately),
+their useful-FLOP ratio,
 and the gradients' agreement (max relative error over leaves, tree vs flat).
 
   python experiments/rollout_strategies.py --out=experiments/results/rollout_strategies_cpu.jsonl
@@ -117,16 +118,22 @@ def responses_of(strategy, params, cfg, prompts, rng, tmp):
           None if loaded[0].logprobs is None else [list(l.logprobs) for l in loaded], path)
 
 
-def timed(fn, *args):
+def timed_pair(fn_a, args_a, fn_b, args_b):
+  """Both steps compiled and warmed up, then timed alternately (a, b, a, b, ...) so a load
+  that changes during the run (the machine is shared) falls on both alike: (out_a, wall_a,
+  cpu_a, out_b, wall_b, cpu_b), medians over FLAGS.reps."""
   import jax
-  jax.block_until_ready(fn(*args))  # compile + warm-up
-  wall, cpu = [], []
+  outs = [jax.block_until_ready(fn_a(*args_a)), jax.block_until_ready(fn_b(*args_b))]
+  times = [([], []), ([], [])]
   for _ in range(FLAGS.reps):
-    t0, c0 = time.perf_counter(), time.process_time()
-    out = jax.block_until_ready(fn(*args))
-    wall.append(time.perf_counter() - t0)
-    cpu.append(time.process_time() - c0)
-  return out, statistics.median(wall), statistics.median(cpu)
+    for i, (fn, args) in enumerate(((fn_a, args_a), (fn_b, args_b))):
+      t0, c0 = time.perf_counter(), time.process_time()
+      jax.block_until_ready(fn(*args))
+      times[i][0].append(time.perf_counter() - t0)
+      times[i][1].append(time.process_time() - c0)
+  med = statistics.median
+  return (outs[0], med(times[0][0]), med(times[0][1]),
+          outs[1], med(times[1][0]), med(times[1][1]))
 
 
 def main(argv):
@@ -158,8 +165,8 @@ def main(argv):
       t_build = time.perf_counter()
       tree_batch, stats = trie.layout(prompts, responses, adv, old_logps=logps)
       t_build = time.perf_counter() - t_build
-      (lf, _, gf), flat_s, flat_cpu = timed(flat_fn, params, flat)
-      (lt, _, gt), tree_s, tree_cpu = timed(tree_fn, params, tree_batch)
+      (lf, _, gf), flat_s, flat_cpu, (lt, _, gt), tree_s, tree_cpu = timed_pair(
+          flat_fn, (params, flat), tree_fn, (params, tree_batch))
       levels = [(int(np.prod(stats["fanouts"][:d + 1])), l.tokens_BRT.shape[2])
                 for d, l in enumerate(tree_batch.levels)]
       flop_ratio = flops(cfg, B, P, [(R, T)]) / flops(cfg, B, tree_batch.root_BP.shape[1],
@@ -174,6 +181,7 @@ def main(argv):
                  tree_cpu_s=round(tree_cpu, 4), speedup=round(flat_s / tree_s, 3),
                  speedup_cpu=round(flat_cpu / tree_cpu, 3), flop_ratio=round(flop_ratio, 3),
                  speedup_over_flop_ratio=round(flat_s / tree_s / flop_ratio, 3),
+                 speedup_cpu_over_flop_ratio=round(flat_cpu / tree_cpu / flop_ratio, 3),
                  loss_rel_err=float(abs(lt - lf) / max(abs(lf), 1e-30)),
                  grad_max_rel_err=max_rel_err(gt, gf), reps=FLAGS.reps)
       if writer:

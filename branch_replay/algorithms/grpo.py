@@ -4,17 +4,36 @@ groups (R branches per prompt, optional trunk); `TreeGRPO` samples trees (`tree.
 
 from __future__ import annotations
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from branch_replay import sharding, tasks, train, tree, tree_train, verify
+from branch_replay import sharding, tasks, train, tree, tree_train, trie, verify
 from branch_replay import state as train_state
 from branch_replay.batch import validate
 
 
 def _floats(out) -> dict:
   return {k: float(v) for k, v in jax.device_get(out).items()}
+
+
+def auto_tree(batch, cfg, pad_id: int = 0):
+  """replay.auto_tree: a sampled flat batch as its cheapest exact tree (trie.auto_tree: the
+  opening all of a prompt's branches share becomes scored trunk, a shared run of a group a
+  level), for the same train step; the gradient is the flat batch's. With replay.branch_chunk
+  the layout keeps one level (fan-out R, which the chunk divides). Host side. Returns
+  (TreeBatch, stats: replay/tree_token_ratio = naive positions / tree positions, ...)."""
+  t0 = time.perf_counter()
+  max_depth = 1 if cfg.replay.branch_chunk else 2
+  batch, s = trie.auto_tree(batch, max_depth=max_depth, pad_id=pad_id)
+  tree.validate(batch, cfg.model.vocab_size, cfg.replay.branch_chunk)
+  return batch, {"replay/tree_token_ratio": s["tree_token_ratio"],
+                 "replay/trie_token_ratio": s["trie_token_ratio"],
+                 "replay/trunk_len": s["trunk_len"],
+                 "replay/fanouts": "x".join(map(str, s["fanouts"])),
+                 "time/layout_s": time.perf_counter() - t0}
 
 
 class GRPO:
@@ -52,6 +71,9 @@ class GRPO:
   def batch(self, state, step):
     batch, critic_batch, stats = train.rl_batch(self.fns, state, self.task, self.cfg, step,
                                                 self.tok)
+    if self.cfg.replay.auto_tree:  # config-checked: no critic batch
+      batch, tree_stats = auto_tree(batch, self.cfg, self.tok.pad_id)
+      stats = {**stats, **tree_stats}
     return (batch, critic_batch), stats
 
   def update(self, state, batch, step):

@@ -134,9 +134,12 @@ class Rollouts:
     k = max(1, min(10, len(train) // 4))
     mean = lambda rs: float(np.mean([r["reward/mean"] for r in rs])) if rs else float("nan")
     return {"steps": len(train), "records": records, "reward_first": mean(train[:k]),
-            "reward_last": mean(train[-k:]), "window": k}
+            "reward_last": mean(train[-k:]), "window": k,
+            "time_by_phase": phases.totals(records)}
 
   @staticmethod
   def format_summary(summary) -> str:
     return (f"rollouts: {summary['steps']} steps, reward (file) first {summary['window']} "
-            f"{summary['reward_first']:.3f}, last {summary['reward_last']:.3f}")
+            f"{summary['reward_first']:.3f}, last {summary['reward_last']:.3f}"
+            + (f"\n{phases.format_totals(summary['time_by_phase'])}"
+               if summary.get("time_by_phase") else ""))
