@@ -94,6 +94,9 @@ class ModelConfig:
   linear_value_head_dim: int = 64
   linear_conv_kernel: int = 4  # the causal depthwise convolution's width
   linear_chunk: int = 64  # positions per chunk of the chunked delta rule (compute only)
+  linear_remat: bool = True  # rematerialise each chunk of the linear layers' token mixer in
+  #   the backward: the gradient keeps h per token, not the mixer's ~25 temporaries (cost: one
+  #   more mixer forward)
   attn_output_gate: bool = False  # Qwen3.5 full attention: output * sigmoid(x W_gate)
   rotary_fraction: float = 1.0  # Qwen3.5: RoPE on the first fraction of each head's dims
   # --- end hybrid ---

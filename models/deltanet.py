@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ACTIVATIONS, ModelConfig
-from models.layers import RMSNorm
+from models.layers import RMSNorm, rms_norm
 
 Array = jax.Array
 
@@ -84,36 +84,38 @@ def chunked_delta_rule(q_BTNH, k_BTNH, v_BTNJ, g_BTN, beta_BTN, state_BNHJ, chun
   # Padding positions: decay 1 (g = 0) and learning rate 0 leave the state as it is.
   padded = lambda x: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
   chunks = lambda x: jnp.moveaxis(padded(x).reshape(B, n, c, *x.shape[2:]), 1, 0)
-  lower_cc = jnp.tril(jnp.ones((c, c), bool))
-  strict_cc = jnp.tril(jnp.ones((c, c), bool), -1)
-
-  @jax.checkpoint
-  def body(S_BNHJ, xs):
-    q_BcNH, k_BcNH, v_BcNJ, g_BcN, beta_BcN = xs
-    gamma_BNc = jnp.cumsum(jnp.swapaxes(g_BcN, 1, 2), axis=-1)
-    diff_BNcc = gamma_BNc[..., :, None] - gamma_BNc[..., None, :]
-    decay_BNcc = jnp.exp(jnp.where(lower_cc, diff_BNcc, -jnp.inf))  # 0 above the diagonal
-    kb_BcNH = k_BcNH * beta_BcN[..., None]
-    A_BNcc = jnp.where(strict_cc, jnp.einsum("BiNh,BjNh->BNij", kb_BcNH, k_BcNH) * decay_BNcc,
-                       0.0) + jnp.eye(c, dtype=decay_BNcc.dtype)
-    solve = lambda rhs_BNcX: jax.scipy.linalg.solve_triangular(A_BNcc, rhs_BNcX, lower=True,
-                                                               unit_diagonal=True)
-    u_BNcJ = solve(jnp.einsum("BcNJ,BcN->BNcJ", v_BcNJ, beta_BcN))
-    w_BNcH = solve(jnp.swapaxes(kb_BcNH, 1, 2) * jnp.exp(gamma_BNc)[..., None])
-    new_BNcJ = u_BNcJ - jnp.einsum("BNch,BNhJ->BNcJ", w_BNcH, S_BNHJ)
-    attn_BNcc = jnp.einsum("BiNh,BjNh->BNij", q_BcNH, k_BcNH) * decay_BNcc
-    qd_BNcH = jnp.swapaxes(q_BcNH, 1, 2) * jnp.exp(gamma_BNc)[..., None]
-    o_BNcJ = (jnp.einsum("BNch,BNhJ->BNcJ", qd_BNcH, S_BNHJ)
-              + jnp.einsum("BNij,BNjJ->BNiJ", attn_BNcc, new_BNcJ))
-    kd_BNcH = jnp.swapaxes(k_BcNH, 1, 2) * jnp.exp(gamma_BNc[..., -1:] - gamma_BNc)[..., None]
-    S_BNHJ = (S_BNHJ * jnp.exp(gamma_BNc[..., -1])[..., None, None]
-              + jnp.einsum("BNch,BNcJ->BNhJ", kd_BNcH, new_BNcJ))
-    return S_BNHJ, jnp.swapaxes(o_BNcJ, 1, 2)
-
+  body = jax.checkpoint(delta_chunk)
   xs = tuple(chunks(x) for x in (q_BTNH, k_BTNH, v_BTNJ, g_BTN, beta_BTN))
   state_BNHJ, o_nBcNJ = jax.lax.scan(body, state_BNHJ, xs)
   o_BTNJ = jnp.moveaxis(o_nBcNJ, 0, 1).reshape(B, n * c, N, J)[:, :T]
   return o_BTNJ, state_BNHJ
+
+
+def delta_chunk(S_BNHJ, xs):
+  """One chunk of c positions of the chunked rule: (state after it, outputs o_BcNJ)."""
+  q_BcNH, k_BcNH, v_BcNJ, g_BcN, beta_BcN = xs
+  c = k_BcNH.shape[1]
+  lower_cc = jnp.tril(jnp.ones((c, c), bool))
+  strict_cc = jnp.tril(jnp.ones((c, c), bool), -1)
+  gamma_BNc = jnp.cumsum(jnp.swapaxes(g_BcN, 1, 2), axis=-1)
+  diff_BNcc = gamma_BNc[..., :, None] - gamma_BNc[..., None, :]
+  decay_BNcc = jnp.exp(jnp.where(lower_cc, diff_BNcc, -jnp.inf))  # 0 above the diagonal
+  kb_BcNH = k_BcNH * beta_BcN[..., None]
+  A_BNcc = jnp.where(strict_cc, jnp.einsum("BiNh,BjNh->BNij", kb_BcNH, k_BcNH) * decay_BNcc,
+                     0.0) + jnp.eye(c, dtype=decay_BNcc.dtype)
+  solve = lambda rhs_BNcX: jax.scipy.linalg.solve_triangular(A_BNcc, rhs_BNcX, lower=True,
+                                                             unit_diagonal=True)
+  u_BNcJ = solve(jnp.einsum("BcNJ,BcN->BNcJ", v_BcNJ, beta_BcN))
+  w_BNcH = solve(jnp.swapaxes(kb_BcNH, 1, 2) * jnp.exp(gamma_BNc)[..., None])
+  new_BNcJ = u_BNcJ - jnp.einsum("BNch,BNhJ->BNcJ", w_BNcH, S_BNHJ)
+  attn_BNcc = jnp.einsum("BiNh,BjNh->BNij", q_BcNH, k_BcNH) * decay_BNcc
+  qd_BNcH = jnp.swapaxes(q_BcNH, 1, 2) * jnp.exp(gamma_BNc)[..., None]
+  o_BNcJ = (jnp.einsum("BNch,BNhJ->BNcJ", qd_BNcH, S_BNHJ)
+            + jnp.einsum("BNij,BNjJ->BNiJ", attn_BNcc, new_BNcJ))
+  kd_BNcH = jnp.swapaxes(k_BcNH, 1, 2) * jnp.exp(gamma_BNc[..., -1:] - gamma_BNc)[..., None]
+  S_BNHJ = (S_BNHJ * jnp.exp(gamma_BNc[..., -1])[..., None, None]
+            + jnp.einsum("BNch,BNcJ->BNhJ", kd_BNcH, new_BNcJ))
+  return S_BNHJ, jnp.swapaxes(o_BNcJ, 1, 2)
 
 
 # ----------------------------------------------------------------------------- convolution
@@ -132,6 +134,78 @@ def causal_conv(x_BTC, w_KC, conv_BWC, valid_BT):
   idx_BW = end_B[:, None] + jnp.arange(W)
   conv_BWC = jnp.take_along_axis(ext_BSC, idx_BW[..., None], axis=1)
   return jax.nn.silu(y_BTC), conv_BWC
+
+
+def token_mix(cfg: ModelConfig, valid_BT, h_BTD, state_BNHJ, conv_BWC, w_qkv_DC, w_conv_KC,
+              w_b_DN, w_a_DN, A_log_N, dt_bias_N, w_z_DNJ, norm_scale_J, w_out_NJD):
+  """A linear layer's token mixer, from its normed input h to its output a (added to the
+  residual stream): projections, causal conv, head split, l2norm, beta and decay, the delta
+  rule, the gated norm and the output projection. Returns (a_BTD, the new recurrent state,
+  the new conv state, up to the last valid token).
+
+  One token (decoding): the recurrent form. More: the whole mixer runs chunk by chunk of
+  c = linear_chunk positions under `lax.scan` (the chunked rule's chunks), carrying the
+  recurrent state, the last W conv inputs and the conv state at the last valid token; with
+  `linear_remat` each chunk is rematerialised in the backward, so what the gradient keeps
+  per token is h alone and the mixer's temporaries live one chunk at a time (cost: the
+  mixer's forward once more in the backward)."""
+  weights = (w_qkv_DC, w_conv_KC, w_b_DN, w_a_DN, A_log_N, dt_bias_N, w_z_DNJ, norm_scale_J,
+             w_out_NJD)
+  B, T, _ = h_BTD.shape
+  if T == 1:
+    a_BTD, state_BNHJ, _, conv_BWC = _mix_chunk(cfg, weights, recurrent_delta_rule, (
+        state_BNHJ, conv_BWC.astype(h_BTD.dtype), conv_BWC.astype(h_BTD.dtype)),
+        (h_BTD, valid_BT))
+    return a_BTD, state_BNHJ, conv_BWC
+  c = min(cfg.linear_chunk, T)
+  n = -(-T // c)
+  pad = n * c - T  # padding positions: h = 0, not valid (decay 1, learning rate 0)
+  chunks = lambda x: jnp.moveaxis(jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+                                  .reshape(B, n, c, *x.shape[2:]), 1, 0)
+  rule = lambda *xs: delta_chunk(xs[-1], xs[:-1])[::-1]  # (o, S) as recurrent_delta_rule
+  body = lambda carry, xs: _mix_chunk(cfg, weights, rule, carry, xs)
+  if cfg.linear_remat:
+    body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+  conv_BWC = conv_BWC.astype(h_BTD.dtype)
+  scan_body = lambda carry, xs: (lambda a, *carry: (tuple(carry), a))(*body(carry, xs))
+  (state_BNHJ, _, conv_BWC), a_nBcD = jax.lax.scan(
+      scan_body, (state_BNHJ, conv_BWC, conv_BWC), (chunks(h_BTD), chunks(valid_BT)))
+  return jnp.moveaxis(a_nBcD, 0, 1).reshape(B, n * c, -1)[:, :T], state_BNHJ, conv_BWC
+
+
+def _mix_chunk(cfg: ModelConfig, weights, rule, carry, xs):
+  """The token mixer on c positions after `carry` = (recurrent state, the last W conv inputs,
+  the conv state at the last valid token so far): (a_BcD, *the carry after them)."""
+  (w_qkv_DC, w_conv_KC, w_b_DN, w_a_DN, A_log_N, dt_bias_N, w_z_DNJ, norm_scale_J,
+   w_out_NJD) = weights
+  S_BNHJ, last_BWC, conv_BWC = carry
+  h_BcD, valid_Bc = xs
+  B, c, _ = h_BcD.shape
+  K, N = cfg.linear_key_heads, cfg.linear_value_heads
+  H, J = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+  dt, acc = h_BcD.dtype, _acc(h_BcD.dtype)
+  x_BcC = jnp.einsum("BcD,DC->BcC", h_BcD, w_qkv_DC.astype(dt))
+  mixed_BcC, chunk_conv_BWC = causal_conv(x_BcC, w_conv_KC.astype(dt), last_BWC, valid_Bc)
+  last_BWC = jnp.concatenate([last_BWC, x_BcC], axis=1)[:, c:]
+  conv_BWC = jnp.where(jnp.any(valid_Bc, axis=1)[:, None, None], chunk_conv_BWC, conv_BWC)
+  q_BcKH, k_BcKH, v_BcNJ = jnp.split(mixed_BcC, [K * H, 2 * K * H], axis=-1)
+  G = N // K
+  heads = lambda x_BcC, n, d: jnp.repeat(x_BcC.reshape(B, c, n, d).astype(acc), G, axis=2)
+  q_BcNH, k_BcNH = l2norm(heads(q_BcKH, K, H)) * H ** -0.5, l2norm(heads(k_BcKH, K, H))
+  v_BcNJ = v_BcNJ.reshape(B, c, N, J).astype(acc)
+  beta_BcN = jax.nn.sigmoid(jnp.einsum("BcD,DN->BcN", h_BcD, w_b_DN.astype(dt)).astype(acc))
+  a_BcN = jnp.einsum("BcD,DN->BcN", h_BcD, w_a_DN.astype(dt)).astype(acc)
+  g_BcN = -jnp.exp(A_log_N.astype(acc)) * jax.nn.softplus(a_BcN + dt_bias_N.astype(acc))
+  # Padding leaves the state untouched: decay exp(0) = 1, learning rate 0.
+  g_BcN = jnp.where(valid_Bc[..., None], g_BcN, 0.0)
+  beta_BcN = jnp.where(valid_Bc[..., None], beta_BcN, 0.0)
+  o_BcNJ, S_BNHJ = rule(q_BcNH, k_BcNH, v_BcNJ, g_BcN, beta_BcN, S_BNHJ)
+  # The output gate: the gated RMSNorm over J (no offset) times silu(h W_z), then W_out.
+  z_BcNJ = jnp.einsum("BcD,DNJ->BcNJ", h_BcD, w_z_DNJ.astype(dt))
+  o_BcNJ = (rms_norm(o_BcNJ.astype(dt), norm_scale_J, cfg.norm_eps).astype(acc)
+            * jax.nn.silu(z_BcNJ.astype(acc)))
+  a_BcD = jnp.einsum("BcNJ,NJD->BcD", o_BcNJ.astype(dt), w_out_NJD.astype(dt))
+  return a_BcD, S_BNHJ, last_BWC, conv_BWC
 
 
 # ----------------------------------------------------------------------------- the layer
@@ -189,8 +263,6 @@ class GatedDeltaNetBlock(nn.Module):
     del positions_BT  # a linear layer is position-free
     cfg = self.cfg
     B, T, _ = x_BTD.shape
-    K, N = cfg.linear_key_heads, cfg.linear_value_heads
-    H, J = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     dt, acc = x_BTD.dtype, _acc(x_BTD.dtype)
     if context is None:
       context = zero_state(cfg, B, acc)
@@ -198,27 +270,13 @@ class GatedDeltaNetBlock(nn.Module):
 
     # Padding tokens enter as zeros (Hugging Face's apply_mask_to_padding_states).
     h_BTD = self.attn_norm(x_BTD) * valid_BT[..., None].astype(dt)
-    mixed_BTC = jnp.einsum("BTD,DC->BTC", h_BTD, self.w_qkv_DC.astype(dt))
-    mixed_BTC, conv_BWC = causal_conv(mixed_BTC, self.w_conv_KC.astype(dt), context.conv_BWC,
-                                      valid_BT)
-    q_BTKH, k_BTKH, v_BTNJ = jnp.split(mixed_BTC, [K * H, 2 * K * H], axis=-1)
-    G = N // K
-    heads = lambda x_BTC, n, d: jnp.repeat(x_BTC.reshape(B, T, n, d).astype(acc), G, axis=2)
-    q_BTNH, k_BTNH = l2norm(heads(q_BTKH, K, H)) * H ** -0.5, l2norm(heads(k_BTKH, K, H))
-    v_BTNJ = v_BTNJ.reshape(B, T, N, J).astype(acc)
-    beta_BTN = jax.nn.sigmoid(jnp.einsum("BTD,DN->BTN", h_BTD, self.w_b_DN.astype(dt)).astype(acc))
-    a_BTN = jnp.einsum("BTD,DN->BTN", h_BTD, self.w_a_DN.astype(dt)).astype(acc)
-    g_BTN = -jnp.exp(self.A_log_N.astype(acc)) * jax.nn.softplus(a_BTN + self.dt_bias_N.astype(acc))
-    # Padding leaves the state untouched: decay exp(0) = 1, learning rate 0.
-    g_BTN = jnp.where(valid_BT[..., None], g_BTN, 0.0)
-    beta_BTN = jnp.where(valid_BT[..., None], beta_BTN, 0.0)
-    rule = recurrent_delta_rule if T == 1 else (
-        lambda *a: chunked_delta_rule(*a, chunk=cfg.linear_chunk))
-    o_BTNJ, state_BNHJ = rule(q_BTNH, k_BTNH, v_BTNJ, g_BTN, beta_BTN,
-                              context.state_BNHJ.astype(acc))
-    z_BTNJ = jnp.einsum("BTD,DNJ->BTNJ", h_BTD, self.w_z_DNJ.astype(dt))
-    o_BTNJ = self.gated_norm(o_BTNJ.astype(dt)).astype(acc) * jax.nn.silu(z_BTNJ.astype(acc))
-    a_BTD = jnp.einsum("BTNJ,NJD->BTD", o_BTNJ.astype(dt), self.w_out_NJD.astype(dt))
+    if self.is_initializing():  # create the gated norm's scale (read below as an array)
+      self.gated_norm(jnp.zeros((1, cfg.linear_value_head_dim), dt))
+    norm_scale_J = nn.unbox(self.gated_norm.variables["params"]["scale"])
+    a_BTD, state_BNHJ, conv_BWC = token_mix(
+        cfg, valid_BT, h_BTD, context.state_BNHJ.astype(acc), context.conv_BWC, self.w_qkv_DC,
+        self.w_conv_KC, self.w_b_DN, self.w_a_DN, self.A_log_N, self.dt_bias_N, self.w_z_DNJ,
+        norm_scale_J, self.w_out_NJD)
     x_BTD = x_BTD + a_BTD
     h_BTD = self.mlp_norm(x_BTD)
     gate_BTF = jnp.einsum("BTD,DF->BTF", h_BTD, self.w_gate_DF.astype(dt))

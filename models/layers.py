@@ -61,8 +61,13 @@ class RMSNorm(nn.Module):
     init = nn.initializers.ones if self.offset == 0 else nn.initializers.constant(1 - self.offset)
     scale = self.param("scale", nn.with_logical_partitioning(init, self.axes),
                        (x.shape[-1],), self.param_dtype)
-    acc = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
-    xf = x.astype(acc)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-    scale = scale.astype(acc) + self.offset if self.offset else scale.astype(acc)
-    return (y * scale).astype(x.dtype)
+    return rms_norm(x, scale, self.eps, self.offset)
+
+
+def rms_norm(x, scale, eps: float, offset: float = 0.0):
+  """RMSNorm's computation on its scale parameter (for code outside a flax module)."""
+  acc = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
+  xf = x.astype(acc)
+  y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  scale = scale.astype(acc) + offset if offset else scale.astype(acc)
+  return (y * scale).astype(x.dtype)

@@ -97,3 +97,61 @@ def test_bad_checkpoints_name_the_field(tmp_path, change, field):
     json.dump(config, f)
   with pytest.raises(ValueError, match=field):
     hf.config_from_hf(config)
+
+
+def test_replay_grpo_gradient_matches_torch_autograd(checkpoint):
+  """Branch replay on a hybrid (the prefix's linear layers hand their recurrent and conv
+  states to the tails; left-padded prompts, ragged tails, a scored trunk) against torch
+  autograd of the same GRPO loss over every full sequence (transformers' torch reference
+  path, which runs its delta rule, norms and RoPE in float32 whatever the model dtype)."""
+  from branch_replay import losses, policy
+  from branch_replay.batch import validate
+  from tests.hf_test import full_sequences, make_batch
+  path, model = checkpoint
+  batch = make_batch(B=2, R=3, P=9, T=5, W=2, vocab=TINY["vocab_size"])
+  ours = {}
+  for dtype in ("float32", "float64"):
+    with jax.enable_x64(dtype == "float64"):
+      cfg, params = hf.load(path, dtype=dtype, param_dtype=dtype)
+      b = batch.replace(advantages_BR=batch.advantages_BR.astype(dtype))
+      validate(b, cfg.vocab_size)
+      loss, _, grads = jax.jit(lambda p, b: policy.loss_and_grad(
+          p, b, cfg, losses.LossConfig("grpo"), "replay"))(params, b)
+      ours[dtype] = float(loss), hf.tensors_from_params(cfg, grads)
+
+  # The same loss written out in torch: the token mean over every scored token (the W trunk
+  # tokens and the valid tail tokens) of -A * exp(logp - sg(logp)).
+  B, R, T = batch.tails_BRT.shape
+  P, W = batch.prefix_BP.shape[1], batch.trunk_len
+  tokens, valid, positions = full_sequences(batch)
+  model.zero_grad()
+  logits = model(input_ids=torch.tensor(tokens),
+                 attention_mask=torch.tensor(valid.astype(np.int64)),
+                 position_ids=torch.tensor(positions)).logits
+  logp_NSV = torch.log_softmax(logits, -1)
+  logp_NS = torch.gather(logp_NSV[:, :-1], -1, torch.tensor(tokens[:, 1:, None]))[..., 0]
+  scored = np.zeros((B * R, P + T - 1), bool)  # logit s predicts token s+1
+  scored[:, P - W - 1:P - 1] = True
+  scored[:, P - 1:] = np.asarray(batch.tail_valid_BRT).reshape(B * R, T)
+  advantage_N1 = torch.tensor(np.asarray(batch.advantages_BR).reshape(B * R, 1))
+  per_token = (-advantage_N1 * torch.exp(logp_NS - logp_NS.detach()))[torch.tensor(scored)]
+  torch_loss = per_token.sum() / scored.sum()
+  torch_loss.backward()
+  theirs = {name: p.grad.numpy() for name, p in model.named_parameters()}
+
+  np.testing.assert_allclose(ours["float32"][0], float(torch_loss.detach()), rtol=1e-5)
+  np.testing.assert_allclose(ours["float64"][0], float(torch_loss.detach()), rtol=1e-5)
+  exact, f32 = ours["float64"][1], ours["float32"][1]
+  assert set(exact) == set(theirs) == set(f32)
+  # float32 1e-4 of each leaf's largest entry, against our float64 replay. A few decay leaves
+  # (A_log, dt_bias of a late linear layer: ~5e-8 here) are sums that cancel to ~1e-5 of
+  # their terms, so float32 rounding alone moves them by ~1e-2 of their size: there the
+  # bound is 10x our own float32 replay's distance from float64 (torch's float32 is no
+  # better, and a wrong formula would be off by the leaf's size, not by its rounding).
+  for name, g in theirs.items():
+    scale = np.abs(exact[name]).max()
+    assert scale > 1e-9, f"{name}: zero gradient"
+    rounding = np.abs(f32[name] - exact[name]).max()
+    np.testing.assert_allclose(g, exact[name], rtol=1e-4,
+                               atol=max(1e-4 * scale, 10 * rounding), err_msg=name)
+    assert np.abs(g - exact[name]).max() < 0.1 * scale, name

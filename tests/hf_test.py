@@ -63,16 +63,16 @@ def checkpoints(tmp_path_factory):
   return out
 
 
-def make_batch(B=2, R=2, P=8, T=4, W=1):
+def make_batch(B=2, R=2, P=8, T=4, W=1, vocab=V):
   rng = np.random.default_rng(0)
   prefix_valid = np.ones((B, P), bool)
   prefix_valid[1, :2] = False  # left padding on prompt 1
   lengths = rng.integers(1, T + 1, (B, R))
   lengths[0, 0] = T
   return ReplayBatch(
-      prefix_BP=jnp.asarray(rng.integers(0, V, (B, P)), jnp.int32),
+      prefix_BP=jnp.asarray(rng.integers(0, vocab, (B, P)), jnp.int32),
       prefix_valid_BP=jnp.asarray(prefix_valid),
-      tails_BRT=jnp.asarray(rng.integers(0, V, (B, R, T)), jnp.int32),
+      tails_BRT=jnp.asarray(rng.integers(0, vocab, (B, R, T)), jnp.int32),
       tail_valid_BRT=jnp.asarray(np.arange(T)[None, None] < lengths[..., None]),
       advantages_BR=jnp.asarray(rng.normal(size=(B, R)), jnp.float32), trunk_len=W)
 

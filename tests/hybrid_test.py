@@ -105,6 +105,26 @@ def test_prefill_tail_and_decode_equal_forward():
       context = context + [(own, jnp.ones((2, 1), bool))]
 
 
+@pytest.mark.parametrize("overrides", [dict(linear_remat=False), dict(linear_chunk=1),
+                                       dict(linear_chunk=13)], ids=str)
+def test_mixer_chunks_and_remat_leave_values_and_gradients(overrides):
+  """The token mixer's chunking (4 positions, one, the whole sequence) and its per-chunk
+  remat change what is stored, not the function: forward and gradient equal in float64."""
+  with jax.enable_x64(True):
+    rng = np.random.default_rng(3)
+    tok = jnp.asarray(rng.integers(0, 128, (2, 13)))
+    valid = jnp.ones((2, 13), bool).at[1, :5].set(False)  # left padding across a chunk
+    w = jnp.asarray(rng.normal(size=(2, 13, 32)))
+    results = []
+    for cfg_over in ({}, overrides):
+      cfg, params = hybrid(**cfg_over)
+      loss = lambda p: jnp.sum(tfm.forward(p, cfg, tok, valid) * w * valid[..., None])
+      results.append(jax.value_and_grad(loss)(params))
+    (l1, g1), (l2, g2) = results
+    assert abs(float(l1 - l2)) <= 1e-12 * abs(float(l1))
+    assert max_rel_err(g2, g1) < 1e-10
+
+
 CASES = [dict(B=2, R=3, P=9, T=6), dict(B=2, R=4, P=6, T=5, W=2),
          dict(B=1, R=4, P=10, T=7, W=2, branch_chunk=2)]
 
