@@ -103,8 +103,8 @@ def delta_chunk(S_BNHJ, xs):
   kb_BcNH = k_BcNH * beta_BcN[..., None]
   A_BNcc = jnp.where(strict_cc, jnp.einsum("BiNh,BjNh->BNij", kb_BcNH, k_BcNH) * decay_BNcc,
                      0.0) + jnp.eye(c, dtype=decay_BNcc.dtype)
-  solve = lambda rhs_BNcX: jax.scipy.linalg.solve_triangular(A_BNcc, rhs_BNcX, lower=True,
-                                                             unit_diagonal=True)
+  inv_BNcc = unit_lower_inverse(A_BNcc)
+  solve = lambda rhs_BNcX: jnp.einsum("BNij,BNjX->BNiX", inv_BNcc, rhs_BNcX)
   u_BNcJ = solve(jnp.einsum("BcNJ,BcN->BNcJ", v_BcNJ, beta_BcN))
   w_BNcH = solve(jnp.swapaxes(kb_BcNH, 1, 2) * jnp.exp(gamma_BNc)[..., None])
   new_BNcJ = u_BNcJ - jnp.einsum("BNch,BNhJ->BNcJ", w_BNcH, S_BNHJ)
@@ -116,6 +116,34 @@ def delta_chunk(S_BNHJ, xs):
   S_BNHJ = (S_BNHJ * jnp.exp(gamma_BNc[..., -1])[..., None, None]
             + jnp.einsum("BNch,BNcJ->BNhJ", kd_BNcH, new_BNcJ))
   return S_BNHJ, jnp.swapaxes(o_BNcJ, 1, 2)
+
+
+def unit_lower_inverse(L_Xcc):
+  """The inverse of unit lower-triangular matrices [..., c, c] by blocked forward
+  substitution: diagonal blocks of size s are inverted, then pairs of them merged,
+  inv([[L11, 0], [L21, L22]]) = [[I11, 0], [-I22 L21 I11, I22]], s = 1, 2, 4, ... (c padded
+  to a power of two with the identity). Plain matmuls: XLA:CPU's LAPACK triangular solve
+  inside the chunks' scan stalls every thread (hybrid_small, P >= 512, jax 0.10.2)."""
+  c = L_Xcc.shape[-1]
+  m = 1 << (c - 1).bit_length()
+  batch = L_Xcc.shape[:-2]
+  eye = jnp.eye(m, dtype=L_Xcc.dtype)
+  L_Xmm = eye.at[:c, :c].set(0).astype(L_Xcc.dtype) + jnp.pad(
+      L_Xcc, [(0, 0)] * len(batch) + [(0, m - c), (0, m - c)])
+  inv_Xbss = jnp.ones(batch + (m, 1, 1), L_Xcc.dtype)  # 1 x 1 diagonal blocks: unit
+  s = 1
+  while s < m:
+    nb = m // (2 * s)
+    blocks_Xb22 = L_Xmm.reshape(batch + (nb, 2 * s, nb, 2 * s))
+    diag_Xbtt = jnp.einsum("...iaib->...iab", blocks_Xb22)  # the 2s x 2s diagonal blocks
+    L21_Xbss = diag_Xbtt[..., s:, :s]
+    I11_Xbss, I22_Xbss = inv_Xbss[..., 0::2, :, :], inv_Xbss[..., 1::2, :, :]
+    new21_Xbss = -jnp.einsum("...ij,...jk,...kl->...il", I22_Xbss, L21_Xbss, I11_Xbss)
+    top_Xbst = jnp.concatenate([I11_Xbss, jnp.zeros_like(I11_Xbss)], axis=-1)
+    bottom_Xbst = jnp.concatenate([new21_Xbss, I22_Xbss], axis=-1)
+    inv_Xbss = jnp.concatenate([top_Xbst, bottom_Xbst], axis=-2)
+    s *= 2
+  return inv_Xbss[..., 0, :c, :c]
 
 
 # ----------------------------------------------------------------------------- convolution

@@ -57,6 +57,19 @@ def test_chunked_equals_recurrent_float64(chunk):
     assert min(float(jnp.max(jnp.abs(g))) for g in g2) > 1e-3
 
 
+@pytest.mark.parametrize("c", [1, 3, 4, 13, 64])
+def test_unit_lower_inverse_float64(c):
+  """The blocked inverse the chunked rule uses (no LAPACK call) against numpy's inverse, on
+  matrices like the rule's: unit diagonal, strictly lower entries (beta k_i.k_j decay) in
+  (-1, 1)."""
+  with jax.enable_x64(True):
+    rng = np.random.default_rng(c)
+    L = np.tril(rng.uniform(-1, 1, (2, 3, c, c)) * 0.5, -1) + np.eye(c)
+    ours = np.asarray(dn.unit_lower_inverse(jnp.asarray(L)))
+    np.testing.assert_allclose(ours, np.linalg.inv(L), rtol=1e-10, atol=1e-12)
+    assert np.all(np.triu(ours, 1) == 0)
+
+
 def test_padding_leaves_state_untouched():
   """Left padding of a prefix and right padding of a tail give the unpadded states."""
   with jax.enable_x64(True):
