@@ -76,19 +76,26 @@ def chunked_delta_rule(q_BTNH, k_BTNH, v_BTNJ, g_BTN, beta_BTN, state_BNHJ, chun
   each chunk rematerialised in the backward: the gradient keeps one [B, N, H, J] state per
   chunk and the inputs, not the [c, c] intra-chunk matrices (cost: the chunk's forward once
   more in the backward)."""
-  B, T, N, H = k_BTNH.shape
-  J = v_BTNJ.shape[-1]
+  T = k_BTNH.shape[1]
   c = min(chunk, T)
-  n = -(-T // c)
-  pad = n * c - T
   # Padding positions: decay 1 (g = 0) and learning rate 0 leave the state as it is.
-  padded = lambda x: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
-  chunks = lambda x: jnp.moveaxis(padded(x).reshape(B, n, c, *x.shape[2:]), 1, 0)
-  body = jax.checkpoint(delta_chunk)
-  xs = tuple(chunks(x) for x in (q_BTNH, k_BTNH, v_BTNJ, g_BTN, beta_BTN))
-  state_BNHJ, o_nBcNJ = jax.lax.scan(body, state_BNHJ, xs)
-  o_BTNJ = jnp.moveaxis(o_nBcNJ, 0, 1).reshape(B, n * c, N, J)[:, :T]
-  return o_BTNJ, state_BNHJ
+  xs = tuple(to_chunks(x, c) for x in (q_BTNH, k_BTNH, v_BTNJ, g_BTN, beta_BTN))
+  state_BNHJ, o_nBcNJ = jax.lax.scan(jax.checkpoint(delta_chunk), state_BNHJ, xs)
+  return from_chunks(o_nBcNJ, T), state_BNHJ
+
+
+def to_chunks(x_BT, c: int):
+  """[B, T, ...] -> [n, B, c, ...]: T zero-padded to n = ceil(T / c) chunks of c."""
+  B, T = x_BT.shape[:2]
+  n = -(-T // c)
+  x_BT = jnp.pad(x_BT, ((0, 0), (0, n * c - T)) + ((0, 0),) * (x_BT.ndim - 2))
+  return jnp.moveaxis(x_BT.reshape(B, n, c, *x_BT.shape[2:]), 1, 0)
+
+
+def from_chunks(x_nBc, T: int):
+  """[n, B, c, ...] -> [B, T, ...] (the padding dropped)."""
+  n, B, c = x_nBc.shape[:3]
+  return jnp.moveaxis(x_nBc, 0, 1).reshape(B, n * c, *x_nBc.shape[3:])[:, :T]
 
 
 def delta_chunk(S_BNHJ, xs):
@@ -179,17 +186,13 @@ def token_mix(cfg: ModelConfig, valid_BT, h_BTD, state_BNHJ, conv_BWC, w_qkv_DC,
   mixer's forward once more in the backward)."""
   weights = (w_qkv_DC, w_conv_KC, w_b_DN, w_a_DN, A_log_N, dt_bias_N, w_z_DNJ, norm_scale_J,
              w_out_NJD)
-  B, T, _ = h_BTD.shape
+  T = h_BTD.shape[1]
   if T == 1:
     a_BTD, state_BNHJ, _, conv_BWC = _mix_chunk(cfg, weights, recurrent_delta_rule, (
         state_BNHJ, conv_BWC.astype(h_BTD.dtype), conv_BWC.astype(h_BTD.dtype)),
         (h_BTD, valid_BT))
     return a_BTD, state_BNHJ, conv_BWC
-  c = min(cfg.linear_chunk, T)
-  n = -(-T // c)
-  pad = n * c - T  # padding positions: h = 0, not valid (decay 1, learning rate 0)
-  chunks = lambda x: jnp.moveaxis(jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
-                                  .reshape(B, n, c, *x.shape[2:]), 1, 0)
+  c = min(cfg.linear_chunk, T)  # padding positions: h = 0, not valid (decay 1, rate 0)
   rule = lambda *xs: delta_chunk(xs[-1], xs[:-1])[::-1]  # (o, S) as recurrent_delta_rule
   body = lambda carry, xs: _mix_chunk(cfg, weights, rule, carry, xs)
   if cfg.linear_remat:
@@ -197,8 +200,8 @@ def token_mix(cfg: ModelConfig, valid_BT, h_BTD, state_BNHJ, conv_BWC, w_qkv_DC,
   conv_BWC = conv_BWC.astype(h_BTD.dtype)
   scan_body = lambda carry, xs: (lambda a, *carry: (tuple(carry), a))(*body(carry, xs))
   (state_BNHJ, _, conv_BWC), a_nBcD = jax.lax.scan(
-      scan_body, (state_BNHJ, conv_BWC, conv_BWC), (chunks(h_BTD), chunks(valid_BT)))
-  return jnp.moveaxis(a_nBcD, 0, 1).reshape(B, n * c, -1)[:, :T], state_BNHJ, conv_BWC
+      scan_body, (state_BNHJ, conv_BWC, conv_BWC), (to_chunks(h_BTD, c), to_chunks(valid_BT, c)))
+  return from_chunks(a_nBcD, T), state_BNHJ, conv_BWC
 
 
 def _mix_chunk(cfg: ModelConfig, weights, rule, carry, xs):
