@@ -186,9 +186,6 @@ class Config:
                        "do not apply to preference pairs; leave them at their defaults")
     if self.train.advantage == "rloo" and self.train.n_branches < 2:
       raise ValueError(f"train.n_branches={self.train.n_branches}: rloo expects >= 2")
-    if self.uses_critic and self.mesh:
-      raise ValueError(f"train.advantage={self.train.advantage!r} with mesh={self.mesh!r}: "
-                       "the critic runs on one device; expected mesh=''")
 
   def _check_lora(self):
     """LoRA trains the policy of flat and tree GRPO-family runs (any mesh); what it does not

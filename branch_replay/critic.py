@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from branch_replay import engine, losses, tree
+from branch_replay import engine, losses, sharding, tree
 from branch_replay.batch import ReplayBatch
 from models import transformer as tfm
 
@@ -159,12 +159,38 @@ def head(model_cfg: tfm.ModelConfig, cfg: Optional[CriticConfig] = None,
 
 
 def replay_loss_and_grad(params, cb: CriticBatch, model_cfg, cfg: CriticConfig,
-                         body_params=None):
+                         body_params=None, mesh=None):
   """The critic's value loss and gradient through branch replay (the one engine with the
   value head): (loss, aux_BR, grads); grads has params' tree ({'head'} alone for a shared
-  critic)."""
-  return engine.replay_loss_and_grad(params, tree.from_replay_batch(cb.batch), model_cfg, None,
-                                     head=head(model_cfg, cfg, cb, body_params))
+  critic). With `mesh` (call it inside one jit, cb placed with `batch_shardings`): the
+  engine's mesh path, the prefix context-parallel, branches over `context`, the critic's
+  transformer and its grads sharded like the policy's (the head replicated)."""
+  value_head = head(model_cfg, cfg, cb, body_params)
+  flat = tree.from_replay_batch(cb.batch)
+  if mesh is None:
+    return engine.replay_loss_and_grad(params, flat, model_cfg, None, head=value_head)
+  return sharding.engine_loss_and_grad(mesh, params, flat, model_cfg, None, head=value_head,
+                                       p_shardings=param_shardings(mesh, model_cfg, params))
+
+
+def param_shardings(mesh, model_cfg, params):
+  """Where the critic's params live on `mesh`: its transformer ('model') like the policy's,
+  the value head replicated. `params` (or their shapes) give the tree: {'model', 'head'} or
+  {'head'} (critic.share)."""
+  out = {"head": jax.tree.map(lambda _: sharding.replicated(mesh), params["head"])}
+  if "model" in params:
+    out["model"] = sharding.param_shardings(mesh, model_cfg)
+  return out
+
+
+def batch_shardings(mesh, cb: CriticBatch) -> CriticBatch:
+  """A CriticBatch of NamedShardings: the replay batch's (sharding.batch_shardings), the
+  per-token targets split by prompt and branch like the tails."""
+  targets = lambda name, x: sharding.named_sharding(mesh, f"critic_batch.{name}", np.shape(x),
+                                                    ("batch", "branch", None))
+  return CriticBatch(sharding.batch_shardings(mesh, cb.batch),
+                     targets("returns_BRX", cb.returns_BRX),
+                     targets("old_values_BRX", cb.old_values_BRX))
 
 
 def naive_values(params, batch: ReplayBatch, model_cfg, body_params=None) -> jax.Array:
@@ -187,11 +213,12 @@ def naive_loss(params, cb: CriticBatch, model_cfg, cfg: CriticConfig, body_param
 
 
 def loss_and_grad(params, cb: CriticBatch, model_cfg, cfg: CriticConfig, mode: str = "replay",
-                  body_params=None):
+                  body_params=None, mesh=None):
   """(loss, aux_BR, grads w.r.t. params); body_params: the policy's params for a shared
-  critic (params = {'head'}), None for a separate value model."""
+  critic (params = {'head'}), None for a separate value model. mesh: replay on a mesh (the
+  naive twin runs under the partitioner's defaults, from the inputs' shardings)."""
   if mode == "replay":
-    return replay_loss_and_grad(params, cb, model_cfg, cfg, body_params)
+    return replay_loss_and_grad(params, cb, model_cfg, cfg, body_params, mesh)
   if mode == "naive":
     (loss, aux), grads = jax.value_and_grad(naive_loss, has_aux=True)(params, cb, model_cfg, cfg,
                                                                        body_params)

@@ -63,6 +63,8 @@ BATCH_AXES = dict(
     trunk_old_logp_BW=("batch", None),
     ref_logp_BRT=("batch", "branch", None),
     trunk_ref_logp_BW=("batch", None),
+    advantages_BRT=("batch", "branch", None),
+    trunk_advantages_BRW=("batch", "branch", None),
 )
 
 # Where the prefix cache crosses to the tails: K/V gathered over the sequence (every tail
@@ -264,13 +266,16 @@ def sharded_loss_and_grad(mesh: Mesh, params, batch: ReplayBatch, model_cfg: tfm
 
 def engine_loss_and_grad(mesh: Mesh, params, batch, model_cfg: tfm.ModelConfig,
                          loss_cfg: losses.LossConfig, branch_chunk: Optional[int] = None,
-                         params_fn=None):
+                         params_fn=None, head: Optional[engine.Head] = None,
+                         p_shardings=None):
   """The one engine's replay (engine.replay_loss_and_grad) of a tree batch already placed on
   `mesh` (flat: the depth-1 tree): the root prefill context-parallel under the model's
   logical rules, its cache gathered over the sequence where it crosses to the levels below,
   params and grads sharded like the parameters. With params_fn (LoRA: params are the
-  adapters, replicated) the weights it returns are sharded like the parameters instead."""
-  p_shardings = param_shardings(mesh, model_cfg)
+  adapters, replicated) the weights it returns are sharded like the parameters instead.
+  head: the engine's head (default the policy's; critic.head for PPO's value model, whose
+  params tree is given by p_shardings)."""
+  p_shardings = param_shardings(mesh, model_cfg) if p_shardings is None else p_shardings
   if params_fn is None:
     params = constrain(params, p_shardings)
   else:
@@ -284,7 +289,7 @@ def engine_loss_and_grad(mesh: Mesh, params, batch, model_cfg: tfm.ModelConfig,
   loss, aux_BR, grads = engine.replay_loss_and_grad(
       params, batch, model_cfg, loss_cfg, branch_chunk, root_wrap=root_wrap,
       cache_constraint=lambda level, cache: root_constraint(cache) if level == 0 else cache,
-      params_fn=params_fn)
+      params_fn=params_fn, head=head)
   aux_BR = constrain(aux_BR, jax.tree.map(  # per leaf, split like the leaves
       lambda x: named_sharding(mesh, "aux", x.shape, ("batch", "branch")), aux_BR))
   return loss, aux_BR, (grads if params_fn is not None else constrain(grads, p_shardings))

@@ -63,7 +63,10 @@ def shardings(tree, kind: str, cfg: Config):
           opt_state=sharding.opt_state_shardings(mesh, make_optimizer(cfg), tree.opt_state,
                                                  trained),
           ref_params=None if tree.ref_params is None else params,
-          base=None if tree.base is None else params)
+          base=None if tree.base is None else params,
+          critic=None if tree.critic is None else _critic_shardings(mesh, tree.critic, cfg))
+    if isinstance(tree, critic.CriticBatch):
+      return critic.batch_shardings(mesh, tree)
     if isinstance(tree, ReplayBatch):
       return sharding.batch_shardings(mesh, tree)
     if isinstance(tree, TreeBatch):
@@ -71,6 +74,14 @@ def shardings(tree, kind: str, cfg: Config):
     return sharding.prompt_shardings(mesh, tree)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   return jax.tree.map(lambda _: device, tree)
+
+
+def _critic_shardings(mesh, value_model, cfg: Config):
+  """PPO's value model on the mesh: its transformer and Adam moments like the policy's, the
+  head replicated."""
+  params = critic.param_shardings(mesh, cfg.model, value_model["params"])
+  return dict(params=params, opt_state=sharding.opt_state_shardings(
+      mesh, make_critic_optimizer(cfg), value_model["opt_state"], params))
 
 
 def place(tree, kind: str, cfg: Config):

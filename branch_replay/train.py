@@ -103,9 +103,10 @@ def make_critic_step(cfg: Config):
 
   def critic_step(state: TrainState, cb: critic.CriticBatch):
     params, opt_state = state.critic["params"], state.critic["opt_state"]
+    mesh = sharding.make_mesh(cfg.mesh) if cfg.mesh else None
     loss, aux_BR, grads = critic.loss_and_grad(params, cb, cfg.model, cfg.critic,
                                                mode=cfg.replay.mode,
-                                               body_params=_critic_body(state, cfg))
+                                               body_params=_critic_body(state, cfg), mesh=mesh)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     n = jnp.maximum(aux_BR["tokens"].sum(), 1)
@@ -243,8 +244,9 @@ def _gae_batch(fns, state, batch: ReplayBatch, rewards_BR, cfg: Config):
   """PPO: the critic's values of every scored token (one shared-prefix forward), GAE per
   branch, per-token advantages for the policy and returns for the critic."""
   c = cfg.critic
-  old_values_BRX = np.asarray(fns.values(state.critic["params"], batch=batch,
-                                         body_params=_critic_body(state, cfg)), np.float64)
+  old_values_BRX = np.asarray(sharding.to_host(fns.values(  # on a mesh: gathered to every host
+      state.critic["params"], batch=place(batch, "batch", cfg),
+      body_params=_critic_body(state, cfg))), np.float64)
   valid_BRX = critic.scored_mask(batch)
   adv_BRX, returns_BRX = critic.gae(rewards_BR, old_values_BRX, valid_BRX, c.gamma, c.lam)
   ret, v = returns_BRX[valid_BRX], old_values_BRX[valid_BRX]
@@ -290,7 +292,7 @@ def rl_update(fns, state, batch, cb, cfg: Config, step: int):
     for mb, cmb in zip(parts, critic_parts):
       state, out = fns.rl_step(state, place(mb, "batch", cfg))
       if cmb is not None:
-        state, critic_out = fns.critic_step(state, cmb)
+        state, critic_out = fns.critic_step(state, place(cmb, "batch", cfg))
         out = {**out, **critic_out}
       outs.append({k: float(v) for k, v in jax.device_get(out).items()})
   avg = {k: float(np.mean([o[k] for o in outs])) for k in outs[0]}
