@@ -223,10 +223,6 @@ class Config:
          "tree rollouts use tree-aware group advantages (tree.tree_advantages)"),
         ("train.n_branches", t.n_branches, (default.n_branches,),
          "a tree's branches are its fan-outs (tree.fanouts)"),
-        ("train.dynamic_sampling", t.dynamic_sampling, (False,),
-         "DAPO's resampling is not implemented for trees"),
-        ("train.overlong_buffer", t.overlong_buffer, (0,),
-         "overlong shaping is not implemented for trees"),
         ("sampler.trunk_len", self.sampler.trunk_len, (0,),
          "a tree samples its own levels (a trunk is a fan-out-1 level)"),
     ]

@@ -176,9 +176,7 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
     d1 = time.perf_counter()
     samples = jax.block_until_ready(fns.sample(model_weights, prompt_BP=placed_BP,
                                                prompt_valid_BP=placed_valid_BP, key=key))
-    if cfg.mesh:  # every process decodes and rewards all samples (they may span hosts)
-      samples = sharding.to_host(samples)
-    samples = jax.tree.map(np.asarray, samples)
+    samples = sharding.to_host(samples)  # every process decodes and rewards all samples
     d2 = time.perf_counter()
     B, R, W = len(examples), t.n_branches, cfg.sampler.trunk_len
     chex.assert_shape([samples.tokens_BRT, samples.valid_BRT, samples.logp_BRT],
@@ -208,7 +206,7 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
     r0 = time.perf_counter()
     scored = jax.block_until_ready(fns.score(ref, batch=place(batch, "batch", cfg)))
     stats["time/ref_logp_s"] = time.perf_counter() - r0
-    ref_BRT, ref_trunk_BW = sharding.to_host(scored) if cfg.mesh else scored
+    ref_BRT, ref_trunk_BW = sharding.to_host(scored)
     batch = batch.replace(ref_logp_BRT=ref_BRT,
                           trunk_ref_logp_BW=ref_trunk_BW if batch.trunk_len else None)
   cb = None

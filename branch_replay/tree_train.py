@@ -17,7 +17,7 @@ import types
 import jax
 import numpy as np
 
-from branch_replay import engine, sharding, tasks, tree, tree_sampler, train
+from branch_replay import dapo, engine, sharding, tasks, tree, tree_sampler, train
 from branch_replay.config import Config
 from branch_replay.sampler import SamplerConfig
 from branch_replay.tokenizer import TOKENIZER
@@ -53,27 +53,57 @@ def sft_batch(task, rng: np.random.Generator, cfg: Config, tok=TOKENIZER) -> tre
 
 
 def rl_batch(fns, state: train_state.TrainState, task, cfg: Config, step: int, tok=TOKENIZER):
-  """Sample a tree per prompt, reward the leaves, tree-aware advantages -> TreeBatch."""
-  t0 = time.time()
+  """Sample a tree per prompt, reward the leaves, tree-aware advantages -> TreeBatch. With
+  `train.dynamic_sampling` (DAPO) prompts whose leaves all got the same reward are replaced
+  by fresh prompts' trees (dapo.dynamic_sample, as for flat groups); `train.overlong_buffer`
+  shapes each leaf's reward by its path's length (every turn's tokens)."""
+  t = cfg.train
   fanouts = cfg.tree.fanout_tuple
-  examples = train_state.sample_examples(task, cfg.train.seed, step, cfg.train.batch_size)
-  prompt_BP, valid_BP = tasks.encode_prompts(examples, task.max_prompt_len, tok)
-  placed_BP, placed_valid_BP = train_state.place((prompt_BP, valid_BP), "batch", cfg)
-  key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), step)
-  samples = jax.block_until_ready(fns.sample(train_state.weights(state, cfg.lora),
-                                             prompt_BP=placed_BP,
-                                             prompt_valid_BP=placed_valid_BP, key=key))
-  samples = sharding.to_host(samples)  # every process decodes and rewards all samples
-  sample_s = time.time() - t0
-  rewards_BR = rewards_of(task, examples, samples, fanouts, tok)
-  reward_s = time.time() - t0 - sample_s
-  use_std = cfg.train.advantage_std and cfg.train.advantage != "dr_grpo"  # config-checked
+  weights = train_state.weights(state, cfg.lora)
+  phase_s = dict(sample=0.0, reward=0.0)
+  structure = {}  # the samples' pytree, rebuilt from the rows dynamic_sample keeps
+
+  def draw(round_):
+    d0 = time.time()
+    examples = train_state.sample_examples(task, t.seed, step if round_ == 0 else (step, round_),
+                                           t.batch_size)
+    prompt_BP, valid_BP = tasks.encode_prompts(examples, task.max_prompt_len, tok)
+    placed_BP, placed_valid_BP = train_state.place((prompt_BP, valid_BP), "batch", cfg)
+    key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), step)
+    if round_:
+      key = jax.random.fold_in(key, round_)
+    samples = jax.block_until_ready(fns.sample(weights, prompt_BP=placed_BP,
+                                               prompt_valid_BP=placed_valid_BP, key=key))
+    samples = sharding.to_host(samples)  # every process decodes and rewards all samples
+    d1 = time.time()
+    raw_BR = rewards_of(task, examples, samples, fanouts, tok)
+    turn1_B = np.asarray([np.mean([task.first_turn_right(e, x) for x in row])
+                          for e, row in zip(examples, _texts(samples.tokens[0], tok))])
+    leaves, structure["samples"] = jax.tree.flatten(samples)  # [B, ...]: kept by prompt
+    rows = dict(prompt_BP=prompt_BP, valid_BP=valid_BP, raw_BR=raw_BR, turn1_B=turn1_B,
+                **{f"samples_{i}": x for i, x in enumerate(leaves)})
+    phase_s["sample"] += d1 - d0
+    phase_s["reward"] += time.time() - d1
+    return rows, raw_BR + overlong(samples, task.turn_lengths, t.overlong_buffer,
+                                   t.overlong_penalty)
+
+  stats = {}
+  if t.dynamic_sampling:
+    rows, rewards_BR, stats = dapo.dynamic_sample(draw, t.batch_size, t.max_sample_rounds)
+  else:
+    rows, rewards_BR = draw(0)
+  treedef = structure["samples"]
+  samples = jax.tree.unflatten(treedef, [rows[f"samples_{i}"] for i in range(treedef.num_leaves)])
+  prompt_BP, valid_BP = rows["prompt_BP"], rows["valid_BP"]
+  use_std = t.advantage_std and t.advantage != "dr_grpo"  # config-checked
   advantages = tree.tree_advantages(rewards_BR, fanouts, use_std=use_std)
   if not cfg.tree.node_advantages:
     advantages = [None] * (len(fanouts) - 1) + advantages[-1:]
   batch = tree_sampler.to_tree_batch(prompt_BP, valid_BP, samples, fanouts, advantages)
-  # the phases (phases.py); the sampler returns the behaviour log-probs (old_logp: sampling's)
-  stats = {"time/reward_s": reward_s, "time/old_logp_s": 0.0, "time/ref_logp_s": 0.0}
+  # the phases (phases.py), every sampling round included; the sampler returns the behaviour
+  # log-probs (old_logp: sampling's)
+  stats.update({"time/reward_s": phase_s["reward"], "time/old_logp_s": 0.0,
+                "time/ref_logp_s": 0.0})
   ref = train_state.reference(state, cfg)  # LoRA: the base, adapters off
   if ref is not None:  # k3 KL: reference log-probs of every node, one forward
     r0 = time.time()
@@ -83,10 +113,23 @@ def rl_batch(fns, state: train_state.TrainState, task, cfg: Config, step: int, t
                                        for level, ref in zip(batch.levels, ref_levels)))
     stats["time/ref_logp_s"] = time.time() - r0
   tree.validate(batch, cfg.model.vocab_size, cfg.replay.branch_chunk)
-  turn1_ok = np.mean([[task.first_turn_right(e, t) for t in row]
-                      for e, row in zip(examples, _texts(samples.tokens[0], tok))])
-  return batch, {"reward/mean": float(rewards_BR.mean()), "reward/std": float(rewards_BR.std()),
-                 "reward/turn1": float(turn1_ok), "time/sample_s": sample_s, **stats}
+  raw = rows["raw_BR"]
+  return batch, {"reward/mean": float(raw.mean()), "reward/std": float(raw.std()),
+                 "reward/shaped_mean": float(rewards_BR.mean()),
+                 "reward/turn1": float(rows["turn1_B"].mean()), "time/sample_s": phase_s["sample"],
+                 **stats}
+
+
+def overlong(samples, turn_lengths, buffer: int, penalty: float) -> np.ndarray | float:
+  """DAPO's overlong shaping of every leaf [B, leaves] by its path's length: the valid
+  tokens of its ancestors' turns and its own, against the turns' total budget."""
+  if not buffer:
+    return 0.0
+  valid = [np.asarray(v) for v in samples.valid]
+  leaves = valid[-1].shape[1]
+  lengths_BR = sum(np.repeat(v.sum(-1), leaves // v.shape[1], axis=1) for v in valid)
+  return dapo.overlong_penalty(lengths_BR, sum(turn_lengths), buffer,
+                               penalty).astype(np.float32)
 
 
 def _texts(tokens_BRT, tok):

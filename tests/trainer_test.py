@@ -57,8 +57,6 @@ def test_tree_step_scores_at_the_sampler_temperature(monkeypatch):
 @pytest.mark.parametrize("override, field", [
     ("train.advantage=rloo", "train.advantage='rloo'"),
     ("train.advantage=gae", "train.advantage='gae'"),  # no critic built that nothing trains
-    ("train.dynamic_sampling=true", "train.dynamic_sampling=True"),
-    ("train.overlong_buffer=1", "train.overlong_buffer=1"),
     ("sampler.trunk_len=2", "sampler.trunk_len=2"),
     ("train.n_branches=4", "train.n_branches=4"),
 ])

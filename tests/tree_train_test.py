@@ -60,3 +60,53 @@ def test_tree_run_end_to_end(tmp_path):
   trainer.run(more, str(tmp_path / "run"))
   steps = [json.loads(l)["step"] for l in open(out["metrics"]) if '"train"' in l]
   assert steps == [0, 1, 2, 3, 4]
+
+
+def test_tree_overlong_shaping_counts_every_turn_of_the_path():
+  """A leaf's length is its ancestors' valid tokens plus its own (a hand loop over paths)."""
+  from branch_replay import dapo, tree_sampler
+  rng = np.random.default_rng(0)
+  B, fanouts, lengths = 2, (2, 3), (3, 4)
+  valid = [np.arange(T)[None, None] < rng.integers(0, T + 1, (B, n, 1))
+           for T, n in zip(lengths, (2, 6))]
+  samples = tree_sampler.TreeSamples(tuple(np.zeros(v.shape, np.int32) for v in valid),
+                                     tuple(valid), tuple(np.zeros(v.shape) for v in valid))
+  got = tree_train.overlong(samples, lengths, buffer=3, penalty=0.5)
+  for b in range(B):
+    for leaf in range(6):
+      n = valid[0][b, leaf // 3].sum() + valid[1][b, leaf].sum()
+      assert got[b, leaf] == pytest.approx(dapo.overlong_penalty(n, 7, 3, 0.5))
+  assert got.min() < 0  # the penalty binds somewhere
+  assert tree_train.overlong(samples, lengths, buffer=0, penalty=0.5) == 0.0
+
+
+def test_tree_dynamic_sampling_and_overlong_shaping(tmp_path, monkeypatch):
+  """DAPO on trees: prompts whose leaves' shaped rewards are all equal are replaced by fresh
+  prompts' trees; the advantages are the tree-aware ones of the kept prompts' shaped rewards
+  (raw reward + the path-length penalty)."""
+  from branch_replay import dapo, metrics, trainer
+  seen = []
+  dynamic_sample = dapo.dynamic_sample
+  monkeypatch.setattr(dapo, "dynamic_sample", lambda *a: seen.append(dynamic_sample(*a))
+                      or seen[-1])
+  advantages_of = []
+  tree_advantages = tree.tree_advantages
+  monkeypatch.setattr(tree, "tree_advantages", lambda r, *a, **k: advantages_of.append(r)
+                      or tree_advantages(r, *a, **k))
+  cfg = apply_overrides(Config(model=tfm.preset("tiny", vocab_size=TOKENIZER.vocab_size)), [
+      "task.name=tree_haystack", "task.prompt_len=16", "task.n_keys=2", "tree.fanouts=2x2",
+      "train.sft_steps=0", "train.rl_steps=1", "train.batch_size=2", "train.eval_size=0",
+      "train.progress=false", "train.plot=false", "train.dynamic_sampling=true",
+      "train.max_sample_rounds=3", "train.overlong_buffer=2", "sampler.temperature=1.0"])
+  s = trainer.run(cfg, str(tmp_path / "dapo"))
+  (rec,) = [r for r in metrics.read(s["metrics"]) if r.get("kind") == "train"]
+  (rows, rewards_BR, stats), = seen
+  assert 1 <= rec["dapo/rounds"] == stats["dapo/rounds"] <= 3
+  np.testing.assert_array_equal(advantages_of[-1], rewards_BR)  # shaped, kept first
+  informative = rewards_BR.max(1) > rewards_BR.min(1)
+  assert rec["dapo/kept_frac"] == pytest.approx(informative.mean())
+  assert list(informative) == sorted(informative, reverse=True)  # kept prompts come first
+  penalty = rewards_BR - rows["raw_BR"]
+  assert np.all(penalty <= 0) and penalty.min() < 0  # untrained turns run long: shaped
+  assert rec["reward/shaped_mean"] == pytest.approx(float(rewards_BR.mean()), abs=1e-6)
+  assert rec["reward/mean"] == pytest.approx(float(rows["raw_BR"].mean()), abs=1e-6)

@@ -44,15 +44,14 @@ class DPO(GRPO):  # the flat warm-up and compiled steps; its own phase
     else:
       pairs = [dpo.task_pair(self.task, rng) for _ in range(t.batch_size)]
     batch = dpo.make_batch(pairs, self.prompt_len, self.answer_len, self.tok)
-    host = sharding.to_host if cfg.mesh else np.asarray  # global arrays -> every process
     # 1. Reference log-probs of chosen and rejected: one shared-prefix forward per prompt.
     ref_BRT, _ = self.fns.score(state.ref_params, batch=train_state.place(batch, "batch", cfg))
-    batch = batch.replace(ref_logp_BRT=np.asarray(host(ref_BRT)))
+    batch = batch.replace(ref_logp_BRT=sharding.to_host(ref_BRT))  # -> every process
     validate(batch, cfg.model.vocab_size)
     # 2. The policy's log-probs, for the metrics before the update.
     pol_BRT, _ = self.fns.score(state.params, batch=train_state.place(batch, "batch", cfg))
-    return batch, dpo.preference_metrics(np.asarray(host(pol_BRT)).sum(-1),
-                                         np.asarray(host(ref_BRT)).sum(-1), cfg.loss.beta)
+    return batch, dpo.preference_metrics(sharding.to_host(pol_BRT).sum(-1),
+                                         sharding.to_host(ref_BRT).sum(-1), cfg.loss.beta)
 
   def update(self, state, batch, step):
     state, out = self.fns.rl_step(state, train_state.place(batch, "batch", self.cfg))
