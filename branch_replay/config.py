@@ -219,8 +219,9 @@ class Config:
     refused = [  # (field, value, expected, why)
         ("loss.name", self.loss.name, tuple(n for n in losses.OBJECTIVES if n != "dpo"),
          "preference pairs are not trees"),
-        ("train.advantage", t.advantage, ("grpo", "dr_grpo"),
-         "tree rollouts use tree-aware group advantages (tree.tree_advantages)"),
+        ("train.advantage", t.advantage, tuple(sorted(advantages.ESTIMATORS)),
+         "tree rollouts take group estimators over each node's siblings (tree.tree_advantages); "
+         "per-token GAE needs a critic laid out as a tree, which is not built"),
         ("train.n_branches", t.n_branches, (default.n_branches,),
          "a tree's branches are its fan-outs (tree.fanouts)"),
         ("sampler.trunk_len", self.sampler.trunk_len, (0,),
@@ -230,6 +231,10 @@ class Config:
       if value not in expected:
         raise ValueError(f"{field}={value!r} with tree.fanouts={self.tree.fanouts!r}: {why}; "
                          f"expected {' or '.join(map(repr, expected))}")
+    if t.advantage == "rloo" and min(fanouts) < 2:
+      raise ValueError(f"train.advantage='rloo' with tree.fanouts={self.tree.fanouts!r}: "
+                       "leave-one-out needs >= 2 siblings at every level; expected every "
+                       "fan-out >= 2")
 
   def _check_auto_tree(self):  # [autotree]
     """replay.auto_tree: what the flat sampler's tree layout cannot serve, by field."""

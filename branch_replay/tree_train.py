@@ -17,6 +17,7 @@ import types
 import jax
 import numpy as np
 
+from branch_replay import advantages as advantages_lib
 from branch_replay import dapo, engine, sharding, tasks, tree, tree_sampler, train
 from branch_replay.config import Config
 from branch_replay.sampler import SamplerConfig
@@ -95,11 +96,15 @@ def rl_batch(fns, state: train_state.TrainState, task, cfg: Config, step: int, t
   treedef = structure["samples"]
   samples = jax.tree.unflatten(treedef, [rows[f"samples_{i}"] for i in range(treedef.num_leaves)])
   prompt_BP, valid_BP = rows["prompt_BP"], rows["valid_BP"]
-  use_std = t.advantage_std and t.advantage != "dr_grpo"  # config-checked
-  advantages = tree.tree_advantages(rewards_BR, fanouts, use_std=use_std)
+  if t.advantage in ("grpo", "dr_grpo"):  # normalised among siblings (dr_grpo: centred)
+    node_adv = tree.tree_advantages(rewards_BR, fanouts,
+                                    use_std=t.advantage_std and t.advantage != "dr_grpo")
+  else:  # another group estimator over each set of siblings (config-checked: not gae)
+    node_adv = tree.tree_advantages(rewards_BR, fanouts, estimator=functools.partial(
+        advantages_lib.compute, t.advantage, train_cfg=t))
   if not cfg.tree.node_advantages:
-    advantages = [None] * (len(fanouts) - 1) + advantages[-1:]
-  batch = tree_sampler.to_tree_batch(prompt_BP, valid_BP, samples, fanouts, advantages)
+    node_adv = [None] * (len(fanouts) - 1) + node_adv[-1:]
+  batch = tree_sampler.to_tree_batch(prompt_BP, valid_BP, samples, fanouts, node_adv)
   # the phases (phases.py), every sampling round included; the sampler returns the behaviour
   # log-probs (old_logp: sampling's)
   stats.update({"time/reward_s": phase_s["reward"], "time/old_logp_s": 0.0,

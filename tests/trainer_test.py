@@ -55,14 +55,14 @@ def test_tree_step_scores_at_the_sampler_temperature(monkeypatch):
 
 
 @pytest.mark.parametrize("override, field", [
-    ("train.advantage=rloo", "train.advantage='rloo'"),
+    ("train.advantage=rloo,tree.fanouts=4x1", "train.advantage='rloo'"),  # a single child
     ("train.advantage=gae", "train.advantage='gae'"),  # no critic built that nothing trains
     ("sampler.trunk_len=2", "sampler.trunk_len=2"),
     ("train.n_branches=4", "train.n_branches=4"),
 ])
 def test_tree_refuses_options_it_cannot_serve(override, field):
   with pytest.raises(ValueError, match=r"^" + field.replace("(", r"\(") + " with tree.fanouts"):
-    tiny_tree(override)
+    tiny_tree(*override.split(","))
 
 
 def test_tree_trains_epochs_minibatches_and_kl_on_a_mesh(tmp_path, monkeypatch):

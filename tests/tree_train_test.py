@@ -97,7 +97,8 @@ def test_tree_dynamic_sampling_and_overlong_shaping(tmp_path, monkeypatch):
       "task.name=tree_haystack", "task.prompt_len=16", "task.n_keys=2", "tree.fanouts=2x2",
       "train.sft_steps=0", "train.rl_steps=1", "train.batch_size=2", "train.eval_size=0",
       "train.progress=false", "train.plot=false", "train.dynamic_sampling=true",
-      "train.max_sample_rounds=3", "train.overlong_buffer=2", "sampler.temperature=1.0"])
+      "train.max_sample_rounds=3", "train.overlong_buffer=2", "sampler.temperature=1.0",
+      "train.advantage=rloo"])
   s = trainer.run(cfg, str(tmp_path / "dapo"))
   (rec,) = [r for r in metrics.read(s["metrics"]) if r.get("kind") == "train"]
   (rows, rewards_BR, stats), = seen
@@ -110,3 +111,23 @@ def test_tree_dynamic_sampling_and_overlong_shaping(tmp_path, monkeypatch):
   assert np.all(penalty <= 0) and penalty.min() < 0  # untrained turns run long: shaped
   assert rec["reward/shaped_mean"] == pytest.approx(float(rewards_BR.mean()), abs=1e-6)
   assert rec["reward/mean"] == pytest.approx(float(rows["raw_BR"].mean()), abs=1e-6)
+
+
+def test_tree_rloo_is_leave_one_out_among_siblings():
+  """train.advantage=rloo on a tree: every node's value (its leaves' mean reward) minus the
+  mean of its siblings' values, each sibling left out of its own baseline (a hand loop)."""
+  from branch_replay import advantages
+  rng = np.random.default_rng(1)
+  B, fanouts = 2, (3, 2)
+  rewards_BR = rng.normal(size=(B, 6))
+  got = tree.tree_advantages(rewards_BR, fanouts, estimator=lambda g: advantages.compute(
+      "rloo", g, None))
+  for b in range(B):
+    first = [rewards_BR[b, 2 * i:2 * i + 2].mean() for i in range(3)]
+    for i in range(3):
+      others = [first[j] for j in range(3) if j != i]
+      assert got[0][b, i] == pytest.approx(first[i] - np.mean(others), rel=1e-6)
+    for leaf in range(6):
+      sibling = leaf ^ 1
+      assert got[1][b, leaf] == pytest.approx(rewards_BR[b, leaf] - rewards_BR[b, sibling],
+                                              rel=1e-6)
