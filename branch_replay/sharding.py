@@ -10,7 +10,8 @@ Layout of one replay step:
 
 Context parallelism is a per-layer all-gather of K/V: inside the prefix each device keeps
 its P/c queries and residual stream, and each layer all-gathers that layer's keys and
-values (exact: the softmax sees every key). Per layer and per prompt a device receives
+values (exact: the softmax sees every key), under shard_map (models/context_parallel.py;
+its transpose reduce-scatters the prefix attention's dK/dV). Per layer and per prompt a device receives
 (c-1)/c * 2*P*K*H elements in the forward (again where the cache crosses to the tails)
 and the K/V cotangents (summed over branch shards) go back by reduce-scatter (XLA on CPU
 emits an all-reduce: twice that) in the backward; notes/issue4_readme.md has the numbers.

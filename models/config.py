@@ -12,7 +12,7 @@ from typing import Optional, Union
 import jax
 import jax.numpy as jnp
 
-from models import attention
+from models import attention, context_parallel
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float64": jnp.float64}
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
@@ -70,6 +70,9 @@ class ModelConfig:
   #   fused (tokamax's GPU kernel per segment; H100/H200/B200 only, models/attention_fused.py)
   attention_block_q: int = 128  # query rows per score tile (x G query heads per kv head)
   attention_block_k: int = 64  # keys per score tile
+  context_parallel: str = "all_gather"  # the prefix on a mesh whose `context` axis > 1:
+  #   all_gather (shard_map, K/V all-gathered, models/context_parallel.py) | gspmd (the
+  #   partitioner splits the kernel from sharding constraints)
   logits_chunk: Optional[int] = 1024  # tokens per [chunk, V] logits block (None: all at once)
   scan_layers: bool = True  # lax.scan over (periods of) identical layers: compile time flat in L
   # Per-family options; the defaults are Llama.
@@ -108,6 +111,10 @@ class ModelConfig:
       raise ValueError(f"model.remat={self.remat!r}: expected one of {REMAT_POLICIES}")
     if self.attention not in attention.IMPLS:
       raise ValueError(f"model.attention={self.attention!r}: expected one of {attention.IMPLS}")
+    if self.context_parallel not in context_parallel.SCHEMES:
+      raise ValueError(f"model.context_parallel={self.context_parallel!r}: expected one of "
+                       f"{context_parallel.SCHEMES} (a ring of ppermute steps and zig-zag "
+                       "load balancing are not built)")
     for name in ("attention_block_q", "attention_block_k"):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:

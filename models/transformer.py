@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from models import attention
+from models import context_parallel
 from models import deltanet  # hybrid: Gated DeltaNet layers (layer_types)
 from models.layers import RMSNorm, rope, rope_inv_freq  # noqa: F401
 from models.config import (ACTIVATIONS, DTYPES, PRESETS, REMAT_POLICIES,  # noqa: F401
@@ -150,11 +151,11 @@ class Block(nn.Module):
     q_BTNH = nn.with_logical_constraint(q_BTNH, ("batch", "seq", "heads", "head_dim"))
     own = KV(*(nn.with_logical_constraint(t_BTKH, ("batch", "seq", "kv_heads", "head_dim"))
                for t_BTKH in own))
-    gathered = KV(*(nn.with_logical_constraint(t_BTKH, ("batch", None, "kv_heads", "head_dim"))
-                    for t_BTKH in own))
-    segments = [*context, attention.KeySegment(*gathered, positions_BT, valid_BT, causal=True)]
+    segments = [*context, attention.KeySegment(*own, positions_BT, valid_BT, causal=True)]
     scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
-    a_BTNH = attention.attend(q_BTNH, positions_BT, valid_BT, segments, scale=scale,
+    # The prefix on a mesh: context-parallel (shard_map, K/V all-gathered); else attend.
+    a_BTNH = context_parallel.attend(q_BTNH, positions_BT, valid_BT, segments, scale=scale,
+                              scheme=cfg.context_parallel,
                               softcap=cfg.attn_logit_softcap,
                               window=cfg.layer_window(self.index), impl=cfg.attention,
                               block_q=cfg.attention_block_q, block_k=cfg.attention_block_k)
