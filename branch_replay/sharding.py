@@ -12,7 +12,8 @@ Context parallelism is a per-layer all-gather of K/V: inside the prefix each dev
 its P/c queries and residual stream, and each layer all-gathers that layer's keys and
 values (exact: the softmax sees every key), under shard_map (models/context_parallel.py;
 its transpose reduce-scatters the prefix attention's dK/dV). Per layer and per prompt a device receives
-(c-1)/c * 2*P*K*H elements in the forward (again where the cache crosses to the tails)
+(c-1)/c * 2*P*K*H elements in the forward (again in each tail layer: the cache crosses to
+the tails in its sequence shards, CACHE_AXES)
 and the K/V cotangents (summed over branch shards) go back by reduce-scatter (XLA on CPU
 emits an all-reduce: twice that) in the backward; notes/issue4_readme.md has the numbers.
 With model.remat the backward gathers once more. A ring scheme would
@@ -68,9 +69,13 @@ BATCH_AXES = dict(
     trunk_advantages_BRW=("batch", "branch", None),
 )
 
-# Where the prefix cache crosses to the tails: K/V gathered over the sequence (every tail
-# token attends to every prefix key), still split by prompt and kv head.
-CACHE_AXES = dict(kv=("batch", None, "kv_heads", "head_dim"), h_last_BD=("batch", None),
+# Where the prefix cache crosses to the tails: K/V stay split over the sequence as the
+# context-parallel prefix left them (and by prompt and kv head); each tail layer gathers its
+# own layer's K/V when its attention needs every prefix key, and the cache cotangent comes
+# back in the same shards. Gathering the whole cache here instead held every layer's full K/V
+# and its cotangent on every device (small preset, P=32K, context:8: 326.9 -> 276.5 MB per
+# device; large: temp 16,833 -> 11,896 MB; experiments/results/context_parallel_memory_cpu.jsonl).
+CACHE_AXES = dict(kv=("batch", "seq", "kv_heads", "head_dim"), h_last_BD=("batch", None),
                   trunk_score_BW=("batch", None))
 
 
@@ -271,7 +276,7 @@ def engine_loss_and_grad(mesh: Mesh, params, batch, model_cfg: tfm.ModelConfig,
                          p_shardings=None):
   """The one engine's replay (engine.replay_loss_and_grad) of a tree batch already placed on
   `mesh` (flat: the depth-1 tree): the root prefill context-parallel under the model's
-  logical rules, its cache gathered over the sequence where it crosses to the levels below,
+  logical rules, its cache kept in its sequence shards where it crosses to the levels below,
   params and grads sharded like the parameters. With params_fn (LoRA: params are the
   adapters, replicated) the weights it returns are sharded like the parameters instead.
   head: the engine's head (default the policy's; critic.head for PPO's value model, whose

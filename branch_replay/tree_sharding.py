@@ -6,8 +6,8 @@
           (as branches are), so the leaf count per prompt must divide the `context` size;
   params  FSDP/tensor as sharding.param_shardings.
 
-The root cache crosses to the levels below under sharding.cache_constraint (K/V gathered
-over the sequence); the partitioner sums the leaves' cotangents across `context` before the
+The root cache crosses to the levels below under sharding.cache_constraint (K/V kept in
+their sequence shards; each layer below gathers its own); the partitioner sums the leaves' cotangents across `context` before the
 inner levels' and the root's VJPs.
 """
 
