@@ -32,7 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from experiments.measure import PeakRSS, matmul_gflops, step_flops  # noqa: E402,F401
+from experiments.measure import (PeakRSS, matmul_gflops, release_freed_heap,  # noqa: E402,F401
+                                 step_flops)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_multi_integer("prefix_len", [2048], "P: shared prefix tokens (repeatable)")
@@ -51,7 +52,7 @@ flags.DEFINE_string("attention", "blockwise", "attention implementation, both pa
 flags.DEFINE_integer("block_q", 0, "attention query block (0 = the model default)")
 flags.DEFINE_integer("block_k", 0, "attention key block (0 = the model default)")
 flags.DEFINE_integer("logits_chunk", 1024, "tokens per logits chunk, both paths (0 = unchunked)")
-flags.DEFINE_bool("scan_layers", True, "lax.scan over layers (both paths)")
+flags.DEFINE_bool("scan_layers", False, "lax.scan over layers (both paths; the model default)")
 flags.DEFINE_string("loss", "grpo", "objective (branch_replay.losses.OBJECTIVES; dpo needs "
                     "--branches=2), or 'value': PPO's critic (value model + head, clipped "
                     "value loss on every scored token, critic.py)")
@@ -179,6 +180,7 @@ def _measure(mode, step, params, batch, rss_after_imports):
   times, cpu_times = [], []
   try:
     jax.block_until_ready(compiled(params, batch))  # warm-up
+    release_freed_heap()  # the compiler's freed heap (both modes alike)
     with PeakRSS() as rss:
       for _ in range(FLAGS.reps):
         t0, c0 = time.perf_counter(), time.process_time()
