@@ -52,7 +52,7 @@ flags.DEFINE_string("attention", "blockwise", "attention implementation, both pa
 flags.DEFINE_integer("block_q", 0, "attention query block (0 = the model default)")
 flags.DEFINE_integer("block_k", 0, "attention key block (0 = the model default)")
 flags.DEFINE_integer("logits_chunk", 1024, "tokens per logits chunk, both paths (0 = unchunked)")
-flags.DEFINE_bool("scan_layers", False, "lax.scan over layers (both paths; the model default)")
+flags.DEFINE_bool("scan_layers", True, "lax.scan over layers (both paths)")
 flags.DEFINE_string("loss", "grpo", "objective (branch_replay.losses.OBJECTIVES; dpo needs "
                     "--branches=2), or 'value': PPO's critic (value model + head, clipped "
                     "value loss on every scored token, critic.py)")

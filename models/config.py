@@ -76,7 +76,8 @@ class ModelConfig:
   # lax.scan over (periods of) identical layers: compile time flat in L, but on XLA:CPU the
   # scan's stacked residuals (zero-filled, then updated and copied per layer) cost ~5% of a
   # small-preset replay step (experiments/results/profile_cpu_after_2026-12-02.md); unrolled
-  # by default, scanned for deep models (the large preset).
+  # by default, scanned for deep models (the large preset). With remat the scan also bounds
+  # memory: the naive twin at P=8192 T=128 R=16 remat=full compiles to 13.6 GB unrolled.
   scan_layers: bool = False
   # Per-family options; the defaults are Llama.
   qkv_bias: bool = False  # Qwen2: biases on the q, k, v projections
