@@ -70,12 +70,13 @@ class ModelConfig:
   #   fused (tokamax's GPU kernel per segment; H100/H200/B200 only, models/attention_fused.py)
   attention_block_q: int = 128  # query rows per score tile (x G query heads per kv head)
   # keys per score tile: 512 (not 64) on the idle 2-core CPU makes a tile's matmuls big enough
-  # for both cores: the small replay step's wall time -18% at +8% CPU time (A/B, 2026-12-02)
+  # for both cores: the small replay step's wall time -18% at +8% CPU time
+  # (experiments/results/ab_tiles_scan_cpu_2026-12-02.md)
   attention_block_k: int = 512
   logits_chunk: Optional[int] = 1024  # tokens per [chunk, V] logits block (None: all at once)
   # lax.scan over (periods of) identical layers: compile time flat in L, but on XLA:CPU the
   # scan's stacked residuals (zero-filled, then updated and copied per layer) cost ~5% of a
-  # small-preset replay step (experiments/results/profile_cpu_after_2026-12-02.md); unrolled
+  # small-preset replay step (experiments/results/ab_tiles_scan_cpu_2026-12-02.md); unrolled
   # by default, scanned for deep models (the large preset). With remat the scan also bounds
   # memory: the naive twin at P=8192 T=128 R=16 remat=full compiles to 13.6 GB unrolled.
   scan_layers: bool = False
