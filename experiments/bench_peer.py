@@ -12,7 +12,9 @@ Both sides: the same decoder (our ModelConfig, exported with models/hf.py and lo
 transformers' LlamaForCausalLM), the same tokens, float32, GRPO on-policy loss
 (-A * exp(logp - sg(logp)), token mean over the R*T completion tokens), completion-only
 logits, forward + backward (no optimizer). Each framework lives in its own subprocess (its own
-RSS baseline, taken after imports); the timed steps alternate ABBA between them. One JSON line:
+RSS baseline, taken after imports; after its warm-up step each hands the heap it freed back
+to the OS, malloc_trim, so XLA's retained compiler heap is not counted as step memory); the
+timed steps alternate ABBA between them. One JSON line:
 both times (median, min; wall and CPU), both peak RSS growths, the ratio (peer / ours: > 1
 means ours is faster), useful-FLOP rates and the gradient agreement (every leaf, float32).
 
@@ -149,7 +151,7 @@ def run_worker(kind, folder):
   """Load, warm up (one step), then answer commands on stdin: step | grads PATH | peak."""
   import numpy as np
   import psutil
-  from experiments.measure import PeakRSS
+  from experiments.measure import PeakRSS, release_freed_heap
   if kind == "ours":
     import jax.numpy as jnp
     jnp.zeros(()).block_until_ready()
@@ -162,6 +164,7 @@ def run_worker(kind, folder):
   make = ours_step_fn if kind == "ours" else peer_step_fn
   step, grads = make(folder, batch, FLAGS.threads)
   loss = step()  # warm-up (compilation, allocator pools)
+  release_freed_heap()  # what the warm-up freed (XLA's compiler heap), both frameworks alike
   print(json.dumps(dict(ready=True, loss=loss)), flush=True)
   with PeakRSS() as rss:
     for line in sys.stdin:
@@ -294,6 +297,8 @@ def main(argv):
              ours_times=[round(t, 4) for t in times["ours"]],
              peer_times=[round(t, 4) for t in times["peer"]],
              ours_peak_mb=round(peaks["ours"], 1), peer_peak_mb=round(peaks["peer"], 1),
+             rss_note="peak RSS growth over the RSS after imports; both workers release "
+                      "freed heap (malloc_trim) after their warm-up step",
              useful_gflop=round(flops / 1e9, 2),
              ours_gflops=round(flops / med["ours"] / 1e9, 1),
              peer_gflops=round(flops / med["peer"] / 1e9, 1),

@@ -32,7 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from experiments.measure import PeakRSS, matmul_gflops, step_flops  # noqa: E402,F401
+from experiments.measure import (PeakRSS, matmul_gflops, release_freed_heap,  # noqa: E402,F401
+                                 step_flops)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_multi_integer("prefix_len", [2048], "P: shared prefix tokens (repeatable)")
@@ -179,6 +180,7 @@ def _measure(mode, step, params, batch, rss_after_imports):
   times, cpu_times = [], []
   try:
     jax.block_until_ready(compiled(params, batch))  # warm-up
+    release_freed_heap()  # the compiler's freed heap (both modes alike)
     with PeakRSS() as rss:
       for _ in range(FLAGS.reps):
         t0, c0 = time.perf_counter(), time.process_time()

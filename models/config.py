@@ -69,12 +69,20 @@ class ModelConfig:
   attention: str = "blockwise"  # blockwise (flash-style, custom VJP) | dense (the oracle) |
   #   fused (tokamax's GPU kernel per segment; H100/H200/B200 only, models/attention_fused.py)
   attention_block_q: int = 128  # query rows per score tile (x G query heads per kv head)
-  attention_block_k: int = 64  # keys per score tile
+  # keys per score tile: 512 (not 64) on the idle 2-core CPU makes a tile's matmuls big enough
+  # for both cores: the small replay step's wall time -18% at +8% CPU time
+  # (experiments/results/ab_tiles_scan_cpu_2026-12-02.md)
+  attention_block_k: int = 512
   context_parallel: str = "all_gather"  # the prefix on a mesh whose `context` axis > 1:
   #   all_gather (shard_map, K/V all-gathered, models/context_parallel.py) | gspmd (the
   #   partitioner splits the kernel from sharding constraints)
   logits_chunk: Optional[int] = 1024  # tokens per [chunk, V] logits block (None: all at once)
-  scan_layers: bool = True  # lax.scan over (periods of) identical layers: compile time flat in L
+  # lax.scan over (periods of) identical layers: compile time flat in L, but on XLA:CPU the
+  # scan's stacked residuals (zero-filled, then updated and copied per layer) cost ~5% of a
+  # small-preset replay step (experiments/results/ab_tiles_scan_cpu_2026-12-02.md); unrolled
+  # by default, scanned for deep models (the large preset). With remat the scan also bounds
+  # memory: the naive twin at P=8192 T=128 R=16 remat=full compiles to 13.6 GB unrolled.
+  scan_layers: bool = False
   # Per-family options; the defaults are Llama.
   qkv_bias: bool = False  # Qwen2: biases on the q, k, v projections
   qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head's q and k, before RoPE
@@ -253,7 +261,7 @@ PRESETS = {
     "medium": dict(d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=64,
                    mlp_hidden=1408, vocab_size=4096),
     "large": dict(d_model=2048, n_layers=16, n_heads=16, n_kv_heads=8, head_dim=128,
-                  mlp_hidden=5632, vocab_size=32000),
+                  mlp_hidden=5632, vocab_size=32000, scan_layers=True),
     # Hybrids (Qwen3.5's layout: 3 Gated DeltaNet layers, then one gated full attention).
     "hybrid_tiny": dict(vocab_size=128, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2,
                         head_dim=8, mlp_hidden=64, linear_key_heads=2, linear_value_heads=4,
