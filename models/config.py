@@ -77,12 +77,14 @@ class ModelConfig:
   #   all_gather (shard_map, K/V all-gathered, models/context_parallel.py) | gspmd (the
   #   partitioner splits the kernel from sharding constraints)
   logits_chunk: Optional[int] = 1024  # tokens per [chunk, V] logits block (None: all at once)
-  # lax.scan over (periods of) identical layers: compile time flat in L, but on XLA:CPU the
-  # scan's stacked residuals (zero-filled, then updated and copied per layer) cost ~5% of a
-  # small-preset replay step (experiments/results/ab_tiles_scan_cpu_2026-12-02.md); unrolled
-  # by default, scanned for deep models (the large preset). With remat the scan also bounds
-  # memory: the naive twin at P=8192 T=128 R=16 remat=full compiles to 13.6 GB unrolled.
-  scan_layers: bool = False
+  # lax.scan over (periods of) identical layers: true | false | None (auto: scanned when
+  # `remat` is on). Unrolled, XLA schedules the layers' recomputation freely and remat saves
+  # nothing: the small replay step at P=8192, T=512, R=16, bf16, remat=full compiles to 1,571
+  # MB unrolled vs 433 MB scanned (the naive twin at P=8192 T=128 to 13.6 GB unrolled).
+  # Without remat, unrolled is the lighter and faster one (1,566 vs 1,989 MB there; the
+  # scan's stacked residuals, zero-filled then updated and copied per layer, cost ~5% of a
+  # small-preset replay step: experiments/results/ab_tiles_scan_cpu_2026-12-02.md).
+  scan_layers: Optional[bool] = None
   # Per-family options; the defaults are Llama.
   qkv_bias: bool = False  # Qwen2: biases on the q, k, v projections
   qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head's q and k, before RoPE
@@ -248,6 +250,11 @@ class ModelConfig:
   @property
   def compute_dtype(self):
     return DTYPES[self.dtype]
+
+  @property
+  def layers_scanned(self) -> bool:
+    """Whether run_layers scans (scan_layers, or with None whether remat is on)."""
+    return self.remat != "none" if self.scan_layers is None else bool(self.scan_layers)
 
   @property
   def weight_dtype(self):

@@ -299,7 +299,7 @@ def _remat(fn, cfg: ModelConfig):
 def run_layers(params, cfg: ModelConfig, x_BTD, positions_BT, valid_BT, context=()):
   """Every decoder layer on x: (x_BTD, own K/V per layer).
 
-  With `scan_layers`, layers run under `lax.scan` over L // p repetitions of a p-layer group
+  With `scan_layers` (cfg.layers_scanned), layers run under `lax.scan` over L // p repetitions of a p-layer group
   (p = cfg.layer_period(): layers of one period position share window and RoPE), their
   parameters and context K/V stacked on the fly; leftover layers run unrolled. Each layer
   runs under the remat policy.
@@ -321,7 +321,7 @@ def run_layers(params, cfg: ModelConfig, x_BTD, positions_BT, valid_BT, context=
         layer_params, x_BTD, [tuple(seg[:4]) for seg in segments])
 
   p = cfg.layer_period()
-  reps = L // p if cfg.scan_layers else 0
+  reps = L // p if cfg.layers_scanned else 0
   own_kv: list[Any] = [None] * L
   if reps > 1:
     stack = lambda *xs: jnp.stack(xs)
