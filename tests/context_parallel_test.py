@@ -3,7 +3,6 @@ on a mesh == single-device replay == the naive twin (float64, 1e-10, loss and ev
 leaf), flat and depth-2 tree; the compiled prefix step moves only K/V (all-gather, and the
 reduce-scatter of dK/dV); bad input fails before compilation naming the field and sizes."""
 
-import functools
 import math
 import re
 
@@ -19,6 +18,7 @@ from models import context_parallel
 from models import transformer as tfm
 from tests import tree_test
 from tests.replay_test import assert_equal_f64, make_batch, max_rel_err
+from tests.helpers import cache_per_x64
 
 LOSS = losses.LossConfig(name="grpo", kl_coef=0.05, epsilon=0.1)
 # Gemma 2 (tests/families_test.py): layer 0 slides with window 4, soft-capped scores, GQA
@@ -28,7 +28,7 @@ FAMILY = "gemma2"
 BATCH = dict(B=2, R=8, P=48, T=3, W=2)
 
 
-@functools.lru_cache(maxsize=None)
+@cache_per_x64
 def setup():
   """The model, the batch, and the single-device references (replay and naive)."""
   cfg, params = tree_test.model(FAMILY)

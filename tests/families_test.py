@@ -1,7 +1,6 @@
 """Per-family options (Qwen2/3, Mistral, Gemma 2/3, Llama 3 RoPE): branch replay equals the
 naive path, sliding windows hold in every path (prefill, tail, full forward, decoding)."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +10,7 @@ import pytest
 from branch_replay import losses, policy
 from branch_replay.batch import ReplayBatch, validate
 from models import transformer as tfm
+from tests.helpers import cache_per_x64
 
 TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
             mlp_hidden=48)
@@ -31,7 +31,7 @@ FAMILIES = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@cache_per_x64
 def model(family, dtype="float64"):
   """A tiny model of the family with every parameter perturbed (biases, norm scales and
   q/k norms away from their identity init, so their gradients are exercised)."""

@@ -15,9 +15,10 @@ from models import deltanet as dn
 from models import transformer as tfm
 from tests.replay_test import assert_equal_f64, both_paths, make_batch, max_rel_err
 from tests.tree_test import make_tree
+from tests.helpers import cache_per_x64
 
 
-@functools.lru_cache(maxsize=None)
+@cache_per_x64
 def hybrid(dtype="float64", **overrides):
   cfg = tfm.preset("hybrid_tiny", dtype=dtype, param_dtype=dtype, **overrides)
   params = tfm.init_params(cfg, jax.random.key(0))

@@ -1,6 +1,5 @@
 """The central test: branch replay equals every branch run as its own full sequence."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +9,7 @@ import pytest
 from branch_replay import engine, losses, policy, replay, tree
 from branch_replay.batch import ReplayBatch, validate
 from models import transformer as tfm
+from tests.helpers import cache_per_x64
 
 
 def make_batch(seed, B, R, P, T, W=0, ragged=True, vocab=128, pad_prefix=True, logps=False,
@@ -36,7 +36,7 @@ def make_batch(seed, B, R, P, T, W=0, ragged=True, vocab=128, pad_prefix=True, l
       advantages_BR=jnp.asarray(rng.normal(size=(B, R)), dtype), trunk_len=W, **extra)
 
 
-@functools.lru_cache(maxsize=None)
+@cache_per_x64
 def model(dtype="float64", **overrides):
   cfg = tfm.preset("tiny", dtype=dtype, param_dtype=dtype, **overrides)
   return cfg, tfm.init_params(cfg, jax.random.key(0))

@@ -2,7 +2,6 @@
 today's batch; the objective matches a hand-written numpy reference; bad trees fail on the
 host with errors naming the level and the field."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +14,7 @@ from models import transformer as tfm
 
 from tests.families_test import FAMILIES, TINY
 from tests.replay_test import make_batch, max_rel_err
+from tests.helpers import cache_per_x64
 
 
 def make_tree(seed, fanouts, B=2, P=7, T=(4, 3, 3), W=0, ragged=True, logps=False,
@@ -55,7 +55,7 @@ def make_tree(seed, fanouts, B=2, P=7, T=(4, 3, 3), W=0, ragged=True, logps=Fals
                    fanouts=tuple(fanouts), trunk_len=W, **trunk)
 
 
-@functools.lru_cache(maxsize=None)
+@cache_per_x64
 def model(family=None, dtype="float64"):
   if family is None:
     cfg = tfm.preset("tiny", dtype=dtype, param_dtype=dtype)
