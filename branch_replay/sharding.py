@@ -11,10 +11,9 @@ Layout of one replay step:
 Context parallelism is a per-layer all-gather of K/V: inside the prefix each device keeps
 its P/c queries and residual stream, and each layer all-gathers that layer's keys and
 values (exact: the softmax sees every key), under shard_map (models/context_parallel.py;
-its transpose reduce-scatters the prefix attention's dK/dV). Per layer and per prompt a device receives
-(c-1)/c * 2*P*K*H elements in the forward (again in each tail layer: the cache crosses to
-the tails in its sequence shards, CACHE_AXES)
-and the K/V cotangents (summed over branch shards) go back by reduce-scatter (XLA on CPU
+its transpose reduce-scatters the prefix attention's dK/dV). Per layer and per prompt a
+device receives (c-1)/c * 2*P*K*H elements in the forward (again in each tail layer: the
+cache crosses to the tails in its sequence shards, CACHE_AXES) and the K/V cotangents (summed over branch shards) go back by reduce-scatter (XLA on CPU
 emits an all-reduce: twice that) in the backward; notes/issue4_readme.md has the numbers.
 With model.remat the backward gathers once more. A ring scheme would
 overlap that traffic with compute and never hold a layer's full K/V, at the price of an
@@ -73,8 +72,9 @@ BATCH_AXES = dict(
 # context-parallel prefix left them (and by prompt and kv head); each tail layer gathers its
 # own layer's K/V when its attention needs every prefix key, and the cache cotangent comes
 # back in the same shards. Gathering the whole cache here instead held every layer's full K/V
-# and its cotangent on every device (small preset, P=32K, context:8: 326.9 -> 276.5 MB per
-# device; large: temp 16,833 -> 11,896 MB; experiments/results/context_parallel_memory_cpu.jsonl).
+# and its cotangent on every device (small preset, P=32K, context:8: 326.9 -> 277.2 MB per
+# device; large: temp 16,833 -> 11,896 MB; compile only: experiments/results/
+# context_parallel_memory_cpu.jsonl before, context_parallel_memory_cache_sharded_cpu_2026-12-02.jsonl after).
 CACHE_AXES = dict(kv=("batch", "seq", "kv_heads", "head_dim"), h_last_BD=("batch", None),
                   trunk_score_BW=("batch", None))
 

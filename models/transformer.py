@@ -155,10 +155,11 @@ class Block(nn.Module):
     scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
     # The prefix on a mesh: context-parallel (shard_map, K/V all-gathered); else attend.
     a_BTNH = context_parallel.attend(q_BTNH, positions_BT, valid_BT, segments, scale=scale,
-                              scheme=cfg.context_parallel,
-                              softcap=cfg.attn_logit_softcap,
-                              window=cfg.layer_window(self.index), impl=cfg.attention,
-                              block_q=cfg.attention_block_q, block_k=cfg.attention_block_k)
+                                     scheme=cfg.context_parallel,
+                                     softcap=cfg.attn_logit_softcap,
+                                     window=cfg.layer_window(self.index), impl=cfg.attention,
+                                     block_q=cfg.attention_block_q,
+                                     block_k=cfg.attention_block_k)
     if cfg.attn_output_gate:  # hybrid (Qwen3.5)
       a_BTNH = a_BTNH * jax.nn.sigmoid(jnp.einsum("BTD,DNH->BTNH", h_BTD,
                                                   self.w_gate_DNH.astype(dt)))
@@ -299,8 +300,9 @@ def _remat(fn, cfg: ModelConfig):
 def run_layers(params, cfg: ModelConfig, x_BTD, positions_BT, valid_BT, context=()):
   """Every decoder layer on x: (x_BTD, own K/V per layer).
 
-  With `scan_layers` (cfg.layers_scanned), layers run under `lax.scan` over L // p repetitions of a p-layer group
-  (p = cfg.layer_period(): layers of one period position share window and RoPE), their
+  With `cfg.layers_scanned` (scan_layers, auto: when remat is on), layers run under `lax.scan`
+  over L // p repetitions of a p-layer group (p = cfg.layer_period(): layers of one period
+  position share window and RoPE), their
   parameters and context K/V stacked on the fly; leftover layers run unrolled. Each layer
   runs under the remat policy.
   """
