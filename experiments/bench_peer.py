@@ -259,6 +259,13 @@ def main(argv):
   if FLAGS.worker:
     run_worker(FLAGS.worker, FLAGS.data)
     return
+  import importlib.util
+  missing = [m for m in ("torch", "transformers", "prefix_grouper")
+             if importlib.util.find_spec(m) is None]
+  if missing:  # before any worker starts
+    raise SystemExit(f"bench_peer: the peer needs {', '.join(missing)} (not installed); run "
+                     "pip install -r requirements-peer.txt --extra-index-url "
+                     "https://download.pytorch.org/whl/cpu")
   import numpy as np
   from experiments import provenance
   from experiments.measure import matmul_gflops, step_flops
