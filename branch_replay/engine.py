@@ -308,7 +308,7 @@ def naive_loss_and_grad(params, batch, model_cfg, loss_cfg, params_fn=None):
 def loss_and_grad(params, batch: TreeBatch, model_cfg, loss_cfg, mode: str = "replay",
                   branch_chunk: Optional[int] = None, params_fn: Optional[Callable] = None):
   """(loss, aux_BR per leaf, grads) of the tree by replay or by its naive twin (on a mesh:
-  tree_sharding.tree_loss_and_grad, which wraps this engine's replay); params_fn as in
+  sharding.tree_loss_and_grad, which wraps this engine's replay); params_fn as in
   replay_loss_and_grad (LoRA)."""
   if mode not in MODES:
     raise ValueError(f"replay.mode={mode!r}: expected one of {MODES}")

@@ -1,29 +1,34 @@
-"""Shared-prefix sampling: prefill the prompt once, fork R branches from its one K/V cache.
+"""Shared-prefix sampling over trees; a flat group is a depth-1 tree, a shared trunk a
+fan-out-1 level before it.
 
-Each branch keeps K/V buffers only for the tokens it generates; every decode step is the
-model applied to one token per branch with a list of context segments
-  [(prompt K/V, prompt_valid_BP), (trunk K/V, all valid), (this branch's K/V, written so far)],
-vmapped over branches with the shared segments closed over (unbatched), so the prompt K/V is
-read by every branch and copied by none. An optional trunk (`trunk_len` = W tokens) is decoded
-once per prompt and then shared by all R branches; for training it becomes the prefix's end.
+Prefill the prompt once; decode R_1 children of it, then R_2 children of every child, and so
+on. Every decode step is the model applied to one token per child with a list of context
+segments [(prompt K/V, prompt_valid_BP), (each ancestor's K/V, its valid mask), (this child's
+K/V, written so far)], vmapped over the children with the ancestors' segments closed over
+(unbatched under the vmaps deeper than their level), so an ancestor's K/V is read by every
+descendant and copied by none. A node ends at its level's stop tokens (the stop token is kept,
+as valid); its children continue from the logits after its last valid token.
 
 Log-probs returned are those of the distribution the tokens were drawn from,
 softmax(logits / temperature) (temperature 1 when greedy), i.e. what the training forward
 computes with `loss.temperature` equal to the sampler's (the trainer sets it): the ratio's
 denominator. Top-k / top-p filtered distributions are not trained against: the trainer
 refuses them for RL (`config.Config`).
-No `@jax.jit` here; callers jit `sample` with the configs static.
+No `@jax.jit` here; callers jit `sample` / `sample_tree` with the configs static.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 
+from branch_replay import engine, tree
 from branch_replay.batch import ReplayBatch
+from branch_replay.tree import TreeBatch, TreeLevel
 from models import transformer as tfm
 
 
@@ -87,106 +92,141 @@ def choose(key, logits_BV, cfg: SamplerConfig):
 
 
 def _decode(params, model_cfg, cfg, shared, offset_B, logits_BV, keys_R, n_steps, stop_ids):
-  """Decode `n_steps` tokens for R branches (the leading axis of keys_R) from shared context.
+  """Decode `n_steps` tokens for R children (keys_R's leading axis) of one parent of every
+  prompt.
 
-  shared: segments [(kv per layer, valid_BS)] read by every branch (never copied per branch).
-  Returns tokens_RBT, valid_RBT, logp_RBT, own kv per layer ([R, B, T, K, H]) and the
-  logits after the last token, logits_RBV.
-  """
+  shared: the ancestors' segments [(kv per layer, valid_BS)], read by every child (never
+  copied per child). Returns tokens_RBT, valid_RBT, logp_RBT, own kv per layer ([R, B, T, K,
+  H]; a linear-attention layer's: its recurrent state) and logits_RBV, those after each
+  child's last *valid* token (what its own children start from)."""
   B = logits_BV.shape[0]
   model = tfm.Transformer(model_cfg)
   K, H, dt = model_cfg.n_kv_heads, model_cfg.head_dim, model_cfg.compute_dtype
-  T = n_steps
 
-  def branch_step(carry, key, t):
+  def child_step(carry, key, t):
     logits_BV, kv, gen_valid_BT, done_B = carry
-    # 1. Sample this branch's token t from the logits its previous token produced.
+    # 1. Sample this child's token t from the logits its previous token produced.
     token_B, logp_B = choose(jax.random.fold_in(key, t), logits_BV, cfg)
     valid_B = ~done_B
     token_B = jnp.where(valid_B, token_B, 0)
     done_B = done_B | jnp.isin(token_B, stop_ids)
-    # 2. One token forward against [shared segments..., own generated K/V so far].
-    position_B1 = (offset_B + t)[:, None]
-    h_B1D, own = model.apply({"params": params}, token_B[:, None], position_B1,
-                             jnp.ones((B, 1), bool), context=[*shared, (kv, gen_valid_BT)])
+    # 2. One token forward against [ancestors' segments..., own generated K/V so far].
+    h_B1D, own = model.apply({"params": params}, token_B[:, None], (offset_B + t)[:, None],
+                             valid_B[:, None], context=[*shared, (kv, gen_valid_BT)])
     kv = tuple(o if not isinstance(o, tfm.KV) else  # hybrid: a linear layer's new state
                tfm.KV(jax.lax.dynamic_update_slice(c.k_BSKH, o.k_BSKH, (0, t, 0, 0)),
                       jax.lax.dynamic_update_slice(c.v_BSKH, o.v_BSKH, (0, t, 0, 0)))
                for c, o in zip(kv, own))
-    gen_valid_BT = jax.lax.dynamic_update_slice(gen_valid_BT, jnp.ones((B, 1), bool), (0, t))
-    logits_BV = model.apply({"params": params}, h_B1D, method=tfm.Transformer.logits)[:, 0]
-    out = (token_B, valid_B, jnp.where(valid_B, logp_B, 0.0))
-    return (logits_BV, kv, gen_valid_BT, done_B), out
+    gen_valid_BT = jax.lax.dynamic_update_slice(gen_valid_BT, valid_B[:, None], (0, t))
+    new_BV = model.apply({"params": params}, h_B1D, method=tfm.Transformer.logits)[:, 0]
+    logits_BV = jnp.where(valid_B[:, None], new_BV, logits_BV)  # keep the last valid one's
+    return (logits_BV, kv, gen_valid_BT, done_B), (token_B, valid_B,
+                                                    jnp.where(valid_B, logp_B, 0.0))
 
   def step(carry, t):
-    carry, out = jax.vmap(branch_step, in_axes=(0, 0, None))(carry, keys_R, t)
-    return carry, out
+    return jax.vmap(child_step, in_axes=(0, 0, None))(carry, keys_R, t)
 
-  R = keys_R.shape[0]
+  R, T = keys_R.shape[0], n_steps
   empty = jnp.zeros((R, B, T, K, H), dt)
   kv0 = tuple(tfm.KV(empty, empty) if model_cfg.layer_type(i) != "linear_attention" else
-              # hybrid: a linear layer carries the state after the shared context (recurrent form)
+              # hybrid: a linear layer carries the state after the parent's context
               jax.tree.map(lambda x: jnp.broadcast_to(x, (R, *x.shape)), shared[-1][0][i])
               for i in range(model_cfg.n_layers))
   carry0 = (jnp.broadcast_to(logits_BV, (R, *logits_BV.shape)), kv0,
             jnp.zeros((R, B, T), bool), jnp.zeros((R, B), bool))
-  (logits_RBV, kv, _, _), (tokens_TRB, valid_TRB, logp_TRB) = jax.lax.scan(
-      step, carry0, jnp.arange(T))
-  to_RBT = lambda x: jnp.moveaxis(x, 0, -1)
-  return to_RBT(tokens_TRB), to_RBT(valid_TRB), to_RBT(logp_TRB), kv, logits_RBV
+  (logits_RBV, kv, _, _), outs = jax.lax.scan(step, carry0, jnp.arange(T))
+  tokens_RBT, valid_RBT, logp_RBT = (jnp.moveaxis(x, 0, -1) for x in outs)
+  return tokens_RBT, valid_RBT, logp_RBT, kv, logits_RBV
 
 
-def sample(params, model_cfg: tfm.ModelConfig, cfg: SamplerConfig, prompt_BP, prompt_valid_BP,
-           key, n_branches: int, stop_tokens: Sequence[int] = ()) -> Samples:
-  """R = n_branches continuations of every (left-padded) prompt, prefix K/V computed once."""
-  B, P = prompt_BP.shape
-  stop_ids = jnp.asarray(tuple(stop_tokens) or (-1,), jnp.int32)
+def _flat(x, d):
+  """[R_1, ..., R_d, B, ...] (vmapped node axes first) -> [B, R_1*...*R_d, ...]."""
+  x = jnp.moveaxis(x, d, 0)
+  return x.reshape(x.shape[0], -1, *x.shape[d + 1:])
+
+
+class TreeSamples(NamedTuple):
+  tokens: tuple  # per level 1..depth: int32 [B, R_1*...*R_d, T_d], 0 after a stop token
+  valid: tuple  # bool: generated up to and including the stop token
+  logp: tuple  # float32 log-probs at the sampler's temperature (0 where invalid)
+
+
+def _levels(params, model_cfg, cfg, prompt_BP, prompt_valid_BP, child_keys, lengths,
+            stop_tokens) -> TreeSamples:
+  """The one decoder: child_keys[d-1] holds one key per node of level d, shaped [R_1, ...,
+  R_d] (its parent's axes first); level d decodes lengths[d-1] tokens ending at
+  stop_tokens[d-1]."""
   model = tfm.Transformer(model_cfg)
   # 1. Prefill the prompt once.
   h_BPD, prompt_kv = model.apply({"params": params}, prompt_BP,
                                  tfm.positions_from_valid(prompt_valid_BP), prompt_valid_BP)
   logits_BV = model.apply({"params": params}, h_BPD[:, -1:], method=tfm.Transformer.logits)[:, 0]
   offset_B = jnp.sum(prompt_valid_BP.astype(jnp.int32), axis=1)
-  shared = [(prompt_kv, prompt_valid_BP)]
+  segments = [(prompt_kv, prompt_valid_BP)]  # per level: (kv, valid), nested [R_1..]
+  out = ([], [], [])
+  for d, (keys, T, stops) in enumerate(zip(child_keys, lengths, stop_tokens), start=1):
+    stop_ids = jnp.asarray(tuple(stops) or (-1,), jnp.int32)
+
+    def one_parent(segments, offset_B, logits_BV, keys_R, T=T, stop_ids=stop_ids):
+      return _decode(params, model_cfg, cfg, list(segments), offset_B, logits_BV, keys_R, T,
+                     stop_ids)
+
+    # 2. Decode level d: the children of every parent, vmapped over the parents' fan-outs
+    #    with each ancestor segment unbatched under the vmaps deeper than its level.
+    fn = one_parent
+    for j in reversed(range(1, d)):
+      seg_axes = tuple(None if i < j else 0 for i in range(d))
+      fn = jax.vmap(fn, in_axes=(seg_axes, 0, 0, 0))
+    tokens, valid, logp, kv, logits_BV = fn(tuple(segments), offset_B, logits_BV, keys)
+    # The children axis (R_d) comes out after the parents': [R_1..R_d, B, ...].
+    for acc, x in zip(out, (tokens, valid, logp)):
+      acc.append(_flat(x, d))
+    segments.append((kv, valid))
+    offset_B = jnp.expand_dims(offset_B, d - 1) + jnp.sum(valid.astype(jnp.int32), axis=-1)
+  return TreeSamples(*(tuple(x) for x in out))
+
+
+def sample_tree(params, model_cfg: tfm.ModelConfig, cfg: SamplerConfig, prompt_BP,
+                prompt_valid_BP, key, fanouts: Sequence[int], lengths: Sequence[int],
+                stop_tokens: Sequence[Sequence[int]] = ()) -> TreeSamples:
+  """A tree of continuations of every (left-padded) prompt: R_d children of every node of
+  level d-1, each up to lengths[d-1] tokens, ending at stop_tokens[d-1] (default none)."""
+  if len(lengths) != len(fanouts):
+    raise ValueError(f"lengths={tuple(lengths)}: expected one per fan-out {tuple(fanouts)}")
+  child_keys = []
+  for d, R in enumerate(fanouts, start=1):
+    parents = jax.random.split(jax.random.fold_in(key, d), math.prod(fanouts[:d - 1]))
+    children = jax.vmap(lambda k, R=R: jax.random.split(k, R))(parents)
+    child_keys.append(children.reshape(*fanouts[:d], *children.shape[2:]))
+  stops = [tuple(stop_tokens[d]) if len(stop_tokens) > d else () for d in range(len(fanouts))]
+  return _levels(params, model_cfg, cfg, prompt_BP, prompt_valid_BP, child_keys, lengths, stops)
+
+
+def sample(params, model_cfg: tfm.ModelConfig, cfg: SamplerConfig, prompt_BP, prompt_valid_BP,
+           key, n_branches: int, stop_tokens: Sequence[int] = ()) -> Samples:
+  """R = n_branches continuations of every (left-padded) prompt, prefix K/V computed once:
+  the tree of fan-outs (R,), or (1, R) with a trunk of sampler.trunk_len tokens decoded once
+  per prompt (stop tokens do not end a trunk)."""
+  B, W = prompt_BP.shape[0], cfg.trunk_len
   trunk_key, branch_key = jax.random.split(key)
-  W = cfg.trunk_len
-  # 2. Optional trunk: W tokens decoded once per prompt (stop tokens do not end a trunk).
-  trunk_BW = jnp.zeros((B, 0), jnp.int32)
-  trunk_logp_BW = jnp.zeros((B, 0), jnp.float32)
-  if W:
-    tokens, _, logp, trunk_kv, logits_RBV = _decode(
-        params, model_cfg, cfg, shared, offset_B, logits_BV, trunk_key[None], W,
-        jnp.asarray((-1,), jnp.int32))
-    trunk_BW, trunk_logp_BW, logits_BV = tokens[0], logp[0], logits_RBV[0]
-    shared.append((jax.tree.map(lambda x: x[0], trunk_kv), jnp.ones((B, W), bool)))
-    offset_B = offset_B + W
-  # 3. Fork R branches from the shared context.
   keys_R = jax.random.split(branch_key, n_branches)
-  tokens_RBT, valid_RBT, logp_RBT, _, _ = _decode(
-      params, model_cfg, cfg, shared, offset_B, logits_BV, keys_R, cfg.max_new_tokens, stop_ids)
-  to_BRT = lambda x: jnp.swapaxes(x, 0, 1)
-  return Samples(to_BRT(tokens_RBT), to_BRT(valid_RBT), to_BRT(logp_RBT), trunk_BW,
-                 trunk_logp_BW)
+  if not W:
+    s = _levels(params, model_cfg, cfg, prompt_BP, prompt_valid_BP, [keys_R],
+                [cfg.max_new_tokens], [stop_tokens])
+    return Samples(s.tokens[0], s.valid[0], s.logp[0], jnp.zeros((B, 0), jnp.int32),
+                   jnp.zeros((B, 0), jnp.float32))
+  s = _levels(params, model_cfg, cfg, prompt_BP, prompt_valid_BP, [trunk_key[None], keys_R[None]],
+              [W, cfg.max_new_tokens], [(), stop_tokens])
+  return Samples(s.tokens[1], s.valid[1], s.logp[1], s.tokens[0][:, 0], s.logp[0][:, 0])
 
 
 def score(params, model_cfg: tfm.ModelConfig, batch: ReplayBatch, temperature: float = 1.0):
-  """Policy log-probs of every tail (and trunk) token from ONE shared-prefix forward:
-  (logp_BRT, trunk_logp_BW), of softmax(logits / temperature). Used for the frozen
-  reference policy's log-probs (RL, DPO)."""
-  W = batch.trunk_len
-  P = batch.prefix_BP.shape[1]
-  cache = tfm.prefill(params, model_cfg, batch.prefix_BP, batch.prefix_valid_BP, W)
-  trunk_logp_BW, _ = tfm.token_logps(params, model_cfg, cache.trunk_h_BWD,
-                                     batch.prefix_BP[:, P - W:], temperature=temperature)
-
-  B, R, T = batch.tails_BRT.shape
-  tokens_NT = batch.tails_BRT.reshape(B * R, T)  # rows (b, r): all branches in one call
-  valid_NT = batch.tail_valid_BRT.reshape(B * R, T)
-  h_NTD = tfm.tail(params, model_cfg, cache, batch.prefix_valid_BP, tokens_NT, valid_NT)
-  h_last_ND = jnp.repeat(cache.h_last_BD, R, axis=0)
-  h_pred_NTD = jnp.concatenate([h_last_ND[:, None], h_NTD[:, :-1]], axis=1)
-  logp_NT, _ = tfm.token_logps(params, model_cfg, h_pred_NTD, tokens_NT, temperature=temperature)
-  return jnp.where(valid_NT, logp_NT, 0.0).reshape(B, R, T), trunk_logp_BW
+  """Policy log-probs of every tail (and trunk) token from ONE shared-prefix forward (the
+  engine's): (logp_BRT, trunk_logp_BW), of softmax(logits / temperature). Used for the
+  frozen reference policy's log-probs (RL, DPO)."""
+  (logp_BRT,), trunk_logp_BW = engine.forward(params, tree.from_replay_batch(batch), model_cfg,
+                                              temperature)
+  return logp_BRT, trunk_logp_BW
 
 
 def to_batch(prompt_BP, prompt_valid_BP, samples: Samples, advantages_BR,
@@ -200,3 +240,17 @@ def to_batch(prompt_BP, prompt_valid_BP, samples: Samples, advantages_BR,
                      advantages_BR=advantages_BR, old_logp_BRT=samples.logp_BRT,
                      trunk_old_logp_BW=samples.trunk_logp_BW if W else None,
                      trunk_len=W)
+
+
+def to_tree_batch(prompt_BP, prompt_valid_BP, samples: TreeSamples, fanouts, advantages,
+                  scored=None) -> TreeBatch:
+  """The training batch: root = prompt, levels = the sampled nodes with the sampler's
+  log-probs as old log-probs. advantages: one array per level ([B, nodes]; None for an
+  inner level = its leaves' advantages); scored: optional per-level masks."""
+  levels = []
+  for d, (tokens, valid, logp) in enumerate(zip(*samples)):
+    levels.append(TreeLevel(tokens_BRT=tokens, valid_BRT=valid, old_logp_BRT=logp,
+                            advantages_BR=advantages[d],
+                            scored_BRT=None if scored is None else scored[d]))
+  return TreeBatch(root_BP=prompt_BP, root_valid_BP=prompt_valid_BP, levels=tuple(levels),
+                   fanouts=tuple(fanouts))

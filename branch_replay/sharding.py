@@ -34,6 +34,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from branch_replay import engine, losses, policy, replay, tree
 from branch_replay.batch import ReplayBatch
+from branch_replay.tree import TreeBatch
 from models import transformer as tfm
 
 # The mesh axes, declared once (role words; sizes come from a spec such as "fsdp:4,context:2").
@@ -299,6 +300,48 @@ def engine_loss_and_grad(mesh: Mesh, params, batch, model_cfg: tfm.ModelConfig,
   aux_BR = constrain(aux_BR, jax.tree.map(  # per leaf, split like the leaves
       lambda x: named_sharding(mesh, "aux", x.shape, ("batch", "branch")), aux_BR))
   return loss, aux_BR, (grads if params_fn is not None else constrain(grads, p_shardings))
+
+
+# Trees: the root's prompts over (data, fsdp) and its sequence over `context` (the
+# context-parallel prefill); inner nodes split by prompt only (every device of a `context`
+# group runs every opening: they are few and short); leaves split by prompt and over
+# `context`, as branches are (a prompt's leaf count must divide the `context` size). The root
+# cache crosses to the levels below under cache_constraint; the partitioner sums the leaves'
+# cotangents across `context` before the inner levels' and the root's VJPs.
+
+
+def tree_batch_shardings(mesh: Mesh, batch: TreeBatch) -> TreeBatch:
+  """A TreeBatch of NamedShardings (None fields stay None); a dimension its mesh axes do not
+  divide is a ValueError naming the level, the field and both numbers."""
+  def spec(where, x, names):
+    return None if x is None else named_sharding(mesh, f"tree.{where}", np.shape(x), names)
+
+  levels = []
+  for d, level in enumerate(batch.levels, start=1):
+    node_axis = "branch" if d == batch.depth else None  # leaves over `context`
+    at = f"levels[{d - 1}] (level {d})"
+    three = ("batch", node_axis, None)
+    levels.append(level.replace(**{
+        name: spec(f"{at}.{name}", getattr(level, name), three[:2] if name.endswith("_BR")
+                   else three)
+        for name in ("tokens_BRT", "valid_BRT", "scored_BRT", "advantages_BR", "old_logp_BRT",
+                     "ref_logp_BRT")}))
+  return batch.replace(
+      root_BP=spec("root_BP", batch.root_BP, ("batch", "seq")),
+      root_valid_BP=spec("root_valid_BP", batch.root_valid_BP, ("batch", "seq")),
+      trunk_old_logp_BW=spec("trunk_old_logp_BW", batch.trunk_old_logp_BW, ("batch", None)),
+      trunk_ref_logp_BW=spec("trunk_ref_logp_BW", batch.trunk_ref_logp_BW, ("batch", None)),
+      levels=tuple(levels))
+
+
+def tree_loss_and_grad(mesh: Mesh, params, batch: TreeBatch, model_cfg: tfm.ModelConfig,
+                       loss_cfg: losses.LossConfig, branch_chunk: Optional[int] = None,
+                       params_fn=None):
+  """Tree replay on `mesh` (call it inside one jit): (loss, aux_BR, grads), equal to
+  `engine.loss_and_grad(..., mode='replay')` on one device."""
+  return engine_loss_and_grad(
+      mesh, params, constrain(batch, tree_batch_shardings(mesh, batch)), model_cfg,
+      loss_cfg, branch_chunk, params_fn)
 
 
 def prefix_residuals(mesh: Mesh, params, batch: ReplayBatch, model_cfg: tfm.ModelConfig,

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from branch_replay import checkpoint, critic, sharding, tree_sharding
+from branch_replay import checkpoint, critic, sharding
 from branch_replay.batch import ReplayBatch
 from branch_replay.tree import TreeBatch
 from branch_replay.config import Config
@@ -70,7 +70,7 @@ def shardings(tree, kind: str, cfg: Config):
     if isinstance(tree, ReplayBatch):
       return sharding.batch_shardings(mesh, tree)
     if isinstance(tree, TreeBatch):
-      return tree_sharding.tree_batch_shardings(mesh, tree)
+      return sharding.tree_batch_shardings(mesh, tree)
     return sharding.prompt_shardings(mesh, tree)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   return jax.tree.map(lambda _: device, tree)

@@ -25,7 +25,7 @@ import numpy as np
 import optax
 
 from branch_replay import (advantages, critic, dapo, engine, losses, phases, policy, sampler,
-                           sharding, tasks, tree, tree_sharding)
+                           sharding, tasks, tree)
 from branch_replay.batch import ReplayBatch, validate
 from branch_replay.config import Config
 from branch_replay.state import (TrainState, make_critic_optimizer, make_optimizer, place,
@@ -52,7 +52,7 @@ def loss_and_grad(cfg: Config, params, batch, loss_cfg, branch_chunk=None, param
   if cfg.mesh and cfg.replay.mode == "replay":
     mesh = sharding.make_mesh(cfg.mesh)
     if is_tree:
-      return tree_sharding.tree_loss_and_grad(mesh, params, batch, cfg.model, loss_cfg,
+      return sharding.tree_loss_and_grad(mesh, params, batch, cfg.model, loss_cfg,
                                               branch_chunk, params_fn)
     return sharding.sharded_loss_and_grad(mesh, params, batch, cfg.model, loss_cfg, branch_chunk,
                                           params_fn)

@@ -1,9 +1,9 @@
 """Tree rollouts' pieces (`tree.fanouts` set; the loop is trainer.py, the algorithm
 algorithms/grpo.py's TreeGRPO):
-  RL    sample a tree per prompt (tree_sampler: prompt prefilled once, R_1 first turns, R_2
+  RL    sample a tree per prompt (sampler.sample_tree: prompt prefilled once, R_1 first turns, R_2
         second turns of each), reward the leaves, tree-aware advantages (tree.tree_advantages),
         the flat GRPO/PPO step (train.make_train_step: the engine takes trees), epochs x
-        minibatches, the KL reference, one device or a mesh (tree_sharding);
+        minibatches, the KL reference, one device or a mesh (sharding.tree_loss_and_grad);
   SFT   warm-up trees from the task's reference turns (objective -log p), same engine.
 """
 
@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from branch_replay import advantages as advantages_lib
-from branch_replay import dapo, engine, sharding, tasks, tree, tree_sampler, train
+from branch_replay import dapo, engine, sampler, sharding, tasks, tree, train
 from branch_replay.config import Config
 from branch_replay.sampler import SamplerConfig
 from branch_replay.tokenizer import TOKENIZER
@@ -104,7 +104,7 @@ def rl_batch(fns, state: train_state.TrainState, task, cfg: Config, step: int, t
         advantages_lib.compute, t.advantage, train_cfg=t))
   if not cfg.tree.node_advantages:
     node_adv = [None] * (len(fanouts) - 1) + node_adv[-1:]
-  batch = tree_sampler.to_tree_batch(prompt_BP, valid_BP, samples, fanouts, node_adv)
+  batch = sampler.to_tree_batch(prompt_BP, valid_BP, samples, fanouts, node_adv)
   # the phases (phases.py), every sampling round included; the sampler returns the behaviour
   # log-probs (old_logp: sampling's)
   stats.update({"time/reward_s": phase_s["reward"], "time/old_logp_s": 0.0,
@@ -157,7 +157,7 @@ def compile_key(cfg: Config) -> Config:
 @functools.lru_cache(maxsize=4)
 def compiled(cfg: Config, turn_lengths: tuple, stop_tokens: tuple) -> types.SimpleNamespace:
   """The jitted functions of a config (kept across runs in one process)."""
-  sample = functools.partial(tree_sampler.sample_tree, model_cfg=cfg.model,
+  sample = functools.partial(sampler.sample_tree, model_cfg=cfg.model,
                              fanouts=cfg.tree.fanout_tuple, lengths=turn_lengths,
                              stop_tokens=stop_tokens)
   greedy_cfg = SamplerConfig(temperature=0.0)

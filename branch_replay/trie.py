@@ -231,7 +231,7 @@ def _level(responses, rows, spans, scored, old, ref, adv_BR, pad_id, bucket=1) -
 
 
 def unroll(batch: TreeBatch, order, per_level_BRT, trunk_BW=None) -> list:
-  """Per-token values of a laid-out tree (e.g. `tree_replay.logps`) back per response, in
+  """Per-token values of a laid-out tree (e.g. `engine.forward`) back per response, in
   the original order: out[b][i] is response i's values, trunk + every level's node."""
   B = np.shape(batch.root_BP)[0]
   W, n = batch.trunk_len, batch.n_leaves

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from branch_replay import policy, tree_replay
+from branch_replay import engine, policy
 from branch_replay.tree import TreeBatch
 
 MODES = ("auto", "first", "off")  # auto: first for imported checkpoints (run.py --model_dir)
@@ -62,10 +62,10 @@ def check(params, batch, model_cfg, loss_cfg, *, branch_chunk=None, tol=None) ->
   leaf and both values if the loss or any gradient leaf differs by more than `tol` (default:
   `tolerance(model_cfg)`). Returns metrics: verify/max_rel_err, verify/worst_leaf,
   time/verify_s (both paths, compilation included)."""
-  engine = tree_replay if isinstance(batch, TreeBatch) else policy
+  engine_ = engine if isinstance(batch, TreeBatch) else policy
   tol = tolerance(model_cfg) if tol is None else tol
   run = lambda mode: jax.block_until_ready(jax.jit(functools.partial(
-      engine.loss_and_grad, model_cfg=model_cfg, loss_cfg=loss_cfg, mode=mode,
+      engine_.loss_and_grad, model_cfg=model_cfg, loss_cfg=loss_cfg, mode=mode,
       branch_chunk=branch_chunk if mode == "replay" else None))(params, batch))
   t0 = time.perf_counter()
   loss_fast, _, grads_fast = run("replay")

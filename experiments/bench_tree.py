@@ -2,10 +2,10 @@
 as JSON lines (one line per shape).
 
   naive  every root-to-leaf path as its own [P + T_1 + ... + T_D] sequence
-         (tree_replay.naive_loss_and_grad);
+         (engine.naive_loss_and_grad);
   flat   today's branch replay with the prompt as the prefix and each leaf's whole response
          (its openings re-run per leaf, then its tail) as one longer tail (policy.py);
-  tree   tree replay (tree_replay.py): the prompt once, each opening once, each tail once.
+  tree   tree replay (engine.py): the prompt once, each opening once, each tail once.
 
 All three compute the same objective (an opening's tokens scored by every leaf below it with
 that leaf's advantage) with the same model and attention, so their gradients agree.
@@ -125,7 +125,7 @@ def run_worker(mode):
   import jax.numpy as jnp
   import numpy as np
   import psutil
-  from branch_replay import losses, policy, tree, tree_replay
+  from branch_replay import engine, losses, policy, tree
   from branch_replay.batch import validate
   from models import transformer as tfm
   jnp.zeros(()).block_until_ready()
@@ -141,7 +141,7 @@ def run_worker(mode):
     batch, fn = flat_batch, lambda p, b: policy.loss_and_grad(p, b, cfg, loss_cfg, "replay")
   else:
     batch = tree_batch
-    fn = lambda p, b: tree_replay.loss_and_grad(p, b, cfg, loss_cfg,
+    fn = lambda p, b: engine.loss_and_grad(p, b, cfg, loss_cfg,
                                                 "naive" if mode == "naive" else "replay")
   compiled = jax.jit(lambda p, b: fn(p, b)[::2]).lower(params, batch).compile()
   jax.block_until_ready(compiled(params, batch))  # warm-up

@@ -140,7 +140,7 @@ def main(argv):
   del argv
   import jax
   import numpy as np
-  from branch_replay import losses, policy, tree_replay, trie
+  from branch_replay import engine, losses, policy, trie
   from experiments import provenance
   from models import transformer as tfm
   from tests.replay_test import max_rel_err
@@ -153,7 +153,7 @@ def main(argv):
   writer = provenance.ResultsWriter(FLAGS.out, experiment="rollout_strategies") if FLAGS.out \
       else None
   flat_fn = jax.jit(functools.partial(policy.loss_and_grad, model_cfg=cfg, loss_cfg=loss_cfg))
-  tree_fn = jax.jit(functools.partial(tree_replay.loss_and_grad, model_cfg=cfg,
+  tree_fn = jax.jit(functools.partial(engine.loss_and_grad, model_cfg=cfg,
                                       loss_cfg=loss_cfg))
   with tempfile.TemporaryDirectory() as tmp:
     for strategy in FLAGS.strategies.split(","):

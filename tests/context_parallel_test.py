@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from branch_replay import losses, policy, sharding, tree, tree_replay, tree_sharding
+from branch_replay import engine, losses, policy, sharding, tree
 from branch_replay.batch import validate
 from models import context_parallel
 from models import transformer as tfm
@@ -74,10 +74,10 @@ def test_context_parallel_tree_equals_single_device():
                                 node_advantages=True, vocab=cfg.vocab_size)
     mesh = sharding.make_mesh("context:4", jax.devices()[:4])
     tree.validate(batch, cfg.vocab_size, None, leaf_shards=4)
-    ref = jax.jit(lambda p, b: tree_replay.loss_and_grad(p, b, cfg, LOSS))(params, batch)
+    ref = jax.jit(lambda p, b: engine.loss_and_grad(p, b, cfg, LOSS))(params, batch)
     placed = (sharding.put(params, sharding.param_shardings(mesh, cfg)),
-              sharding.put(batch, tree_sharding.tree_batch_shardings(mesh, batch)))
-    got = jax.jit(lambda p, b: tree_sharding.tree_loss_and_grad(mesh, p, b, cfg, LOSS))(*placed)
+              sharding.put(batch, sharding.tree_batch_shardings(mesh, batch)))
+    got = jax.jit(lambda p, b: sharding.tree_loss_and_grad(mesh, p, b, cfg, LOSS))(*placed)
     assert abs(float(got[0]) - float(ref[0])) <= 1e-10 * abs(float(ref[0]))
     assert max_rel_err(got[2], ref[2]) < 1e-10
     assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(ref[2])) > 1e-6

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from branch_replay import engine, losses, policy, tree, tree_replay
+from branch_replay import engine, losses, policy, tree
 from branch_replay.batch import ReplayBatch
 from tests.replay_test import make_batch
 from tests.tree_test import make_tree, max_rel_err, model
@@ -58,7 +58,7 @@ def assert_same(got, want, tol=1e-10, keys=None):
 
 def tree_run(cfg, params, batch, loss_cfg, mode="replay", branch_chunk=None):
   tree.validate(batch, cfg.vocab_size, branch_chunk)
-  return jax.jit(lambda p, b: tree_replay.loss_and_grad(p, b, cfg, loss_cfg, mode,
+  return jax.jit(lambda p, b: engine.loss_and_grad(p, b, cfg, loss_cfg, mode,
                                                         branch_chunk))(params, batch)
 
 
@@ -83,7 +83,7 @@ def test_temperature_depth1_equals_flat_and_on_policy_ratio_is_one():
       assert_same(tree_run(cfg, params, t, lc, mode), want)
     # Depth 2: log-probs of the sampling distribution at T=0.7 are on-policy (ratio 1).
     deep = make_tree(4, (2, 3), W=1, logps=True)
-    logp, trunk = jax.jit(lambda p: tree_replay.logps(p, deep, cfg, 0.7))(params)
+    logp, trunk = jax.jit(lambda p: engine.forward(p, deep, cfg, 0.7))(params)
     deep = deep.replace(trunk_old_logp_BW=trunk, levels=tuple(
         l.replace(old_logp_BRT=x) for l, x in zip(deep.levels, logp)))
     _, aux, _ = tree_run(cfg, params, deep, lc)
@@ -110,7 +110,7 @@ def test_streamed_leaves_accumulate_in_float32():
   cfg = dataclasses.replace(cfg, dtype="bfloat16")  # bf16 compute, f32 parameters
   batch = make_tree(7, (2, 4), P=8, T=(3, 3), W=1, dtype=jnp.float32)
   lc = losses.LossConfig()
-  fn = lambda chunk: (lambda p, b: tree_replay.loss_and_grad(p, b, cfg, lc, "replay", chunk))
+  fn = lambda chunk: (lambda p, b: engine.loss_and_grad(p, b, cfg, lc, "replay", chunk))
   jaxpr = jax.make_jaxpr(fn(1))(params, batch).jaxpr
   # The stream is the top-level scan with the most carries (loss, dparams, dcaches).
   stream = max((e for e in jaxpr.eqns if e.primitive.name == "scan"),

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from branch_replay import losses, tree_replay
+from branch_replay import engine, losses
 from models import deltanet as dn
 from models import transformer as tfm
 from tests.replay_test import assert_equal_f64, both_paths, make_batch, max_rel_err
@@ -158,8 +158,8 @@ def test_hybrid_tree_replay_equals_naive_float64():
     cfg, params = hybrid()
     tree = make_tree(5, (2, 3), B=2, P=7, T=(5, 4), W=2)
     loss_cfg = losses.LossConfig()
-    fast = jax.jit(lambda p: tree_replay.loss_and_grad(p, tree, cfg, loss_cfg, "replay"))(params)
-    slow = jax.jit(lambda p: tree_replay.loss_and_grad(p, tree, cfg, loss_cfg, "naive"))(params)
+    fast = jax.jit(lambda p: engine.loss_and_grad(p, tree, cfg, loss_cfg, "replay"))(params)
+    slow = jax.jit(lambda p: engine.loss_and_grad(p, tree, cfg, loss_cfg, "naive"))(params)
     assert_equal_f64(fast, slow)
 
 

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from branch_replay import tree, tree_replay, tree_sampler
+from branch_replay import engine, sampler, tree
 from branch_replay.sampler import SamplerConfig
 from models import transformer as tfm
 
@@ -24,7 +24,7 @@ def _prompts(B=2, P=6, seed=0):
 
 
 def _sample(cfg, fanouts, lengths, stops=()):
-  return jax.jit(functools.partial(tree_sampler.sample_tree, model_cfg=CFG, cfg=cfg,
+  return jax.jit(functools.partial(sampler.sample_tree, model_cfg=CFG, cfg=cfg,
                                    fanouts=fanouts, lengths=lengths, stop_tokens=stops))
 
 
@@ -61,9 +61,9 @@ def test_sampled_logps_equal_training_forward():
     assert v.shape == (2, int(np.prod(fanouts[:d + 1])), lengths[d])
     assert v[..., 0].all() and not v.all()  # ragged nodes, none empty
   leaf_adv = np.zeros(s.tokens[-1].shape[:2], np.float32)
-  batch = tree_sampler.to_tree_batch(prompt, valid, s, fanouts, [None, None, leaf_adv])
+  batch = sampler.to_tree_batch(prompt, valid, s, fanouts, [None, None, leaf_adv])
   tree.validate(batch, CFG.vocab_size)
-  want, _ = jax.jit(lambda p, b: tree_replay.logps(p, b, CFG))(params, batch)
+  want, _ = jax.jit(lambda p, b: engine.forward(p, b, CFG))(params, batch)
   for got, ref in zip(s.logp, want):
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
   # Siblings differ (they are sampled, not copies of one another).

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from branch_replay import losses, policy, tree, tree_replay
+from branch_replay import engine, losses, policy, tree
 from branch_replay.tree import TreeBatch, TreeLevel
 from models import transformer as tfm
 
@@ -71,7 +71,7 @@ def model(family=None, dtype="float64"):
 
 def both(cfg, params, batch, loss_cfg, branch_chunk=None):
   tree.validate(batch, cfg.vocab_size, branch_chunk)
-  run = jax.jit(lambda p, b, mode: tree_replay.loss_and_grad(p, b, cfg, loss_cfg, mode,
+  run = jax.jit(lambda p, b, mode: engine.loss_and_grad(p, b, cfg, loss_cfg, mode,
                                                              branch_chunk), static_argnums=2)
   return run(params, batch, "replay"), run(params, batch, "naive")
 
@@ -144,7 +144,7 @@ def test_depth_one_tree_is_todays_batch():
     t = tree.from_replay_batch(batch)
     tree.validate(t, cfg.vocab_size)
     for mode in ("replay", "naive"):
-      got = jax.jit(lambda p: tree_replay.loss_and_grad(p, t, cfg, loss_cfg, mode))(params)
+      got = jax.jit(lambda p: engine.loss_and_grad(p, t, cfg, loss_cfg, mode))(params)
       assert_equal(got, today, tol=1e-12)
     # (Not bit for bit: today's policy runs its tails as folded B*R rows, the tree vmaps
     # its leaves over the fan-out, so float64 sums round in another order: 1e-12 above.)
@@ -166,7 +166,7 @@ def test_objective_matches_numpy_reference():
     batch = make_tree(21, (2, 2), B=2, P=6, T=(3, 3), W=1, logps=True, node_advantages=True,
                       holes=True)
     loss_cfg = losses.LossConfig(kl_coef=0.2, epsilon=0.2, aggregation="token_mean")
-    loss, _, _ = jax.jit(lambda p: tree_replay.loss_and_grad(p, batch, cfg, loss_cfg))(params)
+    loss, _, _ = jax.jit(lambda p: engine.loss_and_grad(p, batch, cfg, loss_cfg))(params)
     b_ = jax.tree.map(np.asarray, batch)
     R1, R2 = batch.fanouts
     paths = []  # (tokens, scored, advantage, old, ref) per token of each path
@@ -247,4 +247,4 @@ def test_bad_trees_fail_naming_level_and_field():
     cfg, params = model()
     # DPO runs on trees (engine_test), but not without its reference log-probs
     with pytest.raises(ValueError, match=r"levels\[0\]\.ref_logp_BRT: None, but loss.name='dpo'"):
-      tree_replay.loss_and_grad(params, make_tree(0, (2,)), cfg, losses.LossConfig(name="dpo"))
+      engine.loss_and_grad(params, make_tree(0, (2,)), cfg, losses.LossConfig(name="dpo"))

@@ -64,12 +64,12 @@ def test_tree_run_end_to_end(tmp_path):
 
 def test_tree_overlong_shaping_counts_every_turn_of_the_path():
   """A leaf's length is its ancestors' valid tokens plus its own (a hand loop over paths)."""
-  from branch_replay import dapo, tree_sampler
+  from branch_replay import dapo, sampler
   rng = np.random.default_rng(0)
   B, fanouts, lengths = 2, (2, 3), (3, 4)
   valid = [np.arange(T)[None, None] < rng.integers(0, T + 1, (B, n, 1))
            for T, n in zip(lengths, (2, 6))]
-  samples = tree_sampler.TreeSamples(tuple(np.zeros(v.shape, np.int32) for v in valid),
+  samples = sampler.TreeSamples(tuple(np.zeros(v.shape, np.int32) for v in valid),
                                      tuple(valid), tuple(np.zeros(v.shape) for v in valid))
   got = tree_train.overlong(samples, lengths, buffer=3, penalty=0.5)
   for b in range(B):

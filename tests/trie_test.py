@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from branch_replay import losses, policy, tree, tree_replay, trie
+from branch_replay import engine, losses, policy, tree, trie
 from tests.replay_test import max_rel_err
 from tests.tree_test import model
 
@@ -58,7 +58,7 @@ def rollouts(seed, B=2, R=4, opening=3, group=2, vocab=128, logps=True):
 
 def run_tree(params, cfg, batch, loss_cfg, mode="replay"):
   tree.validate(batch, cfg.vocab_size)
-  return jax.jit(functools.partial(tree_replay.loss_and_grad, model_cfg=cfg, loss_cfg=loss_cfg,
+  return jax.jit(functools.partial(engine.loss_and_grad, model_cfg=cfg, loss_cfg=loss_cfg,
                                    mode=mode))(params, batch)
 
 
