@@ -46,6 +46,7 @@ flags.DEFINE_string("model", "llama3_8b", "llama3_8b | tiny (tests)")
 flags.DEFINE_integer("timeout_s", 3000, "per row")
 flags.DEFINE_string("worker", "", "internal: 'P;mesh;params' -> one JSON line")
 flags.DEFINE_string("out", "", "append JSON lines here")
+flags.DEFINE_string("markdown", "", "only write --out's rows as a markdown table here")
 flags.DEFINE_string("hlo_dir", "", "write each row's compiled HLO text here")
 
 N_DEVICES = 8
@@ -243,6 +244,7 @@ def _compile_row(cfg, P, spec, params_rule, model, B, R, T, n, sizes, hlo_dir):
   # the GPU prediction the compute dtype's 2.
   formula_cpu = comm_formula(cfg, B, P, R, T, sizes, params_rule, 4, 4)
   gb = lambda b: round(b / 1e9, 3)
+  rnd = lambda d: {k: round(v) for k, v in d.items()}
   per_device_gb = gb(report["total_bytes"])
   return dict(model=model, P=P, T=T, R=R, B=B, mesh=spec, params=params_rule,
               compile_s=round(compile_s, 1), per_device_gb=per_device_gb,
@@ -250,8 +252,8 @@ def _compile_row(cfg, P, spec, params_rule, model, B, R, T, n, sizes, hlo_dir):
               temp_gb=gb(report["temp_bytes"]), alias_gb=gb(report["alias_bytes"]),
               param_opt_gb=gb(sharding.per_device_bytes((params, opt_state))),
               fits={g: per_device_gb <= cap for g, cap in GPU_GB.items()},
-              hlo_comm_gb={k: gb(v) for k, v in hlo["bytes"].items()}, hlo_comm_ops=hlo["ops"],
-              formula_comm_gb_cpu_dtypes={k: gb(v) for k, v in formula_cpu.items()})
+              hlo_comm_bytes=rnd(hlo["bytes"]), hlo_comm_ops=hlo["ops"],
+              formula_comm_bytes_cpu_dtypes=rnd(formula_cpu))
 
 
 def predict(row: dict) -> dict:
@@ -262,14 +264,14 @@ def predict(row: dict) -> dict:
   f32, so an upper bound for the bf16 traffic)."""
   from experiments import cost_model
   cfg = model_config(row["model"])
-  sizes = mesh_sizes(row["mesh"])
+  sizes = mesh_sizes(row["mesh"], math.prod(int(s.split(":")[1]) for s in row["mesh"].split(",")))
   shape = cost_model.Shape(row["B"], row["R"], row["P"], row["T"])
   ex = cost_model.Execution(attention="flash", remat=True, compute_bytes=2,
                             context=sizes["context"], shard=sizes["fsdp"] * sizes["context"])
   counts = cost_model.step_counts(cfg, shape, "replay", ex)
   ew = cost_model.layer_table(cfg, shape, "replay", ex)["elementwise_bytes"] * cfg.n_layers
   comm = comm_formula(cfg, row["B"], row["P"], row["R"], row["T"], sizes, row["params"], 2, 2)
-  hlo_bytes = row["hlo_comm_gb"]["total"] * 1e9
+  hlo_bytes = row["hlo_comm_bytes"]["total"]
   out = {}
   for gpu in cost_model.GPUS:
     t = cost_model.predict_time(counts, MATMUL_EFFICIENCY, FLASH_EFFICIENCY, gpu, N_DEVICES,
@@ -301,8 +303,41 @@ def run_row(P: int, spec: str, params: str, passed, env) -> dict:
     return dict(P=P, mesh=spec, params=params, error=f"compile over {FLAGS.timeout_s} s")
 
 
+def markdown(rows) -> str:
+  """The results file's rows as a table (GB = 1e9 bytes, per device, per step)."""
+  head = ("| P | mesh | params | compile s | per-device GB (args / temp) | fits H20 96 / H100 80 "
+          "/ H200 141 | comm GB formula (kv, weights, grads) | comm GB compiled (kv_prefix, "
+          "kv_tails, weights, grads, other) | step s H20 / H100 / H200 (formula comm) | "
+          "same, compiled comm |")
+  out = [head, "|" + "---|" * 10]
+  for r in rows:
+    if r.get("kind") != "row":
+      continue
+    if "error" in r:
+      out.append(f"| {r['P']} | {r['mesh']} | {r['params']} | {r['error'][:80]} |" + " |" * 6)
+      continue
+    g = lambda b: f"{b / 1e9:.1f}"
+    f, h = r["formula_comm_bytes_cpu_dtypes"], r["hlo_comm_bytes"]
+    st = r["prediction"]["step_time"]
+    yes = lambda ok: "yes" if ok else "no"
+    out.append(
+        f"| {r['P']} | {r['mesh']} | {r['params']} | {r['compile_s']:.0f} | "
+        f"{r['per_device_gb']:.1f} ({r['argument_gb']:.1f} / {r['temp_gb']:.1f}) | "
+        f"{' / '.join(yes(r['fits'][k]) for k in GPU_GB)} | "
+        f"{g(f['total'])} ({g(f['kv_prefix'])}, {g(f['weights'])}, {g(f['grads'])}) | "
+        f"{g(h['total'])} ({', '.join(g(h[k]) for k in CATEGORIES)}) | "
+        f"{' / '.join(str(v['step_s']) for v in st.values())} | "
+        f"{' / '.join(str(v['step_s_compiled_comm']) for v in st.values())} |")
+  return "\n".join(out) + "\n"
+
+
 def main(argv):
   del argv
+  if FLAGS.markdown:
+    from experiments import provenance
+    with open(FLAGS.markdown, "w") as f:
+      f.write(markdown(provenance.read(FLAGS.out)))
+    return
   if FLAGS.worker:
     P, spec, params = FLAGS.worker.split(";")
     print(json.dumps(worker(int(P), spec, params, FLAGS.model, FLAGS.prompts, FLAGS.branches,
