@@ -42,7 +42,7 @@ flags.DEFINE_multi_string("params", ["fsdp_context"], "fsdp | fsdp_context (see 
 flags.DEFINE_integer("tail_len", 512, "T")
 flags.DEFINE_integer("branches", 16, "R")
 flags.DEFINE_integer("prompts", 1, "B")
-flags.DEFINE_string("model", "llama3_8b", "llama3_8b | tiny (tests)")
+flags.DEFINE_string("model", "llama3_8b", "llama3_8b | small (attribution) | tiny (tests)")
 flags.DEFINE_integer("timeout_s", 3000, "per row")
 flags.DEFINE_string("worker", "", "internal: 'P;mesh;params' -> one JSON line")
 flags.DEFINE_string("out", "", "append JSON lines here")
@@ -62,10 +62,12 @@ def model_config(name: str):
   from models import transformer as tfm
   if name == "llama3_8b":
     base = cost_model.LLAMA3_8B
+  elif name == "small":  # as experiments/context_parallel_memory.py compiles it
+    base = tfm.preset("small", dtype="bfloat16", param_dtype="float32")
   elif name == "tiny":
     base = tfm.preset("tiny", dtype="float32", attention_block_q=16, attention_block_k=16)
   else:
-    raise ValueError(f"--model={name!r}: expected 'llama3_8b' or 'tiny'")
+    raise ValueError(f"--model={name!r}: expected 'llama3_8b', 'small' or 'tiny'")
   return dataclasses.replace(base, remat="full", scan_layers=True,
                              context_parallel="all_gather")
 
