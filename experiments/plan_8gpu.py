@@ -78,6 +78,12 @@ def mesh_sizes(spec: str, n_devices: int = N_DEVICES) -> dict[str, int]:
   return sharding.parse_mesh_spec(spec, n_devices)
 
 
+def fsdp_context_rules(rules):
+  """RULES with parameters' d_model sharded over fsdp x context (ZeRO-3 over the mesh)."""
+  return tuple(("embed", ("fsdp", "context")) if name == "embed" else (name, axes)
+               for name, axes in rules)
+
+
 def check_row(P: int, spec: str, params: str, B: int, n_devices: int = N_DEVICES) -> dict:
   """Bad input before any compilation: the mesh must use the 8 devices, P must split over
   `context`, B over data*fsdp, and --params must be one of PARAM_RULES."""
@@ -195,8 +201,7 @@ def worker(P: int, spec: str, params_rule: str, model: str = "llama3_8b", B: int
   sizes = check_row(P, spec, params_rule, B, n)
   rules = sharding.RULES
   if params_rule == "fsdp_context":
-    sharding.RULES = tuple(("embed", ("fsdp", "context")) if name == "embed" else (name, ax)
-                           for name, ax in rules)
+    sharding.RULES = fsdp_context_rules(rules)
   try:
     return _compile_row(cfg, P, spec, params_rule, model, B, R, T, n, sizes, hlo_dir)
   finally:
@@ -308,7 +313,7 @@ def run_row(P: int, spec: str, params: str, passed, env) -> dict:
 def markdown(rows) -> str:
   """The results file's rows as a table (GB = 1e9 bytes, per device, per step)."""
   head = ("| P | mesh | params | compile s | per-device GB (args / temp) | fits H20 96 / H100 80 "
-          "/ H200 141 | comm GB formula (kv, weights, grads) | comm GB compiled (kv_prefix, "
+          "/ H200 141 | comm GB formula, CPU f32 dtypes (kv, weights, grads) | comm GB compiled (kv_prefix, "
           "kv_tails, weights, grads, other) | step s H20 / H100 / H200 (formula comm) | "
           "same, compiled comm |")
   out = [head, "|" + "---|" * 10]
