@@ -39,6 +39,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_multi_integer("prefix_len", [131072], "P values")
 flags.DEFINE_multi_string("mesh", ["context:8"], "8-device mesh specs")
 flags.DEFINE_multi_string("params", ["fsdp_context"], "fsdp | fsdp_context (see docstring)")
+flags.DEFINE_string("cache", "sharded", "sharded (the code: the prefix cache crosses to the "
+                    "tails split over the sequence) | gathered (whole on every device)")
 flags.DEFINE_integer("tail_len", 512, "T")
 flags.DEFINE_integer("branches", 16, "R")
 flags.DEFINE_integer("prompts", 1, "B")
@@ -192,20 +194,25 @@ def hlo_comm(hlo_text, cfg, B, P, sizes) -> dict:
 
 
 def worker(P: int, spec: str, params_rule: str, model: str = "llama3_8b", B: int = 1,
-           R: int = 16, T: int = 512, hlo_dir: str = "") -> dict:
+           R: int = 16, T: int = 512, hlo_dir: str = "", cache: str = "sharded") -> dict:
   """One row: compile the replay train step for abstract arguments on the mesh's first
   devices (the CLI passes 8-device meshes only; the test a smaller toy mesh)."""
   from branch_replay import sharding
   cfg = model_config(model)
   n = math.prod(int(s.split(":")[1]) for s in spec.split(","))
   sizes = check_row(P, spec, params_rule, B, n)
-  rules = sharding.RULES
+  rules, cache_axes = sharding.RULES, sharding.CACHE_AXES
   if params_rule == "fsdp_context":
     sharding.RULES = fsdp_context_rules(rules)
+  if cache == "gathered":  # the crossing's layout before the cache stayed sharded
+    sharding.CACHE_AXES = dict(cache_axes, kv=("batch", None, "kv_heads", "head_dim"))
+  elif cache != "sharded":
+    raise ValueError(f"cache={cache!r}: expected 'sharded' or 'gathered'")
   try:
-    return _compile_row(cfg, P, spec, params_rule, model, B, R, T, n, sizes, hlo_dir)
+    return dict(_compile_row(cfg, P, spec, params_rule, model, B, R, T, n, sizes, hlo_dir),
+                cache=cache)
   finally:
-    sharding.RULES = rules
+    sharding.RULES, sharding.CACHE_AXES = rules, cache_axes
 
 
 def _compile_row(cfg, P, spec, params_rule, model, B, R, T, n, sizes, hlo_dir):
@@ -348,7 +355,7 @@ def main(argv):
   if FLAGS.worker:
     P, spec, params = FLAGS.worker.split(";")
     print(json.dumps(worker(int(P), spec, params, FLAGS.model, FLAGS.prompts, FLAGS.branches,
-                            FLAGS.tail_len, FLAGS.hlo_dir)), flush=True)
+                            FLAGS.tail_len, FLAGS.hlo_dir, FLAGS.cache)), flush=True)
     return
   for P in FLAGS.prefix_len:  # bad input before any subprocess starts
     for spec in FLAGS.mesh:
