@@ -44,11 +44,9 @@ flags.DEFINE_string("out", "", "append JSON lines here")
 
 def worker(preset, P, spec, scheme):
   import jax
-  import jax.numpy as jnp
   import numpy as np
-  import optax
-  from branch_replay import losses, sharding
-  from branch_replay.batch import ReplayBatch
+  from branch_replay import sharding
+  from experiments import measure
   from models import transformer as tfm
   cfg = tfm.preset(preset, dtype=FLAGS.dtype, param_dtype="float32", remat=FLAGS.remat,
                    context_parallel=scheme)
@@ -58,27 +56,7 @@ def worker(preset, P, spec, scheme):
   mesh = sharding.make_mesh(spec, jax.devices()[:n])
   B = max(FLAGS.prompts, sizes["data"] * sizes["fsdp"])
   R, T = FLAGS.branches, FLAGS.tail_len
-  sds = jax.ShapeDtypeStruct
-  batch = ReplayBatch(prefix_BP=sds((B, P), jnp.int32), prefix_valid_BP=sds((B, P), bool),
-                      tails_BRT=sds((B, R, T), jnp.int32), tail_valid_BRT=sds((B, R, T), bool),
-                      advantages_BR=sds((B, R), jnp.float32))
-  loss_cfg = losses.LossConfig(name="grpo")
-  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-6))  # the trainer's moments
-  params = jax.eval_shape(lambda: tfm.init_params(cfg, jax.random.key(0)))
-  opt_state = jax.eval_shape(tx.init, params)
-  p_sh = sharding.param_shardings(mesh, cfg)
-  o_sh = sharding.opt_state_shardings(mesh, tx, opt_state, p_sh)
-  b_sh = sharding.batch_shardings(mesh, batch)
-  place = lambda tree, sh: jax.tree.map(lambda x, s: sds(x.shape, x.dtype, sharding=s), tree, sh)
-  params, opt_state, batch = place(params, p_sh), place(opt_state, o_sh), place(batch, b_sh)
-
-  def step(params, opt_state, batch):
-    loss, _, grads = sharding.sharded_loss_and_grad(mesh, params, batch, cfg, loss_cfg)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  compiled = jax.jit(step, donate_argnums=(0, 1), out_shardings=(p_sh, o_sh, None)).lower(
-      params, opt_state, batch).compile()
+  compiled, (params, opt_state) = measure.compile_replay_step(cfg, mesh, B, P, R, T)
   report = sharding.memory_report(compiled)
   mb = lambda b: round(b / 2 ** 20, 1)
   return dict(preset=preset, P=P, T=T, R=R, B=B, mesh=spec, context=sizes["context"],

@@ -89,3 +89,38 @@ def step_flops(cfg, B, R, P, T, mode, value_head=False):
     macs = (B * (P * per_token + attn(pairs(P)))
             + B * R * (T * per_token + attn(T * P + pairs(T)) + T * D * V))
   return 3 * 2 * macs
+
+
+def compile_replay_step(cfg, mesh, B: int, P: int, R: int, T: int):
+  """The replay train step (GRPO loss + gradient + clipped AdamW, the trainer's moments) on
+  `mesh`, compiled from abstract arguments only (no weights allocated, no step run). Returns
+  (compiled, (param shapes, optimizer-state shapes) placed with their shardings), for
+  `sharding.memory_report(compiled)` and `sharding.per_device_bytes(...)`."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from branch_replay import losses, sharding
+  from branch_replay.batch import ReplayBatch
+  from models import transformer as tfm
+  sds = jax.ShapeDtypeStruct
+  batch = ReplayBatch(prefix_BP=sds((B, P), jnp.int32), prefix_valid_BP=sds((B, P), bool),
+                      tails_BRT=sds((B, R, T), jnp.int32), tail_valid_BRT=sds((B, R, T), bool),
+                      advantages_BR=sds((B, R), jnp.float32))
+  loss_cfg = losses.LossConfig(name="grpo")
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-6))
+  params = jax.eval_shape(lambda: tfm.init_params(cfg, jax.random.key(0)))
+  opt_state = jax.eval_shape(tx.init, params)
+  p_sh = sharding.param_shardings(mesh, cfg)
+  o_sh = sharding.opt_state_shardings(mesh, tx, opt_state, p_sh)
+  place = lambda tree, sh: jax.tree.map(lambda x, s: sds(x.shape, x.dtype, sharding=s), tree, sh)
+  params, opt_state = place(params, p_sh), place(opt_state, o_sh)
+  batch = place(batch, sharding.batch_shardings(mesh, batch))
+
+  def step(params, opt_state, batch):
+    loss, _, grads = sharding.sharded_loss_and_grad(mesh, params, batch, cfg, loss_cfg)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  compiled = jax.jit(step, donate_argnums=(0, 1), out_shardings=(p_sh, o_sh, None)).lower(
+      params, opt_state, batch).compile()
+  return compiled, (params, opt_state)

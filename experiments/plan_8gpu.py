@@ -217,34 +217,11 @@ def worker(P: int, spec: str, params_rule: str, model: str = "llama3_8b", B: int
 
 def _compile_row(cfg, P, spec, params_rule, model, B, R, T, n, sizes, hlo_dir):
   import jax
-  import jax.numpy as jnp
-  import optax
-  from branch_replay import losses, sharding
-  from branch_replay.batch import ReplayBatch
-  from models import transformer as tfm
+  from branch_replay import sharding
+  from experiments import measure
   mesh = sharding.make_mesh(spec, jax.devices()[:n])
-  sds = jax.ShapeDtypeStruct
-  batch = ReplayBatch(prefix_BP=sds((B, P), jnp.int32), prefix_valid_BP=sds((B, P), bool),
-                      tails_BRT=sds((B, R, T), jnp.int32), tail_valid_BRT=sds((B, R, T), bool),
-                      advantages_BR=sds((B, R), jnp.float32))
-  loss_cfg = losses.LossConfig(name="grpo")
-  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-6))  # the trainer's moments
-  params = jax.eval_shape(lambda: tfm.init_params(cfg, jax.random.key(0)))
-  opt_state = jax.eval_shape(tx.init, params)
-  p_sh = sharding.param_shardings(mesh, cfg)
-  o_sh = sharding.opt_state_shardings(mesh, tx, opt_state, p_sh)
-  b_sh = sharding.batch_shardings(mesh, batch)
-  place = lambda tree, sh: jax.tree.map(lambda x, s: sds(x.shape, x.dtype, sharding=s), tree, sh)
-  params, opt_state, batch = place(params, p_sh), place(opt_state, o_sh), place(batch, b_sh)
-
-  def step(params, opt_state, batch):
-    loss, _, grads = sharding.sharded_loss_and_grad(mesh, params, batch, cfg, loss_cfg)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
   t0 = time.time()
-  compiled = jax.jit(step, donate_argnums=(0, 1), out_shardings=(p_sh, o_sh, None)).lower(
-      params, opt_state, batch).compile()
+  compiled, (params, opt_state) = measure.compile_replay_step(cfg, mesh, B, P, R, T)
   compile_s = time.time() - t0
   report = sharding.memory_report(compiled)
   text = compiled.as_text()
