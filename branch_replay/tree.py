@@ -9,7 +9,9 @@ holds the leaves; a root-to-leaf path is one sampled sequence.
 
 The objective is that of every path as its own sequence: a path scores its tokens at every
 level with the leaf's weight (aggregation mode) and an advantage: the leaf's own, or, where
-a level gives `advantages_BR`, its node's (tree-aware advantages, `tree_advantages`).
+a level gives `advantages_BR`, its node's (tree-aware advantages, `tree_advantages`); or,
+for PPO's GAE, per token and per path (the leaves' `advantages_BRT`, the inner levels'
+`path_advantages_BLT`, the trunk's `trunk_advantages_BRW`).
 """
 
 from __future__ import annotations
