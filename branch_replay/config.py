@@ -219,9 +219,10 @@ class Config:
     refused = [  # (field, value, expected, why)
         ("loss.name", self.loss.name, tuple(n for n in losses.OBJECTIVES if n != "dpo"),
          "preference pairs are not trees"),
-        ("train.advantage", t.advantage, tuple(sorted(advantages.ESTIMATORS)),
-         "tree rollouts take group estimators over each node's siblings (tree.tree_advantages); "
-         "per-token GAE needs a critic laid out as a tree, which is not built"),
+        ("train.advantage", t.advantage, tuple(sorted(set(advantages.ESTIMATORS)
+                                                      | advantages.NEEDS_CRITIC)),
+         "tree rollouts take group estimators over each node's siblings (tree.tree_advantages) "
+         "or PPO's per-path GAE"),
         ("train.n_branches", t.n_branches, (default.n_branches,),
          "a tree's branches are its fan-outs (tree.fanouts)"),
         ("sampler.trunk_len", self.sampler.trunk_len, (0,),

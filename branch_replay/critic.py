@@ -1,13 +1,16 @@
 """PPO's critic through branch replay: a value model of the policy's family (its transformer
-plus a linear value head), trained exactly like the policy: the prefix forward once per
-prompt, every branch's tail against its cache, one prefix backward. Also GAE per branch.
+plus a linear value head), trained exactly like the policy on the one engine (engine.Head):
+the prefix forward once per prompt, every node against its ancestors' cache, one backward
+per level. Flat batches (the depth-1 tree) and trees alike. Also GAE per path.
 
-Token x of a branch (its W trunk tokens, then its tail tokens) gets the value V_x of the
-state that predicts it (the hidden state before it, as for log-probs): a trunk token's value
-is shared by the R branches, a tail token's is the branch's own, and the first tail token's
-state is the prefix's last, shared again. GAE runs per branch over the X = W + T scored
-tokens with the reward at the branch's last token, so the last trunk token bootstraps from
-the value of the branch's first tail token.
+Token x of a path (its W trunk tokens, then each level's tokens) gets the value V_x of the
+state that predicts it (the hidden state before it, as for log-probs). A value depends only
+on the tokens before it, so a trunk token's or an inner node's token's value is one, shared
+by every path through it; its targets (GAE's return) are the path's own. GAE runs per path
+over its scored tokens with the reward at the path's last one (`gae`), so the last trunk
+token bootstraps from the value of the branch's first tail token, a node's last token from
+its child's first. The value loss is every path's own (the naive twin: every root-to-leaf
+path as its own sequence with its own targets), so a shared token counts once per path.
 
 Two critics (`critic.share`):
   share=false  a separate value model: params {'model': transformer, 'head': value head},
@@ -25,7 +28,7 @@ Every function below takes `body_params=None` (separate model) or the policy's p
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Union
 
 import flax.struct
 import jax
@@ -63,11 +66,65 @@ class CriticConfig:
 
 @flax.struct.dataclass
 class CriticBatch:
-  """A replay batch (tokens and masks) with per-token regression targets over the X = W + T
-  scored tokens of every branch ([B, R, X]; the trunk part repeated per branch)."""
-  batch: ReplayBatch
+  """A flat replay batch or a tree (tokens and masks) with per-token regression targets on
+  every path ([B, L, X]: L branches or leaves per prompt, X = W + T_1 + ... + T_D scored
+  positions in the engine's path layout, `scored_mask`; the trunk's and an inner node's
+  targets repeated on every path through it, each with that path's return)."""
+  batch: Union[ReplayBatch, tree.TreeBatch]
   returns_BRX: jax.Array
   old_values_BRX: jax.Array
+
+
+def as_tree(batch) -> tree.TreeBatch:
+  """The batch the engine runs: a tree as it is, a flat batch as the depth-1 tree."""
+  return batch if isinstance(batch, tree.TreeBatch) else tree.from_replay_batch(batch)
+
+
+def _scored_BLX(t: tree.TreeBatch):
+  """[B, L, X] bool: the trunk, then each level's scored tokens on every path through it."""
+  B, L = t.root_BP.shape[0], t.n_leaves
+  per_path = lambda x_BN: jnp.repeat(x_BN, L // x_BN.shape[1], axis=1)
+  return jnp.concatenate([jnp.ones((B, L, t.trunk_len), bool)]
+                         + [per_path(level.scored()) for level in t.levels], -1)
+
+
+def scored_mask(batch) -> np.ndarray:
+  """[B, L, X] bool (host): the positions with a value target (`CriticBatch`); flat: the
+  trunk tokens, then the branch's valid tail tokens."""
+  return np.asarray(_scored_BLX(as_tree(batch)), bool)
+
+
+def _weights_BRX(batch):
+  """token_mean over every path's scored tokens (an inner node's once per path through it),
+  as the policy's tree.leaf_weights weighs them."""
+  t = as_tree(batch)
+  w_BL = tree.leaf_weights(losses.LossConfig(aggregation="token_mean"), t)
+  return w_BL[..., None] * _scored_BLX(t).astype(w_BL.dtype)
+
+
+def validate(cb: CriticBatch) -> None:
+  """Host checks of a CriticBatch, before any compilation: ValueError naming the field."""
+  t = as_tree(cb.batch)
+  mask = scored_mask(t)
+  for name in ("returns_BRX", "old_values_BRX"):
+    x = getattr(cb, name)
+    if np.shape(x) != mask.shape:
+      raise ValueError(f"critic_batch.{name}: shape {np.shape(x)}: expected {mask.shape} "
+                       f"([B, leaves={t.n_leaves}, X = trunk_len {t.trunk_len} + level "
+                       f"lengths {[np.shape(l.tokens_BRT)[2] for l in t.levels]}])")
+    if not np.all(np.isfinite(np.asarray(x))):
+      raise ValueError(f"critic_batch.{name}: expected finite values (found NaN or inf)")
+  _check_paths(t, mask)
+
+
+def _check_paths(t: tree.TreeBatch, mask) -> None:
+  """GAE puts a path's reward on its last scored token: a path with none cannot be served."""
+  empty = ~mask.any(-1)
+  if empty.any():
+    b, leaf = np.argwhere(empty)[0]
+    raise ValueError(f"tree.levels[{t.depth - 1}].scored_BRT: path to leaf {leaf} of prompt "
+                     f"{b} has no scored token: expected >= 1 scored token on every "
+                     "root-to-leaf path (GAE puts the reward on the path's last one)")
 
 
 def init_head(model_cfg: tfm.ModelConfig):
@@ -115,14 +172,6 @@ def value_loss(values_BX, old_values_BX, returns_BX, weight_BX, clip: float):
   return jnp.sum(jnp.where(weight_BX > 0, per_token, 0.0) * weight_BX, axis=-1)
 
 
-def _weights_BRX(batch: ReplayBatch):
-  tail_w_BRT, w_BR = losses.aggregation_weights(losses.LossConfig(aggregation="token_mean"),
-                                                batch.tail_valid_BRT, batch.trunk_len)
-  B, R, _ = tail_w_BRT.shape
-  return jnp.concatenate([jnp.broadcast_to(w_BR[..., None], (B, R, batch.trunk_len)),
-                          tail_w_BRT], -1)
-
-
 def _branch_loss(values_BX, branch, cfg: CriticConfig):
   loss_B = value_loss(values_BX, branch["old_values_BX"], branch["returns_BX"],
                       branch["weight_BX"], cfg.value_clip)
@@ -134,19 +183,11 @@ def _branch_loss(values_BX, branch, cfg: CriticConfig):
   return loss_B, aux
 
 
-def _branches(cb: CriticBatch):
-  r_first = lambda x: jnp.swapaxes(x, 0, 1)
-  b = cb.batch
-  return dict(tokens_BT=r_first(b.tails_BRT), valid_BT=r_first(b.tail_valid_BRT),
-              weight_BX=r_first(_weights_BRX(b)), returns_BX=r_first(cb.returns_BRX),
-              old_values_BX=r_first(cb.old_values_BRX))
-
-
 def head(model_cfg: tfm.ModelConfig, cfg: Optional[CriticConfig] = None,
          cb: Optional[CriticBatch] = None, body_params=None) -> engine.Head:
-  """The value head on the one engine: a value for every scored position (the trunk's, then
-  each tail token's, predicted by the hidden state before it) and PPO's clipped value loss
-  per branch. With body_params (shared critic) the transformer is a constant: the backward
+  """The value head on the one engine: a value for every position of every path (the
+  trunk's, then each level's tokens, predicted by the hidden state before each) and PPO's
+  clipped value loss per path (branch or root-to-leaf path of a tree). With body_params (shared critic) the transformer is a constant: the backward
   stops at the head, except through the trunk values."""
   fold = lambda x_BRX: x_BRX.reshape(-1, x_BRX.shape[-1])
   path = None if cb is None else dict(returns_BX=fold(cb.returns_BRX),
@@ -166,10 +207,10 @@ def replay_loss_and_grad(params, cb: CriticBatch, model_cfg, cfg: CriticConfig,
   engine's mesh path, the prefix context-parallel, branches over `context`, the critic's
   transformer and its grads sharded like the policy's (the head replicated)."""
   value_head = head(model_cfg, cfg, cb, body_params)
-  flat = tree.from_replay_batch(cb.batch)
+  t = as_tree(cb.batch)
   if mesh is None:
-    return engine.replay_loss_and_grad(params, flat, model_cfg, None, head=value_head)
-  return sharding.engine_loss_and_grad(mesh, params, flat, model_cfg, None, head=value_head,
+    return engine.replay_loss_and_grad(params, t, model_cfg, None, head=value_head)
+  return sharding.engine_loss_and_grad(mesh, params, t, model_cfg, None, head=value_head,
                                        p_shardings=param_shardings(mesh, model_cfg, params))
 
 
@@ -185,31 +226,37 @@ def param_shardings(mesh, model_cfg, params):
 
 def batch_shardings(mesh, cb: CriticBatch) -> CriticBatch:
   """A CriticBatch of NamedShardings: the replay batch's (sharding.batch_shardings), the
-  per-token targets split by prompt and branch like the tails."""
+  per-token targets split by prompt and branch (leaf) like the tails (leaves)."""
   targets = lambda name, x: sharding.named_sharding(mesh, f"critic_batch.{name}", np.shape(x),
                                                     ("batch", "branch", None))
-  return CriticBatch(sharding.batch_shardings(mesh, cb.batch),
+  batch = (sharding.tree_batch_shardings(mesh, cb.batch)
+           if isinstance(cb.batch, tree.TreeBatch) else sharding.batch_shardings(mesh, cb.batch))
+  return CriticBatch(batch,
                      targets("returns_BRX", cb.returns_BRX),
                      targets("old_values_BRX", cb.old_values_BRX))
 
 
-def naive_values(params, batch: ReplayBatch, model_cfg, body_params=None) -> jax.Array:
-  """Values of every scored token, each branch as its own [P+T] sequence: [B, R, W+T]."""
-  B, R, T = batch.tails_BRT.shape
-  P, W = batch.prefix_BP.shape[1], batch.trunk_len
-  seq = lambda prefix_BP, tails_BRT: jnp.concatenate(
-      [jnp.broadcast_to(prefix_BP[:, None], (B, R, P)), tails_BRT], -1).reshape(B * R, P + T)
-  h_NSD = tfm.forward(_body(params, body_params), model_cfg, seq(batch.prefix_BP, batch.tails_BRT),
-                      seq(batch.prefix_valid_BP, batch.tail_valid_BRT))
-  values_NX = value_head(params["head"], h_NSD[:, P - 1 - W:P + T - 1])
-  return values_NX.reshape(B, R, W + T)
+def naive_values(params, batch, model_cfg, body_params=None) -> jax.Array:
+  """Values of every path position, each path as its own sequence (engine.path_sequences):
+  [B, L, X]."""
+  t = as_tree(batch)
+  tokens_MS, valid_MS, back = engine.path_sequences(t)
+  h_MSD = tfm.forward(_body(params, body_params), model_cfg, tokens_MS, valid_MS)
+  first = t.root_BP.shape[1] - t.trunk_len  # the first scored position
+  values_MX = back(value_head(params["head"], h_MSD[:, first - 1:-1]))
+  return values_MX.reshape(t.root_BP.shape[0], t.n_leaves, -1)
 
 
 def naive_loss(params, cb: CriticBatch, model_cfg, cfg: CriticConfig, body_params=None):
-  """The naive twin of the critic loss: (loss, aux_BR)."""
-  values_RBX = jnp.swapaxes(naive_values(params, cb.batch, model_cfg, body_params), 0, 1)
-  loss_RB, aux_R = jax.vmap(lambda v, br: _branch_loss(v, br, cfg))(values_RBX, _branches(cb))
-  return loss_RB.sum(), jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), aux_R)
+  """The naive twin of the critic loss: every path its own sequence with its own targets,
+  (loss, aux_BR per path)."""
+  values_BLX = naive_values(params, cb.batch, model_cfg, body_params)
+  B, L, X = values_BLX.shape
+  fold = lambda x: x.reshape(B * L, X)
+  loss_M, aux = _branch_loss(fold(values_BLX), dict(
+      returns_BX=fold(cb.returns_BRX), old_values_BX=fold(cb.old_values_BRX),
+      weight_BX=fold(_weights_BRX(cb.batch))), cfg)
+  return loss_M.sum(), jax.tree.map(lambda x: x.reshape(B, L), aux)
 
 
 def loss_and_grad(params, cb: CriticBatch, model_cfg, cfg: CriticConfig, mode: str = "replay",
@@ -226,44 +273,46 @@ def loss_and_grad(params, cb: CriticBatch, model_cfg, cfg: CriticConfig, mode: s
   raise ValueError(f"replay.mode={mode!r}: expected replay or naive")
 
 
-def values(params, model_cfg, batch: ReplayBatch, body_params=None) -> jax.Array:
-  """Values of every scored token from ONE shared-prefix forward (the engine's, value head):
-  [B, R, W+T] (0 where a tail is padded). The 'old' values of PPO, computed once per sampled
-  batch. body_params: the policy's params for a shared critic (params = {'head'})."""
-  (v_BRT,), trunk_v_BW = engine.forward(params, tree.from_replay_batch(batch), model_cfg,
+def values(params, model_cfg, batch, body_params=None) -> jax.Array:
+  """Values of every path position from ONE replay forward (the engine's, value head): [B,
+  L, X] (0 where a node is padded; an inner node's value repeated on its paths). The 'old'
+  values of PPO, computed once per sampled batch. body_params: the policy's params for a
+  shared critic (params = {'head'})."""
+  t = as_tree(batch)
+  v_levels, trunk_v_BW = engine.forward(params, t, model_cfg,
                                         head=head(model_cfg, body_params=body_params))
-  B, R, _ = v_BRT.shape
-  return jnp.concatenate([jnp.broadcast_to(trunk_v_BW[:, None], (B, R, batch.trunk_len)), v_BRT],
-                         -1)
+  B, L = t.root_BP.shape[0], t.n_leaves
+  per_path = lambda x_BNT: jnp.repeat(x_BNT, L // x_BNT.shape[1], axis=1)
+  return jnp.concatenate([jnp.broadcast_to(trunk_v_BW[:, None], (B, L, t.trunk_len))]
+                         + [per_path(v) for v in v_levels], -1)
 
 
 # ----------------------------------------------------------------------------- GAE (host)
 
 
-def scored_mask(batch: ReplayBatch) -> np.ndarray:
-  """[B, R, W+T] bool: the trunk tokens, then the branch's valid tail tokens."""
-  tv = np.asarray(batch.tail_valid_BRT, bool)
-  B, R, _ = tv.shape
-  return np.concatenate([np.ones((B, R, batch.trunk_len), bool), tv], -1)
-
-
-def gae(rewards_BR, values_BRX, valid_BRX, gamma: float, lam: float):
-  """GAE per branch over its scored tokens (a contiguous run from x=0), the reward at the
-  last one and V = 0 after it. Returns (advantages_BRX, returns_BRX), 0 where invalid."""
-  values = np.where(valid_BRX, np.asarray(values_BRX, np.float64), 0.0)
-  valid = np.asarray(valid_BRX, bool)
-  X = valid.shape[-1]
-  last_BR = valid.sum(-1) - 1
+def gae(rewards_BR, values_BRX, scored_BRX, gamma: float, lam: float):
+  """GAE per path (a flat branch, or a tree's root-to-leaf path) over its scored positions
+  in order, skipping the rest (padding between levels, unscored tool text): each scored
+  token is a step, the path's reward at its last one, V = 0 after it. A token of an inner
+  node lies on several paths and gets each path's own advantage and return there (they
+  differ by the leaf's reward and the values below the node), as the engine scores every
+  path with its own targets. Returns (advantages_BRX, returns_BRX), 0 where not scored."""
+  values = np.where(scored_BRX, np.asarray(values_BRX, np.float64), 0.0)
+  scored = np.asarray(scored_BRX, bool)
+  X = scored.shape[-1]
+  last_BR = X - 1 - np.argmax(scored[..., ::-1], -1)  # the last scored position
   rewards_BRX = np.where(np.arange(X) == last_BR[..., None],
                          np.asarray(rewards_BR, np.float64)[..., None], 0.0)
-  next_values = np.concatenate([values[..., 1:], np.zeros_like(values[..., :1])], -1)
-  deltas = rewards_BRX + gamma * next_values - values  # next_values is 0 past the last token
   adv = np.zeros_like(values)
-  running = np.zeros(values.shape[:-1])
+  running = np.zeros(values.shape[:-1])  # the next scored step's advantage
+  next_value = np.zeros(values.shape[:-1])  # ... and its value (0 past the last)
   for x in reversed(range(X)):
-    running = np.where(valid[..., x], deltas[..., x] + gamma * lam * running, 0.0)
-    adv[..., x] = running
-  return adv, np.where(valid, adv + values, 0.0)
+    s = scored[..., x]
+    delta = rewards_BRX[..., x] + gamma * next_value - values[..., x]
+    adv[..., x] = np.where(s, delta + gamma * lam * running, 0.0)
+    running = np.where(s, adv[..., x], running)
+    next_value = np.where(s, values[..., x], next_value)
+  return adv, np.where(scored, adv + values, 0.0)
 
 
 def explained_variance(values_BRX, returns_BRX, valid_BRX) -> float:

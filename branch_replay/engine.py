@@ -53,6 +53,8 @@ def path_inputs(batch: TreeBatch, loss_cfg: losses.LossConfig):
     scored.append(per_path(level.scored()))
     if d == batch.depth and level.advantages_BRT is not None:
       adv.append(level.advantages_BRT)
+    elif level.path_advantages_BLT is not None:  # per token and per path (GAE on a tree)
+      adv.append(level.path_advantages_BLT)
     else:
       adv.append(along(per_path(level.advantages_BR) if level.advantages_BR is not None
                        else leaf_adv_Bn, T))
@@ -266,12 +268,12 @@ def forward(params, batch: TreeBatch, model_cfg: tfm.ModelConfig, temperature: f
 # ----------------------------------------------------------------------------- naive twin
 
 
-def naive_loss(params, batch: TreeBatch, model_cfg: tfm.ModelConfig,
-               loss_cfg: losses.LossConfig):
-  """Every root-to-leaf path as its own sequence through tfm.forward: the left-padded prompt,
-  then the path's tokens contiguous (each node's valid tokens behind its ancestors', padding
-  at the end). Returns (loss, aux_BR per leaf)."""
-  check(batch, loss_cfg)
+def path_sequences(batch: TreeBatch):
+  """Every root-to-leaf path as its own sequence: (tokens_MS, valid_MS, back), rows (b, leaf),
+  S = P + T_1 + ... + T_D: the left-padded prompt, then the path's tokens contiguous (each
+  node's valid tokens behind its ancestors', padding at the end). back(x_MS') maps scores of
+  positions P - W .. S - 1 (predicted by the hidden state before each) to the engine's path
+  layout [M, X] (trunk, then each level's T_d positions)."""
   B, P = batch.root_BP.shape
   n, W = batch.n_leaves, batch.trunk_len
   per_path = lambda x_BN: jnp.repeat(x_BN, n // x_BN.shape[1], axis=1)
@@ -281,15 +283,25 @@ def naive_loss(params, batch: TreeBatch, model_cfg: tfm.ModelConfig,
   seq = lambda root_BP, x_BnY: jnp.concatenate(
       [jnp.broadcast_to(root_BP[:, None], (B, n, P)),
        jnp.take_along_axis(x_BnY, order_BnY, -1)], -1).reshape(B * n, -1)
-  tokens_MS = seq(batch.root_BP, tokens_BnY)
-  h_MSD = tfm.forward(params, model_cfg, tokens_MS, seq(batch.root_valid_BP, valid_BnY))
-  first = P - W  # the first position that may be scored; predicted by the one before it
-  logp_MS, entropy_MS = tfm.token_logps(params, model_cfg, h_MSD[:, first - 1:-1],
-                                        tokens_MS[:, first:], temperature=loss_cfg.temperature)
   unsort = jnp.argsort(order_BnY, axis=-1).reshape(B * n, -1)  # back to the level layout
   back = lambda x_MS: jnp.concatenate(
       [x_MS[:, :W], jnp.take_along_axis(x_MS[:, W:], unsort, -1)], -1)
+  return seq(batch.root_BP, tokens_BnY), seq(batch.root_valid_BP, valid_BnY), back
+
+
+def naive_loss(params, batch: TreeBatch, model_cfg: tfm.ModelConfig,
+               loss_cfg: losses.LossConfig):
+  """Every root-to-leaf path as its own sequence through tfm.forward: the left-padded prompt,
+  then the path's tokens contiguous (each node's valid tokens behind its ancestors', padding
+  at the end). Returns (loss, aux_BR per leaf)."""
+  check(batch, loss_cfg)
+  tokens_MS, valid_MS, back = path_sequences(batch)
+  h_MSD = tfm.forward(params, model_cfg, tokens_MS, valid_MS)
+  first = batch.root_BP.shape[1] - batch.trunk_len  # the first position that may be scored
+  logp_MS, entropy_MS = tfm.token_logps(params, model_cfg, h_MSD[:, first - 1:-1],
+                                        tokens_MS[:, first:], temperature=loss_cfg.temperature)
   logp_MX, entropy_MX = back(logp_MS), back(entropy_MS)
+  B, n = batch.root_BP.shape[0], batch.n_leaves
   T_D = batch.leaves.tokens_BRT.shape[2]
   value_M, aux = path_value(logp_MX, entropy_MX[:, -T_D:], path_inputs(batch, loss_cfg),
                             loss_cfg)

@@ -325,12 +325,17 @@ def tree_batch_shardings(mesh: Mesh, batch: TreeBatch) -> TreeBatch:
         name: spec(f"{at}.{name}", getattr(level, name), three[:2] if name.endswith("_BR")
                    else three)
         for name in ("tokens_BRT", "valid_BRT", "scored_BRT", "advantages_BR", "old_logp_BRT",
-                     "ref_logp_BRT")}))
+                     "ref_logp_BRT", "advantages_BRT")},
+        # per path: split like the leaves
+        path_advantages_BLT=spec(f"{at}.path_advantages_BLT", level.path_advantages_BLT,
+                                 ("batch", "branch", None))))
   return batch.replace(
       root_BP=spec("root_BP", batch.root_BP, ("batch", "seq")),
       root_valid_BP=spec("root_valid_BP", batch.root_valid_BP, ("batch", "seq")),
       trunk_old_logp_BW=spec("trunk_old_logp_BW", batch.trunk_old_logp_BW, ("batch", None)),
       trunk_ref_logp_BW=spec("trunk_ref_logp_BW", batch.trunk_ref_logp_BW, ("batch", None)),
+      trunk_advantages_BRW=spec("trunk_advantages_BRW", batch.trunk_advantages_BRW,
+                                ("batch", "branch", None)),
       levels=tuple(levels))
 
 

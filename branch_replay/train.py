@@ -4,6 +4,7 @@ replay (or its naive twin, `replay.mode=naive`).
 
   make_train_step(cfg)        pure train_step(state, batch) -> (state, metrics)
   rl_batch / rl_update        the rollout (sample, reward, advantages) and epochs x minibatches
+                              (PPO's critic and GAE: algorithms/ppo.py)
   compiled(compile_key(cfg))  the jitted steps of a config (cached across runs)
 
 An optional supervised warm-up (`train.sft_steps`) runs through the same engine: prefix =
@@ -24,12 +25,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from branch_replay import (advantages, critic, dapo, engine, losses, phases, policy, sampler,
-                           sharding, tasks, tree)
+from branch_replay import (advantages, dapo, engine, losses, phases, policy, sampler, sharding,
+                           tasks, tree)
 from branch_replay.batch import ReplayBatch, validate
 from branch_replay.config import Config
-from branch_replay.state import (TrainState, make_critic_optimizer, make_optimizer, place,
-                                 reference, sample_examples, weights)
+from branch_replay.state import (TrainState, make_optimizer, place, reference, sample_examples,
+                                 weights)
 from branch_replay.tasks import TaskConfig
 from branch_replay.tokenizer import TOKENIZER
 from models import lora as lora_lib
@@ -95,28 +96,6 @@ def make_train_step(cfg: Config, phase: str = "rl", loss_cfg=None):
   return train_step
 
 
-def make_critic_step(cfg: Config):
-  """Pure `critic_step(state, critic_batch) -> (state, metrics)`: one value-model update
-  through branch replay (or its naive twin). With critic.share the head alone is updated,
-  reading the policy's current transformer (`state.params`, not differentiated)."""
-  tx = make_critic_optimizer(cfg)
-
-  def critic_step(state: TrainState, cb: critic.CriticBatch):
-    params, opt_state = state.critic["params"], state.critic["opt_state"]
-    mesh = sharding.make_mesh(cfg.mesh) if cfg.mesh else None
-    loss, aux_BR, grads = critic.loss_and_grad(params, cb, cfg.model, cfg.critic,
-                                               mode=cfg.replay.mode,
-                                               body_params=_critic_body(state, cfg), mesh=mesh)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    n = jnp.maximum(aux_BR["tokens"].sum(), 1)
-    out = {"loss/value": loss, "value/clip_frac": aux_BR["clip_sum"].sum() / n,
-           "value/grad_norm": optax.tree.norm(grads)}
-    return state.replace(critic=dict(params=params, opt_state=opt_state)), out
-
-  return critic_step
-
-
 # ----------------------------------------------------------------------------- batches
 
 
@@ -153,7 +132,8 @@ def rewards_of(task, examples, texts) -> np.ndarray:
 def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER):
   """Sample R branches of B fresh prompts, reward them, and assemble the RL batch:
   prefix = prompt (+ trunk), tails = branches, old log-probs = the sampler's; advantages
-  from `train.advantage` (a group estimator, or GAE from the critic's values). With
+  from `train.advantage` (a group estimator; for GAE zeros, which PPO replaces from its
+  critic's values and the returned rewards, algorithms/ppo.py). With
   `train.dynamic_sampling` (DAPO) groups whose rewards are all equal are replaced by
   groups of fresh prompts, up to `train.max_sample_rounds` sampling rounds. Stats include
   the seconds of each phase (phases.py; every sampling round included): time/sample_s =
@@ -209,13 +189,9 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
     ref_BRT, ref_trunk_BW = sharding.to_host(scored)
     batch = batch.replace(ref_logp_BRT=ref_BRT,
                           trunk_ref_logp_BW=ref_trunk_BW if batch.trunk_len else None)
-  cb = None
-  if cfg.uses_critic:
-    batch, cb, critic_stats = _gae_batch(fns, state, batch, rewards_BR, cfg)
-    stats.update(critic_stats)
   validate(batch, cfg.model.vocab_size, cfg.replay.branch_chunk)
   raw = rows["raw_BR"]
-  return batch, cb, {"reward/mean": float(raw.mean()), "reward/std": float(raw.std()),
+  return batch, rewards_BR, {"reward/mean": float(raw.mean()), "reward/std": float(raw.std()),
                      "reward/shaped_mean": float(rewards_BR.mean()),
                      **{f"time/{name}_s": seconds for name, seconds in phase_s.items()},
                      "time/sample_s": phase_s["data"] + phase_s["generate"],
@@ -233,38 +209,6 @@ def _overlong(samples, cfg: Config):
                                t.overlong_penalty).astype(np.float32)
 
 
-def _critic_body(state: TrainState, cfg: Config):
-  """The transformer a shared critic's head reads (the policy's); None for a separate one."""
-  return state.params if cfg.critic.share else None
-
-
-def _gae_batch(fns, state, batch: ReplayBatch, rewards_BR, cfg: Config):
-  """PPO: the critic's values of every scored token (one shared-prefix forward), GAE per
-  branch, per-token advantages for the policy and returns for the critic."""
-  c = cfg.critic
-  old_values_BRX = np.asarray(sharding.to_host(fns.values(  # on a mesh: gathered to every host
-      state.critic["params"], batch=place(batch, "batch", cfg),
-      body_params=_critic_body(state, cfg))), np.float64)
-  valid_BRX = critic.scored_mask(batch)
-  adv_BRX, returns_BRX = critic.gae(rewards_BR, old_values_BRX, valid_BRX, c.gamma, c.lam)
-  ret, v = returns_BRX[valid_BRX], old_values_BRX[valid_BRX]
-  stats = {"value/explained_variance": critic.explained_variance(old_values_BRX, returns_BRX,
-                                                                  valid_BRX),
-           "value/mean": float(v.mean()),
-           # per-step sums for an explained variance pooled over steps
-           # (critic.pooled_explained_variance; the summary's value_ev_before/after)
-           "value/sq_err": float(np.mean((ret - v) ** 2)), "value/return_var": float(ret.var()),
-           "value/return_mean": float(ret.mean()), "value/tokens": int(valid_BRX.sum())}
-  policy_adv = critic.whiten(adv_BRX, valid_BRX) if c.whiten else adv_BRX
-  W = batch.trunk_len
-  f32 = lambda x: jnp.asarray(x, jnp.float32)
-  batch = batch.replace(advantages_BR=f32(np.zeros(rewards_BR.shape)),
-                        advantages_BRT=f32(policy_adv[..., W:]),
-                        trunk_advantages_BRW=f32(policy_adv[..., :W]))
-  cb = critic.CriticBatch(batch, f32(returns_BRX), f32(old_values_BRX))
-  return batch, cb, stats
-
-
 def minibatches(tree, cfg: Config, step: int, epoch: int):
   """The sampled batch split by prompt into train.minibatches parts, in a per-epoch order."""
   B = cfg.train.batch_size
@@ -279,19 +223,17 @@ def minibatches(tree, cfg: Config, step: int, epoch: int):
 # ----------------------------------------------------------------------------- the loop
 
 
-def rl_update(fns, state, batch, cb, cfg: Config, step: int):
-  """train.ppo_epochs passes of train.minibatches replay steps over one sampled batch (the
-  value model steps alongside on the same minibatch); metrics averaged over the steps, the
-  ratio's maximum over all of them."""
+def rl_update(fns, state, batch, cfg: Config, step: int, step_fn=None):
+  """train.ppo_epochs passes of train.minibatches replay steps over one sampled batch (any
+  pytree of prompt-major arrays: PPO's is (policy batch, critic batch)); metrics averaged
+  over the steps, the ratio's maximum over all of them. step_fn(state, minibatch) ->
+  (state, metrics): default the policy's step on the placed minibatch."""
+  if step_fn is None:
+    step_fn = lambda state, mb: fns.rl_step(state, place(mb, "batch", cfg))
   outs = []
   for epoch in range(cfg.train.ppo_epochs):
-    parts = minibatches(batch, cfg, step, epoch)
-    critic_parts = minibatches(cb, cfg, step, epoch) if cb is not None else [None] * len(parts)
-    for mb, cmb in zip(parts, critic_parts):
-      state, out = fns.rl_step(state, place(mb, "batch", cfg))
-      if cmb is not None:
-        state, critic_out = fns.critic_step(state, place(cmb, "batch", cfg))
-        out = {**out, **critic_out}
+    for mb in minibatches(batch, cfg, step, epoch):
+      state, out = step_fn(state, mb)
       outs.append({k: float(v) for k, v in jax.device_get(out).items()})
   avg = {k: float(np.mean([o[k] for o in outs])) for k in outs[0]}
   avg["ratio/max"] = max(o["ratio/max"] for o in outs)
@@ -305,8 +247,6 @@ class Fns(NamedTuple):
   sample: Any
   greedy: Any
   score: Any
-  critic_step: Any
-  values: Any
 
 
 def compile_key(cfg: Config) -> Config:
@@ -335,9 +275,7 @@ def compiled(cfg: Config, eos_id=TOKENIZER.eos_id) -> Fns:
       greedy=jax.jit(functools.partial(sampler.sample, model_cfg=cfg.model, cfg=greedy,
                                        n_branches=1, stop_tokens=stops)),
       score=jax.jit(functools.partial(sampler.score, model_cfg=cfg.model,
-                                      temperature=cfg.sampler.temperature)),
-      critic_step=jax.jit(make_critic_step(cfg), donate_argnums=0),
-      values=jax.jit(functools.partial(critic.values, model_cfg=cfg.model)))
+                                      temperature=cfg.sampler.temperature)))
 
 
 def summarize(records, cfg: Config) -> dict:
@@ -346,7 +284,6 @@ def summarize(records, cfg: Config) -> dict:
   k = max(1, min(10, len(rl) // 4))
   evals = {r["step"]: r["eval/greedy_reward"] for r in records if r.get("kind") == "eval"}
   mean = lambda xs: float(np.mean(xs)) if xs else float("nan")
-  has_critic = any("value/tokens" in r for r in rl)
   return {
       "reward_before": mean([r["reward/mean"] for r in rl[:k]]),
       "reward_after": mean([r["reward/mean"] for r in rl[-k:]]),
@@ -359,9 +296,6 @@ def summarize(records, cfg: Config) -> dict:
       "naive_equiv_tokens": int(sum(r["replay/naive_equiv_tokens"] for r in train)),
       "train_time_s": float(sum(r["time/step_s"] for r in train)),
       "steps": len(train),
-      # PPO's critic: explained variance of the old values, pooled over the same windows
-      "value_ev_before": critic.pooled_explained_variance(rl[:k]) if has_critic else None,
-      "value_ev_after": critic.pooled_explained_variance(rl[-k:]) if has_critic else None,
       "time_by_phase": phases.totals(records),
   }
 
@@ -385,9 +319,6 @@ def format_summary(s: dict) -> str:
       f"{s['naive_equiv_tokens']:,} ({ratio:.1f}x fewer; RL steps alone "
       f"{s['rl_computed_tokens']:,} vs {s['rl_naive_equiv_tokens']:,}, "
       f"{s['rl_naive_equiv_tokens'] / max(s['rl_computed_tokens'], 1):.1f}x)",
-      *([f"value/explained_variance (pooled, first/last {s['reward_window']} RL steps): "
-         f"{fmt(s['value_ev_before'])} -> {fmt(s['value_ev_after'])}"]
-        if s.get("value_ev_before") is not None else []),
       f"time: {s['wall_s']:.0f} s wall ({s['train_time_s']:.0f} s in {s['steps']} steps)",
       *([phases.format_totals(s["time_by_phase"])] if s.get("time_by_phase") else []),
       f"checkpoints: {_shown(s['checkpoint'])}",

@@ -9,7 +9,9 @@ holds the leaves; a root-to-leaf path is one sampled sequence.
 
 The objective is that of every path as its own sequence: a path scores its tokens at every
 level with the leaf's weight (aggregation mode) and an advantage: the leaf's own, or, where
-a level gives `advantages_BR`, its node's (tree-aware advantages, `tree_advantages`).
+a level gives `advantages_BR`, its node's (tree-aware advantages, `tree_advantages`); or,
+for PPO's GAE, per token and per path (the leaves' `advantages_BRT`, the inner levels'
+`path_advantages_BLT`, the trunk's `trunk_advantages_BRW`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ class TreeLevel:
   ref_logp_BRT: Optional[jax.Array] = None  # reference log-probs (KL)
   # Per-token advantages (PPO's GAE), leaves only: they replace advantages_BR token by token.
   advantages_BRT: Optional[jax.Array] = None
+  # Per-token advantages of an inner level's tokens on every root-to-leaf path through the
+  # node ([B, L, T], L = leaves per prompt): GAE on a tree gives a shared token one advantage
+  # per path (its returns differ by the leaf). Inner levels only, with the leaves' advantages_BRT.
+  path_advantages_BLT: Optional[jax.Array] = None
 
   def scored(self):
     return self.valid_BRT if self.scored_BRT is None else self.scored_BRT
@@ -171,7 +177,14 @@ def validate(batch: TreeBatch, vocab_size: int, branch_chunk: Optional[int] = No
       _check_logp(f"{at}.{name}", getattr(level, name), (B, R, T))
     if d < len(fanouts) and level.advantages_BRT is not None:
       raise ValueError(f"tree.{at}.advantages_BRT: shape {np.shape(level.advantages_BRT)}: "
-                       "expected None (per-token advantages are given on the leaves only)")
+                       "expected None (an inner node's per-token advantages differ by path: "
+                       "path_advantages_BLT)")
+    if d == len(fanouts) and level.path_advantages_BLT is not None:
+      raise ValueError(f"tree.{at}.path_advantages_BLT: shape "
+                       f"{np.shape(level.path_advantages_BLT)}: expected None on the leaves "
+                       "(their per-token advantages are advantages_BRT)")
+    _check_logp(f"{at}.path_advantages_BLT", level.path_advantages_BLT,
+                (B, nodes(fanouts, len(fanouts)), T))
   for name, trunk in (("old_logp_BRT", "trunk_old_logp_BW"), ("ref_logp_BRT",
                                                               "trunk_ref_logp_BW")):
     given = {getattr(l, name) is not None for l in batch.levels}
@@ -185,11 +198,13 @@ def validate(batch: TreeBatch, vocab_size: int, branch_chunk: Optional[int] = No
   if W and per_token != (batch.trunk_advantages_BRW is not None):
     raise ValueError(f"tree.trunk_advantages_BRW: give it exactly when the leaves' "
                      f"advantages_BRT are given (trunk_len={W})")
+  for d, level in enumerate(batch.levels[:-1], start=1):
+    if per_token != (level.path_advantages_BLT is not None):
+      raise ValueError(f"tree.levels[{d - 1}] (level {d}).path_advantages_BLT: "
+                       f"{'None' if per_token else 'given'}: expected it exactly when the "
+                       "leaves' advantages_BRT are given (per-token advantages on every token "
+                       f"of a path), shape {(B, n_leaves, np.shape(level.tokens_BRT)[2])}")
   if per_token:
-    if len(fanouts) > 1:
-      raise ValueError(f"tree.levels[{len(fanouts) - 1}].advantages_BRT: per-token advantages "
-                       f"on a tree of depth {len(fanouts)}: the inner levels' tokens have none; "
-                       "expected a depth-1 tree (or per-node advantages_BR)")
     _check_logp("trunk_advantages_BRW", batch.trunk_advantages_BRW, (B, n_leaves, W))
   if branch_chunk is not None and (branch_chunk < 1 or fanouts[-1] % branch_chunk):
     raise ValueError(f"replay.branch_chunk={branch_chunk}: expected a divisor of the last "

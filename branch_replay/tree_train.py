@@ -53,11 +53,14 @@ def sft_batch(task, rng: np.random.Generator, cfg: Config, tok=TOKENIZER) -> tre
   return tree.TreeBatch(root_BP, root_valid_BP, levels, fanouts=(R, 1))
 
 
-def rl_batch(fns, state: train_state.TrainState, task, cfg: Config, step: int, tok=TOKENIZER):
+def rl_batch(fns, state: train_state.TrainState, task, cfg: Config, step: int, tok=TOKENIZER,
+             with_rewards: bool = False):
   """Sample a tree per prompt, reward the leaves, tree-aware advantages -> TreeBatch. With
   `train.dynamic_sampling` (DAPO) prompts whose leaves all got the same reward are replaced
   by fresh prompts' trees (dapo.dynamic_sample, as for flat groups); `train.overlong_buffer`
-  shapes each leaf's reward by its path's length (every turn's tokens)."""
+  shapes each leaf's reward by its path's length (every turn's tokens). with_rewards: return
+  (batch, shaped rewards [B, leaves], stats) (PPO's GAE, algorithms/ppo.py, which replaces
+  the advantages: zeros with train.advantage=gae)."""
   t = cfg.train
   fanouts = cfg.tree.fanout_tuple
   weights = train_state.weights(state, cfg.lora)
@@ -96,13 +99,15 @@ def rl_batch(fns, state: train_state.TrainState, task, cfg: Config, step: int, t
   treedef = structure["samples"]
   samples = jax.tree.unflatten(treedef, [rows[f"samples_{i}"] for i in range(treedef.num_leaves)])
   prompt_BP, valid_BP = rows["prompt_BP"], rows["valid_BP"]
-  if t.advantage in ("grpo", "dr_grpo"):  # normalised among siblings (dr_grpo: centred)
+  if t.advantage in advantages_lib.NEEDS_CRITIC:  # PPO's critic gives per-token advantages
+    node_adv = [np.zeros_like(rewards_BR)]
+  elif t.advantage in ("grpo", "dr_grpo"):  # normalised among siblings (dr_grpo: centred)
     node_adv = tree.tree_advantages(rewards_BR, fanouts,
                                     use_std=t.advantage_std and t.advantage != "dr_grpo")
-  else:  # another group estimator over each set of siblings (config-checked: not gae)
+  else:  # another group estimator over each set of siblings
     node_adv = tree.tree_advantages(rewards_BR, fanouts, estimator=functools.partial(
         advantages_lib.compute, t.advantage, train_cfg=t))
-  if not cfg.tree.node_advantages:
+  if not cfg.tree.node_advantages or len(node_adv) < len(fanouts):
     node_adv = [None] * (len(fanouts) - 1) + node_adv[-1:]
   batch = sampler.to_tree_batch(prompt_BP, valid_BP, samples, fanouts, node_adv)
   # the phases (phases.py), every sampling round included; the sampler returns the behaviour
@@ -119,10 +124,11 @@ def rl_batch(fns, state: train_state.TrainState, task, cfg: Config, step: int, t
     stats["time/ref_logp_s"] = time.time() - r0
   tree.validate(batch, cfg.model.vocab_size, cfg.replay.branch_chunk)
   raw = rows["raw_BR"]
-  return batch, {"reward/mean": float(raw.mean()), "reward/std": float(raw.std()),
-                 "reward/shaped_mean": float(rewards_BR.mean()),
-                 "reward/turn1": float(rows["turn1_B"].mean()), "time/sample_s": phase_s["sample"],
-                 **stats}
+  stats = {"reward/mean": float(raw.mean()), "reward/std": float(raw.std()),
+           "reward/shaped_mean": float(rewards_BR.mean()),
+           "reward/turn1": float(rows["turn1_B"].mean()), "time/sample_s": phase_s["sample"],
+           **stats}
+  return (batch, rewards_BR, stats) if with_rewards else (batch, stats)
 
 
 def overlong(samples, turn_lengths, buffer: int, penalty: float) -> np.ndarray | float:

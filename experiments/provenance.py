@@ -170,7 +170,11 @@ def metrics_to_results(workdir: str, out: str, run_command: str, experiment: str
     raise ValueError(f"workdir={workdir!r}: metrics.jsonl has no records")
   with open(config_path) as f:
     cfg_dict = json.load(f)
-  summary = train.summarize(records, config_lib.from_dict(cfg_dict))
+  cfg = config_lib.from_dict(cfg_dict)
+  summary = train.summarize(records, cfg)
+  if cfg.uses_critic:  # PPO's summary adds its critic's explained variance
+    from branch_replay.algorithms import ppo
+    summary.update(ppo.value_summary(records, summary["reward_window"]))
   if os.path.exists(out):
     os.remove(out)  # a results file describes one run
   writer = ResultsWriter(out, experiment, argv, with_jax=False, echo=False)

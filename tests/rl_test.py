@@ -14,6 +14,7 @@ import pytest
 from branch_replay import (advantages, checkpoint, critic, dapo, losses, metrics, policy,
                            sampler, train)
 from branch_replay import trainer
+from branch_replay.algorithms import ppo
 from branch_replay import state as train_state
 from branch_replay.config import Config, apply_overrides
 from models import transformer as tfm
@@ -379,7 +380,7 @@ def test_critic_step_fits_a_fixed_batch():
                         np.asarray(batch.tails_BRT)], -1)
   mask = critic.scored_mask(batch)
   returns = np.where(mask, (seq[..., 6 - 1 - 1:-1] % 2 == 0).astype(np.float32), 0.0)
-  step = jax.jit(train.make_critic_step(cfg))
+  step = jax.jit(ppo.make_critic_step(cfg))
   values = jax.jit(lambda p, b: critic.values(p, cfg.model, b))
   ev, losses_ = [], []
   for _ in range(40):
@@ -415,7 +416,7 @@ def test_ppo_with_critic_epochs_and_minibatches_runs(tmp_path):
     assert r["value/tokens"] == 4 * 4 * 1 + int(r["replay/tail_tokens"]) // 2  # trunk + tails
   # the summary pools the critic's explained variance over its first/last windows
   assert "value_ev_before" in s and "value_ev_after" in s
-  assert "value/explained_variance (pooled" in train.format_summary(s)
+  assert "value/explained_variance (pooled" in ppo.PPO.format_summary(s)
   # resume restores the critic (same run continued equals nothing broken)
   s2 = trainer.run(apply_overrides(cfg, ["train.rl_steps=3"]), str(tmp_path / "ppo"))
   assert s2["steps"] == 3

@@ -56,7 +56,6 @@ def test_tree_step_scores_at_the_sampler_temperature(monkeypatch):
 
 @pytest.mark.parametrize("override, field", [
     ("train.advantage=rloo,tree.fanouts=4x1", "train.advantage='rloo'"),  # a single child
-    ("train.advantage=gae", "train.advantage='gae'"),  # no critic built that nothing trains
     ("sampler.trunk_len=2", "sampler.trunk_len=2"),
     ("train.n_branches=4", "train.n_branches=4"),
 ])

@@ -17,8 +17,9 @@ which compiles its jitted steps (cached across runs in one process) and then ans
   restore_template(state, step) -> dict       the checkpoint's tree at `step` (resume)
   summarize(records) -> dict; format_summary(summary) -> str
 
-Each lives in its own module and imports no other's names; `for_config` imports only the one
-a config selects.
+Each lives in its own module and imports no other's names (PPO builds on GRPO's sampling
+and policy step through the registry, `get`); `for_config` imports only the one a config
+selects.
 """
 
 from __future__ import annotations
@@ -26,18 +27,20 @@ from __future__ import annotations
 import importlib
 
 # name -> (module, class); a new algorithm is one module and one line here
-ALGORITHMS = {"grpo": ("grpo", "GRPO"), "tree_grpo": ("grpo", "TreeGRPO"),
+ALGORITHMS = {"grpo": ("grpo", "GRPO"), "tree_grpo": ("grpo", "TreeGRPO"), "ppo": ("ppo", "PPO"),
               "dpo": ("dpo", "DPO"), "rollouts": ("rollouts", "Rollouts")}
 
 
 def name_for(cfg) -> str:
   """The algorithm a config selects: completions from a file (task.name=rollouts), preference
-  pairs (loss.name=dpo), sampled trees (tree.fanouts), else flat sampled groups (GRPO, PPO
-  with train.advantage=gae, DAPO, ...)."""
+  pairs (loss.name=dpo), PPO with its critic (train.advantage=gae; flat or tree rollouts),
+  sampled trees (tree.fanouts), else flat sampled groups (GRPO, DAPO, ...)."""
   if cfg.task.name == "rollouts":
     return "rollouts"
   if cfg.loss.name == "dpo":
     return "dpo"
+  if cfg.uses_critic:
+    return "ppo"
   return "tree_grpo" if cfg.tree.fanouts else "grpo"
 
 

@@ -1,5 +1,6 @@
-"""GRPO-family RL on sampled groups: every advantage estimator (`train.advantage`; GAE trains
-PPO's critic alongside), DAPO, the KL reference, epochs x minibatches. `GRPO` samples flat
+"""GRPO-family RL on sampled groups: every group advantage estimator (`train.advantage`; GAE
+is PPO's, algorithms/ppo.py, which builds on these), DAPO, the KL reference, epochs x
+minibatches. `GRPO` samples flat
 groups (R branches per prompt, optional trunk); `TreeGRPO` samples trees (`tree.fanouts`)."""
 
 from __future__ import annotations
@@ -61,33 +62,27 @@ class GRPO:
   def start(self, state):
     if state.ref_params is not None:  # the reference policy: the policy as RL begins
       state = state.replace(ref_params=jax.tree.map(jnp.copy, state.params))
-    if state.critic is not None and not self.cfg.critic.share:  # the value model starts
-      # from the policy too (a shared critic's body IS the policy)
-      state = state.replace(critic=dict(
-          params={**state.critic["params"], "model": jax.tree.map(jnp.copy, state.params)},
-          opt_state=state.critic["opt_state"]))
     return state
 
   def batch(self, state, step):
-    batch, critic_batch, stats = train.rl_batch(self.fns, state, self.task, self.cfg, step,
-                                                self.tok)
-    if self.cfg.replay.auto_tree:  # config-checked: no critic batch
+    batch, _, stats = train.rl_batch(self.fns, state, self.task, self.cfg, step, self.tok)
+    if self.cfg.replay.auto_tree:  # config-checked: not with GAE
       batch, tree_stats = auto_tree(batch, self.cfg, self.tok.pad_id)
       stats = {**stats, **tree_stats}
-    return (batch, critic_batch), stats
+    return batch, stats
 
   def update(self, state, batch, step):
-    return train.rl_update(self.fns, state, *batch, self.cfg, step)
+    return train.rl_update(self.fns, state, batch, self.cfg, step)
 
   def verify(self, state, batch):
     """replay.verify: the first batch through replay and the naive twin (raises on a gap)."""
-    return verify.check(train_state.weights(state, self.cfg.lora), batch[0], self.cfg.model, train.rl_loss_config(self.cfg),
-                        branch_chunk=self.cfg.replay.branch_chunk)
+    return verify.check(train_state.weights(state, self.cfg.lora), batch, self.cfg.model,
+                        train.rl_loss_config(self.cfg), branch_chunk=self.cfg.replay.branch_chunk)
 
   def token_counts(self, batch, phase):
     if phase == "sft":
       return batch.token_counts()
-    return tuple(self.cfg.train.ppo_epochs * n for n in batch[0].token_counts())  # per pass
+    return tuple(self.cfg.train.ppo_epochs * n for n in batch.token_counts())  # per pass
 
   def eval_examples(self):
     return self.task.eval_examples(self.cfg.train.seed, self.cfg.train.eval_size)
@@ -127,9 +122,8 @@ class TreeGRPO(GRPO):
     tree.validate(batch, cfg.model.vocab_size)
     return batch
 
-  def batch(self, state, step):  # (tree batch, no critic batch): GRPO's update and verify
-    batch, stats = tree_train.rl_batch(self.fns, state, self.task, self.cfg, step, self.tok)
-    return (batch, None), stats
+  def batch(self, state, step):  # a tree batch: GRPO's update and verify
+    return tree_train.rl_batch(self.fns, state, self.task, self.cfg, step, self.tok)
 
   def eval_examples(self):
     t = self.cfg.train

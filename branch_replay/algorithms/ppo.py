@@ -1,0 +1,207 @@
+"""PPO: the policy's GRPO-family step with per-token advantages from a learned critic (GAE),
+the critic trained alongside through the same engine. Flat rollouts (R branches per prompt,
+optional trunk) and trees (`tree.fanouts`) alike; selected by `train.advantage=gae`.
+
+What is PPO's alone lives here: the critic's init at the phase start, its values of the
+sampled batch (one replay forward), GAE per path with whitening, the critic step after each
+policy step of every minibatch, and the value metrics. Sampling, the policy step, the warm-up
+and evaluation are the policy algorithm's (GRPO or TreeGRPO, through the registry).
+
+On a tree the critic's targets and the policy's advantages are per path: a token of an inner
+node lies on every path through it, with one value (it depends only on what precedes it) but
+one advantage and one return per path (GAE from that path's leaf reward, `critic.gae`); the
+engine scores each path with its own, as the naive twin runs every path as its own sequence.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from branch_replay import algorithms, critic, sharding, train, tree, tree_train
+from branch_replay import state as train_state
+from branch_replay.config import Config
+
+
+def critic_body(state: train_state.TrainState, cfg: Config):
+  """The transformer a shared critic's head reads (the policy's); None for a separate one."""
+  return state.params if cfg.critic.share else None
+
+
+def make_critic_step(cfg: Config):
+  """Pure `critic_step(state, critic_batch) -> (state, metrics)`: one value-model update
+  through branch replay (or its naive twin), flat or tree. With critic.share the head alone
+  is updated, reading the policy's current transformer (`state.params`, not differentiated)."""
+  tx = train_state.make_critic_optimizer(cfg)
+
+  def critic_step(state: train_state.TrainState, cb: critic.CriticBatch):
+    params, opt_state = state.critic["params"], state.critic["opt_state"]
+    mesh = sharding.make_mesh(cfg.mesh) if cfg.mesh else None
+    loss, aux_BR, grads = critic.loss_and_grad(params, cb, cfg.model, cfg.critic,
+                                               mode=cfg.replay.mode,
+                                               body_params=critic_body(state, cfg), mesh=mesh)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    n = jnp.maximum(aux_BR["tokens"].sum(), 1)
+    out = {"loss/value": loss, "value/clip_frac": aux_BR["clip_sum"].sum() / n,
+           "value/grad_norm": optax.tree.norm(grads)}
+    return state.replace(critic=dict(params=params, opt_state=opt_state)), out
+
+  return critic_step
+
+
+class CriticFns(NamedTuple):
+  critic_step: Any
+  values: Any
+
+
+@functools.lru_cache(maxsize=8)
+def compiled(cfg: Config) -> CriticFns:
+  """The critic's jitted functions of a config (`train.compile_key`), kept across runs."""
+  return CriticFns(critic_step=jax.jit(make_critic_step(cfg), donate_argnums=0),
+                   values=jax.jit(functools.partial(critic.values, model_cfg=cfg.model)))
+
+
+def with_token_advantages(batch, adv_BLX):
+  """The batch with per-token advantages [B, L, X] (the engine's path layout) in place of
+  its per-branch (per-node) ones: flat, the trunk's and the tails'; a tree, the trunk's,
+  each inner level's per path (`path_advantages_BLT`) and the leaves' (`advantages_BRT`)."""
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  W = batch.trunk_len
+  trunk = f32(adv_BLX[..., :W]) if W else None
+  if not isinstance(batch, tree.TreeBatch):
+    return batch.replace(advantages_BR=f32(np.zeros(adv_BLX.shape[:2])),
+                         advantages_BRT=f32(adv_BLX[..., W:]), trunk_advantages_BRW=trunk)
+  ends = W + np.cumsum([np.shape(level.tokens_BRT)[2] for level in batch.levels])
+  starts = [W, *ends[:-1]]
+  levels = [level.replace(advantages_BR=None, path_advantages_BLT=f32(adv_BLX[..., a:b]))
+            for level, a, b in zip(batch.levels[:-1], starts, ends)]
+  leaves = batch.leaves.replace(advantages_BR=f32(np.zeros(adv_BLX.shape[:2])),
+                                advantages_BRT=f32(adv_BLX[..., starts[-1]:]))
+  return batch.replace(levels=(*levels, leaves), trunk_advantages_BRW=trunk)
+
+
+def gae_batch(fns: CriticFns, state, batch, rewards_BR, cfg: Config):
+  """The critic's values of every path position (one replay forward), GAE per path
+  (`critic.gae`), whitened over every path's scored tokens (a shared token once per path):
+  (policy batch with per-token advantages, critic batch with returns and old values, stats)."""
+  c = cfg.critic
+  scored_BLX = critic.scored_mask(batch)
+  if np.shape(rewards_BR) != scored_BLX.shape[:2]:
+    raise ValueError(f"rewards_BR: shape {np.shape(rewards_BR)}: expected "
+                     f"{scored_BLX.shape[:2]} (one reward per branch or leaf)")
+  old_values_BLX = np.asarray(sharding.to_host(fns.values(  # on a mesh: gathered to every host
+      state.critic["params"], batch=train_state.place(batch, "batch", cfg),
+      body_params=critic_body(state, cfg))), np.float64)
+  old_values_BLX = np.where(scored_BLX, old_values_BLX, 0.0)
+  adv_BLX, returns_BLX = critic.gae(rewards_BR, old_values_BLX, scored_BLX, c.gamma, c.lam)
+  ret, v = returns_BLX[scored_BLX], old_values_BLX[scored_BLX]
+  stats = {"value/explained_variance": critic.explained_variance(old_values_BLX, returns_BLX,
+                                                                  scored_BLX),
+           "value/mean": float(v.mean()),
+           # per-step sums for an explained variance pooled over steps
+           # (critic.pooled_explained_variance; the summary's value_ev_before/after)
+           "value/sq_err": float(np.mean((ret - v) ** 2)), "value/return_var": float(ret.var()),
+           "value/return_mean": float(ret.mean()), "value/tokens": int(scored_BLX.sum())}
+  policy_adv = critic.whiten(adv_BLX, scored_BLX) if c.whiten else adv_BLX
+  batch = with_token_advantages(batch, policy_adv)
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  cb = critic.CriticBatch(batch, f32(returns_BLX), f32(old_values_BLX))
+  critic.validate(cb)
+  return batch, cb, stats
+
+
+def value_summary(records, k: int) -> dict:
+  """The critic's explained variance of the old values, pooled over the first/last k RL
+  steps (the windows of the policy's reward summary)."""
+  rl = [r for r in records if r.get("kind", "train") == "train"
+        and r.get("reward/mean") is not None]
+  return {"value_ev_before": critic.pooled_explained_variance(rl[:k]),
+          "value_ev_after": critic.pooled_explained_variance(rl[-k:])}
+
+
+class PPO:
+  """PPO on the policy algorithm a config's rollouts select (GRPO flat, TreeGRPO on trees):
+  its sampling, warm-up, evaluation and policy step; the critic's here."""
+
+  phase = "rl"
+
+  def __init__(self, cfg, task, tok, workdir=None):
+    if not cfg.uses_critic:
+      raise ValueError(f"train.advantage={cfg.train.advantage!r}: PPO expects 'gae' (its "
+                       "advantages come from the critic)")
+    self.cfg, self.task, self.tok = cfg, task, tok
+    self.is_tree = bool(cfg.tree.fanouts)
+    self.policy = algorithms.get("tree_grpo" if self.is_tree else "grpo")(cfg, task, tok,
+                                                                           workdir=workdir)
+    self.progress_keys = self.policy.progress_keys + ("loss/value",)
+    self.fns = compiled(train.compile_key(cfg))
+
+  def warmup_batch(self, step):
+    return self.policy.warmup_batch(step)
+
+  def warmup_update(self, state, batch):
+    return self.policy.warmup_update(state, batch)
+
+  def start(self, state):
+    state = self.policy.start(state)
+    if not self.cfg.critic.share:  # the value model starts from the policy too (a shared
+      # critic's body IS the policy)
+      state = state.replace(critic=dict(
+          params={**state.critic["params"], "model": jax.tree.map(jnp.copy, state.params)},
+          opt_state=state.critic["opt_state"]))
+    return state
+
+  def batch(self, state, step):
+    args = (self.policy.fns, state, self.task, self.cfg, step, self.tok)
+    if self.is_tree:
+      batch, rewards_BR, stats = tree_train.rl_batch(*args, with_rewards=True)
+    else:
+      batch, rewards_BR, stats = train.rl_batch(*args)
+    batch, cb, critic_stats = gae_batch(self.fns, state, batch, rewards_BR, self.cfg)
+    if self.is_tree:
+      tree.validate(batch, self.cfg.model.vocab_size, self.cfg.replay.branch_chunk)
+    return (batch, cb), {**stats, **critic_stats}
+
+  def update(self, state, batch, step):
+    cfg = self.cfg
+
+    def step_fn(state, minibatch):  # the policy's step, then the critic's on the same prompts
+      mb, cmb = minibatch
+      state, out = self.policy.fns.rl_step(state, train_state.place(mb, "batch", cfg))
+      state, critic_out = self.fns.critic_step(state, train_state.place(cmb, "batch", cfg))
+      return state, {**out, **critic_out}
+
+    return train.rl_update(self.policy.fns, state, batch, cfg, step, step_fn=step_fn)
+
+  def verify(self, state, batch):
+    return self.policy.verify(state, batch[0])
+
+  def token_counts(self, batch, phase):
+    return self.policy.token_counts(batch if phase == "sft" else batch[0], phase)
+
+  def eval_examples(self):
+    return self.policy.eval_examples()
+
+  def evaluate(self, state, examples):
+    return self.policy.evaluate(state, examples)
+
+  def restore_template(self, state, step):
+    return self.policy.restore_template(state, step)
+
+  def summarize(self, records):
+    summary = self.policy.summarize(records)
+    return {**summary, **value_summary(records, summary["reward_window"])}
+
+  @staticmethod
+  def format_summary(summary) -> str:  # a static method: run.py calls it on the class
+    lines = train.format_summary(summary).split("\n")
+    fmt = lambda x: "n/a" if x is None or x != x else f"{x:.3f}"
+    ev = (f"value/explained_variance (pooled, first/last {summary['reward_window']} RL steps): "
+          f"{fmt(summary['value_ev_before'])} -> {fmt(summary['value_ev_after'])}")
+    return "\n".join(lines[:3] + [ev] + lines[3:])
