@@ -36,20 +36,27 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_multi_integer("prefix_len", [131072], "P values")
-flags.DEFINE_multi_string("mesh", ["context:8"], "8-device mesh specs")
-flags.DEFINE_multi_string("params", ["fsdp_context"], "fsdp | fsdp_context (see docstring)")
-flags.DEFINE_string("cache", "sharded", "sharded (the code: the prefix cache crosses to the "
-                    "tails split over the sequence) | gathered (whole on every device)")
-flags.DEFINE_integer("tail_len", 512, "T")
-flags.DEFINE_integer("branches", 16, "R")
-flags.DEFINE_integer("prompts", 1, "B")
-flags.DEFINE_string("model", "llama3_8b", "llama3_8b | small (attribution) | tiny (tests)")
-flags.DEFINE_integer("timeout_s", 3000, "per row")
-flags.DEFINE_string("worker", "", "internal: 'P;mesh;params' -> one JSON line")
-flags.DEFINE_string("out", "", "append JSON lines here")
-flags.DEFINE_string("markdown", "", "only write --out's rows as a markdown table here")
-flags.DEFINE_string("hlo_dir", "", "write each row's compiled HLO text here")
+
+
+def define_flags():
+  """The command line's flags, defined when the script runs (not on import: the tests import
+  this module beside other experiments whose flags share names, e.g. bench_replay's
+  prefix_len)."""
+  flags.DEFINE_multi_integer("prefix_len", [131072], "P values")
+  flags.DEFINE_multi_string("mesh", ["context:8"], "8-device mesh specs")
+  flags.DEFINE_multi_string("params", ["fsdp_context"], "fsdp | fsdp_context (see docstring)")
+  flags.DEFINE_string("cache", "sharded", "sharded (the code: the prefix cache crosses to the "
+                      "tails split over the sequence) | gathered (whole on every device)")
+  flags.DEFINE_integer("tail_len", 512, "T")
+  flags.DEFINE_integer("branches", 16, "R")
+  flags.DEFINE_integer("prompts", 1, "B")
+  flags.DEFINE_string("model", "llama3_8b", "llama3_8b | small (attribution) | tiny (tests)")
+  flags.DEFINE_integer("timeout_s", 3000, "per row")
+  flags.DEFINE_string("worker", "", "internal: 'P;mesh;params' -> one JSON line")
+  flags.DEFINE_string("out", "", "append JSON lines here")
+  flags.DEFINE_string("markdown", "", "only write --out's rows as a markdown table here")
+  flags.DEFINE_string("hlo_dir", "", "write each row's compiled HLO text here")
+
 
 N_DEVICES = 8
 GPU_GB = {"H20": 96.0, "H100": 80.0, "H200": 141.0}
@@ -354,4 +361,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -13,7 +13,7 @@ import pytest
 from branch_replay import critic, engine, losses, metrics, sharding, tree, trainer
 from branch_replay.algorithms import ppo
 from tests.replay_test import assert_equal_f64
-from tests.trainer_test import tiny_tree
+from trainer_test import tiny_tree  # the module pytest imports (it registers a task)
 from tests.tree_test import make_tree, model
 
 FANOUTS = (2, 3)  # depth 2, ragged tails, unscored holes in the inner nodes
