@@ -1,6 +1,6 @@
-"""Advantage estimators registered by name (`train.advantage`): rewards of a prompt's R
+"""Advantage estimators registered by name (`algo.advantage`): rewards of a prompt's R
 branches -> one advantage per branch. Host-side numpy; the per-token GAE of PPO, which needs a
-critic, lives in `critic.py` and is selected by `train.advantage=gae`.
+critic, lives in `critic.py` and is PPO's (`algo.name=ppo`).
 
 A new estimator is one function:
 
@@ -34,20 +34,20 @@ def names() -> list[str]:
 
 def check(name: str) -> None:
   if name not in ESTIMATORS and name not in NEEDS_CRITIC:
-    raise ValueError(f"train.advantage={name!r}: unknown advantage estimator; expected one of "
+    raise ValueError(f"algo.advantage={name!r}: unknown advantage estimator; expected one of "
                      f"{names()}")
 
 
 def compute(name: str, rewards_BR, train_cfg) -> np.ndarray:
   check(name)
   if name in NEEDS_CRITIC:
-    raise ValueError(f"train.advantage={name!r} is per token and needs a critic (critic.py)")
+    raise ValueError(f"algo.advantage={name!r} is per token and needs a critic (critic.py)")
   return np.asarray(ESTIMATORS[name](np.asarray(rewards_BR, np.float64), train_cfg), np.float32)
 
 
 @register("grpo")
 def grpo(rewards_BR, train_cfg):
-  """(r - mean_R) / (std_R + 1e-6); with train.advantage_std=false only centred (Dr. GRPO).
+  """(r - mean_R) / (std_R + 1e-6); with algo.advantage_std=false only centred (Dr. GRPO).
   In float32 through jax, exactly as the trainer always computed it (runs reproduce)."""
   import jax.numpy as jnp
   from branch_replay import losses
@@ -68,5 +68,5 @@ def rloo(rewards_BR, train_cfg):
   del train_cfg
   R = rewards_BR.shape[1]
   if R < 2:
-    raise ValueError(f"train.advantage='rloo': expected n_branches >= 2, got R={R}")
+    raise ValueError(f"algo.advantage='rloo': expected n_branches >= 2, got R={R}")
   return (rewards_BR * R - rewards_BR.sum(axis=1, keepdims=True)) / (R - 1)

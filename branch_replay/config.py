@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import typing
 from typing import Optional, Sequence
 
-from branch_replay import advantages, losses
+from branch_replay import losses
+from branch_replay.algorithms import options
+from branch_replay.algorithms.options import AlgoConfig
 from branch_replay.critic import CriticConfig
 from branch_replay.losses import LossConfig
 from branch_replay.sampler import SamplerConfig
@@ -47,16 +48,6 @@ class ReplayConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class DPOConfig:
-  """DPO's data (algorithms/dpo.py; pairs and batches: dpo.py)."""
-  pairs_file: str = ""  # JSON lines {"prompt", "chosen", "rejected"}; "" = pairs from the task
-
-  def __post_init__(self):
-    if self.pairs_file and not os.path.isfile(self.pairs_file):
-      raise ValueError(f"dpo.pairs_file={self.pairs_file!r}: no such file")
-
-
-@dataclasses.dataclass(frozen=True)
 class TrainConfig:
   seed: int = 0
   sft_steps: int = 0  # supervised warm-up steps (through the same engine) before RL
@@ -68,21 +59,13 @@ class TrainConfig:
   sft_learning_rate: float = 3e-3
   weight_decay: float = 0.0
   grad_clip: float = 1.0
-  advantage_std: bool = True  # GRPO: divide by the group std (False: Dr. GRPO, centred only)
   checkpoint_every: int = 50
   keep_checkpoints: int = 2
   eval_size: int = 64  # held-out prompts scored greedily before and after RL (0 = off)
   progress: bool = True  # tqdm bar on the terminal
   plot: bool = True  # workdir/metrics.png at the end
   tensorboard: bool = True  # TensorBoard event files beside metrics.jsonl (same keys)
-  # RL algorithm options (advantages.py, dapo.py, critic.py)
-  advantage: str = "grpo"  # advantages.names(): grpo | dr_grpo | rloo | gae (needs a critic)
-  ppo_epochs: int = 1  # passes over each sampled batch
-  minibatches: int = 1  # replay steps per pass, the batch split by prompt (divides batch_size)
-  dynamic_sampling: bool = False  # DAPO: drop all-equal-reward groups, refill from new prompts
-  max_sample_rounds: int = 4  # DAPO: sampling rounds per step at most
-  overlong_buffer: int = 0  # DAPO overlong shaping: tokens before the limit where it starts
-  overlong_penalty: float = 1.0  # DAPO overlong shaping: reward penalty at the limit
+  # the algorithm's own options (advantages, epochs, DAPO, ...): the `algo` section
 
   def __post_init__(self):
     for name in ("sft_steps", "rl_steps", "eval_size"):
@@ -100,21 +83,6 @@ class TrainConfig:
         raise ValueError(f"train.{name}={value!r}: expected a finite number > 0")
     if not 0 <= self.weight_decay < float("inf"):
       raise ValueError(f"train.weight_decay={self.weight_decay!r}: expected >= 0")
-    self._check_rl_options()
-
-  def _check_rl_options(self):
-    advantages.check(self.advantage)
-    for name in ("ppo_epochs", "minibatches", "max_sample_rounds"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or value < 1:
-        raise ValueError(f"train.{name}={value!r}: expected an int >= 1")
-    if self.batch_size % self.minibatches:
-      raise ValueError(f"train.minibatches={self.minibatches}: expected a divisor of "
-                       f"train.batch_size={self.batch_size} (minibatches split the prompts)")
-    if not isinstance(self.overlong_buffer, int) or self.overlong_buffer < 0:
-      raise ValueError(f"train.overlong_buffer={self.overlong_buffer!r}: expected an int >= 0")
-    if not self.overlong_penalty >= 0:
-      raise ValueError(f"train.overlong_penalty={self.overlong_penalty!r}: expected >= 0")
 
   @property
   def total_steps(self) -> int:
@@ -127,10 +95,11 @@ class Config:
   loss: LossConfig = LossConfig()
   replay: ReplayConfig = ReplayConfig()
   train: TrainConfig = TrainConfig()
+  # the algorithm and its own options (algorithms/options.py): grpo | ppo | dpo | sft | rollouts
+  algo: AlgoConfig = AlgoConfig()
   sampler: SamplerConfig = SamplerConfig()
   task: TaskConfig = TaskConfig()
-  critic: CriticConfig = CriticConfig()
-  dpo: DPOConfig = DPOConfig()
+  critic: CriticConfig = CriticConfig()  # PPO's value model (algo.name=ppo)
   mesh: str = ""  # e.g. "data:2,fsdp:2"; "" = one device
   tree: TreeConfig = TreeConfig()  # fan-outs of sampled trees (tree_train.py); "" = flat
   # LoRA (models/lora.py): rank 0 = full fine-tuning; rank > 0 trains adapters on
@@ -141,14 +110,15 @@ class Config:
     if self.model.vocab_size < TOKENIZER.vocab_size:
       raise ValueError(f"model.vocab_size={self.model.vocab_size}: expected >= the "
                        f"tokenizer's {TOKENIZER.vocab_size}")
-    if self.loss.name == "dpo":  # preference pairs (dpo.py), not sampled groups
-      if self.train.n_branches != 2:
+    self._check_algorithm()
+    if self.loss.name == "dpo":  # pairs (dpo.py; on trees the last fan-out), not sampled groups
+      if self.train.n_branches != 2 and not self.tree.fanouts:
         raise ValueError(f"train.n_branches={self.train.n_branches}: DPO trains on (chosen, "
                          "rejected) pairs, expected 2")
     elif not self.loss.objective.trainable:
       trainable = sorted(n for n, o in losses.OBJECTIVES.items() if o.trainable)
       raise ValueError(f"loss.name={self.loss.name!r}: the trainer samples groups; expected "
-                       f"one of {trainable} (DPO: experiments/dpo_haystack.py)")
+                       f"one of {trainable} (DPO: algo.name=dpo, experiments/dpo_haystack.py)")
     if self.tree.fanouts:
       self._check_tree()
     elif self.loss.name == "grpo" and self.train.n_branches < 2:
@@ -166,6 +136,38 @@ class Config:
       raise ValueError(f"mesh={self.mesh!r}: expected '' or 'axis:size,...' e.g. 'data:2,fsdp:2'")
 
 
+  def _check_algorithm(self):
+    """What `algo.name` needs of the other sections, by field: its objective, its data, its
+    step counts, and no options of another algorithm's value model."""
+    name = self.algo.name
+    pairs = [  # (field, value, the algorithm it belongs to)
+        ("loss.name", self.loss.name, "dpo" if self.loss.name == "dpo" else None),
+        ("task.name", self.task.name, "rollouts" if self.task.name == "rollouts" else None)]
+    for field, value, owner in pairs:
+      if owner and name != owner:
+        raise ValueError(f"{field}={value!r} with algo.name={name!r}: expected "
+                         f"algo.name={owner!r}")
+    if name == "dpo" and self.loss.name != "dpo":
+      raise ValueError(f"algo.name='dpo' with loss.name={self.loss.name!r}: expected "
+                       "loss.name='dpo' (its objective)")
+    if name == "rollouts" and self.task.name != "rollouts":
+      raise ValueError(f"algo.name='rollouts' with task.name={self.task.name!r}: expected "
+                       "task.name='rollouts' (the completions file)")
+    if name == "sft" and (self.train.rl_steps or not self.train.sft_steps):
+      raise ValueError(f"algo.name='sft' with train.sft_steps={self.train.sft_steps}, "
+                       f"train.rl_steps={self.train.rl_steps}: SFT trains train.sft_steps "
+                       "supervised steps; expected sft_steps >= 1 and rl_steps=0")
+    if name != "ppo" and self.critic != CriticConfig():
+      changed = [f.name for f in dataclasses.fields(CriticConfig)
+                 if getattr(self.critic, f.name) != getattr(CriticConfig(), f.name)]
+      raise ValueError(f"critic.{changed[0]}={getattr(self.critic, changed[0])!r} with "
+                       f"algo.name={name!r}: the critic is PPO's value model; expected "
+                       "algo.name='ppo' or the critic's defaults")
+    minibatches = getattr(self.algo, "minibatches", 1)
+    if self.train.batch_size % minibatches:
+      raise ValueError(f"algo.minibatches={minibatches}: expected a divisor of "
+                       f"train.batch_size={self.train.batch_size} (minibatches split the prompts)")
+
   def _check_rl_algorithm(self):
     if not self.train.rl_steps:
       return
@@ -180,12 +182,9 @@ class Config:
     if self.loss.temperature not in (1.0, s.temperature):
       raise ValueError(f"loss.temperature={self.loss.temperature}: the trainer scores at "
                        f"sampler.temperature={s.temperature}; leave loss.temperature at 1")
-    if self.loss.name == "dpo" and (self.train.advantage != "grpo" or self.train.ppo_epochs > 1
-                                    or self.train.dynamic_sampling):
-      raise ValueError("loss.name='dpo': train.advantage, ppo_epochs and dynamic_sampling "
-                       "do not apply to preference pairs; leave them at their defaults")
-    if self.train.advantage == "rloo" and self.train.n_branches < 2:
-      raise ValueError(f"train.n_branches={self.train.n_branches}: rloo expects >= 2")
+    if getattr(self.algo, "advantage", None) == "rloo" and self.train.n_branches < 2:
+      raise ValueError(f"train.n_branches={self.train.n_branches}: algo.advantage='rloo' "
+                       "expects >= 2")
 
   def _check_lora(self):
     """LoRA trains the policy of flat and tree GRPO-family runs (any mesh); what it does not
@@ -196,9 +195,9 @@ class Config:
     refused = [  # (field, value, refused value, why)
         ("loss.name", self.loss.name, "dpo", "DPO scores the policy and its reference with "
          "full weights"),
-        ("train.advantage", self.train.advantage, "gae", "PPO's critic is a full copy of the "
+        ("algo.name", self.algo.name, "ppo", "PPO's critic is a full copy of the "
          "model (critic.share included)"),
-        ("task.name", self.task.name, "rollouts", "the rollouts trainer scores with full "
+        ("algo.name", self.algo.name, "rollouts", "the rollouts trainer scores with full "
          "weights"),
     ]
     for field, value, bad, why in refused:
@@ -217,12 +216,12 @@ class Config:
                        "leaves of each parent)")
     t, default = self.train, TrainConfig()
     refused = [  # (field, value, expected, why)
-        ("loss.name", self.loss.name, tuple(n for n in losses.OBJECTIVES if n != "dpo"),
-         "preference pairs are not trees"),
-        ("train.advantage", t.advantage, tuple(sorted(set(advantages.ESTIMATORS)
-                                                      | advantages.NEEDS_CRITIC)),
-         "tree rollouts take group estimators over each node's siblings (tree.tree_advantages) "
-         "or PPO's per-path GAE"),
+        ("algo.name", self.algo.name, ("grpo", "ppo", "sft", "dpo"),
+         "tree rollouts train GRPO's group estimators over each node's siblings "
+         "(tree.tree_advantages), PPO's per-path GAE, supervised or preference trees"),
+        ("algo.pairs_file", getattr(self.algo, "pairs_file", ""), ("",),
+         "a pairs file holds flat (prompt, chosen, rejected) pairs; DPO on trees pairs the "
+         "task's last turns"),
         ("train.n_branches", t.n_branches, (default.n_branches,),
          "a tree's branches are its fan-outs (tree.fanouts)"),
         ("sampler.trunk_len", self.sampler.trunk_len, (0,),
@@ -232,8 +231,12 @@ class Config:
       if value not in expected:
         raise ValueError(f"{field}={value!r} with tree.fanouts={self.tree.fanouts!r}: {why}; "
                          f"expected {' or '.join(map(repr, expected))}")
-    if t.advantage == "rloo" and min(fanouts) < 2:
-      raise ValueError(f"train.advantage='rloo' with tree.fanouts={self.tree.fanouts!r}: "
+    if self.algo.name == "dpo" and fanouts[-1] != 2:
+      raise ValueError(f"tree.fanouts={self.tree.fanouts!r} with algo.name='dpo': DPO pairs "
+                       "the last level's siblings (chosen, rejected); expected a last fan-out "
+                       "of 2")
+    if getattr(self.algo, "advantage", None) == "rloo" and min(fanouts) < 2:
+      raise ValueError(f"algo.advantage='rloo' with tree.fanouts={self.tree.fanouts!r}: "
                        "leave-one-out needs >= 2 siblings at every level; expected every "
                        "fan-out >= 2")
 
@@ -245,8 +248,9 @@ class Config:
          "a rollouts file has its own layout switch, task.auto_tree"),
         ("loss.name", self.loss.name, tuple(n for n in losses.OBJECTIVES if n != "dpo"),
          None, "preference pairs are not sampled groups"),
-        ("train.advantage", self.train.advantage, tuple(sorted(advantages.ESTIMATORS)), None,
-         "per-token (GAE) advantages and the critic's batch are not laid out as a tree"),
+        ("algo.name", self.algo.name, ("grpo",), None,
+         "per-token (GAE) advantages, the critic's batch, preference pairs and warm-up "
+         "batches are not laid out as a tree"),
     ]
     for field, value, allowed, expected, why in refused:
       bad = value == "rollouts" if allowed is None else value not in allowed
@@ -257,8 +261,8 @@ class Config:
 
   @property
   def uses_critic(self) -> bool:
-    """PPO's value model (critic.py) is trained when the advantages come from it (GAE)."""
-    return self.train.advantage in advantages.NEEDS_CRITIC
+    """PPO's value model (critic.py) is trained (its advantages come from it: GAE)."""
+    return self.algo.name == "ppo"
 
 
 # ----------------------------------------------------------------------------- overrides
@@ -291,48 +295,60 @@ def _parse(text: str, hint, where: str):
 
 
 def apply_overrides(cfg: Config, overrides: Sequence[str]) -> Config:
-  """`section.field=value` strings applied in order (`task.name` first: the other task
-  fields are that task's options); validation runs on the result."""
-  overrides = sorted(overrides, key=lambda item: not item.strip().startswith("task.name="))
+  """`section.field=value` strings applied in order (`task.name` and `algo.name` first: the
+  other fields of those sections are that task's or algorithm's options). A section checks
+  its own fields as each is set; what ties sections together is checked once, on the result
+  (`--set=loss.name=dpo --set=algo.name=dpo` in either order)."""
+  names_first = lambda item: not item.strip().startswith(("task.name=", "algo.name="))
+  overrides = sorted(overrides, key=names_first)
+  top = {f.name: f for f in dataclasses.fields(Config)}
+  fields = {name: getattr(cfg, name) for name in top}  # the sections, validated once at the end
   for item in overrides:
     if "=" not in item:
       raise ValueError(f"--set {item!r}: expected section.field=value")
     path, text = item.split("=", 1)
+    if path.strip() in options.MOVED:
+      hint = (" (train.advantage=gae is algo.name=ppo)" if path.strip() == "train.advantage"
+              else "")
+      raise ValueError(f"--set {path.strip()!r}: moved to {options.MOVED[path.strip()]!r}, "
+                       f"an option of the algorithm (algo.name){hint}")
     parts = path.strip().split(".")
-    top = {f.name: f for f in dataclasses.fields(Config)}
     if parts[0] not in top:
       raise ValueError(f"--set {path!r}: unknown config section {parts[0]!r}; expected one "
                        f"of {sorted(top)}")
     if len(parts) == 1:
-      if dataclasses.is_dataclass(getattr(cfg, parts[0])):
+      if dataclasses.is_dataclass(fields[parts[0]]):
         raise ValueError(f"--set {path!r}: {parts[0]!r} is a section; set one of its fields")
       hints = typing.get_type_hints(Config)
-      cfg = dataclasses.replace(cfg, **{parts[0]: _parse(text, hints[parts[0]], path)})
+      fields[parts[0]] = _parse(text, hints[parts[0]], path)
       continue
-    if len(parts) != 2 or not dataclasses.is_dataclass(getattr(cfg, parts[0])):
+    if len(parts) != 2 or not dataclasses.is_dataclass(fields[parts[0]]):
       raise ValueError(f"--set {path!r}: expected section.field")
-    section = getattr(cfg, parts[0])
+    section = fields[parts[0]]
     # A section may list its own settable fields (the task: its name + that task's options).
     settable = getattr(section, "settable", None)
     hints = settable() if settable else {f.name: typing.get_type_hints(type(section))[f.name]
                                          for f in dataclasses.fields(section)}
     names = list(hints)
     if parts[1] not in names:
-      raise ValueError(f"--set {path!r}: unknown field {parts[1]!r} of {parts[0]}; expected "
-                       f"one of {names}")
+      owners = getattr(section, "owners", lambda field: [])(parts[1])
+      owned = f" (an option of {parts[0]}.name={' or '.join(map(repr, owners))})" if owners else ""
+      raise ValueError(f"--set {path!r}: unknown field {parts[1]!r} of {parts[0]}{owned}; "
+                       f"expected one of {names}")
     hint = hints[parts[1]]
-    section = dataclasses.replace(section, **{parts[1]: _parse(text, hint, path)})
-    cfg = dataclasses.replace(cfg, **{parts[0]: section})
-  return cfg
+    fields[parts[0]] = dataclasses.replace(section, **{parts[1]: _parse(text, hint, path)})
+  return dataclasses.replace(cfg, **fields)
 
 
 def to_dict(cfg: Config) -> dict:
   d = dataclasses.asdict(cfg)
   d["task"] = cfg.task.to_dict()  # flat: name + that task's options
+  d["algo"] = cfg.algo.to_dict()
   return d
 
 
 def from_dict(d: dict) -> Config:
+  d = options.migrate(d)  # saved before the `algo` section
   kinds = {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}
   kwargs = {k: (kinds[k](**v) if dataclasses.is_dataclass(kinds[k]) else v) for k, v in d.items()}
   return Config(**kwargs)
@@ -342,20 +358,22 @@ def from_dict(d: dict) -> Config:
 # another experiment.
 RESUMABLE = ("train.rl_steps", "train.checkpoint_every", "train.keep_checkpoints",
              "train.eval_size", "train.progress", "train.plot", "train.tensorboard",
-             "replay.mode", "replay.branch_chunk", "replay.auto_tree", "mesh", "train.max_sample_rounds",
-             "dpo.pairs_file")
+             "replay.mode", "replay.branch_chunk", "replay.auto_tree", "mesh", "algo.max_sample_rounds",
+             "algo.pairs_file")
 
 
 def incompatible(saved: dict, cfg: Config) -> list[str]:
   """'field: saved X, now Y' for every difference that forbids resuming."""
   now = json.loads(json.dumps(to_dict(cfg)))
   # a config saved before a section existed had that section's defaults
-  saved = json.loads(json.dumps({"lora": dataclasses.asdict(LoraConfig()), **saved}))
+  saved = json.loads(json.dumps({"lora": dataclasses.asdict(LoraConfig()),
+                                 **options.migrate(saved)}))
   flat = lambda d: {f"{s}.{k}" if isinstance(v, dict) else s: vv
                     for s, v in d.items()
                     for k, vv in (v.items() if isinstance(v, dict) else [(None, v)])}
   a, b = flat(saved), flat(now)
-  if a.get("task.name") == b.get("task.name"):  # options another task had are not ours
-    a = {k: v for k, v in a.items() if not k.startswith("task.") or k in b}
+  for section in ("task", "algo"):  # options another task or algorithm had are not ours
+    if a.get(f"{section}.name") == b.get(f"{section}.name"):
+      a = {k: v for k, v in a.items() if not k.startswith(f"{section}.") or k in b}
   return [f"{k}: saved {a.get(k)!r}, now {b.get(k)!r}"
           for k in sorted(set(a) | set(b)) if k not in RESUMABLE and a.get(k) != b.get(k)]

@@ -42,7 +42,7 @@ from models import transformer as tfm
 
 @dataclasses.dataclass(frozen=True)
 class CriticConfig:
-  # Used when train.advantage=gae (PPO with a learned value model).
+  # PPO's value model (algo.name=ppo).
   # true: a value head on the policy with a detached trunk (only the head is the critic's);
   # false: a separate value model (a copy of the policy's transformer + a value head)
   share: bool = False

@@ -36,7 +36,7 @@ def dynamic_sample(draw: Callable[[int], tuple[dict, np.ndarray]], batch_size: i
   topped up with dropped groups (their centred advantages are 0: they add nothing but keep
   the compiled shape). Returns (rows, rewards_BR, stats)."""
   if max_rounds < 1:
-    raise ValueError(f"train.max_sample_rounds={max_rounds}: expected >= 1")
+    raise ValueError(f"algo.max_sample_rounds={max_rounds}: expected >= 1")
   kept, dropped = [], []
   rounds = 0
   n_kept = 0

@@ -6,7 +6,7 @@ shared-prefix forward of the frozen reference policy (`sampler.score`), the loss
 objective `dpo` of losses.py; the algorithm is algorithms/dpo.py.
 
 Pairs come from the task (haystack: chosen = the right value, rejected = a wrong one) or
-from a JSON-lines file (`dpo.pairs_file`), one {"prompt", "chosen", "rejected"} per line.
+from a JSON-lines file (`algo.pairs_file`), one {"prompt", "chosen", "rejected"} per line.
 Metrics per step: dpo/accuracy (implicit reward of chosen > rejected), dpo/margin,
 rewards/chosen, rewards/rejected (beta * log pi/ref summed over the completion).
 """
@@ -19,7 +19,7 @@ from typing import Optional
 
 import numpy as np
 
-from branch_replay import tasks
+from branch_replay import tasks, tree_train
 from branch_replay.batch import ReplayBatch
 from branch_replay.tokenizer import TOKENIZER
 
@@ -37,7 +37,7 @@ class Pair:
 def load_pairs(path: str) -> list[Pair]:
   """Preference pairs from a JSON-lines file; a bad line is named."""
   pairs = []
-  for where, row in tasks.jsonl_records(path, f"dpo.pairs_file={path!r}"):
+  for where, row in tasks.jsonl_records(path, f"algo.pairs_file={path!r}"):
     for name in FIELDS:
       if not isinstance(row.get(name), str):
         raise ValueError(f"{where}: field {name!r} missing or not a string; expected "
@@ -51,10 +51,25 @@ def load_pairs(path: str) -> list[Pair]:
 def task_pair(task, rng: np.random.Generator) -> Pair:
   """A haystack prompt, its right value (chosen) and a wrong value of the same length."""
   ex = task.sample(rng)
+  return Pair(ex.prompt, ex.answer, wrong_value(ex.answer, rng), getattr(ex, "prompt_ids", None))
+
+
+def wrong_value(value: str, rng: np.random.Generator) -> str:
+  """Digits of the same length as `value`, not equal to it (the rejected answer)."""
   while True:
-    wrong = "".join(rng.choice(list(string.digits), size=len(ex.answer)))
-    if wrong != ex.answer:
-      return Pair(ex.prompt, ex.answer, wrong, getattr(ex, "prompt_ids", None))
+    wrong = "".join(rng.choice(list(string.digits), size=len(value)))
+    if wrong != value:
+      return wrong
+
+
+def tree_pairs(task, rng: np.random.Generator, batch_size: int, tok=TOKENIZER):
+  """Preference trees from a turn task (tree_haystack): root = a haystack, level 1 = one
+  opening `?kK` per record, level 2 = (chosen: its value, rejected: a wrong one), fan-outs
+  (records, 2). Chosen and rejected share the haystack and the opening, so the pair's log-ratio
+  margin is that of the last turn alone (the shared tokens cancel)."""
+  items = [task.supervised(rng) for _ in range(batch_size)]
+  return tree_train.turn_tree(task, items, lambda b, r, value: [value, wrong_value(value, rng)],
+                              tok)
 
 
 def make_batch(pairs, prompt_len: int, answer_len: int, tok=TOKENIZER) -> ReplayBatch:

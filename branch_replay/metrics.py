@@ -113,3 +113,11 @@ def read_tensorboard(directory: str) -> dict:
       for value in event.summary.value:
         out.setdefault(value.tag, []).append((event.step, value.simple_value))
   return out
+
+
+def shown(path):
+  """A path relative to the working directory when it lies under it (as it was given)."""
+  if not path:
+    return path
+  rel = os.path.relpath(path)
+  return path if rel.startswith("..") else rel

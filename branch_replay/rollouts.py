@@ -16,7 +16,7 @@ appends EOS, as the sampler keeps the stop token it drew) or token id lists as g
 log-probs, one per token of the tokenized response (EOS included); without them the first
 pass's ratio is taken against our own scoring, which is recorded and reused for every
 later epoch. `turns` (optional): per token, 1 marks tool/observation text (read, not
-scored). Advantages: the configured group estimator (`train.advantage`). Every problem is
+scored). Advantages: the configured group estimator (`algo.advantage`). Every problem is
 a ValueError naming file:line and the field, raised when the task is built (before any
 compute): nothing is trained on a partial line. Training: branch_replay/algorithms/rollouts.py.
 """
@@ -29,7 +29,7 @@ from typing import Optional
 
 import numpy as np
 
-from branch_replay import advantages, trie
+from branch_replay import trie
 from branch_replay.tasks import Task, jsonl_records, register
 
 STOPS = ("eos", "none")
@@ -93,9 +93,6 @@ class RolloutsTask(Task):
     if cfg.train.sft_steps:
       raise ValueError(f"train.sft_steps={cfg.train.sft_steps}: expected 0 with "
                        "task.name=rollouts (no reference answers to warm up on)")
-    if cfg.train.advantage in advantages.NEEDS_CRITIC:
-      raise ValueError(f"train.advantage={cfg.train.advantage!r}: expected a group estimator "
-                       f"with task.name=rollouts, one of {sorted(advantages.ESTIMATORS)}")
     if len(self.lines) < cfg.train.batch_size:
       raise ValueError(f"train.batch_size={cfg.train.batch_size}: {self.cfg.path} holds only "
                        f"{len(self.lines)} lines")

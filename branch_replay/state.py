@@ -27,7 +27,7 @@ class TrainState:
   step: jax.Array  # int32: steps taken (warm-up included)
   rng: jax.Array  # uint32 raw key data (checkpointable)
   ref_params: Any = None  # the frozen reference policy (only with loss.kl_coef > 0)
-  critic: Any = None  # PPO's value model: dict(params, opt_state) (train.advantage=gae);
+  critic: Any = None  # PPO's value model: dict(params, opt_state) (algo.name=ppo);
   # params {'model', 'head'}, or {'head'} alone with critic.share (the body is `params`)
   base: Any = None  # LoRA (lora.rank > 0): the frozen base weights, not checkpointed; then
   # `params` are the adapters, the only trained (and optimized) leaves

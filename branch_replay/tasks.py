@@ -20,11 +20,11 @@ import importlib
 import json
 import os
 import string
-import typing
 from typing import Any, Optional
 
 import numpy as np
 
+from branch_replay.sections import NamedSection, NoOptions
 from branch_replay.tokenizer import TOKENIZER
 
 
@@ -49,11 +49,6 @@ def jsonl_records(path: str, what: str):
 
 
 TASKS: dict[str, type] = {}  # name -> task class (its options: the class's `Options`)
-
-
-@dataclasses.dataclass(frozen=True)
-class NoOptions:
-  pass
 
 
 def register(name: str):
@@ -85,45 +80,19 @@ def task_class(name: str) -> type:
 
 
 @dataclasses.dataclass(frozen=True, init=False)
-class TaskConfig:
+class TaskConfig(NamedSection):
   """`name` picks the task; `options` is that task's own frozen dataclass (`TASKS[name].Options`).
   Options are given flat, as before: TaskConfig(name="haystack", prompt_len=64) and
   `--set=task.prompt_len=64` set `options.prompt_len`; `cfg.task.prompt_len` reads it."""
   name: str = "haystack"
   options: Any = None
+  section, default = "task", "haystack"
 
-  def __init__(self, name: str = "haystack", options: Any = None, **fields):
-    Options = getattr(task_class(name), "Options", NoOptions)
-    if options is not None and not isinstance(options, Options):
-      # The task changed (`--set=task.name=...`): keep the options the user set that the
-      # new task also has, drop the rest.
-      names = {f.name for f in dataclasses.fields(Options)}
-      base = type(options)()
-      fields = {**{f.name: getattr(options, f.name) for f in dataclasses.fields(options)
-                   if f.name in names and getattr(options, f.name) != getattr(base, f.name)},
-                **fields}
-      options = None
-    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(Options)})
-    if unknown:
-      raise ValueError(f"task.{unknown[0]}: not an option of task {name!r}; expected one of "
-                       f"{['name'] + [f.name for f in dataclasses.fields(Options)]}")
-    options = Options() if options is None else options
-    if fields:
-      options = dataclasses.replace(options, **fields)
-    object.__setattr__(self, "name", name)
-    object.__setattr__(self, "options", options)
+  @classmethod
+  def options_class(cls, name: str) -> type:
+    return getattr(task_class(name), "Options", NoOptions)
 
-  def __getattr__(self, key):  # cfg.task.prompt_len -> cfg.task.options.prompt_len
-    if key.startswith("__") or key == "options":
-      raise AttributeError(key)
-    return getattr(object.__getattribute__(self, "options"), key)
-
-  def settable(self) -> dict:
-    """field -> type for the `--set=task.field=value` parser."""
-    return {"name": str, **typing.get_type_hints(type(self.options))}
-
-  def to_dict(self) -> dict:
-    return {"name": self.name, **dataclasses.asdict(self.options)}
+  __init__ = NamedSection.__init__
 
 
 @dataclasses.dataclass(frozen=True)

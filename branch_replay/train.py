@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import time
 from typing import Any, NamedTuple
 
@@ -25,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from branch_replay import (advantages, dapo, engine, losses, phases, policy, sampler, sharding,
-                           tasks, tree)
+from branch_replay import (advantages, dapo, engine, losses, metrics, phases, policy, sampler,
+                           sharding, tasks, tree)
 from branch_replay.batch import ReplayBatch, validate
 from branch_replay.config import Config
 from branch_replay.state import (TrainState, make_optimizer, place, reference, sample_examples,
@@ -132,14 +131,14 @@ def rewards_of(task, examples, texts) -> np.ndarray:
 def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER):
   """Sample R branches of B fresh prompts, reward them, and assemble the RL batch:
   prefix = prompt (+ trunk), tails = branches, old log-probs = the sampler's; advantages
-  from `train.advantage` (a group estimator; for GAE zeros, which PPO replaces from its
+  from `algo.advantage` (a group estimator; for GAE zeros, which PPO replaces from its
   critic's values and the returned rewards, algorithms/ppo.py). With
-  `train.dynamic_sampling` (DAPO) groups whose rewards are all equal are replaced by
-  groups of fresh prompts, up to `train.max_sample_rounds` sampling rounds. Stats include
+  `algo.dynamic_sampling` (DAPO) groups whose rewards are all equal are replaced by
+  groups of fresh prompts, up to `algo.max_sample_rounds` sampling rounds. Stats include
   the seconds of each phase (phases.py; every sampling round included): time/sample_s =
   data_s (prompts drawn, encoded) + generate_s; reward_s; old_logp_s = 0 (the sampler returns
   the behaviour log-probs with the tokens: part of sampling); ref_logp_s; assemble_s."""
-  t = cfg.train
+  t, a = cfg.train, cfg.algo
   stats = {}
   phase_s = dict.fromkeys(("data", "generate", "reward"), 0.0)
   model_weights = weights(state, cfg.lora)  # LoRA: the merged weights
@@ -170,16 +169,16 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
       phase_s[name] += seconds
     return rows, raw_BR + _overlong(samples, cfg)
 
-  if t.dynamic_sampling:
-    rows, rewards_BR, stats = dapo.dynamic_sample(draw, t.batch_size, t.max_sample_rounds)
+  if a.dynamic_sampling:
+    rows, rewards_BR, stats = dapo.dynamic_sample(draw, t.batch_size, a.max_sample_rounds)
   else:
     rows, rewards_BR = draw(0)
   samples = sampler.Samples(**{k: rows[k] for k in sampler.Samples._fields})
   t1 = time.perf_counter()
   prompt_BP, valid_BP = rows["prompt_BP"], rows["valid_BP"]
   B, R = rewards_BR.shape
-  adv_BR = (np.zeros((B, R), np.float32) if t.advantage in advantages.NEEDS_CRITIC
-            else advantages.compute(t.advantage, rewards_BR, t))
+  adv_BR = (np.zeros((B, R), np.float32) if a.advantage in advantages.NEEDS_CRITIC
+            else advantages.compute(a.advantage, rewards_BR, a))
   batch = sampler.to_batch(prompt_BP, valid_BP, samples, jnp.asarray(adv_BR))
   ref = reference(state, cfg)  # LoRA: the base, adapters off
   if ref is not None:  # k3 KL: reference log-probs, one shared-prefix forward
@@ -200,19 +199,19 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
 
 
 def _overlong(samples, cfg: Config):
-  t = cfg.train
-  if not t.overlong_buffer:
+  a = cfg.algo
+  if not a.overlong_buffer:
     return 0.0
   W = np.asarray(samples.trunk_BW).shape[1]
   lengths_BR = np.asarray(samples.valid_BRT).sum(-1) + W
-  return dapo.overlong_penalty(lengths_BR, cfg.sampler.max_new_tokens + W, t.overlong_buffer,
-                               t.overlong_penalty).astype(np.float32)
+  return dapo.overlong_penalty(lengths_BR, cfg.sampler.max_new_tokens + W, a.overlong_buffer,
+                               a.overlong_penalty).astype(np.float32)
 
 
 def minibatches(tree, cfg: Config, step: int, epoch: int):
-  """The sampled batch split by prompt into train.minibatches parts, in a per-epoch order."""
+  """The sampled batch split by prompt into algo.minibatches parts, in a per-epoch order."""
   B = cfg.train.batch_size
-  M = cfg.train.minibatches
+  M = cfg.algo.minibatches
   if M == 1 and epoch == 0:
     return [tree]
   order = np.random.default_rng([cfg.train.seed, step, epoch, 7]).permutation(B)
@@ -224,14 +223,14 @@ def minibatches(tree, cfg: Config, step: int, epoch: int):
 
 
 def rl_update(fns, state, batch, cfg: Config, step: int, step_fn=None):
-  """train.ppo_epochs passes of train.minibatches replay steps over one sampled batch (any
+  """algo.ppo_epochs passes of algo.minibatches replay steps over one sampled batch (any
   pytree of prompt-major arrays: PPO's is (policy batch, critic batch)); metrics averaged
   over the steps, the ratio's maximum over all of them. step_fn(state, minibatch) ->
   (state, metrics): default the policy's step on the placed minibatch."""
   if step_fn is None:
     step_fn = lambda state, mb: fns.rl_step(state, place(mb, "batch", cfg))
   outs = []
-  for epoch in range(cfg.train.ppo_epochs):
+  for epoch in range(cfg.algo.ppo_epochs):
     for mb in minibatches(batch, cfg, step, epoch):
       state, out = step_fn(state, mb)
       outs.append({k: float(v) for k, v in jax.device_get(out).items()})
@@ -300,14 +299,6 @@ def summarize(records, cfg: Config) -> dict:
   }
 
 
-def _shown(path):
-  """A path relative to the working directory when it lies under it (as it was given)."""
-  if not path:
-    return path
-  rel = os.path.relpath(path)
-  return path if rel.startswith("..") else rel
-
-
 def format_summary(s: dict) -> str:
   ratio = s["naive_equiv_tokens"] / max(s["computed_tokens"], 1)
   fmt = lambda x: "n/a" if x is None or x != x else f"{x:.3f}"
@@ -321,7 +312,7 @@ def format_summary(s: dict) -> str:
       f"{s['rl_naive_equiv_tokens'] / max(s['rl_computed_tokens'], 1):.1f}x)",
       f"time: {s['wall_s']:.0f} s wall ({s['train_time_s']:.0f} s in {s['steps']} steps)",
       *([phases.format_totals(s["time_by_phase"])] if s.get("time_by_phase") else []),
-      f"checkpoints: {_shown(s['checkpoint'])}",
-      f"metrics: {_shown(s['metrics'])}",
-      f"plot: {_shown(s['plot'])}",
+      f"checkpoints: {metrics.shown(s['checkpoint'])}",
+      f"metrics: {metrics.shown(s['metrics'])}",
+      f"plot: {metrics.shown(s['plot'])}",
   ])

@@ -54,6 +54,7 @@ def run(cfg: Config, workdir: str, algorithm=None, *, init_params=None, tokenize
                                  tensorboard=cfg.train.tensorboard and chief)
   t = cfg.train
   total = getattr(algo, "total_steps", t.total_steps)  # a file's epochs may end a run sooner
+  warmup = 0 if algo.phase == "sft" else t.sft_steps  # SFT's steps are its phase
   eval_examples = algo.eval_examples() if t.eval_size else []
   # The first-step self-check (replay.verify): replay == naive on the first batch, once.
   verify_pending = (verify.enabled(cfg.replay.verify, init_params is not None)
@@ -70,14 +71,14 @@ def run(cfg: Config, workdir: str, algorithm=None, *, init_params=None, tokenize
   for step in range(start, total):
     t0 = time.time()
     rec = {"step": step, "kind": "train"}
-    if step < t.sft_steps:
+    if step < warmup:
       rec.update(phase="sft", **{"time/sample_s": 0.0})
       batch = algo.warmup_batch(step)
       t1 = time.time()
       state, out = algo.warmup_update(state, batch)
     else:
       rec["phase"] = algo.phase
-      if step == t.sft_steps:
+      if step == warmup:
         if eval_examples:
           bar.write(f"step {step}: greedy eval reward before {algo.phase} "
                     f"{evaluate(state, step):.3f}")
@@ -105,7 +106,7 @@ def run(cfg: Config, workdir: str, algorithm=None, *, init_params=None, tokenize
     bar.set_postfix({k: f"{rec[k]:.3f}" for k in algo.progress_keys if k in rec})
   bar.close()
   records = metrics.read(writer.path)
-  if eval_examples and t.rl_steps and final_eval_missing(records, total):
+  if eval_examples and total > warmup and final_eval_missing(records, total):
     evaluate(state, total)
     records = metrics.read(writer.path)
   writer.close()

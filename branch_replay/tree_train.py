@@ -1,5 +1,5 @@
 """Tree rollouts' pieces (`tree.fanouts` set; the loop is trainer.py, the algorithm
-algorithms/grpo.py's TreeGRPO):
+algorithms/grpo.py, on trees):
   RL    sample a tree per prompt (sampler.sample_tree: prompt prefilled once, R_1 first turns, R_2
         second turns of each), reward the leaves, tree-aware advantages (tree.tree_advantages),
         the flat GRPO/PPO step (train.make_train_step: the engine takes trees), epochs x
@@ -34,34 +34,44 @@ def _encode_nodes(texts, length, tok, eos):
   return ids, valid
 
 
-def sft_batch(task, rng: np.random.Generator, cfg: Config, tok=TOKENIZER) -> tree.TreeBatch:
-  """Warm-up trees: root = haystack, one opening per key `?kK` (the question unscored), one
-  second turn `v<eos>` each; advantage 1 everywhere (objective -log p)."""
-  items = [task.supervised(rng) for _ in range(cfg.train.sft_batch_size)]
+def turn_tree(task, items, children, tok=TOKENIZER) -> tree.TreeBatch:
+  """A tree of the task's turns: root = each item's haystack, level 1 = its openings `?kK` (the
+  question unscored), level 2 = each opening's children (`children(b, r, value)` -> second
+  turns; `<eos>` appended); advantage 1 everywhere (the warm-up's -log p; DPO ignores it)."""
   B, R = len(items), len(items[0][1])
   root_BP, root_valid_BP = tasks.encode_left([h for h, _ in items], task.sft_prompt_len, tok)
   T1 = 2 + task.turn_lengths[0]
   query = [q + a for _, turns in items for q, a, _ in turns]
   tokens1, valid1 = _encode_nodes(query, T1, tok, eos=False)
   scored1 = valid1 & (np.arange(T1) >= 2)  # `?k` is the question, not the policy's turn
-  tokens2, valid2 = _encode_nodes([v for _, turns in items for _, _, v in turns],
-                                  task.turn_lengths[1], tok, eos=True)
-  shape = lambda x: x.reshape(B, R, -1)
-  ones = np.ones((B, R), np.float32)
-  levels = (tree.TreeLevel(shape(tokens1), shape(valid1), shape(scored1), ones),
-            tree.TreeLevel(shape(tokens2), shape(valid2), None, ones))
-  return tree.TreeBatch(root_BP, root_valid_BP, levels, fanouts=(R, 1))
+  seconds = [c for b, (_, turns) in enumerate(items)
+             for r, (_, _, v) in enumerate(turns) for c in children(b, r, v)]
+  R2 = len(seconds) // (B * R)
+  tokens2, valid2 = _encode_nodes(seconds, task.turn_lengths[1], tok, eos=True)
+  shape = lambda x, n: x.reshape(B, n, -1)
+  levels = (tree.TreeLevel(shape(tokens1, R), shape(valid1, R), shape(scored1, R),
+                           np.ones((B, R), np.float32)),
+            tree.TreeLevel(shape(tokens2, R * R2), shape(valid2, R * R2), None,
+                           np.ones((B, R * R2), np.float32)))
+  return tree.TreeBatch(root_BP, root_valid_BP, levels, fanouts=(R, R2))
+
+
+def sft_batch(task, rng: np.random.Generator, cfg: Config, tok=TOKENIZER) -> tree.TreeBatch:
+  """Warm-up trees: root = haystack, one opening per key `?kK` (the question unscored), one
+  second turn `v<eos>` each; advantage 1 everywhere (objective -log p)."""
+  items = [task.supervised(rng) for _ in range(cfg.train.sft_batch_size)]
+  return turn_tree(task, items, lambda b, r, value: [value], tok)
 
 
 def rl_batch(fns, state: train_state.TrainState, task, cfg: Config, step: int, tok=TOKENIZER,
              with_rewards: bool = False):
   """Sample a tree per prompt, reward the leaves, tree-aware advantages -> TreeBatch. With
-  `train.dynamic_sampling` (DAPO) prompts whose leaves all got the same reward are replaced
-  by fresh prompts' trees (dapo.dynamic_sample, as for flat groups); `train.overlong_buffer`
+  `algo.dynamic_sampling` (DAPO) prompts whose leaves all got the same reward are replaced
+  by fresh prompts' trees (dapo.dynamic_sample, as for flat groups); `algo.overlong_buffer`
   shapes each leaf's reward by its path's length (every turn's tokens). with_rewards: return
   (batch, shaped rewards [B, leaves], stats) (PPO's GAE, algorithms/ppo.py, which replaces
-  the advantages: zeros with train.advantage=gae)."""
-  t = cfg.train
+  the advantages: zeros with algo.name=ppo)."""
+  t, a = cfg.train, cfg.algo
   fanouts = cfg.tree.fanout_tuple
   weights = train_state.weights(state, cfg.lora)
   phase_s = dict(sample=0.0, reward=0.0)
@@ -88,25 +98,25 @@ def rl_batch(fns, state: train_state.TrainState, task, cfg: Config, step: int, t
                 **{f"samples_{i}": x for i, x in enumerate(leaves)})
     phase_s["sample"] += d1 - d0
     phase_s["reward"] += time.time() - d1
-    return rows, raw_BR + overlong(samples, task.turn_lengths, t.overlong_buffer,
-                                   t.overlong_penalty)
+    return rows, raw_BR + overlong(samples, task.turn_lengths, a.overlong_buffer,
+                                   a.overlong_penalty)
 
   stats = {}
-  if t.dynamic_sampling:
-    rows, rewards_BR, stats = dapo.dynamic_sample(draw, t.batch_size, t.max_sample_rounds)
+  if a.dynamic_sampling:
+    rows, rewards_BR, stats = dapo.dynamic_sample(draw, t.batch_size, a.max_sample_rounds)
   else:
     rows, rewards_BR = draw(0)
   treedef = structure["samples"]
   samples = jax.tree.unflatten(treedef, [rows[f"samples_{i}"] for i in range(treedef.num_leaves)])
   prompt_BP, valid_BP = rows["prompt_BP"], rows["valid_BP"]
-  if t.advantage in advantages_lib.NEEDS_CRITIC:  # PPO's critic gives per-token advantages
+  if a.advantage in advantages_lib.NEEDS_CRITIC:  # PPO's critic gives per-token advantages
     node_adv = [np.zeros_like(rewards_BR)]
-  elif t.advantage in ("grpo", "dr_grpo"):  # normalised among siblings (dr_grpo: centred)
+  elif a.advantage in ("grpo", "dr_grpo"):  # normalised among siblings (dr_grpo: centred)
     node_adv = tree.tree_advantages(rewards_BR, fanouts,
-                                    use_std=t.advantage_std and t.advantage != "dr_grpo")
+                                    use_std=a.advantage_std and a.advantage != "dr_grpo")
   else:  # another group estimator over each set of siblings
     node_adv = tree.tree_advantages(rewards_BR, fanouts, estimator=functools.partial(
-        advantages_lib.compute, t.advantage, train_cfg=t))
+        advantages_lib.compute, a.advantage, train_cfg=a))
   if not cfg.tree.node_advantages or len(node_adv) < len(fanouts):
     node_adv = [None] * (len(fanouts) - 1) + node_adv[-1:]
   batch = sampler.to_tree_batch(prompt_BP, valid_BP, samples, fanouts, node_adv)

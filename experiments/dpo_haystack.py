@@ -1,7 +1,7 @@
 """DPO through branch replay on the long-prompt haystack task.
 
   python run.py --experiment=dpo_haystack --workdir=runs/dpo
-  python run.py --experiment=dpo_haystack --set=dpo.pairs_file=pairs.jsonl   # your own pairs
+  python run.py --experiment=dpo_haystack --set=algo.pairs_file=pairs.jsonl   # your own pairs
 
 The warm-up of grpo_haystack (600 supervised steps on 32-token haystacks), then DPO on
 256-token prompts: 8 pairs per step, each a shared prompt with two tails, chosen = the right
@@ -12,6 +12,7 @@ rewards/chosen, rewards/rejected. Measured numbers: README (section "RL algorith
 
 import dataclasses
 
+from branch_replay.algorithms.options import AlgoConfig
 from experiments import grpo_haystack
 
 
@@ -20,6 +21,7 @@ def get_config():
   return dataclasses.replace(
       cfg,
       loss=dataclasses.replace(cfg.loss, name="dpo", beta=0.1),
+      algo=AlgoConfig(name="dpo"),
       train=dataclasses.replace(cfg.train, rl_steps=100, n_branches=2, learning_rate=3e-4,
                                 eval_size=0),
   )

@@ -14,6 +14,7 @@ Measured numbers: see README (section "RL algorithms").
 
 import dataclasses
 
+from branch_replay.algorithms.options import AlgoConfig
 from branch_replay.critic import CriticConfig
 from experiments import grpo_haystack
 
@@ -23,7 +24,7 @@ def get_config():
   return dataclasses.replace(
       cfg,
       loss=dataclasses.replace(cfg.loss, name="ppo", epsilon=0.2),
-      train=dataclasses.replace(cfg.train, rl_steps=100, advantage="gae", ppo_epochs=2,
-                                minibatches=2),
+      train=dataclasses.replace(cfg.train, rl_steps=100),
+      algo=AlgoConfig(name="ppo", ppo_epochs=2, minibatches=2),
       critic=CriticConfig(learning_rate=3e-3, value_clip=0.2, gamma=1.0, lam=0.95),
   )

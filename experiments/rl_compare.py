@@ -23,11 +23,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 RUNS = {
     "grpo": ("grpo_haystack", []),
-    "dr_grpo": ("grpo_haystack", ["train.advantage=dr_grpo", "loss.aggregation=sum"]),
+    "dr_grpo": ("grpo_haystack", ["algo.advantage=dr_grpo", "loss.aggregation=sum"]),
     "gspo": ("grpo_haystack", ["loss.name=gspo", "loss.aggregation=seq_mean",
                                "loss.epsilon=3e-3", "loss.epsilon_high=4e-3"]),
-    "rloo": ("grpo_haystack", ["train.advantage=rloo", "loss.name=pg"]),
-    "dapo": ("grpo_haystack", ["train.dynamic_sampling=true", "loss.epsilon_high=0.28"]),
+    "rloo": ("grpo_haystack", ["algo.advantage=rloo", "loss.name=pg"]),
+    "dapo": ("grpo_haystack", ["algo.dynamic_sampling=true", "loss.epsilon_high=0.28"]),
     "ppo": ("ppo_haystack", []),
     "ppo_share": ("ppo_haystack", ["critic.share=true"]),  # a value head on the policy
     "dpo": ("dpo_haystack", []),

@@ -128,14 +128,15 @@ def test_trainer_with_auto_tree_on_and_off(tmp_path):
 
 
 @pytest.mark.parametrize("override,field", [
-    ("tree.fanouts=2x2", "tree.fanouts"), ("train.advantage=gae", "train.advantage"),
-    ("task.name=rollouts", "task.name")])
+    ("tree.fanouts=2x2", "tree.fanouts"), ("algo.name=ppo", "algo.name"),
+    ("algo.name=rollouts;task.name=rollouts", "task.name")])
 def test_config_refuses_what_the_tree_layout_cannot_serve(override, field):
   with pytest.raises(ValueError, match=f"{field}=.* with replay.auto_tree=true: .*expected"):
-    apply_overrides(Config(), ["replay.auto_tree=true", override])
-  apply_overrides(Config(), [override] if field != "task.name" else [])  # alone: accepted
+    apply_overrides(Config(), ["replay.auto_tree=true", *override.split(";")])
+  apply_overrides(Config(), override.split(";") if field != "task.name" else [])  # alone: ok
 
 
 def test_dpo_is_refused():
   with pytest.raises(ValueError, match="loss.name='dpo' with replay.auto_tree=true"):
-    apply_overrides(Config(), ["train.n_branches=2", "loss.name=dpo", "replay.auto_tree=true"])
+    apply_overrides(Config(), ["train.n_branches=2", "algo.name=dpo", "loss.name=dpo",
+                                "replay.auto_tree=true"])

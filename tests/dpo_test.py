@@ -14,7 +14,7 @@ from models import transformer as tfm
 
 def tiny(*overrides):
   return apply_overrides(Config(model=tfm.preset("tiny")), [
-      "train.n_branches=2", "loss.name=dpo", "task.prompt_len=20", "task.n_keys=2",
+      "train.n_branches=2", "algo.name=dpo", "loss.name=dpo", "task.prompt_len=20", "task.n_keys=2",
       "train.sft_steps=1",
       "train.rl_steps=3", "train.batch_size=2", "train.sft_batch_size=2",
       "train.eval_size=0", "train.progress=false", "train.plot=false",
@@ -53,7 +53,7 @@ def test_dpo_run_from_jsonl(tmp_path):
   rows = [{"prompt": "ab.K3?K", "chosen": "3", "rejected": "4"},
           {"prompt": "x", "chosen": "12", "rejected": "7"}]
   path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-  s = trainer.run(tiny(f"dpo.pairs_file={path}", "train.rl_steps=1"), str(tmp_path / "run"))
+  s = trainer.run(tiny(f"algo.pairs_file={path}", "train.rl_steps=1"), str(tmp_path / "run"))
   assert s["steps"] == 2
 
 
@@ -74,9 +74,74 @@ def test_bad_pairs_file_names_the_line(tmp_path, lines, match):
 
 @pytest.mark.parametrize("overrides, match", [
     (["train.n_branches=3"], r"train.n_branches=3: DPO trains on \(chosen, rejected\) pairs"),
-    (["dpo.pairs_file=/nonexistent.jsonl"], r"dpo.pairs_file='/nonexistent.jsonl': no such"),
-    (["train.ppo_epochs=2"], r"do not apply to preference pairs"),
+    (["algo.pairs_file=/nonexistent.jsonl"], r"algo.pairs_file='/nonexistent.jsonl': no such"),
+    (["algo.ppo_epochs=2"], r"unknown field 'ppo_epochs' of algo \(an option of algo.name='grpo' or 'ppo'"),
 ])
 def test_bad_dpo_config(overrides, match):
   with pytest.raises(ValueError, match=match):
     tiny(*overrides)
+
+
+def tiny_tree(*overrides):
+  return apply_overrides(Config(model=tfm.preset("tiny")), [
+      "algo.name=dpo", "loss.name=dpo", "task.name=tree_haystack", "task.prompt_len=16",
+      "task.n_keys=2", "task.sft_prompt_len=12", "tree.fanouts=2x2", "train.sft_steps=1",
+      "train.rl_steps=3", "train.batch_size=2", "train.sft_batch_size=2", "train.eval_size=0",
+      "train.progress=false", "train.plot=false", "train.checkpoint_every=2",
+      "train.learning_rate=1e-2", *overrides])
+
+
+def test_dpo_on_trees_end_to_end():
+  """DPO on preference trees (haystack -> one opening per record -> (chosen, rejected)): the
+  first step's policy is the reference (margin 0, log 2 per pair: B x records pairs), and the
+  updates separate chosen from rejected."""
+  import tempfile
+  with tempfile.TemporaryDirectory() as workdir:
+    s = trainer.run(tiny_tree(), workdir)
+    recs = [r for r in metrics.read(s["metrics"]) if r.get("phase") == "dpo"]
+  assert len(recs) == 3
+  assert recs[0]["dpo/margin"] == 0.0 and recs[0]["loss/policy"] == pytest.approx(
+      2 * 2 * np.log(2), rel=1e-5)
+  assert recs[-1]["dpo/margin"] > 0
+  assert recs[0]["replay/prefix_tokens"] < recs[0]["replay/naive_equiv_tokens"]
+
+
+def test_preference_tree_scores_equal_its_flat_pairs():
+  """The tree layout means the flat pairs (prefix = haystack + opening, tails = chosen,
+  rejected): the leaves' log-probs through the tree equal the tails' through the flat batch."""
+  import jax
+  from branch_replay import engine, sampler, tasks
+  from models import transformer as tfm_
+  cfg = tiny_tree()
+  task = tasks.make(cfg.task)
+  batch = dpo.tree_pairs(task, np.random.default_rng(3), 2)
+  assert batch.fanouts == (2, 2)
+  tok = tasks.TOKENIZER
+  root = [tok.decode(row[valid], strict=False) for row, valid in
+          zip(np.asarray(batch.root_BP), np.asarray(batch.root_valid_BP))]
+  texts = lambda level: [[tok.decode(r[v], strict=False) for r, v in zip(rows, valid)]
+                         for rows, valid in zip(np.asarray(level.tokens_BRT),
+                                                np.asarray(level.valid_BRT))]
+  openings, answers = texts(batch.levels[0]), texts(batch.levels[1])
+  pairs = [dpo.Pair(root[b] + openings[b][r], answers[b][2 * r], answers[b][2 * r + 1])
+           for b in range(2) for r in range(2)]
+  assert all(p.chosen != p.rejected for p in pairs)
+  flat = dpo.make_batch(pairs, task.sft_prompt_len + 4, cfg.task.value_len, tok)
+  params = tfm_.init_params(cfg.model, jax.random.key(0))
+  (_, tree_leaf_BRT), _ = engine.forward(params, batch, cfg.model)
+  flat_BRT, _ = sampler.score(params, cfg.model, flat)
+  np.testing.assert_allclose(np.asarray(tree_leaf_BRT).reshape(4, 2, -1), np.asarray(flat_BRT),
+                             rtol=1e-5, atol=1e-6)
+
+
+def test_dpo_on_trees_refuses_what_it_cannot_pair(tmp_path):
+  with pytest.raises(ValueError, match=r"tree.fanouts='2x3' with algo.name='dpo': DPO pairs the "
+                     r"last level's siblings"):
+    tiny_tree("tree.fanouts=2x3")
+  pairs = tmp_path / "p.jsonl"
+  pairs.write_text('{"prompt": "a", "chosen": "1", "rejected": "2"}\n')
+  with pytest.raises(ValueError, match=r"algo.pairs_file=.* with tree.fanouts='2x2'"):
+    tiny_tree(f"algo.pairs_file={pairs}")
+  with pytest.raises(ValueError, match=r"tree.fanouts='3x2' with algo.name='dpo': .*expected "
+                     r"'2x2' \(task.n_keys=2\)"):
+    trainer.run(tiny_tree("tree.fanouts=3x2"), str(tmp_path / "w"))

@@ -145,14 +145,14 @@ def test_lora_config_and_flags_refuse_bad_input(tmp_path):
     lora_cfg("lora.rank=-1")
   with pytest.raises(ValueError, match=r"lora.targets=\('qkv',\)"):
     lora_cfg("lora.targets=qkv")
-  with pytest.raises(ValueError, match=r"lora.targets=.*: \['q', 'k', 'v', 'o'\] names no "
+  with pytest.raises(ValueError, match=r"lora.targets=.*: \['q', 'v', 'o'\] names no "
                      r"layer of this model \(family qwen3_5_text"):
     lora_cfg(layer_types=("linear_attention",) * 2, n_layers=2)
-  with pytest.raises(ValueError, match=r"lora.rank=4 with train.advantage='gae'"):
-    lora_cfg("train.advantage=gae")
+  with pytest.raises(ValueError, match=r"lora.rank=4 with algo.name='ppo'"):
+    lora_cfg("algo.name=ppo")
   with pytest.raises(ValueError, match=r"lora.rank=4 with loss.name='dpo'"):
-    lora_cfg("loss.name=dpo")
-  assert lora_cfg("lora.rank=0", "train.advantage=gae").lora.enabled is False
+    lora_cfg("algo.name=dpo", "loss.name=dpo")
+  assert lora_cfg("lora.rank=0", "algo.name=ppo").lora.enabled is False
   fv, cfg, _, _ = run.parse(["run.py", "--experiment=grpo_arithmetic", "--merge"])
   with pytest.raises(app.UsageError, match=r"--merge: lora.rank=0 \(LoRA off\)"):
     run.lora_options(fv, cfg)

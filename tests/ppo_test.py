@@ -165,14 +165,14 @@ class _Spy(ppo.PPO):
 
 
 def test_tree_ppo_run_trains_its_critic(tmp_path):
-  """train.advantage=gae on a tree selects PPO: the batch carries per-path advantages on
+  """algo.name=ppo on a tree selects PPO: the batch carries per-path advantages on
   the inner level and per-token ones on the leaves, the critic's params move, and every
   step's metrics carry the value keys (finite loss/value, value/tokens = every path's
   scored tokens)."""
   from branch_replay import algorithms
-  cfg = tiny_tree("train.advantage=gae", "loss.name=ppo", "train.sft_steps=0",
-                  "train.rl_steps=1", "train.eval_size=0", "train.ppo_epochs=2",
-                  "train.minibatches=2", "train.overlong_buffer=1")
+  cfg = tiny_tree("algo.name=ppo", "loss.name=ppo", "train.sft_steps=0",
+                  "train.rl_steps=1", "train.eval_size=0", "algo.ppo_epochs=2",
+                  "algo.minibatches=2", "algo.overlong_buffer=1")
   assert algorithms.for_config(cfg) is ppo.PPO
   _Spy.seen = []
   s = trainer.run(cfg, str(tmp_path / "run"), _Spy)
@@ -240,4 +240,4 @@ def test_bad_tree_ppo_input_names_the_field():
     bad = inner.replace(path_advantages_BLT=inner.path_advantages_BLT[:, :2])
     tree.validate(good.replace(levels=(bad, last)), 128)
   with pytest.raises(ValueError, match=r"rewards_BR: shape \(2, 3\): expected \(2, 6\)"):
-    ppo.gae_batch(None, None, t, np.zeros((2, 3)), tiny_tree("train.advantage=gae"))
+    ppo.gae_batch(None, None, t, np.zeros((2, 3)), tiny_tree("algo.name=ppo"))

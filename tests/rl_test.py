@@ -369,7 +369,7 @@ def test_critic_step_fits_a_fixed_batch():
   returns are a function of the token before each scored token (1 if it is even), the
   value loss falls and the explained variance rises above 0.9 within 40 steps."""
   cfg = apply_overrides(Config(model=tfm.preset("tiny")), [
-      "train.advantage=gae", "loss.name=ppo", "critic.learning_rate=3e-3"])
+      "algo.name=ppo", "loss.name=ppo", "critic.learning_rate=3e-3"])
   params = tfm.init_params(cfg.model, jax.random.key(0))
   state = train_state.TrainState(params, None, jnp.zeros((), jnp.int32), None, None, None)
   cparams = critic.init_params(cfg.model, jax.random.key(1), params)
@@ -402,8 +402,8 @@ def tiny(*overrides):
 
 
 def test_ppo_with_critic_epochs_and_minibatches_runs(tmp_path):
-  cfg = tiny("loss.name=ppo", "train.advantage=gae",
-             "train.ppo_epochs=2", "train.minibatches=2", "sampler.trunk_len=1",
+  cfg = tiny("loss.name=ppo", "algo.name=ppo",
+             "algo.ppo_epochs=2", "algo.minibatches=2", "sampler.trunk_len=1",
              "sampler.temperature=0.8")
   s = trainer.run(cfg, str(tmp_path / "ppo"))
   recs = [r for r in metrics.read(s["metrics"]) if r.get("kind") == "train"]
@@ -431,10 +431,10 @@ def test_ppo_on_a_mesh_takes_one_devices_steps(tmp_path, share):
   from branch_replay import sharding
   runs = {}
   for mesh in ("", "data:2,context:4"):
-    cfg = tiny("loss.name=ppo", "train.advantage=gae", f"critic.share={share}",
-               "train.ppo_epochs=2", "train.minibatches=2", "sampler.trunk_len=1",
+    cfg = tiny("loss.name=ppo", "algo.name=ppo", f"critic.share={share}",
+               "algo.ppo_epochs=2", "algo.minibatches=2", "sampler.trunk_len=1",
                "sampler.temperature=0.8", "task.prompt_len=19",  # P = 19 + 1 (the trunk)
-               "train.overlong_buffer=1", f"mesh={mesh}")  # shaped rewards vary: returns != 0
+               "algo.overlong_buffer=1", f"mesh={mesh}")  # shaped rewards vary: returns != 0
     s = trainer.run(cfg, str(tmp_path / (mesh.replace(":", "").replace(",", "_") or "one")))
     runs[mesh] = s, [r for r in metrics.read(s["metrics"]) if r.get("kind") == "train"]
   (one, one_recs), (sharded, sharded_recs) = runs[""], runs["data:2,context:4"]
@@ -452,9 +452,9 @@ def test_ppo_with_shared_critic_runs_and_checkpoints(tmp_path):
   """critic.share=true: the critic is a value head on the policy ({'head'} alone in the
   state and checkpoint, which restores into a fresh state's tree), trained alongside the
   policy; the overlong penalty makes the returns non-zero so the head must move."""
-  cfg = tiny("loss.name=ppo", "train.advantage=gae", "critic.share=true",
-             "train.ppo_epochs=2", "train.minibatches=2", "sampler.trunk_len=1",
-             "train.overlong_buffer=1", "train.checkpoint_every=1")
+  cfg = tiny("loss.name=ppo", "algo.name=ppo", "critic.share=true",
+             "algo.ppo_epochs=2", "algo.minibatches=2", "sampler.trunk_len=1",
+             "algo.overlong_buffer=1", "train.checkpoint_every=1")
   workdir = str(tmp_path / "shared")
   s = trainer.run(cfg, workdir)
   recs = [r for r in metrics.read(s["metrics"]) if r.get("kind") == "train"]
@@ -487,9 +487,9 @@ def test_grpo_family_runs_rloo_gspo_dapo(tmp_path, monkeypatch):
   gspo = losses.OBJECTIVES["gspo"]
   monkeypatch.setitem(losses.OBJECTIVES, "gspo", dataclasses.replace(
       gspo, sequence_fn=lambda *a: traced.append(1) or gspo.sequence_fn(*a)))
-  cfg = tiny("loss.name=gspo", "loss.aggregation=seq_mean", "train.advantage=rloo",
-             "train.dynamic_sampling=true", "train.max_sample_rounds=2",
-             "train.overlong_buffer=1", "train.checkpoint_every=1")
+  cfg = tiny("loss.name=gspo", "loss.aggregation=seq_mean", "algo.advantage=rloo",
+             "algo.dynamic_sampling=true", "algo.max_sample_rounds=2",
+             "algo.overlong_buffer=1", "train.checkpoint_every=1")
   s = trainer.run(cfg, str(tmp_path / "g"))
   recs = [r for r in metrics.read(s["metrics"]) if r.get("kind") == "train"]
   assert len(recs) == len(seen) == 2 and traced  # one estimate per step; gspo compiled
@@ -507,11 +507,17 @@ def test_grpo_family_runs_rloo_gspo_dapo(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (["train.advantage=nope"], r"train.advantage='nope'.*\['dr_grpo', 'gae', 'grpo', 'rloo'\]"),
+    (["algo.advantage=nope"], r"algo.advantage='nope'.*\['dr_grpo', 'gae', 'grpo', 'rloo'\]"),
+    (["algo.advantage=gae"], r"algo.advantage='gae': per-token advantages come from PPO's critic"),
+    (["train.advantage=rloo"], r"'train.advantage': moved to 'algo.advantage'"),
+    (["algo.pairs_file=x.jsonl"], r"unknown field 'pairs_file' of algo \(an option of algo.name='dpo'\)"),
+    (["loss.name=dpo", "train.n_branches=2"], r"loss.name='dpo' with algo.name='grpo': expected algo.name='dpo'"),
+    (["critic.lam=0.5"], r"critic.lam=0.5 with algo.name='grpo': the critic is PPO's"),
+    (["algo.name=sft"], r"algo.name='sft' with train.sft_steps=0, train.rl_steps=\d+: SFT trains"),
     (["loss.name=nope"], r"loss.name='nope'.*expected one of"),
-    (["train.ppo_epochs=0"], r"train.ppo_epochs=0: expected an int >= 1"),
-    (["train.minibatches=3"], r"train.minibatches=3: expected a divisor of train.batch_size=4"),
-    (["loss.name=dpo"], r"train.n_branches=4: DPO trains on \(chosen, rejected\) pairs"),
+    (["algo.ppo_epochs=0"], r"algo.ppo_epochs=0: expected an int >= 1"),
+    (["algo.minibatches=3"], r"algo.minibatches=3: expected a divisor of train.batch_size=4"),
+    (["algo.name=dpo", "loss.name=dpo"], r"train.n_branches=4: DPO trains on \(chosen, rejected\) pairs"),
     (["sampler.top_k=5"], r"sampler.top_k=5.*RL trains against"),
     (["sampler.top_p=0.9"], r"top_p=0.9.*expected top_k=0 and top_p=1"),
     (["sampler.temperature=0"], r"sampler.temperature=0: RL needs sampled"),

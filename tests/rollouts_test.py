@@ -83,10 +83,11 @@ def lines(n=4):
 
 def config(path, *overrides):
   return apply_overrides(Config(model=tfm.preset("tiny")), [
-      "task.name=rollouts", f"task.path={path}", "task.epochs=2", "train.batch_size=2",
+      "algo.name=rollouts", "task.name=rollouts", f"task.path={path}", "task.epochs=2",
+      "train.batch_size=2",
       "train.sft_steps=0", "train.rl_steps=100", "train.eval_size=0", "train.progress=false",
       "train.plot=false", "train.tensorboard=false", "train.checkpoint_every=1",
-      "train.ppo_epochs=2", "loss.kl_coef=0.05", *overrides])
+      "algo.ppo_epochs=2", "loss.kl_coef=0.05", *overrides])
 
 
 def _records(workdir):

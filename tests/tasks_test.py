@@ -91,10 +91,10 @@ def test_bad_task_config():
 def test_overrides_parse_types_and_validate():
   cfg = config_lib.apply_overrides(config_lib.Config(), [
       "train.n_branches=4", "loss.epsilon_high=0.28", "replay.branch_chunk=2",
-      "train.advantage_std=false", "task.name=arithmetic", "model.d_model=32", "mesh=data:2",
+      "algo.advantage_std=false", "task.name=arithmetic", "model.d_model=32", "mesh=data:2",
       "loss.epsilon_high=none"])
   assert cfg.train.n_branches == 4 and cfg.replay.branch_chunk == 2
-  assert cfg.loss.epsilon_high is None and cfg.train.advantage_std is False
+  assert cfg.loss.epsilon_high is None and cfg.algo.advantage_std is False
   assert cfg.task.name == "arithmetic" and cfg.model.d_model == 32 and cfg.mesh == "data:2"
   assert config_lib.from_dict(config_lib.to_dict(cfg)) == cfg
 
@@ -108,14 +108,14 @@ def test_overrides_parse_types_and_validate():
     ("replay.mode=fast", "replay.mode='fast'"),
     ("replay.branch_chunk=3", "replay.branch_chunk=3: expected a divisor"),
     ("train.learning_rate=0", "train.learning_rate=0.0"),
-    ("loss.name=dpo", "train.n_branches=8: DPO trains on \\(chosen, rejected\\) pairs"),
+    ("algo.name=dpo;loss.name=dpo", "train.n_branches=8: DPO trains on \\(chosen, rejected\\) pairs"),
     ("model.vocab_size=10", "model.vocab_size=10"),
     ("mesh=data", "mesh='data'"),
     ("train.progress=maybe", "expected true or false"),
 ])
 def test_bad_overrides_name_the_field(override, match):
   with pytest.raises(ValueError, match=match):
-    config_lib.apply_overrides(config_lib.Config(), [override])
+    config_lib.apply_overrides(config_lib.Config(), override.split(";"))
 
 
 def test_incompatible_configs_are_listed():

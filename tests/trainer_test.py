@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from branch_replay import dpo, engine, metrics, tasks, train, tree_task, tree_train
+from branch_replay import algorithms, dpo, engine, metrics, tasks, train, tree_task, tree_train
 from branch_replay import trainer
 from branch_replay import state as train_state
 from branch_replay.config import Config, apply_overrides
@@ -55,7 +55,7 @@ def test_tree_step_scores_at_the_sampler_temperature(monkeypatch):
 
 
 @pytest.mark.parametrize("override, field", [
-    ("train.advantage=rloo,tree.fanouts=4x1", "train.advantage='rloo'"),  # a single child
+    ("algo.advantage=rloo,tree.fanouts=4x1", "algo.advantage='rloo'"),  # a single child
     ("sampler.trunk_len=2", "sampler.trunk_len=2"),
     ("train.n_branches=4", "train.n_branches=4"),
 ])
@@ -68,7 +68,7 @@ def test_tree_trains_epochs_minibatches_and_kl_on_a_mesh(tmp_path, monkeypatch):
   """Trees take GRPO's update: epochs x minibatches, the KL reference scored per node, a
   mesh (prompts over data, leaves over context), with the PPO diagnostics."""
   cfg = tiny_tree("train.sft_steps=0", "train.rl_steps=1", "train.batch_size=4",
-                  "train.ppo_epochs=2", "train.minibatches=2", "loss.kl_coef=0.05",
+                  "algo.ppo_epochs=2", "algo.minibatches=2", "loss.kl_coef=0.05",
                   "sampler.temperature=0.7", "mesh=data:2,context:4", "train.eval_size=0")
   batches = []
   rl_batch = tree_train.rl_batch
@@ -102,7 +102,7 @@ def test_tree_branch_chunk_divides_the_last_fanout():
     tiny_tree("tree.fanouts=3x4", "replay.branch_chunk=3")
   cfg = tiny_tree("tree.fanouts=2x3", "replay.branch_chunk=3")  # 8 branches: not the rule
   assert cfg.replay.branch_chunk == 3 and not cfg.uses_critic
-  assert tiny_tree("train.advantage=dr_grpo").train.advantage == "dr_grpo"
+  assert tiny_tree("algo.advantage=dr_grpo").algo.advantage == "dr_grpo"
 
 
 def test_tree_task_checks_its_turns():
@@ -135,7 +135,8 @@ tasks.register("checked_tree")(type("CheckedTree", (_Checked, tree_task.TreeHays
 
 @pytest.mark.parametrize("overrides", [
     ["task.name=checked_tree"],
-    ["task.name=checked_haystack", "tree.fanouts=", "train.n_branches=2", "loss.name=dpo",
+    ["task.name=checked_haystack", "tree.fanouts=", "train.n_branches=2", "algo.name=dpo",
+     "loss.name=dpo",
      "train.eval_size=0"],
 ])
 def test_run_builds_the_task_with_its_tokenizer_and_checks_it(tmp_path, overrides):
@@ -331,3 +332,54 @@ def test_nan_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
                      r"written yet"):
     trainer.run(_loop_cfg("train.sft_steps=0"), str(tmp_path / "v"),
                 type("NaNAt0", (_Counting,), {"nan_at": 0}))
+
+
+# ----------------------------------------------------------------------------- the algo section
+
+
+@pytest.mark.parametrize("tree_run", [False, True], ids=["flat", "tree"])
+def test_sft_algorithm_is_the_warmup_as_a_run(tmp_path, tree_run):
+  """algo.name=sft trains train.sft_steps supervised steps (phase 'sft' throughout) and
+  evaluates greedily before and after; its parameters are exactly those GRPO's warm-up
+  reaches in as many steps (the same batches and step)."""
+  make = (lambda *o: tiny_tree("train.eval_size=2", *o)) if tree_run else (
+      lambda *o: _loop_cfg("train.eval_size=2", "train.tensorboard=true", *o))
+  sft = trainer.run(make("algo.name=sft", "train.sft_steps=2", "train.rl_steps=0"),
+                    str(tmp_path / "sft"))
+  records = metrics.read(sft["metrics"])
+  train_rows = [r for r in records if r["kind"] == "train"]
+  assert [(r["step"], r["phase"]) for r in train_rows] == [(0, "sft"), (1, "sft")]
+  assert sorted(r["step"] for r in records if r["kind"] == "eval") == [0, 2]
+  assert sft["loss_before"] == train_rows[0]["loss/policy"] and np.isfinite(sft["loss_after"])
+  assert sft["eval_before"] is not None and sft["eval_after"] is not None
+  assert "greedy eval reward before/after SFT" in algorithms.get("sft").format_summary(sft)
+  warm = trainer.run(make("train.sft_steps=2", "train.rl_steps=0", "train.eval_size=0"),
+                     str(tmp_path / "grpo"))
+  for a, b in zip(jax.tree.leaves(sft["final_params"]), jax.tree.leaves(warm["final_params"])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_overrides_across_sections_apply_in_any_order():
+  import itertools
+  items = ["loss.name=dpo", "algo.name=dpo", "train.n_branches=2", "algo.pairs_file="]
+  made = {apply_overrides(Config(), list(p)) for p in itertools.permutations(items)}
+  assert len(made) == 1 and next(iter(made)).algo.name == "dpo"
+  cfg = apply_overrides(Config(), ["algo.ppo_epochs=3", "algo.name=ppo", "algo.minibatches=2"])
+  assert (cfg.algo.name, cfg.algo.ppo_epochs, cfg.algo.minibatches, cfg.algo.advantage) == (
+      "ppo", 3, 2, "gae") and cfg.uses_critic
+
+
+def test_configs_saved_before_the_algo_section_migrate():
+  """A config.json from before the section (train.advantage, train.ppo_epochs, dpo.pairs_file)
+  loads as today's config and resumes against it; another algorithm is named field by field."""
+  from branch_replay import config as config_lib
+  now = apply_overrides(Config(), ["algo.name=ppo", "algo.ppo_epochs=2", "loss.name=ppo"])
+  saved = config_lib.to_dict(now)
+  algo = saved.pop("algo")
+  saved["train"] = {**saved["train"], "advantage": "gae", "advantage_std": True,
+                    **{k: v for k, v in algo.items() if k != "name"}}
+  saved["dpo"] = {"pairs_file": ""}
+  assert config_lib.from_dict(saved) == now
+  assert config_lib.incompatible(saved, now) == []
+  diffs = config_lib.incompatible(saved, apply_overrides(Config(), ["loss.name=ppo"]))
+  assert "algo.name: saved 'ppo', now 'grpo'" in diffs and "algo.ppo_epochs: saved 2, now 1" in diffs

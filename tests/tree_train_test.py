@@ -16,8 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_two_turn_task():
-  task = tasks.make(tasks.TaskConfig(name="tree_haystack", prompt_len=40, n_keys=3,
-                                     sft_prompt_len=20))
+  task_cfg = tasks.TaskConfig(name="tree_haystack", prompt_len=40, n_keys=3, sft_prompt_len=20)
+  task = tasks.make(task_cfg)
   ex = task.sample(np.random.default_rng(0))
   haystack, query = ex.prompt[:-2], ex.prompt[-2:]
   assert len(ex.prompt) == 40 - 1 and query == "?" + ex.key.lower()
@@ -30,7 +30,7 @@ def test_two_turn_task():
   for q, a, v in turns:
     assert q == "?" + a.lower() and len(a) == 1 and a + v in root
   batch = tree_train.sft_batch(task, np.random.default_rng(2),
-                               Config(task=task.cfg, train=Config().train), TOKENIZER)
+                               Config(task=task_cfg, tree=tree.TreeConfig("3x1")), TOKENIZER)
   tree.validate(batch, TOKENIZER.vocab_size)
   assert batch.fanouts == (3, 1)
   scored = np.asarray(batch.levels[0].scored_BRT)
@@ -96,9 +96,9 @@ def test_tree_dynamic_sampling_and_overlong_shaping(tmp_path, monkeypatch):
   cfg = apply_overrides(Config(model=tfm.preset("tiny", vocab_size=TOKENIZER.vocab_size)), [
       "task.name=tree_haystack", "task.prompt_len=16", "task.n_keys=2", "tree.fanouts=2x2",
       "train.sft_steps=0", "train.rl_steps=1", "train.batch_size=2", "train.eval_size=0",
-      "train.progress=false", "train.plot=false", "train.dynamic_sampling=true",
-      "train.max_sample_rounds=3", "train.overlong_buffer=2", "sampler.temperature=1.0",
-      "train.advantage=rloo"])
+      "train.progress=false", "train.plot=false", "algo.dynamic_sampling=true",
+      "algo.max_sample_rounds=3", "algo.overlong_buffer=2", "sampler.temperature=1.0",
+      "algo.advantage=rloo"])
   s = trainer.run(cfg, str(tmp_path / "dapo"))
   (rec,) = [r for r in metrics.read(s["metrics"]) if r.get("kind") == "train"]
   (rows, rewards_BR, stats), = seen
@@ -114,7 +114,7 @@ def test_tree_dynamic_sampling_and_overlong_shaping(tmp_path, monkeypatch):
 
 
 def test_tree_rloo_is_leave_one_out_among_siblings():
-  """train.advantage=rloo on a tree: every node's value (its leaves' mean reward) minus the
+  """algo.advantage=rloo on a tree: every node's value (its leaves' mean reward) minus the
   mean of its siblings' values, each sibling left out of its own baseline (a hand loop)."""
   from branch_replay import advantages
   rng = np.random.default_rng(1)

@@ -18,30 +18,18 @@ which compiles its jitted steps (cached across runs in one process) and then ans
   summarize(records) -> dict; format_summary(summary) -> str
 
 Each lives in its own module and imports no other's names (PPO builds on GRPO's sampling
-and policy step through the registry, `get`); `for_config` imports only the one a config
-selects.
+and policy step, GRPO on SFT's warm-up, through the registry, `get`); `for_config` imports only
+the one a config selects (`algo.name`; its options: options.py).
 """
 
 from __future__ import annotations
 
 import importlib
 
-# name -> (module, class); a new algorithm is one module and one line here
-ALGORITHMS = {"grpo": ("grpo", "GRPO"), "tree_grpo": ("grpo", "TreeGRPO"), "ppo": ("ppo", "PPO"),
-              "dpo": ("dpo", "DPO"), "rollouts": ("rollouts", "Rollouts")}
-
-
-def name_for(cfg) -> str:
-  """The algorithm a config selects: completions from a file (task.name=rollouts), preference
-  pairs (loss.name=dpo), PPO with its critic (train.advantage=gae; flat or tree rollouts),
-  sampled trees (tree.fanouts), else flat sampled groups (GRPO, DAPO, ...)."""
-  if cfg.task.name == "rollouts":
-    return "rollouts"
-  if cfg.loss.name == "dpo":
-    return "dpo"
-  if cfg.uses_critic:
-    return "ppo"
-  return "tree_grpo" if cfg.tree.fanouts else "grpo"
+# name -> (module, class); a new algorithm is one module, one line here and its options
+# (options.py). `algo.name` selects one; each serves flat and tree rollouts (tree.fanouts).
+ALGORITHMS = {"grpo": ("grpo", "GRPO"), "ppo": ("ppo", "PPO"), "dpo": ("dpo", "DPO"),
+              "sft": ("sft", "SFT"), "rollouts": ("rollouts", "Rollouts")}
 
 
 def get(name: str):
@@ -52,4 +40,4 @@ def get(name: str):
 
 
 def for_config(cfg):
-  return get(name_for(cfg))
+  return get(cfg.algo.name)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from branch_replay import dpo, sharding
+from branch_replay import dpo, sharding, tree
 from branch_replay import state as train_state
 from branch_replay.algorithms.grpo import GRPO
 from branch_replay.batch import validate
@@ -17,18 +17,26 @@ from branch_replay.batch import validate
 KEYS = ("loss/policy", "grad/norm", "logp/mean", "entropy")  # of the replay step's metrics
 
 
-class DPO(GRPO):  # the flat warm-up and compiled steps; its own phase
+class DPO(GRPO):  # the warm-up and compiled steps (flat or tree); its own phase
   phase = "dpo"
   progress_keys = ("dpo/accuracy", "loss/policy")
 
   def __init__(self, cfg, task, tok, workdir=None):
     super().__init__(cfg, task, tok, workdir)
-    self.file_pairs = dpo.load_pairs(cfg.dpo.pairs_file) if cfg.dpo.pairs_file else None
+    self.is_tree = bool(cfg.tree.fanouts)
+    if self.is_tree:  # preference trees from the task's turns: (records, 2) fan-outs
+      openings = len(task.supervised(np.random.default_rng(0))[1])
+      if cfg.tree.fanout_tuple != (openings, 2):
+        raise ValueError(f"tree.fanouts={cfg.tree.fanouts!r} with algo.name='dpo': the "
+                         f"preference trees of task {cfg.task.name!r} have one opening per "
+                         f"record and a (chosen, rejected) pair below each; expected "
+                         f"'{openings}x2' (task.n_keys={openings})")
+    self.file_pairs = dpo.load_pairs(cfg.algo.pairs_file) if cfg.algo.pairs_file else None
     if self.file_pairs is not None:
       enc = lambda text: len(tok.encode(text, bos=False, eos=False))
       self.prompt_len = 1 + max(enc(p.prompt) for p in self.file_pairs)
       self.answer_len = max(enc(x) for p in self.file_pairs for x in (p.chosen, p.rejected))
-    else:
+    elif not self.is_tree:
       self.prompt_len, self.answer_len = task.max_prompt_len, task.max_answer_len
 
   def start(self, state):
@@ -39,6 +47,8 @@ class DPO(GRPO):  # the flat warm-up and compiled steps; its own phase
   def batch(self, state, step):
     cfg, t = self.cfg, self.cfg.train
     rng = np.random.default_rng([t.seed, step])
+    if self.is_tree:
+      return self._tree_batch(state, dpo.tree_pairs(self.task, rng, t.batch_size, self.tok))
     if self.file_pairs is not None:
       pairs = [self.file_pairs[i] for i in rng.integers(0, len(self.file_pairs), t.batch_size)]
     else:
@@ -52,6 +62,21 @@ class DPO(GRPO):  # the flat warm-up and compiled steps; its own phase
     pol_BRT, _ = self.fns.score(state.params, batch=train_state.place(batch, "batch", cfg))
     return batch, dpo.preference_metrics(sharding.to_host(pol_BRT).sum(-1),
                                          sharding.to_host(ref_BRT).sum(-1), cfg.loss.beta)
+
+  def _tree_batch(self, state, batch):
+    """Reference log-probs of every node (one forward over the tree), the preference
+    metrics from the leaves (the pair's shared ancestors cancel in its margin)."""
+    cfg = self.cfg
+    ref_levels, _ = sharding.to_host(self.fns.score(state.ref_params,
+                                                    train_state.place(batch, "batch", cfg)))
+    batch = batch.replace(levels=tuple(level.replace(ref_logp_BRT=ref)
+                                       for level, ref in zip(batch.levels, ref_levels)))
+    tree.validate(batch, cfg.model.vocab_size, cfg.replay.branch_chunk)
+    pol_levels, _ = sharding.to_host(self.fns.score(state.params,
+                                                    train_state.place(batch, "batch", cfg)))
+    leaf_sum = lambda logp_BRT: np.where(batch.leaves.valid_BRT, logp_BRT, 0.0).sum(-1)
+    return batch, dpo.preference_metrics(leaf_sum(pol_levels[-1]).reshape(-1, 2),
+                                         leaf_sum(ref_levels[-1]).reshape(-1, 2), cfg.loss.beta)
 
   def update(self, state, batch, step):
     state, out = self.fns.rl_step(state, train_state.place(batch, "batch", self.cfg))

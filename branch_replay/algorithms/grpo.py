@@ -1,7 +1,7 @@
-"""GRPO-family RL on sampled groups: every group advantage estimator (`train.advantage`; GAE
+"""GRPO-family RL on sampled groups: every group advantage estimator (`algo.advantage`; GAE
 is PPO's, algorithms/ppo.py, which builds on these), DAPO, the KL reference, epochs x
 minibatches. `GRPO` samples flat
-groups (R branches per prompt, optional trunk); `TreeGRPO` samples trees (`tree.fanouts`)."""
+groups (R branches per prompt, optional trunk) and trees (`tree.fanouts`)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,9 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from branch_replay import sharding, tasks, train, tree, tree_train, trie, verify
+from branch_replay import algorithms, train, tree, tree_train, trie, verify
 from branch_replay import state as train_state
-from branch_replay.batch import validate
 
 
 def _floats(out) -> dict:
@@ -38,26 +36,22 @@ def auto_tree(batch, cfg, pad_id: int = 0):
 
 
 class GRPO:
-  """Flat rollouts: the prompt prefilled once, R branches of it (train.rl_batch)."""
+  """Flat rollouts: the prompt prefilled once, R branches of it (train.rl_batch); with
+  tree.fanouts trees (tree_train.rl_batch: R_1 first turns, R_2 second turns of each;
+  tree-aware advantages). The update, epochs x minibatches, KL reference and mesh are one
+  (the step takes both)."""
 
   phase = "rl"
-  progress_keys = ("reward/mean", "loss/policy")
 
   def __init__(self, cfg, task, tok, workdir=None):
     self.cfg, self.task, self.tok = cfg, task, tok
-    self.fns = train.compiled(train.compile_key(cfg),
-                              tuple(getattr(tok, "stop_ids", (tok.eos_id,))))
-
-  def warmup_batch(self, step):
-    cfg = self.cfg
-    batch = train.sft_batch(self.task, np.random.default_rng([cfg.train.seed, step]), cfg,
-                            self.tok)
-    validate(batch, cfg.model.vocab_size)
-    return batch
-
-  def warmup_update(self, state, batch):
-    state, out = self.fns.sft_step(state, train_state.place(batch, "batch", self.cfg))
-    return state, _floats(out)
+    # the warm-up and the greedy evaluation: SFT's (flat or tree, as the config's rollouts)
+    self.sft = algorithms.get("sft")(cfg, task, tok)
+    self.fns = self.sft.fns
+    self.warmup_batch, self.warmup_update = self.sft.warmup_batch, self.sft.warmup_update
+    self.eval_examples, self.evaluate = self.sft.eval_examples, self.sft.evaluate
+    self.progress_keys = ("reward/mean",) + (("reward/turn1",) if self.sft.is_tree else ()) + (
+        "loss/policy",)
 
   def start(self, state):
     if state.ref_params is not None:  # the reference policy: the policy as RL begins
@@ -65,6 +59,8 @@ class GRPO:
     return state
 
   def batch(self, state, step):
+    if self.sft.is_tree:
+      return tree_train.rl_batch(self.fns, state, self.task, self.cfg, step, self.tok)
     batch, _, stats = train.rl_batch(self.fns, state, self.task, self.cfg, step, self.tok)
     if self.cfg.replay.auto_tree:  # config-checked: not with GAE
       batch, tree_stats = auto_tree(batch, self.cfg, self.tok.pad_id)
@@ -82,17 +78,7 @@ class GRPO:
   def token_counts(self, batch, phase):
     if phase == "sft":
       return batch.token_counts()
-    return tuple(self.cfg.train.ppo_epochs * n for n in batch.token_counts())  # per pass
-
-  def eval_examples(self):
-    return self.task.eval_examples(self.cfg.train.seed, self.cfg.train.eval_size)
-
-  def evaluate(self, state, examples):
-    prompt_BP, valid_BP = tasks.encode_prompts(examples, self.task.max_prompt_len, self.tok)
-    s = self.fns.greedy(train_state.weights(state, self.cfg.lora), prompt_BP=prompt_BP,
-                        prompt_valid_BP=valid_BP, key=jax.random.key(0))
-    s = sharding.to_host(s) if self.cfg.mesh else s
-    return float(train.rewards_of(self.task, examples, train.completions(s, self.tok)).mean())
+    return tuple(self.cfg.algo.ppo_epochs * n for n in batch.token_counts())  # per pass
 
   def restore_template(self, state, step):
     return train_state.state_dict(state)
@@ -101,37 +87,3 @@ class GRPO:
     return train.summarize(records, self.cfg)
 
   format_summary = staticmethod(train.format_summary)
-
-
-class TreeGRPO(GRPO):
-  """Tree rollouts (tree_train.rl_batch): the prompt prefilled once, R_1 first turns, R_2
-  second turns of each; tree-aware advantages; warm-up trees from the task's turns. The
-  update, epochs x minibatches, KL reference and mesh are GRPO's (the step takes trees)."""
-
-  progress_keys = ("reward/mean", "reward/turn1", "loss/policy")
-
-  def __init__(self, cfg, task, tok, workdir=None):
-    self.cfg, self.task, self.tok = cfg, task, tok
-    self.fns = tree_train.compiled(tree_train.compile_key(cfg), task.turn_lengths,
-                                   task.stop_tokens(tok))
-
-  def warmup_batch(self, step):
-    cfg = self.cfg
-    batch = tree_train.sft_batch(self.task, np.random.default_rng([cfg.train.seed, step]), cfg,
-                                 self.tok)
-    tree.validate(batch, cfg.model.vocab_size)
-    return batch
-
-  def batch(self, state, step):  # a tree batch: GRPO's update and verify
-    return tree_train.rl_batch(self.fns, state, self.task, self.cfg, step, self.tok)
-
-  def eval_examples(self):
-    t = self.cfg.train
-    return train_state.sample_examples(self.task, t.seed, 2**31, t.eval_size)
-
-  def evaluate(self, state, examples):
-    prompt_BP, valid_BP = tasks.encode_prompts(examples, self.task.max_prompt_len, self.tok)
-    s = self.fns.greedy(train_state.weights(state, self.cfg.lora), prompt_BP=prompt_BP,
-                        prompt_valid_BP=valid_BP, key=jax.random.key(0))
-    s = sharding.to_host(s)  # numpy; gathered when the mesh spans several processes
-    return float(tree_train.rewards_of(self.task, examples, s, (1, 1), self.tok).mean())

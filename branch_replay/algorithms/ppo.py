@@ -1,11 +1,11 @@
 """PPO: the policy's GRPO-family step with per-token advantages from a learned critic (GAE),
 the critic trained alongside through the same engine. Flat rollouts (R branches per prompt,
-optional trunk) and trees (`tree.fanouts`) alike; selected by `train.advantage=gae`.
+optional trunk) and trees (`tree.fanouts`) alike; selected by `algo.name=ppo`.
 
 What is PPO's alone lives here: the critic's init at the phase start, its values of the
 sampled batch (one replay forward), GAE per path with whitening, the critic step after each
 policy step of every minibatch, and the value metrics. Sampling, the policy step, the warm-up
-and evaluation are the policy algorithm's (GRPO or TreeGRPO, through the registry).
+and evaluation are the policy algorithm's (GRPO's, flat or tree, through the registry).
 
 On a tree the critic's targets and the policy's advantages are per path: a token of an inner
 node lies on every path through it, with one value (it depends only on what precedes it) but
@@ -126,19 +126,18 @@ def value_summary(records, k: int) -> dict:
 
 
 class PPO:
-  """PPO on the policy algorithm a config's rollouts select (GRPO flat, TreeGRPO on trees):
+  """PPO on the policy algorithm a config's rollouts select (GRPO's, flat or tree):
   its sampling, warm-up, evaluation and policy step; the critic's here."""
 
   phase = "rl"
 
   def __init__(self, cfg, task, tok, workdir=None):
     if not cfg.uses_critic:
-      raise ValueError(f"train.advantage={cfg.train.advantage!r}: PPO expects 'gae' (its "
-                       "advantages come from the critic)")
+      raise ValueError(f"algo.name={cfg.algo.name!r}: the PPO algorithm expects "
+                       "algo.name='ppo'")
     self.cfg, self.task, self.tok = cfg, task, tok
     self.is_tree = bool(cfg.tree.fanouts)
-    self.policy = algorithms.get("tree_grpo" if self.is_tree else "grpo")(cfg, task, tok,
-                                                                           workdir=workdir)
+    self.policy = algorithms.get("grpo")(cfg, task, tok, workdir=workdir)
     self.progress_keys = self.policy.progress_keys + ("loss/value",)
     self.fns = compiled(train.compile_key(cfg))
 

@@ -1,6 +1,6 @@
 """Training on a rollouts file (task.name=rollouts): epochs over the file, B lines a step,
 each step's lines one TreeBatch (their shared openings found by trie.py), GRPO/PPO-style
-clipped updates (`train.ppo_epochs` passes over each batch); the loop (trainer.py) owns
+clipped updates (`algo.ppo_epochs` passes over each batch); the loop (trainer.py) owns
 checkpoints, resume mid-file, metrics, the first-step self-check and the NaN stop. Each step's
 time is split by phase (phases.py).
 
@@ -86,7 +86,7 @@ class Rollouts:
     cfg, t, timer = self.cfg, self.cfg.train, phases.Timer()
     lines = self.task.batch_lines(step, t.batch_size)
     rewards_BR = np.stack([l.rewards for l in lines])
-    adv_BR = advantages.compute(t.advantage, rewards_BR, t)
+    adv_BR = advantages.compute(cfg.algo.advantage, rewards_BR, cfg.algo)
     with timer("old_logp"):
       old = old_logps(lines, self.recorded, self.score_fn, state.params, cfg, adv_BR,
                       self.tok.pad_id)
@@ -110,7 +110,7 @@ class Rollouts:
 
   def update(self, state, batch, step):
     outs = []
-    for _ in range(self.cfg.train.ppo_epochs):
+    for _ in range(self.cfg.algo.ppo_epochs):
       state, out = self.step_fn(state, batch)
       outs.append(jax.device_get(out))
     return state, {k: float(np.mean([o[k] for o in outs])) for k in outs[0]}
