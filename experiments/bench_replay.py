@@ -78,8 +78,8 @@ def model_config():
                  scan_layers=FLAGS.scan_layers, **blocks)
   if FLAGS.model_from:
     import dataclasses
-    import importlib
-    base = importlib.import_module(f"experiments.{FLAGS.model_from}").get_config().model
+    from experiments import registry
+    base = registry.get_config(FLAGS.model_from).model
     return dataclasses.replace(base, **options)
   return tfm.preset(FLAGS.preset, **options)
 

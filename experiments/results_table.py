@@ -1,6 +1,6 @@
 """Render any results file (JSON lines under experiments/results/) as a markdown table.
 
-  python experiments/results_table.py experiments/results/cpu_sweep_2026-11-30.jsonl
+  python experiments/results_table.py experiments/results/superseded/cpu_sweep_2026-11-30.jsonl
   python experiments/results_table.py experiments/results/default_run.jsonl --where=kind=summary
   python experiments/results_table.py FILE --columns=P,R,replay_s,naive_s --provenance
 
