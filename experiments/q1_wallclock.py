@@ -9,7 +9,7 @@ depend on what the model knows, except through when branches stop) with the hays
 length set to each P. Both modes sample with the same shared-prefix sampler (the project's
 naive mode changes only the update); the first step of each (mode, P) compiles and is not
 reported. Each line: P, mode, the median over --steps of each phase's seconds, and the
-update's share of the step. Measured: README, "Reproducing the announcement", Q1
+update's share of the step. Measured: docs/reproduction.md, Q1
 (experiments/results/q1_cpu_2026-11-30.jsonl).
 """
 

@@ -276,3 +276,39 @@ COMPANIONS = {
   "q2_cpu_2026-11-30.png": "q2_convergence (plot)",
   "q2_cpu_5seeds_2026-11-30.png": "q2_convergence (plot)",
 }
+
+# experiments/README.md: the claim each published table or figure supports.
+CLAIMS = {
+  "headline": "the README's headline numbers, one row per claim",
+  "default_run": "the default run learns the task: sampled and greedy reward before -> after RL",
+  "phase_times": "the RL step by phase: replay's update is ~8x cheaper; sampling is the rest",
+  "q1": "Q1: the compute cut shortens the whole RL step (sampling included)",
+  "q2_verdict": "Q2: replay and naive train the same within seed noise (5 seeds each)",
+  "q2_cosine": "Q2: on identical batches the two gradients agree to float32 rounding",
+  "q3": "Q3: replay's longest prefix does not shrink with R; naive's halves per doubling",
+  "cost_model_fit": "Q4: the cost model fits every measured step within 30%",
+  "cost_model_prediction": "Q4: by the model the 2.1M-position step fits 8 x H20 with replay",
+  "q5": "Q5: GRPO, GSPO, PPO (policy and critic) and DPO steps carry over at P=2048",
+  "peer": "replay's step is faster than PrefixGrouper's at three shapes",
+  "long_context": "at long prompts replay's speedup equals its useful-FLOP ratio",
+  "idle_step": "the replay step on an idle machine against the matmul rate",
+  "sweep": "over 12 shapes replay's CPU speedup is at or above its useful-FLOP ratio",
+  "q5_haystack": "every algorithm's step at the haystack task's own shapes",
+  "rl_compare": "GRPO, Dr. GRPO, GSPO, RLOO, PPO (two critics) and DPO all learn the task",
+  "ppo_haystack": "PPO's ratio moves and its clip binds; the critic's explained variance",
+  "tree_bench": "tree replay vs naive on 4 x 4 trees: faster and a third of the memory",
+  "auto_tree": "an automatic tree over a shared opening beats flat replay",
+  "hybrid_memory": "Gated DeltaNet hybrids: replay's compiled memory below pure attention's",
+  "hybrid_speed": "hybrids: replay's CPU speedup above its useful-FLOP ratio",
+  "cp_memory": "context parallelism: the shard_map path needs what the GSPMD path needs",
+  "plan_8gpu": "the 8-GPU plan: Llama-3-8B at P=131K fits 8 GPUs with parameters over context",
+  "cp_cache_sharded": "context parallelism with the cache kept in sequence shards in the tails",
+}
+# Figures the docs show: (claim, the image under experiments/results/, the lines it plots).
+FIGURES = {
+  "q2_curves": ("Q2: reward and loss with 5-seed bands; gradient agreement",
+                "q2_cpu_5seeds_2026-11-30.png", "q2_cpu_5seeds_2026-11-30.jsonl"),
+  "default_run_curve": ("the default run's reward and step time",
+                        "default_run_long_context_2026-11-30.png",
+                        "default_run_long_context_2026-11-30.jsonl"),
+}

@@ -143,3 +143,15 @@ def test_a_source_matching_the_wrong_number_of_rows_is_an_error(tmp_path):
   spec = {"t": Table(("s",), (Source("r.jsonl", ("{s}",), ("P=8",), count=1),))}
   with pytest.raises(ValueError, match=r"r\.jsonl: 2 rows match \['P=8'\], expected 1"):
     tables.rewrite(os.path.join(root, "README.md"), spec, root)
+
+
+def test_experiments_readme_lists_every_published_table_and_figure():
+  path = os.path.join(ROOT, "experiments", "README.md")
+  old, new = tables.rewrite_published(path)
+  assert old == new, "run python -m experiments.tables --index"
+  assert set(table_specs.CLAIMS) == set(table_specs.TABLES)
+  for name in list(table_specs.TABLES) + list(table_specs.FIGURES):
+    assert f"`show({name!r})`" in old, name
+  for _, image, data in table_specs.FIGURES.values():
+    for f in (image, data):
+      assert os.path.exists(os.path.join(ROOT, tables.RESULTS, f)), f
