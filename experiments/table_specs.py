@@ -14,6 +14,9 @@ _BENCH_CPU = ("{prefix_len}", "{tail_len}", "{branches}", "{remat}", "{naive_s:.
               "{naive_peak_mb:.0f}", "{replay_peak_mb:.0f}", "{grad_max_rel_err:.1e}",
               "{replay_gflops}", "{matmul_gflops}")
 
+_MB = (("state_mb", "trainable_state_bytes", 2 ** 20), ("total_mb", "compiled_total_bytes", 2 ** 20),
+       ("temp_mb", "temp_bytes", 2 ** 20))
+
 TABLES = {
   # ---- README ----
   "headline": Table(
@@ -57,6 +60,16 @@ TABLES = {
        "{cpu_speedup:.2f}x (grad rel err {grad_max_rel_err:.1e})", "`q5_cpu_2026-11-30.jsonl`"),
        ("objective=ppo",), 1),
      )),
+
+  "jsonl_reverse": Table(
+    ("warm-up steps", "warm-up answer loss: first -> step 450", "RL steps",
+     "sampled reward (training prompts), first -> last 10", "greedy exact match held out: "
+     "after warm-up -> after RL", "wall s"),
+    (Source("jsonl_reverse_2026-11-30.jsonl", (
+      "{sft_steps}", "{sft_loss_first:.2f} -> {sft_loss_step_450:.4f}", "{rl_steps}",
+      "{sampled_reward_first10_rl:.3f} -> {sampled_reward_last10_rl:.3f}",
+      "{eval_greedy_heldout_before_rl:.3f} -> {eval_greedy_heldout_after_rl:.3f}",
+      "{wall_s:.0f}"), (), 1),)),
 
   # ---- docs/reproduction.md ----
   "default_run": Table(
@@ -184,6 +197,18 @@ TABLES = {
       "{explained_variance_pooled_first10:.2f} -> {explained_variance_pooled_last10:.2f}",
       "{wall_s:.0f}"), (), 1),)),
 
+  # ---- docs/architectures.md (LoRA) ----
+  "lora_memory": Table(
+    ("P", "method", "mode", "trainable state MB", "compiled total MB", "temporaries MB"),
+    tuple(Source(f, ("{P:,}", "{method}", "{mode}", "{state_mb:,.0f}", "{total_mb:,.0f}",
+                     "{temp_mb:,.0f}"), where, ratios=_MB) for f, where in (
+      ("lora_memory_large_cpu_2026-12-01.jsonl", ("P=8192",)),
+      ("lora_memory_large32k_cpu_2026-12-01.jsonl", ())))),
+  "lora_speed": Table(
+    ("preset", "P", "R", "T", "method", "mode", "CPU s", "wall s"),
+    (Source("lora_speed4_cpu_2026-12-01.jsonl", (
+      "{preset}", "{P}", "{R}", "{T}", "{method}", "{mode}", "{cpu_s:.2f}", "{wall_s:.1f}")),)),
+
   # ---- docs/trees.md ----
   "tree_bench": Table(
     ("P", "fan-out", "lengths", "naive s", "tree s", "tree speedup", "tree FLOP ratio",
@@ -281,6 +306,9 @@ COMPANIONS = {
 CLAIMS = {
   "headline": "the README's headline numbers, one row per claim",
   "default_run": "the default run learns the task: sampled and greedy reward before -> after RL",
+  "jsonl_reverse": "your own prompts from a file: the warm-up fits them, RL keeps them",
+  "lora_memory": "LoRA on the large preset: ~1% of the trainable state, replay's memory saving kept",
+  "lora_speed": "LoRA keeps replay's speedup (within a few percent of full fine-tuning's)",
   "phase_times": "the RL step by phase: replay's update is ~8x cheaper; sampling is the rest",
   "q1": "Q1: the compute cut shortens the whole RL step (sampling included)",
   "q2_verdict": "Q2: replay and naive train the same within seed noise (5 seeds each)",

@@ -48,7 +48,7 @@ class Source:
   cells: tuple[str, ...]
   where: tuple[str, ...] = ()
   count: int | None = None
-  ratios: tuple[tuple[str, str, str], ...] = ()  # (name, numerator, denominator) fields added
+  ratios: tuple[tuple, ...] = ()  # (name, numerator field, denominator field or number) added
   optional: tuple[str, ...] = ()  # fields a row may lack (rendered as -, e.g. after an oom)
 
 
@@ -115,8 +115,10 @@ def render(name: str, table: Table, root: str = ROOT, at: str = "") -> str:
                        f"expected {src.count or 'at least 1'}")
     for n, row in rows:
       row = dict({k: None for k in src.optional}, **row)
-      row.update({name: row[a] / row[b] for name, a, b in src.ratios
-                         if isinstance(row.get(a), (int, float)) and row.get(b)})
+      for name, a, b in src.ratios:  # b: a field, or a number (e.g. 2**20 for bytes -> MB)
+        den = row.get(b) if isinstance(b, str) else b
+        if isinstance(row.get(a), (int, float)) and den:
+          row[name] = row[a] / den
       prov = provenance_of(row)
       if prov is None:
         raise ValueError(f"{rel}:{n}: no provenance (expected git commit, command and machine "

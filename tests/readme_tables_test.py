@@ -155,3 +155,10 @@ def test_experiments_readme_lists_every_published_table_and_figure():
   for _, image, data in table_specs.FIGURES.values():
     for f in (image, data):
       assert os.path.exists(os.path.join(ROOT, tables.RESULTS, f)), f
+
+
+def test_the_results_browser_has_a_cell_per_published_table_and_figure():
+  with open(os.path.join(ROOT, "notebooks", "results_browser.ipynb")) as f:
+    cells = ["".join(c["source"]) for c in json.load(f)["cells"] if c["cell_type"] == "code"]
+  for name in list(table_specs.TABLES) + list(table_specs.FIGURES):
+    assert f"show({name!r})" in cells, name
