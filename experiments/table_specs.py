@@ -24,40 +24,40 @@ TABLES = {
     (Source("default_run_long_context_2026-11-30.jsonl", (
       "the default run (`python run.py`) learns the task: sampled reward, greedy reward",
       "{reward_before:.3f} -> {reward_after:.3f}; {eval_before:.3f} -> {eval_after:.3f}",
-      "`default_run_long_context_2026-11-30.jsonl`"), ("kind=summary",), 1),
+      "`{_file}`"), ("kind=summary",), 1),
      Source("default_run_long_context_2026-11-30.jsonl", (
        "token positions the default run computes vs its naive twin",
        "{computed_tokens:,} vs {naive_equiv_tokens:,}",
-       "`default_run_long_context_2026-11-30.jsonl`"), ("kind=summary",), 1),
+       "`{_file}`"), ("kind=summary",), 1),
      Source("cpu_long_context_2026-11-30.jsonl", (
        "one loss+gradient step, P={prefix_len}, R={branches}, T={tail_len}, CPU: replay vs naive",
        "{speedup:.2f}x faster ({speedup_over_flop_ratio:.2f} x the useful-FLOP ratio "
        "{flop_ratio:.2f}); peak {replay_peak_mb:,.0f} vs {naive_peak_mb:,.0f} MB",
-       "`cpu_long_context_2026-11-30.jsonl`"), ("prefix_len=8192", "remat=full"), 1),
+       "`{_file}`"), ("prefix_len=8192", "remat=full"), 1),
      Source("peer_cpu_after_2026-12-02.jsonl", (
        "against PrefixGrouper (torch), P={prefix_len}, R={branches}, T={tail_len}, CPU",
        "{ratio:.2f}x faster ({ours_s:.2f} vs {peer_s:.2f} s)",
-       "`peer_cpu_after_2026-12-02.jsonl`"), ("prefix_len=8192",), 1),
+       "`{_file}`"), ("prefix_len=8192",), 1),
      Source("q1_cpu_2026-11-30.jsonl", (
        "the whole RL step (sampling included), P={P}, R={R}",
        "{step_speedup_of_replay:.1f}x faster (update alone {update_speedup_of_replay:.1f}x)",
-       "`q1_cpu_2026-11-30.jsonl`"), ("mode=naive", "P=1024"), 1),
+       "`{_file}`"), ("mode=naive", "P=1024"), 1),
      Source("q3_cpu_2026-11-30.jsonl", (
        "longest prefix in 20 GB (compiled), R={R}, T={T}: {mode}",
-       "{longest_prefix:,} positions", "`q3_cpu_2026-11-30.jsonl`"),
+       "{longest_prefix:,} positions", "`{_file}`"),
        ("kind=frontier", "R=16"), 2),
      Source("q2_cpu_5seeds_2026-11-30.jsonl", (
        "training converges the same (5 seeds per mode): steps with replay's mean inside "
        "naive's band",
        "{replay_mean_inside_naive_band:.0%}; final reward {final_reward_replay:.3f} vs "
-       "{final_reward_naive:.3f}", "`q2_cpu_5seeds_2026-11-30.jsonl`"), ("kind=verdict",), 1),
+       "{final_reward_naive:.3f}", "`{_file}`"), ("kind=verdict",), 1),
      Source("tree_cpu_2026-12-01.jsonl", (
        "a 4x4 tree of rollouts, P={prefix_len}: tree replay vs naive",
        "{tree_speedup:.2f}x faster; peak {tree_peak_mb:,.0f} vs {naive_peak_mb:,.0f} MB",
-       "`tree_cpu_2026-12-01.jsonl`"), (), 1),
+       "`{_file}`"), (), 1),
      Source("q5_cpu_2026-11-30.jsonl", (
-       "{objective} step through replay, P={prefix_len}, R={branches}: CPU-time speedup",
-       "{cpu_speedup:.2f}x (grad rel err {grad_max_rel_err:.1e})", "`q5_cpu_2026-11-30.jsonl`"),
+       "PPO's policy step through replay, P={prefix_len}, R={branches}: CPU-time speedup",
+       "{cpu_speedup:.2f}x (grad rel err {grad_max_rel_err:.1e})", "`{_file}`"),
        ("objective=ppo",), 1),
      )),
 

@@ -16,7 +16,7 @@ typed by hand:
 A table is a header and one or more sources; a source is a results file, a filter
 (`key=value`, as results_table.py's --where) and one cell template per column: a
 `str.format` string over the row's fields (`{replay_s:.3g}`, `{provenance[git_commit]:.7}`;
-a bare `{field}` is formatted as results_table.fmt does). Every row rendered must carry its
+a bare `{field}` is formatted as results_table.fmt does; `{_file}` is the results file). Every row rendered must carry its
 provenance (git commit, command, machine: in its `provenance` dict or at its top level), and
 every field a template names must be in the row: otherwise a ValueError naming the results
 file and line (and the markdown file and line of the table).
@@ -114,7 +114,7 @@ def render(name: str, table: Table, root: str = ROOT, at: str = "") -> str:
       raise ValueError(f"{where_md}: {rel}: {len(rows)} rows match {list(src.where)}, "
                        f"expected {src.count or 'at least 1'}")
     for n, row in rows:
-      row = dict({k: None for k in src.optional}, **row)
+      row = dict({k: None for k in src.optional}, **row, _file=src.file)
       for name, a, b in src.ratios:  # b: a field, or a number (e.g. 2**20 for bytes -> MB)
         den = row.get(b) if isinstance(b, str) else b
         if isinstance(row.get(a), (int, float)) and den:
