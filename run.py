@@ -1,6 +1,6 @@
 """Train a policy with GRPO through branch replay.
 
-  python run.py                                   # the default: experiments/grpo_haystack.py
+  python run.py                                   # the default: experiments/configs/grpo_haystack.py
   python run.py --experiment=grpo_arithmetic --set=train.rl_steps=100 --workdir=/tmp/arith
   python run.py --mode=naive                      # the same run through the naive twin
   python run.py --model_dir=PATH                  # train an imported Hugging Face checkpoint

@@ -1,7 +1,8 @@
 """Every script in experiments/, by kind, and the run configs `run.py --experiment=NAME`
 finds (an explicit table: no file is grepped).
 
-  configs  modules with get_config(): what run.py trains (python run.py --experiment=NAME)
+  configs  experiments/configs/: modules with get_config(), what run.py trains
+           (python run.py --experiment=NAME; still importable as experiments.NAME)
   repro    the announcement's questions and comparisons (Q1-Q5, RL algorithms, ablations)
   bench    one training step measured (time, memory, FLOPs; JSON lines with provenance)
   tools    results files, tables, shared measuring helpers
@@ -70,11 +71,11 @@ def kind_of(name: str) -> str:
 
 
 def config_module(name: str):
-  """The module of run config `name` (experiments.NAME); a name not in CONFIGS is a
-  ValueError listing them."""
+  """The module of run config `name` (experiments/configs/NAME.py); a name not in CONFIGS is
+  a ValueError listing them."""
   if name not in CONFIGS:
     raise ValueError(f"--experiment={name!r}: unknown; expected one of {sorted(CONFIGS)}")
-  return importlib.import_module(f"experiments.{name}")
+  return importlib.import_module(f"experiments.configs.{name}")
 
 
 def get_config(name: str):

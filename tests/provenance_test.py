@@ -32,7 +32,7 @@ def test_writer_lines_carry_commit_command_jax_machine_and_date(tmp_path):
 
 def _fake_workdir(tmp_path):
   from branch_replay import config as config_lib
-  from experiments import grpo_haystack
+  from experiments.configs import grpo_haystack
   cfg = grpo_haystack.get_config()
   workdir = tmp_path / "run"
   workdir.mkdir()

@@ -13,7 +13,7 @@ rewards/chosen, rewards/rejected. Measured: experiments/results/rl_compare_2026-
 
 import dataclasses
 
-from experiments import grpo_haystack
+from experiments.configs import grpo_haystack
 
 
 def get_config():
