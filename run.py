@@ -1,6 +1,6 @@
 """Train a policy with GRPO through branch replay.
 
-  python run.py                                   # the default: experiments/grpo_haystack.py
+  python run.py                                   # the default: experiments/configs/grpo_haystack.py
   python run.py --experiment=grpo_arithmetic --set=train.rl_steps=100 --workdir=/tmp/arith
   python run.py --mode=naive                      # the same run through the naive twin
   python run.py --model_dir=PATH                  # train an imported Hugging Face checkpoint
@@ -14,7 +14,6 @@ Re-running with the same --workdir resumes from its latest checkpoint.
 """
 
 import glob
-import importlib
 import os
 import shutil
 import sys
@@ -26,7 +25,7 @@ if shutil.which("nvidia-smi") is None and not glob.glob("/dev/nvidia*"):
 
 def define_flags(fv: flags.FlagValues) -> flags.FlagValues:
   """The command line's flags, on `fv` (the global FLAGS for a run; a fresh set for `parse`)."""
-  flags.DEFINE_string("experiment", "grpo_haystack", "Module in experiments/ with get_config().",
+  flags.DEFINE_string("experiment", "grpo_haystack", "A run config of experiments/registry.py (CONFIGS).",
                       flag_values=fv)
   flags.DEFINE_multi_string("set", [], "Config override section.field=value (repeatable).",
                             flag_values=fv)
@@ -93,13 +92,11 @@ def config_from(fv):
   """(cfg, init_params, tokenizer) of parsed flags: the experiment's config with --set (and
   --mode, --mesh) applied; with --model_dir, the imported model, weights and tokenizer."""
   from branch_replay import config as config_lib
-  here = os.path.dirname(os.path.abspath(__file__))
-  names = sorted(os.path.basename(p)[:-3]
-                 for p in glob.glob(os.path.join(here, "experiments", "[!_]*.py"))
-                 if "def get_config(" in open(p).read())
-  if fv.experiment not in names:
-    raise app.UsageError(f"--experiment={fv.experiment!r}: unknown; expected one of {names}")
-  module = importlib.import_module(f"experiments.{fv.experiment}")
+  from experiments import registry
+  try:
+    module = registry.config_module(fv.experiment)
+  except ValueError as e:
+    raise app.UsageError(str(e))
   overrides = list(fv.set) + ([f"replay.mode={fv.mode}"] if fv.mode else [])
   overrides += [f"mesh={fv.mesh}"] if fv.mesh is not None else []
   base, init_params, tokenizer = module.get_config(), None, None

@@ -118,7 +118,7 @@ class Config:
     elif not self.loss.objective.trainable:
       trainable = sorted(n for n, o in losses.OBJECTIVES.items() if o.trainable)
       raise ValueError(f"loss.name={self.loss.name!r}: the trainer samples groups; expected "
-                       f"one of {trainable} (DPO: algo.name=dpo, experiments/dpo_haystack.py)")
+                       f"one of {trainable} (DPO: algo.name=dpo, experiments/configs/dpo_haystack.py)")
     if self.tree.fanouts:
       self._check_tree()
     elif self.loss.name == "grpo" and self.train.n_branches < 2:

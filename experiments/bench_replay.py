@@ -11,9 +11,8 @@ after imports. Ratios are measured in one run, so a noisy shared machine affects
     python experiments/bench_replay.py --mesh=data:2,fsdp:2,context:2 --prefix_len=512 \
     --tail_len=64 --branches=8 --prompts=4   # + per-device memory of each compiled step
 
-Measured on the idle 2-core CPU (small preset, float32, P=2048 T=128 R=16): naive 38 s,
-replay 4.6 s, speedup 8.25 (0.97x flop_ratio 8.52), replay peak RSS growth 17% of naive's,
-grad_max_rel_err 1.3e-6, replay 39.6 GFLOP/s against a 251 GFLOP/s matmul (README: Results).
+Measured: experiments/results/cpu_long_context_2026-11-30.jsonl and
+cpu_sweep_blockwise_2026-11-30.jsonl (tables `long_context`, `sweep` in docs/performance.md).
 """
 
 from __future__ import annotations
@@ -78,8 +77,8 @@ def model_config():
                  scan_layers=FLAGS.scan_layers, **blocks)
   if FLAGS.model_from:
     import dataclasses
-    import importlib
-    base = importlib.import_module(f"experiments.{FLAGS.model_from}").get_config().model
+    from experiments import registry
+    base = registry.get_config(FLAGS.model_from).model
     return dataclasses.replace(base, **options)
   return tfm.preset(FLAGS.preset, **options)
 

@@ -1,8 +1,8 @@
 """Q4: a cost model of one RL update step, naive vs branch replay, calibrated on measurements.
 
   python experiments/cost_model.py                      # fit + predictions -> JSON lines + table
-  python experiments/cost_model.py --out=experiments/results/cost_model_2026-11-30.jsonl \
-      --markdown=experiments/results/cost_model_2026-11-30.md
+  python experiments/cost_model.py --out=experiments/results/cost_model_blockwise_2026-11-30.jsonl \
+      --markdown=experiments/results/cost_model_blockwise_2026-11-30.md
 
 1. Counting (from the model shape, `tfm.ModelConfig`): per layer and per path, matmul FLOPs
    (projections, MLP; the LM head once per scored position), attention FLOPs (QK^T and PV;

@@ -1,6 +1,6 @@
 """The default run's RL step by phase (phases.py: sample, reward, old_logp, ref_logp, update),
 replay vs naive (and replay with replay.auto_tree=true): the default experiment
-(experiments/grpo_haystack.py) through trainer.run, shortened by flags, one run per mode in
+(experiments/configs/grpo_haystack.py) through trainer.run, shortened by flags, one run per mode in
 one process, the same seed (so the same sampled groups, up to float32 drift). Per mode: the
 median of every phase over the RL steps after the first (which compiles), the mean step,
 and the totals; a results line per mode with provenance.
@@ -65,7 +65,8 @@ def main(argv):
   del argv
   from branch_replay import config as config_lib
   from branch_replay import metrics, trainer
-  from experiments import grpo_haystack, provenance
+  from experiments import provenance
+  from experiments.configs import grpo_haystack
   writer = provenance.ResultsWriter(FLAGS.out, experiment="phase_times")
   base = [f"train.sft_steps={FLAGS.sft_steps}", f"train.rl_steps={FLAGS.rl_steps}",
           "train.eval_size=0", "train.progress=false", "train.plot=false",

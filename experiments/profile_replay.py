@@ -12,8 +12,8 @@ Ops: one jax.profiler trace of --trace_reps fused steps; every XLA CPU thunk's s
 (its duration less the thunks nested in it on the same thread), summed per HLO instruction,
 with its opcode and the jax op that made it (HLO metadata).
 
-  python experiments/profile_replay.py --out=experiments/results/profile_cpu_before_2026-12-01.jsonl \
-      --md=experiments/results/profile_cpu_before_2026-12-01.md
+  python experiments/profile_replay.py --out=experiments/results/profile_cpu_after_2026-12-02.jsonl \
+      --md=experiments/results/profile_cpu_after_2026-12-02.md
 """
 
 from __future__ import annotations

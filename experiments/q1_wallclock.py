@@ -4,12 +4,12 @@ batch assembly, update) for replay vs naive, by phase, over prefix lengths.
   python experiments/q1_wallclock.py --out=experiments/results/q1_cpu_$(date +%F).jsonl
   python experiments/q1_wallclock.py --prefix_len=256 --steps=2 --set=train.batch_size=4
 
-The default run's model and task (experiments/grpo_haystack.py, no warm-up: timing does not
+The default run's model and task (experiments/configs/grpo_haystack.py, no warm-up: timing does not
 depend on what the model knows, except through when branches stop) with the haystack prompt
 length set to each P. Both modes sample with the same shared-prefix sampler (the project's
 naive mode changes only the update); the first step of each (mode, P) compiles and is not
 reported. Each line: P, mode, the median over --steps of each phase's seconds, and the
-update's share of the step. Measured: README, "Reproducing the announcement", Q1
+update's share of the step. Measured: docs/reproduction.md, Q1
 (experiments/results/q1_cpu_2026-11-30.jsonl).
 """
 

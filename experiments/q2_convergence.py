@@ -15,9 +15,8 @@ evaluated), kind=cosine (step, grad_cosine, grad_rel_diff, both losses: replay's
 gradient at the same parameters on the same sampled batch, along a replay trajectory that
 starts from a replay warm-up), kind=verdict (how much of each mode's seed-mean reward curve,
 smoothed over --smooth steps, lies inside the other's min..max seed band). Expected: cosine 1
-to float32 rounding (1 - cos ~ 1e-12); curves inside each other's bands. Measured: README,
-"Reproducing the announcement", Q2 (~1.5 min per replay run, ~5-7 min per naive run on the
-shared 2-core CPU).
+to float32 rounding; curves inside each other's bands. Measured: docs/reproduction.md, Q2
+(experiments/results/q2_cpu_5seeds_2026-11-30.jsonl and the two runs' files).
 """
 
 from __future__ import annotations

@@ -12,8 +12,7 @@ peak RSS growth on a CPU, or device peak on a GPU, must stay under the cap).
 
 Lines: kind=trial (mode, R, P, fits, compiled/peak MB or the reason it did not fit) and
 kind=frontier (mode, R, the longest P that fit, the first that did not, the memory
-of the longest). Measured (--compiled_only, 20 GB cap): README, "Reproducing the
-announcement", Q3.
+of the longest). Measured (--compiled_only, 20 GB cap): docs/reproduction.md, Q3.
 """
 
 from __future__ import annotations

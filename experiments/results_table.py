@@ -1,10 +1,10 @@
 """Render any results file (JSON lines under experiments/results/) as a markdown table.
 
-  python experiments/results_table.py experiments/results/cpu_sweep_2026-11-30.jsonl
+  python experiments/results_table.py experiments/results/superseded/cpu_sweep_2026-11-30.jsonl
   python experiments/results_table.py experiments/results/default_run.jsonl --where=kind=summary
   python experiments/results_table.py FILE --columns=P,R,replay_s,naive_s --provenance
 
-bench_replay.py lines get the README's benchmark columns; any other file gets its scalar
+bench_replay.py lines get the benchmark columns; any other file gets its scalar
 fields (first-seen order, or --columns). --provenance lists each distinct commit/command/date
 below the table.
 """

@@ -41,8 +41,8 @@ def main():
   ap.add_argument("--out", default="experiments/results/rl_compare.jsonl")
   ap.add_argument("--workdir", default="/tmp/rl_compare")
   args = ap.parse_args()
-  import importlib
   from branch_replay import config as config_lib
+  from experiments import registry
   from branch_replay import trainer
   commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                           text=True).stdout.strip()
@@ -50,8 +50,7 @@ def main():
     experiment, overrides = RUNS[name]
     overrides = overrides + [f"train.rl_steps={args.steps}", "train.progress=false",
                              "train.plot=false"]
-    cfg = config_lib.apply_overrides(importlib.import_module(f"experiments.{experiment}")
-                                     .get_config(), overrides)
+    cfg = config_lib.apply_overrides(registry.get_config(experiment), overrides)
     workdir = os.path.join(args.workdir, name)
     t0 = time.time()
     s = trainer.run(cfg, workdir)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import time
 
 import jax
@@ -20,12 +19,13 @@ import numpy as np
 from branch_replay import config as config_lib
 from branch_replay import policy, tasks, train
 from branch_replay import state as train_state
+from experiments import registry
 
 
 def config_for(experiment: str, overrides=(), mode: str | None = None, seed: int | None = None,
                rl_steps: int | None = None):
   """An experiment's get_config() with --set style overrides (the same parser as run.py)."""
-  cfg = importlib.import_module(f"experiments.{experiment}").get_config()
+  cfg = registry.get_config(experiment)
   extra = [f"replay.mode={mode}"] if mode else []
   extra += [f"train.seed={seed}"] if seed is not None else []
   extra += [f"train.rl_steps={rl_steps}"] if rl_steps is not None else []

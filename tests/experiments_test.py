@@ -150,3 +150,27 @@ def test_q2_verdict_over_runs_from_several_files(tmp_path):
   assert v["steps_compared"] == 12 and v["replay_mean_inside_naive_band"] == 1.0
   with pytest.raises(ValueError, match="seed=2 is in both"):
     q2_convergence.from_results([b, b])
+
+
+def test_every_experiment_script_is_in_exactly_one_kind_and_configs_have_get_config():
+  import glob
+  import os
+  from experiments import registry
+  root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments")
+  scripts = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(root, "[!_]*.py"))
+             + glob.glob(os.path.join(root, "configs", "[!_]*.py"))}
+  listed = [n for names in registry.KINDS.values() for n in names]
+  assert len(listed) == len(set(listed)), "a script listed under two kinds"
+  assert scripts == set(listed), (sorted(scripts - set(listed)), sorted(set(listed) - scripts))
+  configs = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(root, "configs", "*.py"))}
+  assert configs - {"__init__"} == set(registry.CONFIGS)
+  for name in registry.CONFIGS:
+    assert "def get_config(" in open(os.path.join(root, "configs", f"{name}.py")).read(), name
+  others = [n for n in scripts - set(registry.CONFIGS) - {"registry"}
+            if "def get_config(" in open(os.path.join(root, f"{n}.py")).read()]
+  assert not others, f"scripts with get_config() outside experiments/configs/: {others}"
+  from experiments import grpo_haystack  # the old module path, kept importable
+  from experiments.configs import grpo_haystack as moved
+  assert grpo_haystack is moved
+  with pytest.raises(ValueError, match=r"--experiment='nope': unknown; expected one of \["):
+    registry.config_module("nope")

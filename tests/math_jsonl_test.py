@@ -10,7 +10,7 @@ from branch_replay import rewards, tasks, train, trainer
 from branch_replay import tokenizer as tokenizer_lib
 from branch_replay.config import apply_overrides
 from branch_replay.tasks import Example
-from experiments import math_jsonl
+from experiments.configs import math_jsonl
 from models import hf
 
 

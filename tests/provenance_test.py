@@ -32,7 +32,7 @@ def test_writer_lines_carry_commit_command_jax_machine_and_date(tmp_path):
 
 def _fake_workdir(tmp_path):
   from branch_replay import config as config_lib
-  from experiments import grpo_haystack
+  from experiments.configs import grpo_haystack
   cfg = grpo_haystack.get_config()
   workdir = tmp_path / "run"
   workdir.mkdir()
@@ -79,7 +79,7 @@ def test_missing_workdir_files_fail_naming_them(tmp_path):
 
 
 def test_results_table_renders_bench_and_generic_files():
-  bench = results_table.load([os.path.join(ROOT, "experiments/results/cpu_sweep_2026-11-30.jsonl")])
+  bench = results_table.load([os.path.join(ROOT, "experiments/results/superseded/cpu_sweep_2026-11-30.jsonl")])
   md = results_table.table(bench).splitlines()
   assert md[0].startswith("| P | T | R |") and len(md) == 2 + len(bench)
   assert "| 4096 | 64 | 8 | small | float32 | oom |" in md[2 + 12]

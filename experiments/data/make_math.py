@@ -1,7 +1,7 @@
 """Writes experiments/data/math.jsonl: 200 GSM8K-layout word problems (question; answer text
 ending `#### 42`), generated (python experiments/data/make_math.py; deterministic, no
 downloads). The text uses only the shipped character tokenizer's characters, so the file
-trains with it as well as with a checkpoint's BPE. experiments/math_jsonl.py turns a file in
+trains with it as well as with a checkpoint's BPE. experiments/configs/math_jsonl.py turns a file in
 this layout (or GSM8K's own train.jsonl) into k-shot prompts.
 
   {"question": "Ana has 3 boxes with 7 pens each. She gives away 4 pens. How many pens ...",

@@ -1,6 +1,6 @@
 """GRPO through branch replay on a long-prompt key->value retrieval task (the default run).
 
-  python run.py                        # this experiment, ~2 min on a 2-core CPU
+  python run.py                        # this experiment, a few minutes on a 2-core CPU
   python run.py --set=task.prompt_len=1024 --workdir=runs/long   # longer haystacks (not run end to end)
 
 A 2-layer d=64 model (char tokenizer, 79 ids) first warms up for 600 supervised steps on
@@ -8,10 +8,8 @@ A 2-layer d=64 model (char tokenizer, 79 ids) first warms up for 600 supervised 
 engine), where it learns the retrieval circuit almost perfectly; on the 256-token haystacks
 of the RL phase it only half works (attention to the one right record is diluted by the
 long filler). GRPO with 8 branches per prompt on the long prompts then raises it.
-Expected (seed 0, deterministic): sampled reward/mean 0.608 over the first 10 RL steps ->
-0.828 over the last 10; greedy reward on 128 held-out 256-token prompts 0.414 -> 0.945.
-The RL steps compute 7.4x fewer token positions than the naive twin (4.2x counting the
-warm-up). About 2 minutes end to end on the 2-core CPU (1 min 51 s measured, shared).
+Measured (seed 0): experiments/results/default_run_long_context_2026-11-30.jsonl (its
+`kind: summary` line; the table `default_run` in docs/training.md renders it).
 """
 
 from branch_replay.config import Config, ReplayConfig, TrainConfig

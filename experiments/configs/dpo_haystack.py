@@ -7,13 +7,14 @@ The warm-up of grpo_haystack (600 supervised steps on 32-token haystacks), then 
 256-token prompts: 8 pairs per step, each a shared prompt with two tails, chosen = the right
 value and rejected = a wrong one. The frozen reference (the policy as DPO begins) scores
 both tails from one shared-prefix forward per prompt. Metrics: dpo/accuracy, dpo/margin,
-rewards/chosen, rewards/rejected. Measured numbers: README (section "RL algorithms").
+rewards/chosen, rewards/rejected. Measured: experiments/results/rl_compare_2026-11-30.jsonl
+(its `algorithm: dpo` line; table `rl_compare` in docs/algorithms.md).
 """
 
 import dataclasses
 
 from branch_replay.algorithms.options import AlgoConfig
-from experiments import grpo_haystack
+from experiments.configs import grpo_haystack
 
 
 def get_config():

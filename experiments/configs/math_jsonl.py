@@ -4,13 +4,13 @@ last number; branch_replay/rewards.py).
 
 A local Qwen2.5-0.5B-Instruct folder on a GPU (GSM8K's train.jsonl, or the generated file):
   python run.py --experiment=math_jsonl --model_dir=/models/Qwen2.5-0.5B-Instruct \
-      --model_dtype=bfloat16 --set=task.path=$(python experiments/math_jsonl.py \
+      --model_dtype=bfloat16 --set=task.path=$(python experiments/configs/math_jsonl.py \
       --shots=8 --data=gsm8k/train.jsonl) --set=task.prompt_len=2048 \
       --set=sampler.max_new_tokens=320 --set=train.batch_size=8 --set=train.n_branches=16 \
       --set=train.rl_steps=200 --set=train.learning_rate=1e-6 --workdir=runs/qwen_math
 This CPU, on a tiny random checkpoint (a byte-level BPE trained on the data, a Qwen-style
 chat template; written by this script, no downloads) -- the plumbing, not a result:
-  python experiments/math_jsonl.py --write_tiny_checkpoint=/tmp/tiny_math
+  python experiments/configs/math_jsonl.py --write_tiny_checkpoint=/tmp/tiny_math
   python run.py --experiment=math_jsonl --model_dir=/tmp/tiny_math --workdir=runs/tiny_math \
       --set=train.rl_steps=5
 Without --model_dir the experiment's own small model trains on the character tokenizer.
@@ -27,8 +27,8 @@ import os
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
 
 from branch_replay.config import Config, ReplayConfig, TrainConfig  # noqa: E402
 from branch_replay.losses import LossConfig  # noqa: E402
@@ -37,7 +37,7 @@ from branch_replay.tasks import TaskConfig  # noqa: E402
 from branch_replay.tokenizer import TOKENIZER  # noqa: E402
 from models.transformer import ModelConfig  # noqa: E402
 
-DATA = os.path.join(HERE, "data", "math.jsonl")
+DATA = os.path.join(ROOT, "experiments", "data", "math.jsonl")
 SHOTS = 2
 SEP = " | "  # between shots (the character tokenizer has no newline)
 QWEN_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"

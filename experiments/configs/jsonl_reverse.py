@@ -9,10 +9,8 @@ for the greedy evaluation. A 2-layer d=128 model warms up on the `answer` field 
 supervised steps through branch replay; weight decay 0.1 and lr 1e-3: the d=64 model, lr 3e-3
 or fewer steps memorise the 360 training words and reverse few held-out ones), then GRPO
 with 8 branches per prompt.
-Measured (seed 0; experiments/results/jsonl_reverse_2026-11-30.jsonl): 5 min 5 s at load ~15
-on the 2-core CPU; sampled reward on the training prompts 0.997 -> 0.998 over the RL steps
-(the warm-up already fits them); greedy exact match on the 40 held-out words 0.325 after the
-warm-up, 0.300 after RL.
+Measured (seed 0): experiments/results/jsonl_reverse_2026-11-30.jsonl (read in
+docs/training.md).
 """
 
 from branch_replay.config import Config, ReplayConfig, TrainConfig

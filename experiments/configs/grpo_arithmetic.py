@@ -4,10 +4,10 @@
 
 Short prompts (7 tokens), so branch replay saves little here: this experiment exercises the
 trainer on a second verifiable task rather than the long-context regime. A 450-step supervised
-warm-up teaches the format and part of the sums; GRPO (16 prompts x 8 branches, lr 3e-4:
-1e-3 stalls and 3e-3 collapses here) then raises the exact-match reward.
-Expected (seed 0): sampled reward/mean 0.204 over the first 10 RL steps -> 0.305 over the
-last 10; greedy reward on 128 held-out sums 0.344 -> 0.469; ~1.5 min on the 2-core CPU.
+warm-up teaches the format and part of the sums; GRPO (16 prompts x 8 branches, lr 3e-4)
+then raises the exact-match reward.
+No results file records a run of it yet: convert a finished workdir with
+experiments/provenance.py --workdir=... before quoting a number of it.
 """
 
 from branch_replay.config import Config, ReplayConfig, TrainConfig

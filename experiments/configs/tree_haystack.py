@@ -11,9 +11,8 @@ sharing its K/V, 4 second turns of each sharing the prompt's and the first turn'
 reward 1 when both turns are right; tree-aware advantages (leaves normalised among
 siblings, a first turn gets its leaves' mean reward, normalised among the first turns); one
 jitted step through tree replay.
-Measured (seed 0, load average ~12 on the shared 2-core CPU, 4 min 37 s wall): sampled
-reward/mean 0.558 -> 0.933 (first/last 10 RL steps), greedy reward on 128 held-out prompts
-0.617 -> 0.914.
+No results file records a run of it yet: convert a finished workdir with
+experiments/provenance.py --workdir=... before quoting a number of it.
 """
 
 from branch_replay.config import Config, ReplayConfig, TrainConfig

@@ -9,14 +9,15 @@ of 2 minibatches (split by prompt), so the ratio moves and the clip binds. The v
 through branch replay too: prefix forward once, tails vmapped, one prefix backward; GAE
 (gamma 1, lambda 0.95) per branch from its per-token values, reward at the last token.
 Metrics: reward/mean, value/explained_variance, loss/value, clip_frac, approx_kl, ratio/max.
-Measured numbers: see README (section "RL algorithms").
+Measured: experiments/results/ppo_haystack_2026-11-30.jsonl and rl_compare_ppo_2026-11-30.jsonl
+(tables `ppo_haystack` and `rl_compare` in docs/algorithms.md).
 """
 
 import dataclasses
 
 from branch_replay.algorithms.options import AlgoConfig
 from branch_replay.critic import CriticConfig
-from experiments import grpo_haystack
+from experiments.configs import grpo_haystack
 
 
 def get_config():

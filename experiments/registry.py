@@ -1,0 +1,82 @@
+"""Every script in experiments/, by kind, and the run configs `run.py --experiment=NAME`
+finds (an explicit table: no file is grepped).
+
+  configs  experiments/configs/: modules with get_config(), what run.py trains
+           (python run.py --experiment=NAME; still importable as experiments.NAME)
+  repro    the announcement's questions and comparisons (Q1-Q5, RL algorithms, ablations)
+  bench    one training step measured (time, memory, FLOPs; JSON lines with provenance)
+  tools    results files, tables, shared measuring helpers
+
+A new script goes in exactly one kind (tests/experiments_test.py checks that every
+experiments/*.py is listed); a new run config also becomes a valid --experiment name.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+KINDS = {
+  "configs": {
+    "grpo_haystack": "GRPO on the long-prompt haystack retrieval task (the default run)",
+    "grpo_arithmetic": "GRPO on two-digit addition (short prompts: replay saves little)",
+    "ppo_haystack": "PPO with a critic (GAE, 2 epochs x 2 minibatches) on the haystack task",
+    "dpo_haystack": "DPO pairs sharing the haystack prompt (R=2)",
+    "tree_haystack": "tree GRPO on a two-turn lookup whose turns branch (4 x 4 trees)",
+    "jsonl_reverse": "your own prompts: a JSON-lines file of 'reverse this word'",
+    "math_jsonl": "GSM8K-layout k-shot math prompts for an imported checkpoint",
+  },
+  "repro": {
+    "q1_wallclock": "Q1: the whole RL step by phase, replay vs naive",
+    "q2_convergence": "Q2: reward curves over seeds and identical-batch gradients",
+    "q3_memory_frontier": "Q3: the longest prefix each path fits under a memory cap",
+    "cost_model": "Q4: FLOP/byte/memory counts, fitted on measured steps; 8-GPU prediction",
+    "q5_objectives": "Q5: GRPO/GSPO/PPO/critic/DPO steps, replay vs naive",
+    "rl_step": "one RL step taken apart by phase (Q1, Q2's building block)",
+    "rl_compare": "GRPO, Dr. GRPO, GSPO, RLOO, PPO, DPO runs side by side",
+    "phase_times": "the default run's RL step by phase (trainer metrics)",
+    "ablations": "R, trunk W, branch_chunk, remat (notebooks/ablations.ipynb)",
+    "rollout_strategies": "flat replay vs the automatic tree over rollout layouts",
+  },
+  "bench": {
+    "bench_replay": "one loss+gradient step, naive vs replay (the step benchmark)",
+    "bench_attention": "attention forward+backward, dense vs blockwise tiles",
+    "bench_tree": "tree batches: naive vs flat replay vs tree replay",
+    "bench_hybrid": "Gated DeltaNet hybrids beside pure attention",
+    "bench_peer": "side by side with PrefixGrouper (torch)",
+    "profile_replay": "where replay's step goes: stages and top XLA ops",
+    "lora_memory": "LoRA vs full fine-tuning: compiled memory and speed",
+    "context_parallel_memory": "per-device compiled memory under context parallelism",
+    "plan_8gpu": "the 8-GPU plan from compiled footprints (Llama-3-8B shapes)",
+    "fused_check": "model.attention=fused against blockwise (GPU path)",
+  },
+  "tools": {
+    "provenance": "ResultsWriter: commit, command, machine on every results line",
+    "results_table": "any results file as a markdown table",
+    "tables": "the tables of README.md and docs/, rendered from results files",
+    "table_specs": "what each rendered table reads",
+    "registry": "this table",
+    "measure": "measuring helpers shared by the benchmarks",
+    "hlo_collectives": "the collectives of a compiled HLO module, counted as executed",
+  },
+}
+
+CONFIGS = tuple(KINDS["configs"])
+
+
+def kind_of(name: str) -> str:
+  for kind, names in KINDS.items():
+    if name in names:
+      return kind
+  raise ValueError(f"experiments/{name}.py: not in experiments/registry.py KINDS")
+
+
+def config_module(name: str):
+  """The module of run config `name` (experiments/configs/NAME.py); a name not in CONFIGS is
+  a ValueError listing them."""
+  if name not in CONFIGS:
+    raise ValueError(f"--experiment={name!r}: unknown; expected one of {sorted(CONFIGS)}")
+  return importlib.import_module(f"experiments.configs.{name}")
+
+
+def get_config(name: str):
+  return config_module(name).get_config()
