@@ -163,6 +163,10 @@ class Config:
       raise ValueError(f"critic.{changed[0]}={getattr(self.critic, changed[0])!r} with "
                        f"algo.name={name!r}: the critic is PPO's value model; expected "
                        "algo.name='ppo' or the critic's defaults")
+    if self.replay.branch_chunk is not None and self.loss.objective.combine is not None:
+      raise ValueError(f"replay.branch_chunk={self.replay.branch_chunk} with loss.name="
+                       f"{self.loss.name!r}: streaming needs an objective that sums over "
+                       "branches (DPO combines each pair); expected replay.branch_chunk=None")
     minibatches = getattr(self.algo, "minibatches", 1)
     if self.train.batch_size % minibatches:
       raise ValueError(f"algo.minibatches={minibatches}: expected a divisor of "

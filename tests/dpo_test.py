@@ -145,3 +145,8 @@ def test_dpo_on_trees_refuses_what_it_cannot_pair(tmp_path):
   with pytest.raises(ValueError, match=r"tree.fanouts='3x2' with algo.name='dpo': .*expected "
                      r"'2x2' \(task.n_keys=2\)"):
     trainer.run(tiny_tree("tree.fanouts=3x2"), str(tmp_path / "w"))
+
+
+def test_dpo_cannot_stream():
+  with pytest.raises(ValueError, match=r"replay.branch_chunk=1 with loss.name='dpo': streaming"):
+    tiny("replay.branch_chunk=1")
