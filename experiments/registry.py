@@ -56,6 +56,7 @@ KINDS = {
     "table_specs": "what each rendered table reads",
     "registry": "this table",
     "measure": "measuring helpers shared by the benchmarks",
+    "base": "experiments/configs/base.py: the model and schedule the run configs share",
     "hlo_collectives": "the collectives of a compiled HLO module, counted as executed",
   },
 }
