@@ -7,7 +7,9 @@ GFLOP/s counting causal attention once (fwd 4*P*P/2*N*H, fwd+bwd 2.5x that), the
 CPU seconds per step and its busiest thread's CPU seconds per step (both less sensitive to
 other jobs than wall time; the busiest thread approximates the wall time on an idle machine),
 and a float32
-matmul's GFLOP/s measured in the same run (the machine's reference rate: the CPU is shared
+1024 x 1024 matmul's GFLOP/s (experiments/measure.py: median of 5; the committed
+attention_cpu_2026-11-30.jsonl took the best of 5) measured in the same run (the machine's
+reference rate: the CPU is shared
 and noisy, so compare rows of one run).
 
   python experiments/bench_attention.py                        # P=2048, dense + block sweep
@@ -31,6 +33,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from experiments.measure import matmul_gflops  # noqa: E402
 from models import attention  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -61,18 +64,6 @@ def thread_ticks():
       continue
     out[t] = int(fields[11]) + int(fields[12])
   return out
-
-
-def matmul_gflops(n=1024, reps=5):
-  a = jnp.ones((n, n), jnp.float32)
-  f = jax.jit(lambda a: a @ a)
-  f(a).block_until_ready()
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    f(a).block_until_ready()
-    times.append(time.perf_counter() - t)
-  return 2 * n ** 3 / min(times) / 1e9
 
 
 def inputs(P):
@@ -138,14 +129,14 @@ def bench(impl, P, block_q, block_k):
 
 
 def main(_):
-  print(json.dumps(dict(matmul_gflops=round(matmul_gflops(), 1))), flush=True)
+  print(json.dumps(dict(matmul_gflops=round(matmul_gflops(n=1024), 1))), flush=True)
   for P in FLAGS.prefix_len:
     for impl in FLAGS.impl:
       blocks = [(0, 0)] if impl == "dense" else [tuple(map(int, b.split("x")))
                                                   for b in FLAGS.blocks]
       for bq, bk in blocks:
         print(json.dumps(bench(impl, P, bq or 512, bk or 512)), flush=True)
-  print(json.dumps(dict(matmul_gflops=round(matmul_gflops(), 1))), flush=True)
+  print(json.dumps(dict(matmul_gflops=round(matmul_gflops(n=1024), 1))), flush=True)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from experiments import bench_replay, measure  # noqa: E402  (its flags: --reps, --dtype, ...)
+from experiments import bench_replay, flops  # noqa: E402  (its flags: --reps, --dtype, ...)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_multi_string("presets", ["hybrid_small", "small"], "model presets to compare")
@@ -47,8 +47,8 @@ def main(argv):
       runs = {m: bench_replay.spawn(m, P, T, R, "") if m in FLAGS.modes else {}
               for m in ("replay", "naive")}
       rep, nai = runs["replay"], runs["naive"]
-      flops = {m: measure.step_flops(cfg, B, R, P, T, m) for m in ("naive", "replay")}
-      flop_ratio = flops["naive"] / flops["replay"]
+      flop_ratio = flops.useful_flop_ratio(cfg, flops.flat(B, R, P, T, "naive"),
+                                           flops.flat(B, R, P, T, "replay"))
       row = dict(preset=preset, layer_types=list(cfg.layer_types or []), prefix_len=P,
                  tail_len=T, branches=R, prompts=B, dtype=FLAGS.dtype, timed=FLAGS.reps > 0,
                  reps=FLAGS.reps, flop_ratio=round(flop_ratio, 3),

@@ -231,11 +231,10 @@ def write_inputs(folder, P, T, R):
 def grad_agreement(path_ours, path_peer):
   """max over leaves of max|ours - peer| / max|peer| (and the worst leaf)."""
   import numpy as np
-  a, b = np.load(path_ours), np.load(path_peer)
-  if set(a.files) != set(b.files):
-    raise ValueError(f"gradient leaves differ: {sorted(set(a.files) ^ set(b.files))[:5]}")
-  errs = {k: float(np.max(np.abs(a[k] - b[k])) / (np.max(np.abs(b[k])) + 1e-30)) for k in b.files}
+  from experiments import compare
+  errs = compare.npz_rel_errs(path_ours, path_peer)
   worst = max(errs, key=errs.get)
+  a, b = np.load(path_ours), np.load(path_peer)
   close = all(np.allclose(a[k], b[k], rtol=1e-4, atol=1e-4 * np.max(np.abs(b[k])))
               for k in b.files)
   return errs[worst], worst, close
@@ -268,7 +267,8 @@ def main(argv):
                      "https://download.pytorch.org/whl/cpu")
   import numpy as np
   from experiments import provenance
-  from experiments.measure import matmul_gflops, step_flops
+  from experiments import flops
+  from experiments.measure import matmul_gflops
   P, T, R = FLAGS.prefix_len, FLAGS.tail_len, FLAGS.branches
   with tempfile.TemporaryDirectory() as folder:
     cfg = write_inputs(folder, P, T, R)
@@ -291,7 +291,7 @@ def main(argv):
       for w in workers.values():
         w.close()
     err, worst, close = grad_agreement(paths["ours"], paths["peer"])
-  flops = step_flops(cfg, 1, R, P, T, "replay")
+  useful = flops.step_flops(cfg, flops.flat(1, R, P, T, "replay"))
   med = {k: float(np.median(v)) for k, v in times.items()}
   row = dict(prefix_len=P, tail_len=T, branches=R, preset=FLAGS.preset, dtype="float32",
              threads=FLAGS.threads, reps=FLAGS.reps, order="ABBA", peer=PEER_NAME,
@@ -306,9 +306,9 @@ def main(argv):
              ours_peak_mb=round(peaks["ours"], 1), peer_peak_mb=round(peaks["peer"], 1),
              rss_note="peak RSS growth over the RSS after imports; both workers release "
                       "freed heap (malloc_trim) after their warm-up step",
-             useful_gflop=round(flops / 1e9, 2),
-             ours_gflops=round(flops / med["ours"] / 1e9, 1),
-             peer_gflops=round(flops / med["peer"] / 1e9, 1),
+             useful_gflop=round(useful / 1e9, 2),
+             ours_gflops=round(useful / med["ours"] / 1e9, 1),
+             peer_gflops=round(useful / med["peer"] / 1e9, 1),
              xla_matmul_gflops=round(matmul_gflops(), 1),
              torch_matmul_gflops=round(torch_matmul_gflops(FLAGS.threads), 1),
              loss_ours=losses["ours"], loss_peer=losses["peer"],

@@ -31,8 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-from experiments.measure import (PeakRSS, matmul_gflops, release_freed_heap,  # noqa: E402,F401
-                                 step_flops)
+from experiments import compare, flops  # noqa: E402
+from experiments.measure import PeakRSS, matmul_gflops, release_freed_heap  # noqa: E402,F401
 
 FLAGS = flags.FLAGS
 flags.DEFINE_multi_integer("prefix_len", [2048], "P: shared prefix tokens (repeatable)")
@@ -226,12 +226,6 @@ def spawn(mode, P, T, R, grads_out):
   return json.loads(lines[-1])
 
 
-def grad_max_rel_err(path_a, path_b):
-  import numpy as np
-  a, b = np.load(path_a), np.load(path_b)
-  return max(float(np.max(np.abs(a[k] - b[k])) / (np.max(np.abs(b[k])) + 1e-30)) for k in b)
-
-
 def main(argv):
   del argv
   if FLAGS.worker:
@@ -249,8 +243,8 @@ def main(argv):
                ("naive", "replay")}
       runs = {m: spawn(m, P, T, R, paths[m]) for m in ("replay", "naive")}
       value = FLAGS.loss == "value"
-      replay_flops = step_flops(cfg, B, R, P, T, "replay", value)
-      naive_flops = step_flops(cfg, B, R, P, T, "naive", value)
+      replay_flops = flops.step_flops(cfg, flops.flat(B, R, P, T, "replay"), value_head=value)
+      naive_flops = flops.step_flops(cfg, flops.flat(B, R, P, T, "naive"), value_head=value)
       rep, nai = runs["replay"], runs["naive"]
       row = dict(prefix_len=P, tail_len=T, branches=R, prompts=B,
                  preset=None if FLAGS.model_from else FLAGS.preset,
@@ -288,7 +282,7 @@ def main(argv):
         if "error" in runs[m]:
           row[f"{m}_error"] = runs[m]["error"]
       if FLAGS.check_grads and os.path.exists(paths["naive"]) and os.path.exists(paths["replay"]):
-        row["grad_max_rel_err"] = grad_max_rel_err(paths["replay"], paths["naive"])
+        row["grad_max_rel_err"] = compare.npz_max_rel_err(paths["replay"], paths["naive"])
         row["loss_abs_err"] = abs(rep["loss"] - nai["loss"])
       else:
         row["grad_max_rel_err"] = None

@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
+from experiments import compare, flops  # noqa: E402
 from experiments.measure import PeakRSS, matmul_gflops  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -53,15 +54,6 @@ flags.DEFINE_string("grads_out", "", "internal: where a worker saves its gradien
 flags.DEFINE_string("out", "", "also append the JSON lines to this file")
 
 
-# The measuring helpers of bench_replay.py (importing it would define its flags twice).
-
-
-def grad_max_rel_err(path_a, path_b):
-  import numpy as np
-  a, b = np.load(path_a), np.load(path_b)
-  return max(float(np.max(np.abs(a[k] - b[k])) / (np.max(np.abs(b[k])) + 1e-30)) for k in b)
-
-
 def _ints(text):
   return tuple(int(x) for x in text.split("x"))
 
@@ -69,30 +61,6 @@ def _ints(text):
 def model_config():
   from models import transformer as tfm
   return tfm.preset(FLAGS.preset, dtype=FLAGS.dtype, param_dtype=FLAGS.dtype)
-
-
-def step_flops(cfg, B, P, fanouts, lengths, mode):
-  """Matmul + attention FLOPs of one forward+backward (backward = 2x forward) as executed
-  (dense masked attention: every query x key score of a segment is computed)."""
-  D, N, K, H, F, V, L = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                         cfg.mlp_hidden, cfg.vocab_size, cfg.n_layers)
-  per_token = L * (D * (N + 2 * K) * H + N * H * D + 3 * D * F)
-  attn = lambda q, s: L * 2 * q * s * N * H
-  logits = lambda t: t * D * V
-  leaves, response = math.prod(fanouts), sum(lengths)
-  if mode == "naive":
-    S = P + response
-    macs = B * leaves * (S * per_token + attn(S, S) + logits(response))
-  elif mode == "flat":
-    macs = B * (P * per_token + attn(P, P)) + B * leaves * (
-        response * per_token + attn(response, P + response) + logits(response))
-  else:
-    macs = B * (P * per_token + attn(P, P))
-    keys = P
-    for d, T in enumerate(lengths, start=1):
-      keys += T
-      macs += B * math.prod(fanouts[:d]) * (T * per_token + attn(T, keys) + logits(T))
-  return 3 * 2 * macs
 
 
 def make_batches(cfg, B, P, fanouts, lengths):
@@ -190,9 +158,11 @@ def main(argv):
   row = dict(prefix_len=P, fanouts=FLAGS.fanouts, lengths=FLAGS.lengths, prompts=B,
              preset=FLAGS.preset, dtype=FLAGS.dtype, matmul_gflops=round(matmul_gflops(), 1),
              date=time.strftime("%Y-%m-%d"))
-  flops = {m: step_flops(cfg, B, P, fanouts, lengths, m) for m in ("naive", "flat", "tree")}
-  for m in ("flat", "tree"):
-    row[f"{m}_flop_ratio"] = round(flops["naive"] / flops[m], 3)  # useful-FLOP ratio
+  # FLOPs as executed (dense masked attention: every query x key score of a segment)
+  counts = {m: flops.step_flops(cfg, flops.tree(B, P, fanouts, lengths, m), dense=True)
+            for m in ("naive", "flat", "tree")}
+  for m, ratio in flops.tree_flop_ratios(cfg, B, P, fanouts, lengths).items():
+    row[f"{m}_flop_ratio"] = round(ratio, 3)  # naive's FLOPs over flat's / tree's
   with tempfile.TemporaryDirectory() as tmp:
     paths = {m: os.path.join(tmp, f"{m}.npz") if FLAGS.check_grads else "" for m in modes}
     runs = {m: spawn(m, paths[m]) for m in modes}
@@ -204,7 +174,7 @@ def main(argv):
       if "error" in r:
         row[f"{m}_error"] = r["error"]
       if r.get("seconds"):
-        row[f"{m}_gflops"] = round(flops[m] / r["seconds"] / 1e9, 1)
+        row[f"{m}_gflops"] = round(counts[m] / r["seconds"] / 1e9, 1)
     for m in ("flat", "tree"):
       if runs.get(m, {}).get("seconds") and runs.get("naive", {}).get("seconds"):
         row[f"{m}_speedup"] = round(runs["naive"]["seconds"] / runs[m]["seconds"], 3)
@@ -212,7 +182,7 @@ def main(argv):
                                                     row[f"{m}_flop_ratio"], 3)
       if FLAGS.check_grads and "naive" in runs and os.path.exists(paths.get(m, "")) and \
           os.path.exists(paths["naive"]):
-        row[f"{m}_grad_max_rel_err"] = grad_max_rel_err(paths[m], paths["naive"])
+        row[f"{m}_grad_max_rel_err"] = compare.npz_max_rel_err(paths[m], paths["naive"])
         row[f"{m}_loss_abs_err"] = abs(runs[m]["loss"] - runs["naive"]["loss"])
     if runs.get("flat", {}).get("seconds") and runs.get("tree", {}).get("seconds"):
       row["tree_over_flat_speedup"] = round(runs["flat"]["seconds"] / runs["tree"]["seconds"], 3)

@@ -4,7 +4,8 @@
   python experiments/cost_model.py --out=experiments/results/cost_model_blockwise_2026-11-30.jsonl \
       --markdown=experiments/results/cost_model_blockwise_2026-11-30.md
 
-1. Counting (from the model shape, `tfm.ModelConfig`): per layer and per path, matmul FLOPs
+1. Counting (experiments/flops.py`s layouts and per-position, per-pair, per-head MACs of the
+   model shape, `tfm.ModelConfig`): per layer and per path, matmul FLOPs
    (projections, MLP; the LM head once per scored position), attention FLOPs (QK^T and PV;
    `useful` = each causal query-key pair once, `executed` = what the kernel computes: dense
    masked attention computes every pair), HBM bytes of the element-wise passes, and memory
@@ -41,6 +42,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from experiments import flops  # noqa: E402
 from models import transformer as tfm  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -118,36 +120,10 @@ def param_count(cfg: tfm.ModelConfig) -> int:
   return V * D * (1 if cfg.tie_embeddings else 2) + L * layer + D
 
 
-def layer_macs_per_token(cfg: tfm.ModelConfig) -> int:
-  """Multiply-accumulates of one layer's projections and MLP for one position."""
-  D, N, K, H, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_hidden
-  return D * (N + 2 * K) * H + N * H * D + 3 * D * F
-
-
-def self_pairs(n: int, executed_dense: bool) -> int:
-  """Query-key pairs of causal self-attention over n positions."""
-  return n * n if executed_dense else n * (n + 1) // 2
-
-
-def tail_pairs(P: int, T: int, executed_dense: bool) -> int:
-  """Pairs of T tail queries against P context keys and their own causal keys."""
-  return T * (P + T) if executed_dense else T * P + T * (T + 1) // 2
-
-
 def segments(shape: Shape, mode: str):
-  """(sequences, positions each, attention pairs each as (useful, dense)) of a path."""
-  B, R, P, T = shape.B, shape.R, shape.P, shape.T
-  if mode == "naive":
-    return [dict(name="full", n=B * R, tokens=P + T, pairs=(self_pairs(P + T, False),
-                                                            self_pairs(P + T, True)),
-                 keys=P + T, scored=T)]
-  if mode == "replay":
-    return [dict(name="prefix", n=B, tokens=P, pairs=(self_pairs(P, False), self_pairs(P, True)),
-                 keys=P, scored=0),
-            dict(name="tails", n=B * R, tokens=T, pairs=(tail_pairs(P, T, False),
-                                                         tail_pairs(P, T, True)),
-                 keys=P + T, scored=T)]
-  raise ValueError(f"mode={mode!r}: expected 'naive' or 'replay'")
+  """The path's layout (experiments/flops.py): naive's B*R sequences, or replay's prefix and
+  tails."""
+  return flops.flat(shape.B, shape.R, shape.P, shape.T, mode)
 
 
 def step_counts(cfg: tfm.ModelConfig, shape: Shape, mode: str, ex: Execution) -> dict:
@@ -156,27 +132,27 @@ def step_counts(cfg: tfm.ModelConfig, shape: Shape, mode: str, ex: Execution) ->
   matmul_flops: projections + MLP (fwd 1, bwd 2, remat +1) and the LM head at the scored
   positions (fwd 1, bwd 2). attention_flops: QK^T + PV as executed by `ex.attention`
   (dense: every pair, bwd 2x; flash: causal pairs once, bwd 2.5x), remat +1 forward.
-  useful_attention_flops: causal pairs once, fwd 1 + bwd 2 (the work any exact method needs).
+  useful_attention_flops: causal pairs once, fwd 1 + bwd 2 (the work any exact method needs);
+  matmul_flops + useful_attention_flops = flops.step_flops (causal), without remat.
   """
-  L, N, H, D, V = cfg.n_layers, cfg.n_heads, cfg.head_dim, cfg.d_model, cfg.vocab_size
   fwd_passes = 2 if ex.remat else 1
   attn_bwd = 2.0 if ex.attention == "dense" else 2.5
+  pos, pair, head_macs = flops.position_macs(cfg), flops.pair_macs(cfg), flops.head_macs(cfg)
   out = dict(matmul_flops=0.0, attention_flops=0.0, useful_attention_flops=0.0,
              head_flops=0.0, tokens=0, per_segment={})
   for seg in segments(shape, mode):
-    n, tok = seg["n"], seg["tokens"]
-    useful, dense = seg["pairs"]
-    pairs = dense if ex.attention == "dense" else useful
-    layers_mm = 2 * n * tok * layer_macs_per_token(cfg) * L * (fwd_passes + 2)
-    head = 2 * n * seg["scored"] * D * V * 3
-    attn = 2 * 2 * n * pairs * N * H * L * (fwd_passes + attn_bwd)
+    n, tok = seg.n, seg.tokens
+    pairs = seg.pairs(dense=ex.attention == "dense")
+    layers_mm = 2 * n * tok * pos * (fwd_passes + 2)
+    head = 2 * n * seg.scored * head_macs * 3
+    attn = 2 * n * pairs * pair * (fwd_passes + attn_bwd)
     out["matmul_flops"] += layers_mm + head
     out["head_flops"] += head
     out["attention_flops"] += attn
-    out["useful_attention_flops"] += 2 * 2 * n * useful * N * H * L * 3
+    out["useful_attention_flops"] += 2 * n * seg.pairs() * pair * 3
     out["tokens"] += n * tok
-    out["per_segment"][seg["name"]] = dict(matmul_flops=layers_mm + head, attention_flops=attn,
-                                           tokens=n * tok, pairs=n * pairs)
+    out["per_segment"][seg.name] = dict(matmul_flops=layers_mm + head, attention_flops=attn,
+                                        tokens=n * tok, pairs=n * pairs)
   out["total_flops"] = out["matmul_flops"] + out["attention_flops"]
   return out
 
@@ -207,21 +183,21 @@ def _saved_per_layer(cfg, shape, mode, ex, per_device=True) -> float:
   b = ex.compute_bytes
   total = 0.0
   for seg in segments(shape, mode):
-    n = seg["n"]
+    n = seg.n
     if mode == "naive" and ex.naive_microbatch:
       n = min(n, ex.naive_microbatch)
-    tok = seg["tokens"]
+    tok = seg.tokens
     if per_device:
-      tok = tok / ex.context if seg["name"] in ("prefix", "full") else tok
-      n = math.ceil(n / ex.context) if seg["name"] == "tails" else n
+      tok = tok / ex.context if seg.name in ("prefix", "full") else tok
+      n = math.ceil(n / ex.context) if seg.name == "tails" else n
     if ex.remat:
       total += n * tok * D * b  # the layer input only
       continue
     # x, two norm outputs, q, k, v (roped), attention out, gate, up, act*up, + the scores
     total += n * tok * (4 * D + (N + 2 * K) * H * 2 + N * H + 3 * F) * b
-    useful, dense = seg["pairs"]
+    dense = seg.pairs(dense=True)
     if ex.attention == "dense":
-      total += n * (dense / (seg["tokens"] / tok)) * N * 4  # fp32 probabilities
+      total += n * (dense / (seg.tokens / tok)) * N * 4  # fp32 probabilities
     else:
       total += n * tok * N * 4  # the log-sum-exp
   return total
@@ -236,7 +212,7 @@ def memory(cfg: tfm.ModelConfig, shape: Shape, mode: str, ex: Execution) -> dict
   n_params = param_count(cfg)
   parts = {}
   parts["params_grads_optimizer"] = n_params * (2 * ex.master_bytes + ex.optimizer_bytes) / ex.shard
-  gathered_layer = layer_macs_per_token(cfg) * b  # one layer's weights in the compute dtype
+  gathered_layer = flops.layer_macs(cfg) * b  # one layer's weights in the compute dtype
   parts["gathered_weights"] = (2 * gathered_layer + V * D * b) if ex.shard > 1 else 0.0
   parts["saved_residuals"] = L * _saved_per_layer(cfg, shape, mode, ex)
   B, R, P, T = shape.B, shape.R, shape.P, shape.T

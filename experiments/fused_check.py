@@ -19,6 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
+from experiments import compare  # noqa: E402
+
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("kernel", "tokamax", ["tokamax", "reference"], "reference: tokamax's "
                   "contract in plain jax (checks the dispatch and merge on a CPU)")
@@ -28,16 +30,6 @@ flags.DEFINE_integer("tail_len", 64, "T")
 flags.DEFINE_integer("branches", 4, "R")
 flags.DEFINE_float("rtol", 1e-3, "per-leaf tolerance relative to the leaf's max")
 flags.DEFINE_string("out", "", "append the JSON line here")
-
-
-def rel_errs(a_tree, b_tree, names):
-  import jax
-  import numpy as np
-  out = {}
-  for name, a, b in zip(names, jax.tree.leaves(a_tree), jax.tree.leaves(b_tree), strict=True):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    out[name] = float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30)) if b.size else 0.0
-  return out
 
 
 def attention_check():
@@ -70,7 +62,7 @@ def attention_check():
     return o, g
 
   names = ["out", "dq", "dk_prefix", "dv_prefix", "dk_own", "dv_own"]
-  return rel_errs(run("fused"), run("blockwise"), names)
+  return compare.tree_rel_errs(run("fused"), run("blockwise"), names)
 
 
 def step_check():
@@ -95,7 +87,7 @@ def step_check():
       for impl, c in cfgs.items()}
   names = ["loss"] + [jax.tree_util.keystr(k) for k, _ in
                       jax.tree_util.tree_leaves_with_path(params)]
-  return rel_errs(out["fused"], out["blockwise"], names)
+  return compare.tree_rel_errs(out["fused"], out["blockwise"], names)
 
 
 def main(argv):

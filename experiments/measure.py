@@ -1,5 +1,5 @@
 """Measuring helpers shared by the benchmarks (flag-free, importable anywhere): the machine's
-matmul rate, a thread sampling this process's peak RSS, and the useful FLOPs of a step."""
+matmul rate, a thread sampling this process's peak RSS (a step's FLOPs: experiments/flops.py)."""
 
 from __future__ import annotations
 
@@ -59,36 +59,6 @@ class PeakRSS:
   def __exit__(self, *exc):
     self._stop = True
     self._thread.join()
-
-
-def step_flops(cfg, B, R, P, T, mode, value_head=False):
-  """*Useful* matmul + attention FLOPs of one forward+backward (backward = 2x forward):
-  causal attention counts each allowed query x key pair once (not the masked half), and
-  remat's recomputation is not counted; linear-attention layers (hybrid models) cost per
-  position, independent of length. value_head: a critic's D -> 1 head in place of the
-  D -> V logits."""
-  D, N, K, H, F, V = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                      cfg.mlp_hidden, 1 if value_head else cfg.vocab_size)
-  kinds = [cfg.layer_type(i) for i in range(cfg.n_layers)]
-  n_full, n_lin = kinds.count("full_attention"), kinds.count("linear_attention")
-  gate = N * H * D if cfg.attn_output_gate else 0  # a gated attention output (Qwen3.5)
-  full_tok = D * (N + 2 * K) * H + N * H * D + gate + 3 * D * F  # MACs per position
-  lin_tok = 0
-  if n_lin:  # a Gated DeltaNet layer: projections, short convolution, the recurrence, MLP
-    Kl, Nl = cfg.linear_key_heads, cfg.linear_value_heads
-    Hl, J, Wc = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel
-    C = 2 * Kl * Hl + Nl * J
-    lin_tok = (D * C + D * Nl * J + 2 * D * Nl + Nl * J * D + C * Wc + 3 * Nl * Hl * J
-               + 3 * D * F)
-  per_token = n_full * full_tok + n_lin * lin_tok
-  pairs = lambda n: n * (n + 1) / 2  # causal query x key pairs of n positions
-  attn = lambda n_pairs: n_full * 2 * n_pairs * N * H  # QK^T and PV MACs (full layers only)
-  if mode == "naive":
-    macs = B * R * ((P + T) * per_token + attn(pairs(P + T)) + T * D * V)
-  else:
-    macs = (B * (P * per_token + attn(pairs(P)))
-            + B * R * (T * per_token + attn(T * P + pairs(T)) + T * D * V))
-  return 3 * 2 * macs
 
 
 def compile_replay_step(cfg, mesh, B: int, P: int, R: int, T: int):

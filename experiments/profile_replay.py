@@ -187,12 +187,13 @@ def top_ops(step, params, batch):
 def main(argv):
   del argv
   from experiments import provenance
-  from experiments.measure import matmul_gflops, step_flops
+  from experiments import flops
+  from experiments.measure import matmul_gflops
   P, T, R = FLAGS.prefix_len, FLAGS.tail_len, FLAGS.branches
   cfg, params, batch = make_inputs(P, T, R)
   stages, step = stage_times(cfg, params, batch)
   ops, traced_s = top_ops(step, params, batch)
-  flops = step_flops(cfg, 1, R, P, T, "replay")
+  useful = flops.step_flops(cfg, flops.flat(1, R, P, T, "replay"))
   rate = matmul_gflops()
   prov = provenance.provenance()
   shape = dict(prefix_len=P, tail_len=T, branches=R, preset=FLAGS.preset, dtype="float32")
@@ -202,10 +203,10 @@ def main(argv):
     wall, cpu = stages[name]
     lines.append(dict(kind="stage", stage=name, seconds=round(wall, 4), cpu_seconds=round(cpu, 4),
                       share_of_step=round(wall / stages["step"][0], 3), **shape))
-  lines.append(dict(kind="summary", useful_gflop=round(flops / 1e9, 2),
-                    step_gflops=round(flops / stages["step"][0] / 1e9, 1),
+  lines.append(dict(kind="summary", useful_gflop=round(useful / 1e9, 2),
+                    step_gflops=round(useful / stages["step"][0] / 1e9, 1),
                     matmul_gflops=round(rate, 1),
-                    matmul_frac=round(flops / stages["step"][0] / 1e9 / rate, 3),
+                    matmul_frac=round(useful / stages["step"][0] / 1e9 / rate, 3),
                     traced_thunk_s_per_step=round(traced_s, 4), **shape))
   lines += [dict(kind="op", rank=i + 1, **op, **shape) for i, op in enumerate(ops)]
   lines = [dict(line, provenance=prov) for line in lines]

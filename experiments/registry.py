@@ -56,6 +56,9 @@ KINDS = {
     "table_specs": "what each rendered table reads",
     "registry": "this table",
     "measure": "measuring helpers shared by the benchmarks",
+    "flops": "FLOPs of a step from the model shape (every benchmark and the cost model)",
+    "compare": "relative error of one gradient against another (the benchmarks' checks)",
+    "base": "experiments/configs/base.py: the model and schedule the run configs share",
     "hlo_collectives": "the collectives of a compiled HLO module, counted as executed",
   },
 }

@@ -36,6 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
+from experiments import compare, flops  # noqa: E402
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("strategies", "sampler_t1,file_t07,greedy_noise,shared_open", "which")
 flags.DEFINE_string("preset", "small", "model preset")
@@ -46,20 +48,6 @@ flags.DEFINE_integer("opening", 32, "(d): shared opening tokens")
 flags.DEFINE_integer("prompts", 1, "B")
 flags.DEFINE_integer("reps", 3, "timed steps after a warm-up (median)")
 flags.DEFINE_string("out", "", "append JSON lines here")
-
-
-def flops(cfg, B, root_len, levels):
-  """Matmul + attention FLOPs of forward+backward (3x forward) over a root and levels of
-  (nodes per prompt, tokens per node), keys = the node's ancestors + itself."""
-  D, N, K, H, F, V, L = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                         cfg.mlp_hidden, cfg.vocab_size, cfg.n_layers)
-  per_token = L * (D * (N + 2 * K) * H + N * H * D + 3 * D * F)
-  attn = lambda q, s: L * 2 * q * s * N * H
-  macs, keys = B * (root_len * per_token + attn(root_len, root_len)), root_len
-  for nodes, T in levels:
-    keys += T
-    macs += B * nodes * (T * per_token + attn(T, keys) + T * D * V)
-  return 3 * 2 * macs
 
 
 def responses_of(strategy, params, cfg, prompts, rng, tmp):
@@ -143,7 +131,6 @@ def main(argv):
   from branch_replay import engine, losses, policy, trie
   from experiments import provenance
   from models import transformer as tfm
-  from tests.replay_test import max_rel_err
   cfg = tfm.preset(FLAGS.preset)
   params = tfm.init_params(cfg, jax.random.key(0))
   rng = np.random.default_rng(0)
@@ -169,8 +156,10 @@ def main(argv):
           flat_fn, (params, flat), tree_fn, (params, tree_batch))
       levels = [(int(np.prod(stats["fanouts"][:d + 1])), l.tokens_BRT.shape[2])
                 for d, l in enumerate(tree_batch.levels)]
-      flop_ratio = flops(cfg, B, P, [(R, T)]) / flops(cfg, B, tree_batch.root_BP.shape[1],
-                                                      levels)
+      # as executed (dense: every score of a segment), the tree's levels against flat's tails
+      flop_ratio = flops.useful_flop_ratio(
+          cfg, flops.flat(B, R, P, T, "replay"),
+          flops.levels(B, tree_batch.root_BP.shape[1], levels), dense=True)
       row = dict(strategy=strategy, source=os.path.basename(source), preset=FLAGS.preset,
                  B=B, R=R, P=P, T=T, fanouts="x".join(map(str, stats["fanouts"])),
                  trunk_len=stats["trunk_len"],
@@ -183,7 +172,7 @@ def main(argv):
                  speedup_over_flop_ratio=round(flat_s / tree_s / flop_ratio, 3),
                  speedup_cpu_over_flop_ratio=round(flat_cpu / tree_cpu / flop_ratio, 3),
                  loss_rel_err=float(abs(lt - lf) / max(abs(lf), 1e-30)),
-                 grad_max_rel_err=max_rel_err(gt, gf), reps=FLAGS.reps)
+                 grad_max_rel_err=compare.tree_max_rel_err(gt, gf), reps=FLAGS.reps)
       if writer:
         writer.write(row)
       else:

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from experiments import bench_replay, cost_model as cm
+from experiments import cost_model as cm, flops
 from models import transformer as tfm
 
 # D=4, N=2 query heads, K=1 kv head, H=2, F=3, V=5, L=1.
@@ -19,7 +19,7 @@ SHAPE = cm.Shape(B=1, R=2, P=3, T=2)
 
 def test_flops_of_a_tiny_shape_equal_a_hand_count():
   # Per position, MACs of one layer: q 4*2*2=16, k 4*1*2=8, v 8, o 2*2*4=16, MLP 3*4*3=36.
-  assert cm.layer_macs_per_token(TINY) == 16 + 8 + 8 + 16 + 36 == 84
+  assert flops.layer_macs(TINY) == 16 + 8 + 8 + 16 + 36 == 84
   # Causal pairs: prefix of 3: 3+2+1 = 6 (dense 9); a tail of 2 after 3: 2*3 + (1+2) = 9
   # (dense 2*5 = 10); the naive sequence of 5: 15 (dense 25).
   useful = cm.Execution(attention="flash")
@@ -45,13 +45,14 @@ def test_flops_of_a_tiny_shape_equal_a_hand_count():
 
 @pytest.mark.parametrize("preset,P,T,R,B", [("small", 512, 64, 8, 1), ("large", 2048, 512, 16, 2),
                                             ("tiny", 7, 3, 5, 3)])
-def test_useful_counts_equal_the_benchmarks_independent_count(preset, P, T, R, B):
-  """bench_replay.step_flops counts *useful* FLOPs (causal pairs once, no remat)."""
+def test_useful_counts_equal_the_benchmarks_count(preset, P, T, R, B):
+  """The benchmarks count *useful* FLOPs (flops.step_flops: causal pairs once, no remat);
+  the cost model's split by kind sums to them."""
   cfg = tfm.preset(preset)
   for mode in ("naive", "replay"):
     ours = cm.step_counts(cfg, cm.Shape(B, R, P, T), mode, cm.Execution("flash"))
     useful = ours["matmul_flops"] + ours["useful_attention_flops"]
-    assert useful == pytest.approx(bench_replay.step_flops(cfg, B, R, P, T, mode), rel=1e-12)
+    assert useful == flops.step_flops(cfg, flops.flat(B, R, P, T, mode))
 
 
 def test_param_count_equals_the_model_and_llama3_8b():
@@ -109,6 +110,30 @@ def test_fit_errors_are_computed_from_the_results_files():
     errs = [abs(p["rel_err"]) for p in points if p["machine"] == m]
     assert f["max_abs_rel_err"] == max(errs) and f["n_points"] == len(errs)
     assert f["within_30pct"] == sum(e <= 0.3 for e in errs)
+
+
+def test_the_committed_cost_model_file_is_reproduced_bit_for_bit():
+  """Every line of cost_model_blockwise_2026-11-30.jsonl but its provenance (fits, points'
+  FLOP counts, memory points, predictions) and its .md from today's counting, with its
+  command's defaults (--tail_len=512 --tail_len=4096, flash efficiency 0.35 in 0.2..0.55)."""
+  paths = [os.path.join(cm.RESULTS, p) for p in cm.DEFAULT_POINTS]
+  points = cm.load_points(paths)
+  fits = cm.fit(points)
+  got = ([{"kind": "fit", "machine": m, **f} for m, f in fits.items()]
+         + [{"kind": "fit_point", **p} for p in points]
+         + [{"kind": "memory_point", **m} for m in cm.memory_points(paths)]
+         + cm.predictions(fits, [512, 4096], 0.35, (0.2, 0.55), None))
+  with open(os.path.join(cm.RESULTS, "cost_model_blockwise_2026-11-30.jsonl")) as f:
+    want = [json.loads(line) for line in f]
+  for row in want:
+    del row["provenance"], row["experiment"]
+  assert len(got) == len(want) == 95
+  for g, w in zip(json.loads(json.dumps(got)), want):
+    assert g == w, {k: (g.get(k), w.get(k)) for k in set(g) | set(w) if g.get(k) != w.get(k)}
+  preds = got[-len([r for r in want if r["kind"] == "prediction"]):]
+  md = cm.markdown(fits, points, preds, cm.memory_points(paths))
+  with open(os.path.join(cm.RESULTS, "cost_model_blockwise_2026-11-30.md")) as f:
+    assert md + "\n" == f.read()  # and its markdown tables
 
 
 def test_fit_recovers_known_rates_and_reports_a_perturbed_point():

@@ -12,24 +12,12 @@ Measured (seed 0): experiments/results/default_run_2026-12-02.jsonl (its
 `kind: summary` line; the table `default_run` in docs/training.md renders it).
 """
 
-from branch_replay.config import Config, ReplayConfig, TrainConfig
-from branch_replay.losses import LossConfig
 from branch_replay.sampler import SamplerConfig
 from branch_replay.tasks import TaskConfig
-from branch_replay.tokenizer import TOKENIZER
-from models.transformer import ModelConfig
+from experiments.configs import base
 
 
-def get_config() -> Config:
-  return Config(
-      model=ModelConfig(vocab_size=TOKENIZER.vocab_size, d_model=64, n_layers=2, n_heads=4,
-                        n_kv_heads=4, head_dim=16, mlp_hidden=128),
-      loss=LossConfig(name="grpo", aggregation="token_mean", epsilon=0.2),
-      replay=ReplayConfig(mode="replay"),
-      train=TrainConfig(seed=0, sft_steps=600, sft_batch_size=32, sft_learning_rate=3e-3,
-                        rl_steps=150, batch_size=8, n_branches=8, learning_rate=1e-3,
-                        checkpoint_every=50, keep_checkpoints=2, eval_size=128),
-      sampler=SamplerConfig(max_new_tokens=3, temperature=1.0),
-      task=TaskConfig(name="haystack", prompt_len=256, n_keys=4, value_len=1,
-                      sft_prompt_len=32),
-  )
+def get_config():
+  return base.config(
+      TaskConfig(name="haystack", prompt_len=256, n_keys=4, value_len=1, sft_prompt_len=32),
+      sampler=SamplerConfig(max_new_tokens=3))

@@ -13,25 +13,17 @@ Measured (seed 0): experiments/results/jsonl_reverse_2026-11-30.jsonl (read in
 docs/training.md).
 """
 
-from branch_replay.config import Config, ReplayConfig, TrainConfig
-from branch_replay.losses import LossConfig
 from branch_replay.sampler import SamplerConfig
 from branch_replay.tasks import TaskConfig
-from branch_replay.tokenizer import TOKENIZER
-from models.transformer import ModelConfig
+from experiments.configs import base
 
 
-def get_config() -> Config:
-  return Config(
-      model=ModelConfig(vocab_size=TOKENIZER.vocab_size, d_model=128, n_layers=2, n_heads=4,
-                        n_kv_heads=4, head_dim=32, mlp_hidden=256),
-      loss=LossConfig(name="grpo", aggregation="token_mean", epsilon=0.2),
-      replay=ReplayConfig(mode="replay"),
-      train=TrainConfig(seed=0, sft_steps=1500, sft_batch_size=32, sft_learning_rate=1e-3,
-                        rl_steps=100, batch_size=8, n_branches=8, learning_rate=3e-4,
-                        weight_decay=0.1, checkpoint_every=100, keep_checkpoints=2,
-                        eval_size=40),
-      sampler=SamplerConfig(max_new_tokens=6, temperature=1.0),
-      task=TaskConfig(name="jsonl", path="experiments/data/reverse.jsonl", prompt_len=16,
-                      reward="exact_match"),
-  )
+def get_config():
+  return base.config(
+      TaskConfig(name="jsonl", path="experiments/data/reverse.jsonl", prompt_len=16,
+                 reward="exact_match"),
+      model=base.WIDE_MODEL,
+      train=base.train(sft_steps=1500, sft_learning_rate=1e-3, rl_steps=100,
+                       learning_rate=3e-4, weight_decay=0.1, checkpoint_every=100,
+                       eval_size=40),
+      sampler=SamplerConfig(max_new_tokens=6))

@@ -30,12 +30,12 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from branch_replay.config import Config, ReplayConfig, TrainConfig  # noqa: E402
-from branch_replay.losses import LossConfig  # noqa: E402
+import dataclasses  # noqa: E402
+
+from branch_replay.config import TrainConfig  # noqa: E402
 from branch_replay.sampler import SamplerConfig  # noqa: E402
 from branch_replay.tasks import TaskConfig  # noqa: E402
-from branch_replay.tokenizer import TOKENIZER  # noqa: E402
-from models.transformer import ModelConfig  # noqa: E402
+from experiments.configs import base  # noqa: E402
 
 DATA = os.path.join(ROOT, "experiments", "data", "math.jsonl")
 SHOTS = 2
@@ -72,19 +72,15 @@ def build_prompts(data: str = DATA, shots: int = SHOTS, out: str = "") -> str:
   return out
 
 
-def get_config() -> Config:
-  return Config(
-      model=ModelConfig(vocab_size=TOKENIZER.vocab_size, d_model=128, n_layers=2, n_heads=4,
-                        n_kv_heads=2, head_dim=32, mlp_hidden=256),
-      loss=LossConfig(name="grpo", aggregation="token_mean", epsilon=0.2),
-      replay=ReplayConfig(mode="replay"),
+def get_config():
+  # No warm-up (an imported checkpoint already answers): its own short schedule.
+  return base.config(
+      TaskConfig(name="jsonl", path=build_prompts(), prompt_len=768, reward="final_number"),
+      model=dataclasses.replace(base.WIDE_MODEL, n_kv_heads=2),
       train=TrainConfig(seed=0, sft_steps=0, rl_steps=20, batch_size=2, n_branches=4,
                         learning_rate=1e-4, checkpoint_every=20, keep_checkpoints=1,
                         eval_size=4),
-      sampler=SamplerConfig(max_new_tokens=80, temperature=1.0),
-      task=TaskConfig(name="jsonl", path=build_prompts(), prompt_len=768,
-                      reward="final_number"),
-  )
+      sampler=SamplerConfig(max_new_tokens=80))
 
 
 def write_tiny_checkpoint(path: str, data: str = DATA, vocab: int = 384) -> str:

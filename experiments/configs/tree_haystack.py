@@ -15,26 +15,13 @@ No results file records a run of it yet: convert a finished workdir with
 experiments/provenance.py --workdir=... before quoting a number of it.
 """
 
-from branch_replay.config import Config, ReplayConfig, TrainConfig
-from branch_replay.losses import LossConfig
-from branch_replay.sampler import SamplerConfig
 from branch_replay.tasks import TaskConfig
-from branch_replay.tokenizer import TOKENIZER
 from branch_replay.tree import TreeConfig
-from models.transformer import ModelConfig
+from experiments.configs import base
 
 
-def get_config() -> Config:
-  return Config(
-      model=ModelConfig(vocab_size=TOKENIZER.vocab_size, d_model=64, n_layers=2, n_heads=4,
-                        n_kv_heads=4, head_dim=16, mlp_hidden=128),
-      loss=LossConfig(name="grpo", aggregation="token_mean", epsilon=0.2),
-      replay=ReplayConfig(mode="replay"),
-      train=TrainConfig(seed=0, sft_steps=600, sft_batch_size=32, sft_learning_rate=3e-3,
-                        rl_steps=150, batch_size=8, learning_rate=1e-3,
-                        checkpoint_every=50, keep_checkpoints=2, eval_size=128),
-      sampler=SamplerConfig(temperature=1.0),
-      task=TaskConfig(name="tree_haystack", prompt_len=256, n_keys=4, value_len=1,
-                      sft_prompt_len=32),
-      tree=TreeConfig(fanouts="4x4"),
-  )
+def get_config():
+  return base.config(
+      TaskConfig(name="tree_haystack", prompt_len=256, n_keys=4, value_len=1,
+                 sft_prompt_len=32),
+      tree=TreeConfig(fanouts="4x4"))

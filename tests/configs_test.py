@@ -1,0 +1,43 @@
+"""The run configs, built from experiments/configs/base.py, equal what they were before the
+shared base (a frozen dump of each get_config() made at d1fa8e0)."""
+
+import json
+import os
+import tempfile
+
+import pytest
+
+from branch_replay import config
+from experiments import registry
+from experiments.configs import base
+
+FROZEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "configs_d1fa8e0.json")
+
+
+def dump(cfg) -> dict:
+  """config.to_dict with the temp directory (math_jsonl's prompts file) as <tmp>."""
+  text = json.dumps(config.to_dict(cfg), sort_keys=True)
+  return json.loads(text.replace(tempfile.gettempdir(), "<tmp>"))
+
+
+def test_the_frozen_dump_covers_every_config():
+  with open(FROZEN) as f:
+    assert sorted(json.load(f)) == sorted(registry.CONFIGS)
+
+
+@pytest.mark.parametrize("name", registry.CONFIGS)
+def test_each_config_equals_its_dump_at_d1fa8e0(name):
+  with open(FROZEN) as f:
+    frozen = json.load(f)[name]
+  cfg = registry.get_config(name)
+  assert dump(cfg) == frozen
+  # and as a Config: the dump read back (temp directory restored) is == the config
+  text = json.dumps(frozen).replace("<tmp>", tempfile.gettempdir())
+  assert config.from_dict(json.loads(text)) == cfg
+
+
+def test_base_is_what_the_haystack_configs_share():
+  for name in ("grpo_haystack", "tree_haystack"):
+    cfg = registry.get_config(name)
+    assert (cfg.model, cfg.loss, cfg.train) == (base.MODEL, base.LOSS, base.TRAIN), name
+  assert base.train(rl_steps=3).rl_steps == 3 and base.TRAIN.rl_steps == 150
