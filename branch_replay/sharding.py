@@ -35,6 +35,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from branch_replay import engine, losses, policy, replay, tree
 from branch_replay.batch import ReplayBatch
 from branch_replay.tree import TreeBatch
+from models import context_parallel
 from models import transformer as tfm
 
 # The mesh axes, declared once (role words; sizes come from a spec such as "fsdp:4,context:2").
@@ -293,10 +294,11 @@ def engine_loss_and_grad(mesh: Mesh, params, batch, model_cfg: tfm.ModelConfig,
     prefill = sharded_prefill(mesh, lambda p, _: root_fn(p))
     return lambda p: prefill(p, None)
 
-  loss, aux_BR, grads = engine.replay_loss_and_grad(
-      params, batch, model_cfg, loss_cfg, branch_chunk, root_wrap=root_wrap,
-      cache_constraint=lambda level, cache: root_constraint(cache) if level == 0 else cache,
-      params_fn=params_fn, head=head)
+  with context_parallel.sharded_tails(mesh, RULES):  # each tail layer gathers its K/V once
+    loss, aux_BR, grads = engine.replay_loss_and_grad(
+        params, batch, model_cfg, loss_cfg, branch_chunk, root_wrap=root_wrap,
+        cache_constraint=lambda level, cache: root_constraint(cache) if level == 0 else cache,
+        params_fn=params_fn, head=head)
   aux_BR = constrain(aux_BR, jax.tree.map(  # per leaf, split like the leaves
       lambda x: named_sharding(mesh, "aux", x.shape, ("batch", "branch")), aux_BR))
   return loss, aux_BR, (grads if params_fn is not None else constrain(grads, p_shardings))
