@@ -13,12 +13,13 @@ trip counts multiplied) by category against `comm_formula` from the shapes; the 
 model's step time per GPU (experiments/cost_model.py: FLOPs / calibrated rate + elementwise
 + this row's communication over cost_model's link_gbps).
 
---params=fsdp is the code as it is (RULES: parameters sharded over `fsdp` only; on
-context:8 every device holds all 8B parameters and their AdamW moments). --params=
-fsdp_context shards them over `fsdp` x `context` (ZeRO-3 over every device of the mesh):
-the rule change `("embed", ("fsdp", "context"))`, applied here by replacing sharding.RULES
-in the worker, values unchanged (a sharding only). B=1: the batch maps to (data, fsdp), so
-a mesh with data*fsdp > 1 cannot split one prompt (ValueError from the batch shardings).
+--params=fsdp_context is the code as it is (sharding.param_rules: on a mesh with a `context`
+axis parameters are sharded over `fsdp` x `context`, ZeRO-3 over every device of the mesh).
+--params=fsdp is the rule before it (RULES: parameters over `fsdp` only; on context:8 every
+device holds all 8B parameters and their AdamW moments), applied here by replacing
+sharding.param_rules in the worker, values unchanged (a sharding only). B=1: the batch maps
+to (data, fsdp), so a mesh with data*fsdp > 1 cannot split one prompt (ValueError from the
+batch shardings).
 """
 
 from __future__ import annotations
@@ -85,12 +86,6 @@ def mesh_sizes(spec: str, n_devices: int = N_DEVICES) -> dict[str, int]:
   """The mesh's axis sizes; ValueError unless they use exactly n_devices."""
   from branch_replay import sharding
   return sharding.parse_mesh_spec(spec, n_devices)
-
-
-def fsdp_context_rules(rules):
-  """RULES with parameters' d_model sharded over fsdp x context (ZeRO-3 over the mesh)."""
-  return tuple(("embed", ("fsdp", "context")) if name == "embed" else (name, axes)
-               for name, axes in rules)
 
 
 def check_row(P: int, spec: str, params: str, B: int, n_devices: int = N_DEVICES) -> dict:
@@ -224,9 +219,9 @@ def worker(P: int, spec: str, params_rule: str, model: str = "llama3_8b", B: int
   cfg = model_config(model)
   n = math.prod(int(s.split(":")[1]) for s in spec.split(","))
   sizes = check_row(P, spec, params_rule, B, n)
-  rules, cache_axes = sharding.RULES, sharding.CACHE_AXES
-  if params_rule == "fsdp_context":
-    sharding.RULES = fsdp_context_rules(rules)
+  param_rules, cache_axes = sharding.param_rules, sharding.CACHE_AXES
+  if params_rule == "fsdp":  # the rule before param_rules: parameters over fsdp only
+    sharding.param_rules = lambda mesh: sharding.RULES
   if cache == "gathered":  # the crossing's layout before the cache stayed sharded
     sharding.CACHE_AXES = dict(cache_axes, kv=("batch", None, "kv_heads", "head_dim"))
   elif cache != "sharded":
@@ -235,7 +230,7 @@ def worker(P: int, spec: str, params_rule: str, model: str = "llama3_8b", B: int
     return dict(_compile_row(cfg, P, spec, params_rule, model, B, R, T, n, sizes, hlo_dir,
                              cache), cache=cache)
   finally:
-    sharding.RULES, sharding.CACHE_AXES = rules, cache_axes
+    sharding.param_rules, sharding.CACHE_AXES = param_rules, cache_axes
 
 
 def _compile_row(cfg, P, spec, params_rule, model, B, R, T, n, sizes, hlo_dir, cache):

@@ -5,12 +5,14 @@ reduce-scatter of dK/dV); bad input fails before compilation naming the field an
 
 import math
 import re
+from unittest import mock
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec
 
 from branch_replay import engine, losses, policy, sharding, tree
 from branch_replay.batch import validate
@@ -59,6 +61,9 @@ def test_context_parallel_replay_equals_single_device_and_naive(spec):
     assert_equal_f64(ref["replay"], ref["naive"])
     n = math.prod(int(item.split(":")[1]) for item in spec.split(","))
     mesh = sharding.make_mesh(spec, jax.devices()[:n])
+    # The default on a context mesh: parameters over fsdp x context (param_rules).
+    assert all("context" in str(s.spec) for s in jax.tree.leaves(
+        sharding.param_shardings(mesh, cfg)) if "fsdp" in str(s.spec))
     got = on_mesh(mesh, cfg, params, batch)
     assert_equal_f64(got, ref["replay"])
     assert_equal_f64(got, ref["naive"])
@@ -91,19 +96,22 @@ COLLECTIVE = re.compile(r"=\s*(\w+)\[([\d,]*)\]\S*\s+(all-gather|reduce-scatter|
 
 def prefix_collectives(scheme, B=2, P=256, C=4):
   """(kind, dtype, shape) of every collective in the compiled prefix step (the prefix forward
-  and its one backward from a cache cotangent) on context:C, tiny model, 16-wide tiles."""
+  and its one backward from a cache cotangent) on context:C, tiny model, 16-wide tiles.
+  Parameters over fsdp only (RULES, not param_rules' fsdp x context), so that no weight or
+  embedding traffic mixes with the attention's."""
   cfg = tfm.preset("tiny", context_parallel=scheme, attention_block_q=16, attention_block_k=16)
   params = tfm.init_params(cfg, jax.random.key(0))
   batch = make_batch(0, B=B, R=8, P=P, T=3, W=2)
   mesh = sharding.make_mesh(f"context:{C}", jax.devices()[:C])
-  placed = (sharding.put(params, sharding.param_shardings(mesh, cfg)),
-            sharding.put(batch, sharding.batch_shardings(mesh, batch)))
 
   def prefix_step(p, b):
     cache, prefix_vjp = sharding.prefix_residuals(mesh, p, b, cfg, LOSS)
     return prefix_vjp(jax.tree.map(jnp.ones_like, cache))
 
-  hlo = jax.jit(prefix_step).lower(*placed).compile().as_text()
+  with mock.patch.object(sharding, "param_rules", lambda mesh: sharding.RULES):
+    placed = (sharding.put(params, sharding.param_shardings(mesh, cfg)),
+              sharding.put(batch, sharding.batch_shardings(mesh, batch)))
+    hlo = jax.jit(prefix_step).lower(*placed).compile().as_text()
   found = [(kind, dtype, tuple(int(d) for d in dims.split(",") if d))
            for dtype, dims, kind in COLLECTIVE.findall(hlo)]
   return cfg, found
@@ -169,6 +177,19 @@ def test_schemes_not_built_are_refused():
     with pytest.raises(ValueError, match=rf"model.context_parallel='{scheme}': expected one "
                        r"of \('all_gather', 'gspmd'\)"):
       tfm.preset("tiny", context_parallel=scheme)
+
+
+def test_parameters_split_over_context_only_on_a_context_mesh():
+  """param_rules: d_model over fsdp x context where the mesh has a context axis; meshes
+  without one (one device, data or fsdp parallel) keep RULES' specs."""
+  cfg = tfm.preset("tiny")
+  q_spec = lambda spec: sharding.param_shardings(sharding.make_mesh(spec), cfg)["layer_0"][
+      "q"].spec
+  assert q_spec("fsdp:2,context:4") == PartitionSpec(("fsdp", "context"), "tensor", None)
+  assert q_spec("context:8") == PartitionSpec(("fsdp", "context"), "tensor", None)
+  for spec in ("data:8", "fsdp:4,tensor:2", "data:2,fsdp:2,tensor:2"):
+    assert q_spec(spec) == PartitionSpec("fsdp", "tensor", None), spec
+  assert sharding.param_rules(sharding.make_mesh("fsdp:8")) is sharding.RULES
 
 
 def test_no_mesh_is_todays_path():

@@ -81,23 +81,3 @@ def test_toy_row_kv_traffic_matches_compiled_step():
   table = plan_8gpu.markdown([row])
   assert "| 64 | context:4 | fsdp_context |" in table
 
-
-@pytest.mark.slow
-def test_params_over_context_is_exact(monkeypatch):
-  """The rule the plan needs (parameters sharded over fsdp x context, fsdp_context_rules):
-  float64 replay on fsdp:2,context:4 (Gemma 2 tiny: window shorter than a slice, soft-cap,
-  GQA, left padding, a trunk, ragged tails) == single-device replay and naive, loss and
-  every gradient leaf, 1e-10. A sharding only: the values cannot change."""
-  import jax
-  from branch_replay import sharding
-  from tests import context_parallel_test as cpt
-  from tests.replay_test import assert_equal_f64
-  monkeypatch.setattr(sharding, "RULES", plan_8gpu.fsdp_context_rules(sharding.RULES))
-  with jax.enable_x64(True):
-    cfg, params, batch, ref = cpt.setup()
-    mesh = sharding.make_mesh("fsdp:2,context:4")
-    p_sh = sharding.param_shardings(mesh, cfg)
-    assert any("context" in str(s.spec) for s in jax.tree.leaves(p_sh))
-    got = cpt.on_mesh(mesh, cfg, params, batch)
-    assert_equal_f64(got, ref["replay"])
-    assert_equal_f64(got, ref["naive"])
