@@ -145,7 +145,8 @@ def _all_gather_attend(q_BTNH, q_pos_BT, q_valid_BT, own: KeySegment, axes, **kw
     earlier_BP = valid_BP & (jnp.arange(C * Tl) < start)[None]
     segments = [KeySegment(k_BPKH, v_BPKH, pos_BP, earlier_BP),
                 KeySegment(k_BTKH, v_BTKH, k_pos_BT, k_valid_BT, causal=True)]
-    return attention.attend(q_BTNH, q_pos_BT, q_valid_BT, segments, **kwargs)
+    return attention.attend(q_BTNH, q_pos_BT, q_valid_BT, segments, key_major_bwd=True,
+                            **kwargs)
 
   # check_vma=False: the kernel's loop carries are not typed per device. Sound here because
   # every input is split over every mesh axis (asserted): no replicated input whose
@@ -234,7 +235,8 @@ def _tails_attend(q_BTNH, q_pos_BT, q_valid_BT, segments: Sequence[KeySegment],
         start = c * n // g
         seg = tuple(jax.lax.dynamic_slice_in_dim(x, start, count, axis=0) for x in seg)
       local_segments.append(KeySegment(*seg, causal=is_causal))
-    return attention.attend(q_BTNH, q_pos_BT, q_valid_BT, local_segments, **kwargs)
+    return attention.attend(q_BTNH, q_pos_BT, q_valid_BT, local_segments, key_major_bwd=True,
+                            **kwargs)
 
   # check_vma=False as for the prefix; an input replicated over `context` (the inner levels'
   # K/V, or queries that do not split) gets its cotangent psummed over it by the transpose.

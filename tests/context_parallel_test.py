@@ -16,9 +16,9 @@ from jax.sharding import PartitionSpec
 
 from branch_replay import engine, losses, policy, sharding, tree
 from branch_replay.batch import validate
-from models import context_parallel
+from models import attention, context_parallel
 from models import transformer as tfm
-from tests import tree_test
+from tests import attention_test, tree_test
 from tests.replay_test import assert_equal_f64, make_batch, max_rel_err
 from tests.helpers import cache_per_x64
 
@@ -86,6 +86,29 @@ def test_context_parallel_tree_equals_single_device():
     assert abs(float(got[0]) - float(ref[0])) <= 1e-10 * abs(float(ref[0]))
     assert max_rel_err(got[2], ref[2]) < 1e-10
     assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(ref[2])) > 1e-6
+
+
+@pytest.mark.parametrize("name", list(attention_test.PREFIX_CASES) +
+                         list(attention_test.TAIL_CASES))
+def test_key_major_backward_matches_dense_float64(name, monkeypatch):
+  """The blockwise backward the context-parallel paths use (key_major_bwd: key blocks
+  outside, each block's dK/dV finished and stored in the keys' dtype) on attention_test's
+  cases (windows below/above a block, soft-cap, GQA 1/2/4, odd blocks, padding, rows with
+  no allowed key, three segments): output and every gradient == dense at 1e-10, and ==
+  the query-major backward at 1e-13."""
+  monkeypatch.setattr(attention, "MIN_TILE", 0)
+  at = attention_test
+  prefix = name in at.PREFIX_CASES
+  case_kw, kw = (at.PREFIX_CASES if prefix else at.TAIL_CASES)[name]
+  make = at._prefix_case if prefix else at._tail_case
+  with jax.enable_x64(True):
+    case = make(np.random.default_rng(0 if prefix else 1), jnp.float64, **case_kw)
+    at._assert_match(case, 1e-10, key_major_bwd=True, **kw)
+    key_major = at._value_and_grads("blockwise", case, key_major_bwd=True, **kw)
+    query_major = at._value_and_grads("blockwise", case, **kw)
+    for a, b in zip(jax.tree.leaves(key_major), jax.tree.leaves(query_major)):
+      a, b = np.asarray(a), np.asarray(b)
+      assert np.max(np.abs(a - b), initial=0.0) <= 1e-13 * np.max(np.abs(b), initial=1.0)
 
 
 # ----------------------------------------------------------------------------- communication
