@@ -338,17 +338,23 @@ def _segment_bwd(st: _Static, sg: _Seg, lse_BKQ, do_BKQH, d_BKQ, acc):
   bk = sg.bk
   lse_BKQ = jnp.where(lse_BKQ == -jnp.inf, 0.0, lse_BKQ)  # such rows have no allowed key
 
+  def rows_of(i):
+    """Query block i's rows: (q, do, lse, d)."""
+    return tuple(lax.dynamic_slice_in_dim(x, i * R, R, axis=2)
+                 for x in (sg.q_BKQH, do_BKQH, lse_BKQ, d_BKQ))
+
+  def grads(i, j, rows):
+    """Tile (i, j)'s (dq, dk, dv), in acc."""
+    return _mask_if_needed(sg, i, j, lambda masked: _tile_grads(st, sg, i, j, *rows, acc,
+                                                                  masked))
+
   def q_block(i, carry):
     dq_BKQH, dk_BKSH, dv_BKSH = carry
-    q_BKRH = lax.dynamic_slice_in_dim(sg.q_BKQH, i * R, R, axis=2)
-    do_BKRH = lax.dynamic_slice_in_dim(do_BKQH, i * R, R, axis=2)
-    lse_BKR = lax.dynamic_slice_in_dim(lse_BKQ, i * R, R, axis=2)
-    d_BKR = lax.dynamic_slice_in_dim(d_BKQ, i * R, R, axis=2)
+    rows = rows_of(i)
 
     def k_block(j, c):
       dq_BKRH, dk_BKSH, dv_BKSH = c
-      dq_tile, dk_BKsH, dv_BKsH = _mask_if_needed(sg, i, j, lambda masked: _tile_grads(
-          st, sg, i, j, q_BKRH, do_BKRH, lse_BKR, d_BKR, acc, masked))
+      dq_tile, dk_BKsH, dv_BKsH = grads(i, j, rows)
       add = lambda buf, x: lax.dynamic_update_slice_in_dim(
           buf, lax.dynamic_slice_in_dim(buf, j * bk, bk, axis=2) + x, j * bk, axis=2)
       return dq_BKRH + dq_tile, add(dk_BKSH, dk_BKsH), add(dv_BKSH, dv_BKsH)
@@ -364,12 +370,7 @@ def _segment_bwd(st: _Static, sg: _Seg, lse_BKQ, do_BKQH, d_BKQ, acc):
 
     def q_step(i, c):
       dq_BKQH, dk_BKsH, dv_BKsH = c
-      q_BKRH = lax.dynamic_slice_in_dim(sg.q_BKQH, i * R, R, axis=2)
-      do_BKRH = lax.dynamic_slice_in_dim(do_BKQH, i * R, R, axis=2)
-      lse_BKR = lax.dynamic_slice_in_dim(lse_BKQ, i * R, R, axis=2)
-      d_BKR = lax.dynamic_slice_in_dim(d_BKQ, i * R, R, axis=2)
-      dq_tile, dk_tile, dv_tile = _mask_if_needed(sg, i, j, lambda masked: _tile_grads(
-          st, sg, i, j, q_BKRH, do_BKRH, lse_BKR, d_BKR, acc, masked))
+      dq_tile, dk_tile, dv_tile = grads(i, j, rows_of(i))
       dq_BKQH = lax.dynamic_update_slice_in_dim(
           dq_BKQH, lax.dynamic_slice_in_dim(dq_BKQH, i * R, R, axis=2) + dq_tile, i * R, axis=2)
       return dq_BKQH, dk_BKsH + dk_tile, dv_BKsH + dv_tile
