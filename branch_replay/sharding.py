@@ -5,7 +5,8 @@ Layout of one replay step:
   prefix      prompts over (data, fsdp), sequence over `context` (context-parallel prefix);
   tails       prompts over (data, fsdp), branches over `context` (the devices that shared
               the prefix sequence split the branches);
-  parameters  `embed` over fsdp (FSDP), heads/mlp/vocab over `tensor`; optimizer state
+  parameters  `embed` over fsdp (FSDP), and over fsdp x context on a mesh with a `context`
+              axis (`param_rules`); heads/mlp/vocab over `tensor`; optimizer state
               follows the parameters.
 
 Context parallelism is a per-layer all-gather of K/V: inside the prefix each device keeps
@@ -35,6 +36,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from branch_replay import engine, losses, policy, replay, tree
 from branch_replay.batch import ReplayBatch
 from branch_replay.tree import TreeBatch
+from models import context_parallel
 from models import transformer as tfm
 
 # The mesh axes, declared once (role words; sizes come from a spec such as "fsdp:4,context:2").
@@ -46,7 +48,7 @@ RULES = (
     ("batch", ("data", "fsdp")),  # prompts: data parallel (FSDP devices split the batch too)
     ("branch", "context"),  # tails: branches over the devices that split the prefix sequence
     ("seq", "context"),  # prefix sequence (context parallelism); tails are not seq-sharded
-    ("embed", "fsdp"),  # parameters: FSDP shards d_model
+    ("embed", "fsdp"),  # parameters: FSDP shards d_model (x context: param_rules)
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
@@ -131,9 +133,21 @@ def make_mesh(spec: str, devices: Optional[Sequence[Any]] = None) -> Mesh:
                        axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
 
 
-def logical_spec(names: Sequence[Optional[str]]) -> PartitionSpec:
-  """Logical axis names of one array -> its mesh PartitionSpec under RULES."""
-  return nn.logical_to_mesh_axes(tuple(names), RULES)
+def logical_spec(names: Sequence[Optional[str]], rules=None) -> PartitionSpec:
+  """Logical axis names of one array -> its mesh PartitionSpec under RULES (or `rules`)."""
+  return nn.logical_to_mesh_axes(tuple(names), RULES if rules is None else rules)
+
+
+def param_rules(mesh: Mesh) -> tuple:
+  """RULES for the parameters on `mesh`: with a `context` axis, d_model over fsdp x context
+  (ZeRO-3 over every device of the mesh), since `context` alone splits no parameter and each
+  of its devices would hold all parameters and their AdamW moments (Llama-3-8B at P=131K on
+  context:8: 210.5 -> 50.6 GB per device, experiments/results/plan_8gpu_cpu_2026-12-02.md).
+  A sharding only: exact (tests/context_parallel_test.py, float64). Without one, RULES."""
+  if mesh.shape.get("context", 1) == 1:
+    return RULES
+  return tuple(("embed", ("fsdp", "context")) if name == "embed" else (name, axes)
+               for name, axes in RULES)
 
 
 def axis_size(mesh: Mesh, entry) -> int:
@@ -153,9 +167,9 @@ def check_divisible(what: str, shape: Sequence[int], spec: PartitionSpec, mesh: 
                        f"devices of mesh axes {entry} (mesh {dict(mesh.shape)})")
 
 
-def named_sharding(mesh, what, shape, names):
+def named_sharding(mesh, what, shape, names, rules=None):
   """The NamedSharding of a leaf named `what` with logical axis names, divisibility checked."""
-  spec = logical_spec(names)
+  spec = logical_spec(names, rules)
   check_divisible(what, shape, spec, mesh)
   return NamedSharding(mesh, spec)
 
@@ -164,12 +178,14 @@ def named_sharding(mesh, what, shape, names):
 
 
 def param_shardings(mesh: Mesh, model_cfg: tfm.ModelConfig):
-  """A NamedSharding for every parameter leaf (from `param_axes`), divisibility checked."""
+  """A NamedSharding for every parameter leaf (from `param_axes`, under `param_rules`),
+  divisibility checked."""
   axes = tfm.param_axes(model_cfg)
   shapes = jax.eval_shape(lambda: tfm.init_params(model_cfg, jax.random.key(0)))
+  rules = param_rules(mesh)
   return jax.tree_util.tree_map_with_path(
       lambda path, names, leaf: named_sharding(mesh, "params" + jax.tree_util.keystr(path),
-                                          leaf.shape, names),
+                                          leaf.shape, names, rules),
       axes, shapes, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
@@ -293,10 +309,11 @@ def engine_loss_and_grad(mesh: Mesh, params, batch, model_cfg: tfm.ModelConfig,
     prefill = sharded_prefill(mesh, lambda p, _: root_fn(p))
     return lambda p: prefill(p, None)
 
-  loss, aux_BR, grads = engine.replay_loss_and_grad(
-      params, batch, model_cfg, loss_cfg, branch_chunk, root_wrap=root_wrap,
-      cache_constraint=lambda level, cache: root_constraint(cache) if level == 0 else cache,
-      params_fn=params_fn, head=head)
+  with context_parallel.sharded_tails(mesh, RULES):  # each tail layer gathers its K/V once
+    loss, aux_BR, grads = engine.replay_loss_and_grad(
+        params, batch, model_cfg, loss_cfg, branch_chunk, root_wrap=root_wrap,
+        cache_constraint=lambda level, cache: root_constraint(cache) if level == 0 else cache,
+        params_fn=params_fn, head=head)
   aux_BR = constrain(aux_BR, jax.tree.map(  # per leaf, split like the leaves
       lambda x: named_sharding(mesh, "aux", x.shape, ("batch", "branch")), aux_BR))
   return loss, aux_BR, (grads if params_fn is not None else constrain(grads, p_shardings))

@@ -33,6 +33,7 @@ _GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=")
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]*)\}")
 # replica_groups=mesh['axis_0'=2,'axis_1'=2] {'axis_0'}: groups over the listed mesh axes
 _GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +42,7 @@ class Collective:
   arrays: tuple[tuple[str, tuple[int, ...]], ...]  # (dtype, shape) of each result
   group: int  # devices in one replica group
   count: int  # times it runs per step (loop trip counts multiplied)
+  name: str = ""  # the op's metadata op_name (the JAX name stack: named scopes, transposes)
 
   @property
   def result_bytes(self) -> int:
@@ -108,7 +110,9 @@ def collectives(hlo_text: str) -> list[Collective]:
         continue
       arrays = tuple((d, tuple(int(x) for x in dims.split(",") if x))
                      for d, dims in _ARRAY.findall(m.group(1)))
-      out.append(Collective(m.group(2), arrays, _group_size(line), times))
+      name = _OP_NAME.search(line)
+      out.append(Collective(m.group(2), arrays, _group_size(line), times,
+                            name.group(1) if name else ""))
   return out
 
 

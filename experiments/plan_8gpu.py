@@ -13,12 +13,13 @@ trip counts multiplied) by category against `comm_formula` from the shapes; the 
 model's step time per GPU (experiments/cost_model.py: FLOPs / calibrated rate + elementwise
 + this row's communication over cost_model's link_gbps).
 
---params=fsdp is the code as it is (RULES: parameters sharded over `fsdp` only; on
-context:8 every device holds all 8B parameters and their AdamW moments). --params=
-fsdp_context shards them over `fsdp` x `context` (ZeRO-3 over every device of the mesh):
-the rule change `("embed", ("fsdp", "context"))`, applied here by replacing sharding.RULES
-in the worker, values unchanged (a sharding only). B=1: the batch maps to (data, fsdp), so
-a mesh with data*fsdp > 1 cannot split one prompt (ValueError from the batch shardings).
+--params=fsdp_context is the code as it is (sharding.param_rules: on a mesh with a `context`
+axis parameters are sharded over `fsdp` x `context`, ZeRO-3 over every device of the mesh).
+--params=fsdp is the rule before it (RULES: parameters over `fsdp` only; on context:8 every
+device holds all 8B parameters and their AdamW moments), applied here by replacing
+sharding.param_rules in the worker, values unchanged (a sharding only). B=1: the batch maps
+to (data, fsdp), so a mesh with data*fsdp > 1 cannot split one prompt (ValueError from the
+batch shardings).
 """
 
 from __future__ import annotations
@@ -87,12 +88,6 @@ def mesh_sizes(spec: str, n_devices: int = N_DEVICES) -> dict[str, int]:
   return sharding.parse_mesh_spec(spec, n_devices)
 
 
-def fsdp_context_rules(rules):
-  """RULES with parameters' d_model sharded over fsdp x context (ZeRO-3 over the mesh)."""
-  return tuple(("embed", ("fsdp", "context")) if name == "embed" else (name, axes)
-               for name, axes in rules)
-
-
 def check_row(P: int, spec: str, params: str, B: int, n_devices: int = N_DEVICES) -> dict:
   """Bad input before any compilation: the mesh must use the 8 devices, P must split over
   `context`, B over data*fsdp, and --params must be one of PARAM_RULES."""
@@ -110,12 +105,17 @@ def check_row(P: int, spec: str, params: str, B: int, n_devices: int = N_DEVICES
   return sizes
 
 
-def comm_formula(cfg, B, P, R, T, sizes, params, kv_bytes, weight_bytes, grad_bytes=4):
+def comm_formula(cfg, B, P, R, T, sizes, params, kv_bytes, weight_bytes, grad_bytes=4,
+                 cache="sharded"):
   """Bytes one device sends per step (ring model), from the shapes, by category.
 
-  kv: the prefix attention's K/V all-gather over `context`, per layer for K and V, twice
-    (the forward, and remat's recomputation in the backward), and the reduce-scatter of
-    dK/dV once (the prefix's own and the tails' cache cotangent summed before it).
+  kv_prefix: the prefix attention's K/V all-gather over `context`, per layer for K and V,
+    twice (the forward, and remat's recomputation in the backward), and the reduce-scatter
+    of its dK/dV once.
+  kv_tails: the tails' attention, the same again (the cache crosses to the tails in its
+    sequence shards and each tail layer gathers its K/V once, then again in remat, and
+    reduce-scatters the tails' dK/dV once); with cache='gathered', every layer's K/V
+    gathered once at the crossing and its cotangent reduce-scattered once (2 of those 3).
   weights: each layer's weights all-gathered over the parameter shards per pass over the
     model: prefix forward, tails forward, tails backward (recompute + gradient), prefix
     backward (4 passes), and the embedding + head once per pass that uses them.
@@ -136,7 +136,9 @@ def comm_formula(cfg, B, P, R, T, sizes, params, kv_bytes, weight_bytes, grad_by
     grads = n_params * grad_bytes * frac
   else:  # reduce-scatter over fsdp, then an all-reduce of the 1/f shard over context
     grads = n_params * grad_bytes * frac + 2 * n_params / f * grad_bytes * (c - 1) / c
-  return dict(kv_prefix=kv, weights=weights, grads=grads, total=kv + weights + grads)
+  kv_tails = kv if cache == "sharded" else kv * 2 / 3
+  return dict(kv_prefix=kv, kv_tails=kv_tails, weights=weights, grads=grads,
+              total=kv + kv_tails + weights + grads)
 
 
 def param_shapes(cfg, sizes) -> set:
@@ -158,18 +160,26 @@ def param_shapes(cfg, sizes) -> set:
 
 
 def classify(op, cfg, B, P, sizes, p_shapes) -> str:
-  """kv_prefix: the prefix attention's K/V all-gathers [B, P, K, H] and dK/dV
-  reduce-scatters [B, P/C, K, H] (over context); kv_tails: other all-gathers of a whole
-  layer's prefix K/V (the tails' attention, in the kernel's [B, K, P, H] layout); weights:
+  """kv_prefix / kv_tails: the K/V all-gathers and dK/dV reduce-scatters of the prefix's and
+  the tails' context-parallel attention, by their name scopes (context_parallel.PREFIX_SCOPE,
+  TAILS_SCOPE; the transposes keep them). Without them (model.context_parallel='gspmd', or
+  code before the tails' shard_map): the prefix's all-gathers [B, P, K, H] and
+  reduce-scatters [B, P/C, K, H], and as kv_tails other all-gathers of a whole layer's prefix
+  K/V (the partitioner's tail attention, in the kernel's [B, K, P, H] layout). weights:
   all-gathers, grads: reduce-scatters / all-reduces, whose bytes are mostly parameter-shaped
   arrays; other: the rest (the tails' partitioned attention statistics, loss sums, indices).
   Shapes are compared as sorted dimensions."""
   from experiments import hlo_collectives as hc
+  from models import context_parallel as cp
   d, f, t, c = sizes["data"], sizes["fsdp"], sizes["tensor"], sizes["context"]
   Bl, K, H = B // (d * f), cfg.n_kv_heads // t, cfg.head_dim
   key = lambda s: tuple(sorted(s))
   kv_full, kv_shard = key((Bl, P, K, H)), key((Bl, P // c, K, H))
   arrays = [(s, hc.DTYPE_BYTES[dt] * math.prod(s)) for dt, s in op.arrays]
+  kv_shaped = any(key(s) in (kv_full, kv_shard) for s, _ in arrays)  # not the masks [B, P]
+  for scope, cat in ((cp.PREFIX_SCOPE, "kv_prefix"), (cp.TAILS_SCOPE, "kv_tails")):
+    if op.kind in ("all-gather", "reduce-scatter") and f"/{scope}/" in op.name and kv_shaped:
+      return cat
   if op.kind == "all-gather" and any(key(s) == kv_full for s, _ in arrays):
     return "kv_prefix" if any(s == (Bl, P, K, H) for s, _ in arrays) else "kv_tails"
   if op.kind == "reduce-scatter" and any(s == (Bl, P // c, K, H) for s, _ in arrays):
@@ -183,6 +193,7 @@ def classify(op, cfg, B, P, sizes, p_shapes) -> str:
 
 
 CATEGORIES = ("kv_prefix", "kv_tails", "weights", "grads", "other")
+FORMULA_CATEGORIES = CATEGORIES[:-1]
 
 
 def hlo_comm(hlo_text, cfg, B, P, sizes) -> dict:
@@ -208,21 +219,21 @@ def worker(P: int, spec: str, params_rule: str, model: str = "llama3_8b", B: int
   cfg = model_config(model)
   n = math.prod(int(s.split(":")[1]) for s in spec.split(","))
   sizes = check_row(P, spec, params_rule, B, n)
-  rules, cache_axes = sharding.RULES, sharding.CACHE_AXES
-  if params_rule == "fsdp_context":
-    sharding.RULES = fsdp_context_rules(rules)
+  param_rules, cache_axes = sharding.param_rules, sharding.CACHE_AXES
+  if params_rule == "fsdp":  # the rule before param_rules: parameters over fsdp only
+    sharding.param_rules = lambda mesh: sharding.RULES
   if cache == "gathered":  # the crossing's layout before the cache stayed sharded
     sharding.CACHE_AXES = dict(cache_axes, kv=("batch", None, "kv_heads", "head_dim"))
   elif cache != "sharded":
     raise ValueError(f"cache={cache!r}: expected 'sharded' or 'gathered'")
   try:
-    return dict(_compile_row(cfg, P, spec, params_rule, model, B, R, T, n, sizes, hlo_dir),
-                cache=cache)
+    return dict(_compile_row(cfg, P, spec, params_rule, model, B, R, T, n, sizes, hlo_dir,
+                             cache), cache=cache)
   finally:
-    sharding.RULES, sharding.CACHE_AXES = rules, cache_axes
+    sharding.param_rules, sharding.CACHE_AXES = param_rules, cache_axes
 
 
-def _compile_row(cfg, P, spec, params_rule, model, B, R, T, n, sizes, hlo_dir):
+def _compile_row(cfg, P, spec, params_rule, model, B, R, T, n, sizes, hlo_dir, cache):
   import jax
   from branch_replay import sharding
   from experiments import measure
@@ -240,7 +251,7 @@ def _compile_row(cfg, P, spec, params_rule, model, B, R, T, n, sizes, hlo_dir):
   hlo = hlo_comm(text, cfg, B, P, sizes)
   # CPU's XLA computes bf16 in f32 (its collectives included): the HLO check uses 4 bytes,
   # the GPU prediction the compute dtype's 2.
-  formula_cpu = comm_formula(cfg, B, P, R, T, sizes, params_rule, 4, 4)
+  formula_cpu = comm_formula(cfg, B, P, R, T, sizes, params_rule, 4, 4, cache=cache)
   gb = lambda b: round(b / 1e9, 3)
   rnd = lambda d: {k: round(v) for k, v in d.items()}
   per_device_gb = gb(report["total_bytes"])
@@ -268,7 +279,8 @@ def predict(row: dict) -> dict:
                             context=sizes["context"], shard=sizes["fsdp"] * sizes["context"])
   counts = cost_model.step_counts(cfg, shape, "replay", ex)
   ew = cost_model.layer_table(cfg, shape, "replay", ex)["elementwise_bytes"] * cfg.n_layers
-  comm = comm_formula(cfg, row["B"], row["P"], row["R"], row["T"], sizes, row["params"], 2, 2)
+  comm = comm_formula(cfg, row["B"], row["P"], row["R"], row["T"], sizes, row["params"], 2, 2,
+                      cache=row.get("cache", "sharded"))
   hlo_bytes = row["hlo_comm_bytes"]["total"]
   out = {}
   for gpu in cost_model.GPUS:
@@ -304,8 +316,9 @@ def run_row(P: int, spec: str, params: str, passed, env) -> dict:
 def markdown(rows) -> str:
   """The results file's rows as a table (GB = 1e9 bytes, per device, per step)."""
   head = ("| P | mesh | params | compile s | per-device GB (args / temp) | fits H20 96 / H100 80 "
-          "/ H200 141 | comm GB formula, CPU f32 dtypes (kv, weights, grads) | comm GB compiled (kv_prefix, "
-          "kv_tails, weights, grads, other) | step s H20 / H100 / H200 (formula comm) | "
+          "/ H200 141 | comm GB formula, CPU f32 dtypes (kv_prefix, kv_tails, weights, grads) | "
+          "comm GB compiled (kv_prefix, kv_tails, weights, grads, other) | step s H20 / H100 / "
+          "H200 (formula comm) | "
           "same, compiled comm |")
   out = [head, "|" + "---|" * 10]
   for r in rows:
@@ -322,7 +335,7 @@ def markdown(rows) -> str:
         f"| {r['P']} | {r['mesh']} | {r['params']} | {r['compile_s']:.0f} | "
         f"{r['per_device_gb']:.1f} ({r['argument_gb']:.1f} / {r['temp_gb']:.1f}) | "
         f"{' / '.join(yes(r['fits'][k]) for k in GPU_GB)} | "
-        f"{g(f['total'])} ({g(f['kv_prefix'])}, {g(f['weights'])}, {g(f['grads'])}) | "
+        f"{g(f['total'])} ({', '.join(g(f.get(k, 0.0)) for k in FORMULA_CATEGORIES)}) | "
         f"{g(h['total'])} ({', '.join(g(h[k]) for k in CATEGORIES)}) | "
         f"{' / '.join(str(v['step_s']) for v in st.values())} | "
         f"{' / '.join(str(v['step_s_compiled_comm']) for v in st.values())} |")

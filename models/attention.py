@@ -99,6 +99,10 @@ class _Static(NamedTuple):
   block_q: int
   block_k: int
   min_tile: int = 0
+  # Backward loop order: key blocks outside, so dK/dV are finished one key block at a time
+  # and stored in the keys' dtype (not a whole-length accumulator in float32); the
+  # context-parallel paths set it, where the keys are the whole gathered sequence.
+  key_major_bwd: bool = False
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -156,6 +160,8 @@ class _Seg(NamedTuple):
   lo_I: Array  # key blocks [lo[i], hi[i]) hold every allowed key of query block i
   hi_I: Array
   full_IJ: Array  # tile (i, j) allows every pair: its scores need no mask
+  qlo_J: Array  # query blocks [qlo[j], qhi[j]) hold every query that key block j serves
+  qhi_J: Array
   g: int
   bq: int
   bk: int
@@ -203,11 +209,19 @@ def _prepare(st: _Static, qs_BTNH, q_pos_BT, q_valid_BT, k, v, kpos, kvalid, cau
     i, j = jnp.arange(nq)[:, None], jnp.arange(nk)[None, :]
     need_IJ &= j * bk <= (i + 1) * bq - 1
     full_IJ &= (j + 1) * bk - 1 <= i * bq
+  lo_I, hi_I = _ranges(need_IJ)
+  qlo_J, qhi_J = _ranges(need_IJ.T)
+  return _Seg(q_BKQH, qpos_BQ, qvalid_BQ, k_BKSH, v_BKSH, kpos_BS, kvalid_BS, lo_I, hi_I,
+              full_IJ, qlo_J, qhi_J, g, bq, bk, causal)
+
+
+def _ranges(need_IJ):
+  """Per row i: [lo, hi) from its first to its last needed column (0, 0 if none)."""
+  n = need_IJ.shape[1]
   any_I = need_IJ.any(1)
   lo_I = jnp.where(any_I, jnp.argmax(need_IJ, axis=1), 0).astype(jnp.int32)
-  hi_I = jnp.where(any_I, nk - jnp.argmax(need_IJ[:, ::-1], axis=1), 0).astype(jnp.int32)
-  return _Seg(q_BKQH, qpos_BQ, qvalid_BQ, k_BKSH, v_BKSH, kpos_BS, kvalid_BS, lo_I, hi_I,
-              full_IJ, g, bq, bk, causal)
+  hi_I = jnp.where(any_I, n - jnp.argmax(need_IJ[:, ::-1], axis=1), 0).astype(jnp.int32)
+  return lo_I, hi_I
 
 
 def _tile(st: _Static, sg: _Seg, i, j, q_BKRH, acc, masked=True, keys_major=False):
@@ -292,45 +306,55 @@ def _segment_fwd(st: _Static, sg: _Seg, acc):
   return lax.fori_loop(0, nq, q_block, init)
 
 
+def _tile_grads(st: _Static, sg: _Seg, i, j, q_BKRH, do_BKRH, lse_BKR, d_BKR, acc, masked):
+  """(dq, dk, dv) of tile (i, j), in acc. Key-major tiles [Bk, K, bk, R]: dV = P^T dO and
+  dK = dS^T Q are plain matmuls."""
+  bk, qdt = sg.bk, sg.q_BKQH.dtype
+  s_BKSR, capped_BKSR = _tile(st, sg, i, j, q_BKRH, acc, masked, keys_major=True)
+  p_BKSR = jnp.exp(s_BKSR - lse_BKR[:, :, None, :])
+  k_BKsH = lax.dynamic_slice_in_dim(sg.k_BKSH, j * bk, bk, axis=2)
+  v_BKsH = lax.dynamic_slice_in_dim(sg.v_BKSH, j * bk, bk, axis=2)
+  dv_BKsH = jnp.einsum("BKSR,BKRH->BKSH", p_BKSR.astype(do_BKRH.dtype), do_BKRH,
+                       preferred_element_type=acc)
+  dp_BKSR = jnp.einsum("BKSH,BKRH->BKSR", v_BKsH, do_BKRH, preferred_element_type=acc)
+  ds_BKSR = p_BKSR * (dp_BKSR - d_BKR[:, :, None, :])
+  if st.softcap is not None:  # through s = cap * tanh(s_raw / cap)
+    t_BKSR = capped_BKSR / st.softcap
+    ds_BKSR = ds_BKSR * (1.0 - t_BKSR * t_BKSR)
+  ds_BKSR = ds_BKSR.astype(qdt)
+  dq_BKRH = jnp.einsum("BKSR,BKSH->BKRH", ds_BKSR, k_BKsH, preferred_element_type=acc)
+  dk_BKsH = jnp.einsum("BKSR,BKRH->BKSH", ds_BKSR, q_BKRH, preferred_element_type=acc)
+  return dq_BKRH, dk_BKsH, dv_BKsH
+
+
 def _segment_bwd(st: _Static, sg: _Seg, lse_BKQ, do_BKQH, d_BKQ, acc):
   """Flash backward of one segment with the global lse: (dq of the scaled queries, dk, dv),
-  in acc, canonical layout."""
+  canonical layout; dq in acc, dk/dv in acc (or, key_major_bwd, in the keys' dtype: the
+  same sums in the same order, each key block's cast once it is complete)."""
   B, K, Q, H = sg.q_BKQH.shape
   G = Q // sg.qvalid_BQ.shape[1]
   R = sg.bq * G
   nq = Q // R
   bk = sg.bk
-  qdt = sg.q_BKQH.dtype
   lse_BKQ = jnp.where(lse_BKQ == -jnp.inf, 0.0, lse_BKQ)  # such rows have no allowed key
+
+  def rows_of(i):
+    """Query block i's rows: (q, do, lse, d)."""
+    return tuple(lax.dynamic_slice_in_dim(x, i * R, R, axis=2)
+                 for x in (sg.q_BKQH, do_BKQH, lse_BKQ, d_BKQ))
+
+  def grads(i, j, rows):
+    """Tile (i, j)'s (dq, dk, dv), in acc."""
+    return _mask_if_needed(sg, i, j, lambda masked: _tile_grads(st, sg, i, j, *rows, acc,
+                                                                  masked))
 
   def q_block(i, carry):
     dq_BKQH, dk_BKSH, dv_BKSH = carry
-    q_BKRH = lax.dynamic_slice_in_dim(sg.q_BKQH, i * R, R, axis=2)
-    do_BKRH = lax.dynamic_slice_in_dim(do_BKQH, i * R, R, axis=2)
-    lse_BKR = lax.dynamic_slice_in_dim(lse_BKQ, i * R, R, axis=2)
-    d_BKR = lax.dynamic_slice_in_dim(d_BKQ, i * R, R, axis=2)
-
-    def tile_grads(j, masked):
-      # Key-major tiles [Bk, K, bk, R]: dV = P^T dO and dK = dS^T Q are plain matmuls.
-      s_BKSR, capped_BKSR = _tile(st, sg, i, j, q_BKRH, acc, masked, keys_major=True)
-      p_BKSR = jnp.exp(s_BKSR - lse_BKR[:, :, None, :])
-      k_BKsH = lax.dynamic_slice_in_dim(sg.k_BKSH, j * bk, bk, axis=2)
-      v_BKsH = lax.dynamic_slice_in_dim(sg.v_BKSH, j * bk, bk, axis=2)
-      dv_BKsH = jnp.einsum("BKSR,BKRH->BKSH", p_BKSR.astype(do_BKRH.dtype), do_BKRH,
-                           preferred_element_type=acc)
-      dp_BKSR = jnp.einsum("BKSH,BKRH->BKSR", v_BKsH, do_BKRH, preferred_element_type=acc)
-      ds_BKSR = p_BKSR * (dp_BKSR - d_BKR[:, :, None, :])
-      if st.softcap is not None:  # through s = cap * tanh(s_raw / cap)
-        t_BKSR = capped_BKSR / st.softcap
-        ds_BKSR = ds_BKSR * (1.0 - t_BKSR * t_BKSR)
-      ds_BKSR = ds_BKSR.astype(qdt)
-      dq_BKRH = jnp.einsum("BKSR,BKSH->BKRH", ds_BKSR, k_BKsH, preferred_element_type=acc)
-      dk_BKsH = jnp.einsum("BKSR,BKRH->BKSH", ds_BKSR, q_BKRH, preferred_element_type=acc)
-      return dq_BKRH, dk_BKsH, dv_BKsH
+    rows = rows_of(i)
 
     def k_block(j, c):
       dq_BKRH, dk_BKSH, dv_BKSH = c
-      dq_tile, dk_BKsH, dv_BKsH = _mask_if_needed(sg, i, j, functools.partial(tile_grads, j))
+      dq_tile, dk_BKsH, dv_BKsH = grads(i, j, rows)
       add = lambda buf, x: lax.dynamic_update_slice_in_dim(
           buf, lax.dynamic_slice_in_dim(buf, j * bk, bk, axis=2) + x, j * bk, axis=2)
       return dq_BKRH + dq_tile, add(dk_BKSH, dk_BKsH), add(dv_BKSH, dv_BKsH)
@@ -339,6 +363,30 @@ def _segment_bwd(st: _Static, sg: _Seg, lse_BKQ, do_BKQH, d_BKQ, acc):
     dq_BKRH, dk_BKSH, dv_BKSH = lax.fori_loop(sg.lo_I[i], sg.hi_I[i], k_block, init)
     return lax.dynamic_update_slice_in_dim(dq_BKQH, dq_BKRH, i * R, axis=2), dk_BKSH, dv_BKSH
 
+  def k_major(j, carry):
+    """Key block j over its query blocks (ascending, as q_block's sums run): dK/dV of the
+    block finished and stored in the keys' dtype; dQ accumulated (over j ascending)."""
+    dq_BKQH, dk_BKSH, dv_BKSH = carry
+
+    def q_step(i, c):
+      dq_BKQH, dk_BKsH, dv_BKsH = c
+      dq_tile, dk_tile, dv_tile = grads(i, j, rows_of(i))
+      dq_BKQH = lax.dynamic_update_slice_in_dim(
+          dq_BKQH, lax.dynamic_slice_in_dim(dq_BKQH, i * R, R, axis=2) + dq_tile, i * R, axis=2)
+      return dq_BKQH, dk_BKsH + dk_tile, dv_BKsH + dv_tile
+
+    zeros = jnp.zeros((B, K, bk, H), acc)
+    dq_BKQH, dk_BKsH, dv_BKsH = lax.fori_loop(sg.qlo_J[j], sg.qhi_J[j], q_step,
+                                              (dq_BKQH, zeros, zeros))
+    put = lambda buf, x: lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), j * bk,
+                                                         axis=2)
+    return dq_BKQH, put(dk_BKSH, dk_BKsH), put(dv_BKSH, dv_BKsH)
+
+  if st.key_major_bwd:
+    nk = sg.k_BKSH.shape[2] // bk
+    return lax.fori_loop(0, nk, k_major, (jnp.zeros((B, K, Q, H), acc),
+                                          jnp.zeros(sg.k_BKSH.shape, sg.k_BKSH.dtype),
+                                          jnp.zeros(sg.v_BKSH.shape, sg.v_BKSH.dtype)))
   zeros_k = jnp.zeros(sg.k_BKSH.shape, acc)
   return lax.fori_loop(0, nq, q_block, (jnp.zeros((B, K, Q, H), acc), zeros_k, zeros_k))
 
@@ -411,8 +459,9 @@ def _check_blocks(block_q, block_k) -> None:
 def attend(q_BTNH, q_pos_BT, q_valid_BT, segments: Sequence[KeySegment], *,
            scale: Optional[float] = None, softcap: Optional[float] = None,
            window: Optional[int] = None, impl: str = "blockwise", block_q: int = 128,
-           block_k: int = 64) -> Array:
-  """Attention of q over the concatenation of `segments` (see the module docstring)."""
+           block_k: int = 64, key_major_bwd: bool = False) -> Array:
+  """Attention of q over the concatenation of `segments` (see the module docstring).
+  key_major_bwd: the blockwise backward loops over key blocks outside (see _Static)."""
   check(q_BTNH, segments, impl)
   check_masks(q_BTNH, q_pos_BT, q_valid_BT, segments)
   _check_blocks(block_q, block_k)
@@ -434,6 +483,6 @@ def attend(q_BTNH, q_pos_BT, q_valid_BT, segments: Sequence[KeySegment], *,
                scale=float(1.0 / math.sqrt(H) if scale is None else scale),
                softcap=None if softcap is None else float(softcap),
                window=None if window is None else int(window), block_q=block_q,
-               block_k=block_k, min_tile=MIN_TILE)
+               block_k=block_k, min_tile=MIN_TILE, key_major_bwd=bool(key_major_bwd))
   segs = tuple((s.k_BSKH, s.v_BSKH, s.pos_BS, s.valid_BS) for s in segments)
   return _blockwise(st, q_BTNH, q_pos_BT, q_valid_BT, segs)

@@ -5,18 +5,20 @@ reduce-scatter of dK/dV); bad input fails before compilation naming the field an
 
 import math
 import re
+from unittest import mock
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec
 
 from branch_replay import engine, losses, policy, sharding, tree
 from branch_replay.batch import validate
-from models import context_parallel
+from models import attention, context_parallel
 from models import transformer as tfm
-from tests import tree_test
+from tests import attention_test, tree_test
 from tests.replay_test import assert_equal_f64, make_batch, max_rel_err
 from tests.helpers import cache_per_x64
 
@@ -59,6 +61,9 @@ def test_context_parallel_replay_equals_single_device_and_naive(spec):
     assert_equal_f64(ref["replay"], ref["naive"])
     n = math.prod(int(item.split(":")[1]) for item in spec.split(","))
     mesh = sharding.make_mesh(spec, jax.devices()[:n])
+    # The default on a context mesh: parameters over fsdp x context (param_rules).
+    assert all("context" in str(s.spec) for s in jax.tree.leaves(
+        sharding.param_shardings(mesh, cfg)) if "fsdp" in str(s.spec))
     got = on_mesh(mesh, cfg, params, batch)
     assert_equal_f64(got, ref["replay"])
     assert_equal_f64(got, ref["naive"])
@@ -83,6 +88,29 @@ def test_context_parallel_tree_equals_single_device():
     assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(ref[2])) > 1e-6
 
 
+@pytest.mark.parametrize("name", list(attention_test.PREFIX_CASES) +
+                         list(attention_test.TAIL_CASES))
+def test_key_major_backward_matches_dense_float64(name, monkeypatch):
+  """The blockwise backward the context-parallel paths use (key_major_bwd: key blocks
+  outside, each block's dK/dV finished and stored in the keys' dtype) on attention_test's
+  cases (windows below/above a block, soft-cap, GQA 1/2/4, odd blocks, padding, rows with
+  no allowed key, three segments): output and every gradient == dense at 1e-10, and ==
+  the query-major backward at 1e-13."""
+  monkeypatch.setattr(attention, "MIN_TILE", 0)
+  at = attention_test
+  prefix = name in at.PREFIX_CASES
+  case_kw, kw = (at.PREFIX_CASES if prefix else at.TAIL_CASES)[name]
+  make = at._prefix_case if prefix else at._tail_case
+  with jax.enable_x64(True):
+    case = make(np.random.default_rng(0 if prefix else 1), jnp.float64, **case_kw)
+    at._assert_match(case, 1e-10, key_major_bwd=True, **kw)
+    key_major = at._value_and_grads("blockwise", case, key_major_bwd=True, **kw)
+    query_major = at._value_and_grads("blockwise", case, **kw)
+    for a, b in zip(jax.tree.leaves(key_major), jax.tree.leaves(query_major)):
+      a, b = np.asarray(a), np.asarray(b)
+      assert np.max(np.abs(a - b), initial=0.0) <= 1e-13 * np.max(np.abs(b), initial=1.0)
+
+
 # ----------------------------------------------------------------------------- communication
 
 COLLECTIVE = re.compile(r"=\s*(\w+)\[([\d,]*)\]\S*\s+(all-gather|reduce-scatter|all-reduce|"
@@ -91,19 +119,22 @@ COLLECTIVE = re.compile(r"=\s*(\w+)\[([\d,]*)\]\S*\s+(all-gather|reduce-scatter|
 
 def prefix_collectives(scheme, B=2, P=256, C=4):
   """(kind, dtype, shape) of every collective in the compiled prefix step (the prefix forward
-  and its one backward from a cache cotangent) on context:C, tiny model, 16-wide tiles."""
+  and its one backward from a cache cotangent) on context:C, tiny model, 16-wide tiles.
+  Parameters over fsdp only (RULES, not param_rules' fsdp x context), so that no weight or
+  embedding traffic mixes with the attention's."""
   cfg = tfm.preset("tiny", context_parallel=scheme, attention_block_q=16, attention_block_k=16)
   params = tfm.init_params(cfg, jax.random.key(0))
   batch = make_batch(0, B=B, R=8, P=P, T=3, W=2)
   mesh = sharding.make_mesh(f"context:{C}", jax.devices()[:C])
-  placed = (sharding.put(params, sharding.param_shardings(mesh, cfg)),
-            sharding.put(batch, sharding.batch_shardings(mesh, batch)))
 
   def prefix_step(p, b):
     cache, prefix_vjp = sharding.prefix_residuals(mesh, p, b, cfg, LOSS)
     return prefix_vjp(jax.tree.map(jnp.ones_like, cache))
 
-  hlo = jax.jit(prefix_step).lower(*placed).compile().as_text()
+  with mock.patch.object(sharding, "param_rules", lambda mesh: sharding.RULES):
+    placed = (sharding.put(params, sharding.param_shardings(mesh, cfg)),
+              sharding.put(batch, sharding.batch_shardings(mesh, batch)))
+    hlo = jax.jit(prefix_step).lower(*placed).compile().as_text()
   found = [(kind, dtype, tuple(int(d) for d in dims.split(",") if d))
            for dtype, dims, kind in COLLECTIVE.findall(hlo)]
   return cfg, found
@@ -169,6 +200,19 @@ def test_schemes_not_built_are_refused():
     with pytest.raises(ValueError, match=rf"model.context_parallel='{scheme}': expected one "
                        r"of \('all_gather', 'gspmd'\)"):
       tfm.preset("tiny", context_parallel=scheme)
+
+
+def test_parameters_split_over_context_only_on_a_context_mesh():
+  """param_rules: d_model over fsdp x context where the mesh has a context axis; meshes
+  without one (one device, data or fsdp parallel) keep RULES' specs."""
+  cfg = tfm.preset("tiny")
+  q_spec = lambda spec: sharding.param_shardings(sharding.make_mesh(spec), cfg)["layer_0"][
+      "q"].spec
+  assert q_spec("fsdp:2,context:4") == PartitionSpec(("fsdp", "context"), "tensor", None)
+  assert q_spec("context:8") == PartitionSpec(("fsdp", "context"), "tensor", None)
+  for spec in ("data:8", "fsdp:4,tensor:2", "data:2,fsdp:2,tensor:2"):
+    assert q_spec(spec) == PartitionSpec("fsdp", "tensor", None), spec
+  assert sharding.param_rules(sharding.make_mesh("fsdp:8")) is sharding.RULES
 
 
 def test_no_mesh_is_todays_path():
