@@ -260,6 +260,23 @@ TABLES = {
     (Source("context_parallel_memory_cache_sharded_cpu_2026-12-02.jsonl", (
       "{preset}", "{P:,}", "{mesh}", "{per_device_mb:,.1f}", "{temp_mb:,.1f}",
       "{param_opt_mb:,.1f}"), ("kind=row",)),)),
+  "cp_key_major": Table(
+    ("preset", "P", "mesh", "per-device MB", "temporaries MB", "parameters + AdamW MB"),
+    (Source("context_parallel_memory_key_major_cpu_2026-12-02.jsonl", (
+      "{preset}", "{P:,}", "{mesh}", "{per_device_mb:,.1f}", "{temp_mb:,.1f}",
+      "{param_opt_mb:,.1f}"), ("kind=row",)),)),
+  "plan_8gpu_now": Table(
+    ("mesh", "P", "per device GB (arguments / temporaries)", "fits H20 / H100 / H200",
+     "compiled comm GB: total (K/V prefix, K/V tails, weights, grads)",
+     "step s H20 / H100 / H200 (compiled comm)"),
+    (Source("plan_8gpu_key_major_cpu_2026-12-02.jsonl", (
+      "{mesh}", "{P:,}", "{per_device_gb:.1f} ({argument_gb:.1f} / {temp_gb:.1f})",
+      "{fits[H20]} / {fits[H100]} / {fits[H200]}",
+      "{total_gb:,.1f} ({kv_prefix_gb:.1f}, {kv_tails_gb:.1f}, {weights_gb:.1f}, {grads_gb:.1f})",
+      "{prediction[step_time][8 x H20][step_s_compiled_comm]:.1f} / "
+      "{prediction[step_time][8 x H100 SXM][step_s_compiled_comm]:.1f} / "
+      "{prediction[step_time][8 x H200][step_s_compiled_comm]:.1f}"), ("kind=row",),
+      ratios=(("kv_prefix_gb", "hlo_comm_bytes.kv_prefix", 1e9), ("kv_tails_gb", "hlo_comm_bytes.kv_tails", 1e9), ("weights_gb", "hlo_comm_bytes.weights", 1e9), ("grads_gb", "hlo_comm_bytes.grads", 1e9), ("total_gb", "hlo_comm_bytes.total", 1e9))),)),
 }
 
 # INDEX.md: which engine produced a file where it matters (the dense engine's rows predate
@@ -334,6 +351,10 @@ CLAIMS = {
   "cp_memory": "context parallelism: the shard_map path needs what the GSPMD path needs",
   "plan_8gpu": "the 8-GPU plan: Llama-3-8B at P=131K fits 8 GPUs with parameters over context",
   "cp_cache_sharded": "context parallelism with the cache kept in sequence shards in the tails",
+  "cp_key_major": "context parallelism after the tails' per-layer gather, parameters over "
+                  "fsdp x context and the key-major backward: both memory targets met",
+  "plan_8gpu_now": "the 8-GPU plan after the tails' per-layer gather: compiled traffic near "
+                   "the formula, 131K fits H20/H100/H200",
 }
 # Figures the docs show: (claim, the image under experiments/results/, the lines it plots).
 FIGURES = {

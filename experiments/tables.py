@@ -90,6 +90,14 @@ def provenance_of(row: dict) -> dict | None:
           "date": str(p.get("date") or row.get("date") or "")}
 
 
+def _lookup(row: dict, field: str):
+  """row[field], or for "a.b" row[a][b] (None when missing)."""
+  value = row
+  for key in field.split("."):
+    value = value.get(key) if isinstance(value, dict) else None
+  return value
+
+
 def _matches(row: dict, where: tuple[str, ...]) -> bool:
   from experiments import results_table
   return results_table.matches(row, list(where))
@@ -116,9 +124,10 @@ def render(name: str, table: Table, root: str = ROOT, at: str = "") -> str:
     for n, row in rows:
       row = dict({k: None for k in src.optional}, **row, _file=src.file)
       for name, a, b in src.ratios:  # b: a field, or a number (e.g. 2**20 for bytes -> MB)
-        den = row.get(b) if isinstance(b, str) else b
-        if isinstance(row.get(a), (int, float)) and den:
-          row[name] = row[a] / den
+        den = _lookup(row, b) if isinstance(b, str) else b  # "a.b": a nested field
+        num = _lookup(row, a)
+        if isinstance(num, (int, float)) and den:
+          row[name] = num / den
       prov = provenance_of(row)
       if prov is None:
         raise ValueError(f"{rel}:{n}: no provenance (expected git commit, command and machine "
