@@ -143,7 +143,7 @@ def main(argv):
   from branch_replay import engine, losses, policy, trie
   from experiments import provenance
   from models import transformer as tfm
-  from tests.replay_test import max_rel_err
+  from tests.helpers import max_rel_err
   cfg = tfm.preset(FLAGS.preset)
   params = tfm.init_params(cfg, jax.random.key(0))
   rng = np.random.default_rng(0)

@@ -87,8 +87,8 @@ def test_params_over_context_is_exact(monkeypatch):
   every gradient leaf, 1e-10. A sharding only: the values cannot change."""
   import jax
   from branch_replay import sharding
-  from tests import context_parallel_test as cpt
-  from tests.replay_test import assert_equal_f64
+  import context_parallel_test as cpt
+  from helpers import assert_equal_f64
   monkeypatch.setattr(sharding, "RULES", plan_8gpu.fsdp_context_rules(sharding.RULES))
   with jax.enable_x64(True):
     cfg, params, batch, ref = cpt.setup()
