@@ -15,7 +15,7 @@ from branch_replay import state as train_state
 from branch_replay.algorithms import grpo
 from branch_replay.config import Config, apply_overrides
 from models import transformer as tfm
-from tests.replay_test import max_rel_err
+from helpers import max_rel_err
 from tests.trie_test import rollouts, trie
 
 # Diagnostics that are sums over every scored position of a path (trunk and tail alike),

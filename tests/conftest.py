@@ -37,20 +37,8 @@ import pytest  # noqa: E402
 # the same path (seconds measured on this 2-core machine, two workers, 2026-12-01). Each
 # parametrised grid keeps representative cases in the default suite.
 SLOW = {
-    # more shapes of replay == naive (kept: [1-1-1], [2-3-64], [2-16-7]); the frozen-flat guard
-    # checks the same variants (trunk, chunks, GSPO, PG, PPO+GAE) against stored outputs
-    "replay_test.py::test_replay_equals_naive_float64[[]1-1-64]": 26,
-    "replay_test.py::test_replay_equals_naive_float64[[]1-16-1]": 26,
-    "replay_test.py::test_replay_equals_naive_float64[[]1-16-64]": 26,
-    "replay_test.py::test_replay_equals_naive_float64[[]1-3-7]": 25,
-    "replay_test.py::test_replay_equals_naive_float64[[]2-1-7]": 29,
-    "replay_test.py::test_replay_equals_naive_float64[[]2-3-1]": 29,
-    "replay_test.py::test_replay_variants_float64[[]case[0124568]]": 196,  # kept: case3, case7
-    "replay_test.py::test_replay_bfloat16_close_to_naive": 56,  # float32 and float64 kept
-    "replay_test.py::test_remat_equals_no_remat": 36,  # long_context: remat policies
-    # tree shapes and variants (kept: fan-outs (1,4) and (3,1,2), cases 0 and 4, mistral)
-    "tree_test.py::test_tree_replay_equals_naive_float64[[]fanouts[02]]": 69,
-    "tree_test.py::test_tree_variants_float64[[]case[1235]]": 145,
+    # the equivalence grid marks its own slow cells (equivalence_test.py: DEFAULT, F32_DEFAULT)
+    # a tree under sliding windows (kept: mistral); GSPO on trees (kept: depth 2)
     "tree_test.py::test_tree_with_sliding_windows_float64[[]gemma2]": 49,
     "engine_test.py::test_gspo_on_a_tree_equals_every_path_as_a_flat_branch[[]fanouts0]": 40,
     # families (kept: llama3, qwen3, gemma2: plain, q/k-norm, soft-cap and norm offset)
@@ -105,6 +93,14 @@ def pytest_collection_modifyitems(config, items):
     name = f"{os.path.basename(str(item.fspath))}::{item.name}"
     if any(fnmatch.fnmatchcase(name, pattern) for pattern in SLOW):
       item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def x64():
+  """float64 inside the test (`jax.enable_x64(True)` around it)."""
+  import jax
+  with jax.enable_x64(True):
+    yield
 
 
 @pytest.fixture

@@ -18,9 +18,9 @@ from branch_replay import engine, losses, policy, sharding, tree
 from branch_replay.batch import validate
 from models import attention, context_parallel
 from models import transformer as tfm
-from tests import attention_test, tree_test
-from tests.replay_test import assert_equal_f64, make_batch, max_rel_err
-from tests.helpers import cache_per_x64
+import attention_test
+from helpers import (assert_equal_f64, cache_per_x64, make_batch, make_tree, max_rel_err,
+                     tiny_model)
 
 LOSS = losses.LossConfig(name="grpo", kl_coef=0.05, epsilon=0.1)
 # Gemma 2 (tests/families_test.py): layer 0 slides with window 4, soft-capped scores, GQA
@@ -33,7 +33,7 @@ BATCH = dict(B=2, R=8, P=48, T=3, W=2)
 @cache_per_x64
 def setup():
   """The model, the batch, and the single-device references (replay and naive)."""
-  cfg, params = tree_test.model(FAMILY)
+  cfg, params = tiny_model(FAMILY)
   batch = make_batch(0, **BATCH, vocab=cfg.vocab_size, logps=True, dtype=jnp.float64)
   validate(batch, cfg.vocab_size)
   ref = {mode: jax.jit(lambda p, b, mode=mode: policy.loss_and_grad(p, b, cfg, LOSS, mode))(
@@ -75,7 +75,7 @@ def test_context_parallel_tree_equals_single_device():
   context-parallel, the 8 leaves split over the 4 devices."""
   with jax.enable_x64(True):
     cfg, params, _, _ = setup()
-    batch = tree_test.make_tree(1, (2, 4), B=2, P=16, T=(3, 3), W=1, logps=True,
+    batch = make_tree(1, (2, 4), B=2, P=16, T=(3, 3), W=1, logps=True,
                                 node_advantages=True, vocab=cfg.vocab_size)
     mesh = sharding.make_mesh("context:4", jax.devices()[:4])
     tree.validate(batch, cfg.vocab_size, None, leaf_shards=4)
@@ -181,7 +181,7 @@ def test_gspmd_prefix_attention_gathers_queries():
 
 
 def test_prefix_the_context_axis_cannot_split():
-  cfg, params = tree_test.model()
+  cfg, params = tiny_model()
   batch = make_batch(0, B=2, R=8, P=18, T=3, logps=True)  # 18 positions over context:4
   mesh = sharding.make_mesh("context:4", jax.devices()[:4])
   step = jax.jit(lambda p, b: sharding.sharded_loss_and_grad(mesh, p, b, cfg, LOSS))

@@ -11,8 +11,7 @@ import pytest
 
 from branch_replay import engine, losses, policy, tree
 from branch_replay.batch import ReplayBatch
-from tests.replay_test import make_batch
-from tests.tree_test import make_tree, max_rel_err, model
+from helpers import assert_equal_f64, make_batch, make_tree, max_rel_err, tiny_model
 
 
 def paths_as_flat(batch: tree.TreeBatch) -> ReplayBatch:
@@ -47,15 +46,6 @@ def paths_as_flat(batch: tree.TreeBatch) -> ReplayBatch:
       trunk_ref_logp_BW=batch.trunk_ref_logp_BW if logps else None)
 
 
-def assert_same(got, want, tol=1e-10, keys=None):
-  (l1, aux1, g1), (l2, aux2, g2) = got, want
-  assert abs(float(l1) - float(l2)) <= tol * max(abs(float(l2)), 1e-3), (l1, l2)
-  assert max_rel_err(g1, g2) < tol
-  for name in (keys if keys is not None else aux2):
-    np.testing.assert_allclose(aux1[name], aux2[name], rtol=tol, atol=tol, err_msg=name)
-  assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(g2)) > 1e-6
-
-
 def tree_run(cfg, params, batch, loss_cfg, mode="replay", branch_chunk=None):
   tree.validate(batch, cfg.vocab_size, branch_chunk)
   return jax.jit(lambda p, b: engine.loss_and_grad(p, b, cfg, loss_cfg, mode,
@@ -74,13 +64,13 @@ PATH_KEYS = ("kl_sum", "clip_sum", "approx_kl_sum", "ratio_max", "scored_tokens"
 def test_temperature_depth1_equals_flat_and_on_policy_ratio_is_one():
   """Bug 1: the tree scored tokens at temperature 1 whatever loss.temperature said."""
   with jax.enable_x64(True):
-    cfg, params = model()
+    cfg, params = tiny_model()
     lc = losses.LossConfig(name="ppo", temperature=0.7, kl_coef=0.1)
     batch = make_batch(3, B=2, R=3, P=9, T=5, W=2, logps=True, dtype=jnp.float64)
     want = jax.jit(lambda p: policy.loss_and_grad(p, batch, cfg, lc))(params)
     t = tree.from_replay_batch(batch)
     for mode in engine.MODES:
-      assert_same(tree_run(cfg, params, t, lc, mode), want)
+      assert_equal_f64(tree_run(cfg, params, t, lc, mode), want)
     # Depth 2: log-probs of the sampling distribution at T=0.7 are on-policy (ratio 1).
     deep = make_tree(4, (2, 3), W=1, logps=True)
     logp, trunk = jax.jit(lambda p: engine.forward(p, deep, cfg, 0.7))(params)
@@ -95,18 +85,18 @@ def test_temperature_depth1_equals_flat_and_on_policy_ratio_is_one():
 def test_gspo_on_a_tree_equals_every_path_as_a_flat_branch(fanouts):
   """Bug 2: gspo crashed at trace time on trees (token_fn None)."""
   with jax.enable_x64(True):
-    cfg, params = model()
+    cfg, params = tiny_model()
     lc = losses.LossConfig(name="gspo", epsilon=0.01, kl_coef=0.1, aggregation="seq_mean")
     batch = make_tree(6, fanouts, W=2, logps=True)
     want = flat_naive(cfg, params, paths_as_flat(batch), lc)
     keys = None if len(fanouts) == 1 else PATH_KEYS
-    assert_same(tree_run(cfg, params, batch, lc, "naive"), want, keys=keys)
-    assert_same(tree_run(cfg, params, batch, lc, "replay"), want, keys=keys)
+    assert_equal_f64(tree_run(cfg, params, batch, lc, "naive"), want, keys=keys)
+    assert_equal_f64(tree_run(cfg, params, batch, lc, "replay"), want, keys=keys)
 
 
 def test_streamed_leaves_accumulate_in_float32():
   """Bug 3: streamed tree leaves summed their cotangents in the compute dtype (bfloat16)."""
-  cfg, params = model(dtype="float32")
+  cfg, params = tiny_model(dtype="float32")
   cfg = dataclasses.replace(cfg, dtype="bfloat16")  # bf16 compute, f32 parameters
   batch = make_tree(7, (2, 4), P=8, T=(3, 3), W=1, dtype=jnp.float32)
   lc = losses.LossConfig()
@@ -128,7 +118,7 @@ def test_streamed_leaves_accumulate_in_float32():
 def test_from_replay_batch_carries_per_token_advantages():
   """Bug 7: from_replay_batch dropped advantages_BRT / trunk_advantages_BRW silently."""
   with jax.enable_x64(True):
-    cfg, params = model()
+    cfg, params = tiny_model()
     lc = losses.LossConfig(name="ppo", kl_coef=0.1)
     batch = make_batch(8, B=2, R=3, P=9, T=5, W=2, logps=True, dtype=jnp.float64)
     rng = np.random.default_rng(9)
@@ -138,7 +128,7 @@ def test_from_replay_batch_carries_per_token_advantages():
     t = tree.from_replay_batch(batch)
     assert t.leaves.advantages_BRT is not None and t.trunk_advantages_BRW is not None
     for mode in engine.MODES:
-      assert_same(tree_run(cfg, params, t, lc, mode), want)
+      assert_equal_f64(tree_run(cfg, params, t, lc, mode), want)
     deep = make_tree(1, (2, 2), T=(3, 3))
     deep = deep.replace(levels=(deep.levels[0], deep.levels[1].replace(
         advantages_BRT=jnp.zeros((2, 4, 3)))))
@@ -150,11 +140,11 @@ def test_from_replay_batch_carries_per_token_advantages():
 def test_tree_reports_the_flat_ppo_diagnostics():
   """Bug 8: the tree computed no clip_sum, approx_kl_sum, ratio_max, scored_tokens."""
   with jax.enable_x64(True):
-    cfg, params = model()
+    cfg, params = tiny_model()
     lc = losses.LossConfig(name="grpo", epsilon=0.1, kl_coef=0.05)
     batch = make_batch(10, B=2, R=4, P=8, T=5, W=1, logps=True, dtype=jnp.float64)
     want = jax.jit(lambda p: policy.loss_and_grad(p, batch, cfg, lc))(params)
     got = tree_run(cfg, params, tree.from_replay_batch(batch), lc)
     assert set(got[1]) == set(want[1])
     assert float(want[1]["clip_sum"].sum()) > 0  # the diagnostics are not trivially zero
-    assert_same(got, want)
+    assert_equal_f64(got, want)

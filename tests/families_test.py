@@ -8,61 +8,21 @@ import numpy as np
 import pytest
 
 from branch_replay import losses, policy
-from branch_replay.batch import ReplayBatch, validate
+from branch_replay.batch import validate
 from models import transformer as tfm
-from tests.helpers import cache_per_x64
 
-TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-            mlp_hidden=48)
-GEMMA = dict(post_norms=True, scale_embeddings=True, norm_offset=1.0, activation="gelu_tanh",
-             tie_embeddings=True, query_pre_attn_scalar=12.0)
-WINDOW = 4  # below the prefix length P=10: the windowed prefix cache is really sliced
-FAMILIES = {
-    "llama3": dict(rope_theta=500000.0, rope_scaling=tfm.RopeScaling(
-        "llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-        original_max_positions=16)),
-    "qwen2": dict(qkv_bias=True, tie_embeddings=True, sliding_window=WINDOW, local_layers=(1,)),
-    "qwen3": dict(qk_norm=True),
-    "mistral": dict(sliding_window=WINDOW),
-    "gemma2": dict(GEMMA, sliding_window=WINDOW, local_layers=(0,), attn_logit_softcap=2.0,
-                   final_logit_softcap=3.0),
-    "gemma3": dict(GEMMA, qk_norm=True, sliding_window=WINDOW, local_layers=(0,),
-                   local_rope_theta=100.0, rope_scaling=tfm.RopeScaling("linear", 2.0)),
-}
+import helpers
+from helpers import FAMILIES, TINY, WINDOW, max_rel_err as rel_err, tiny_model
 
 
-@cache_per_x64
+def make_batch(seed):
+  """A flat batch of the families' vocabulary, P=10 above the window (ragged, a trunk)."""
+  return helpers.make_batch(seed, B=2, R=3, P=10, T=5, W=2, vocab=TINY["vocab_size"],
+                            dtype=jnp.float64)
+
+
 def model(family, dtype="float64"):
-  """A tiny model of the family with every parameter perturbed (biases, norm scales and
-  q/k norms away from their identity init, so their gradients are exercised)."""
-  cfg = tfm.ModelConfig(**TINY, **FAMILIES[family], dtype=dtype, param_dtype=dtype)
-
-  @jax.jit
-  def init(key):
-    leaves, treedef = jax.tree.flatten(tfm.init_params(cfg, key))
-    keys = jax.random.split(jax.random.key(1), len(leaves))
-    leaves = [x + 0.2 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
-    return jax.tree.unflatten(treedef, leaves)
-
-  return cfg, init(jax.random.key(0))
-
-
-def make_batch(seed, B=2, R=3, P=10, T=5, W=2, vocab=64):
-  rng = np.random.default_rng(seed)
-  prefix_valid = np.ones((B, P), bool)
-  prefix_valid[1, :3] = False  # left padding on prompt 1
-  lengths = rng.integers(1, T + 1, size=(B, R))
-  lengths[0, 0] = T
-  return ReplayBatch(
-      prefix_BP=jnp.asarray(rng.integers(0, vocab, (B, P)), jnp.int32),
-      prefix_valid_BP=jnp.asarray(prefix_valid),
-      tails_BRT=jnp.asarray(rng.integers(0, vocab, (B, R, T)), jnp.int32),
-      tail_valid_BRT=jnp.asarray(np.arange(T)[None, None] < lengths[..., None]),
-      advantages_BR=jnp.asarray(rng.normal(size=(B, R))), trunk_len=W)
-
-
-def rel_err(a, b):
-  return float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
+  return tiny_model(family, dtype, perturb=0.2)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

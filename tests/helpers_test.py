@@ -3,12 +3,12 @@
 import jax
 import jax.numpy as jnp
 
-from tests import tree_test
+from helpers import tiny_model
 
 
 def test_cached_model_follows_x64():
-  _, outside = tree_test.model()  # built without x64: float32 arrays
+  _, outside = tiny_model()  # built without x64: float32 arrays
   assert jax.tree.leaves(outside)[0].dtype == jnp.float32
   with jax.enable_x64(True):
-    _, inside = tree_test.model()
+    _, inside = tiny_model()
     assert {x.dtype for x in jax.tree.leaves(inside)} == {jnp.dtype("float64")}

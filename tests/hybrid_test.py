@@ -13,9 +13,8 @@ import pytest
 from branch_replay import engine, losses
 from models import deltanet as dn
 from models import transformer as tfm
-from tests.replay_test import assert_equal_f64, both_paths, make_batch, max_rel_err
-from tests.tree_test import make_tree
-from tests.helpers import cache_per_x64
+from helpers import (assert_equal_f64, both_paths, cache_per_x64, make_batch, make_tree,
+                     max_rel_err)
 
 
 @cache_per_x64

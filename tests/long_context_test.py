@@ -13,7 +13,7 @@ from branch_replay import config as config_lib
 from branch_replay import losses, policy, train
 from branch_replay import state as train_state
 from models import transformer as tfm
-from tests.replay_test import assert_equal_f64, make_batch, max_rel_err
+from helpers import assert_equal_f64, make_batch, max_rel_err
 
 GEMMA2 = dict(post_norms=True, scale_embeddings=True, norm_offset=1.0, activation="gelu_tanh",
               query_pre_attn_scalar=8.0, attn_logit_softcap=5.0, final_logit_softcap=3.0,

@@ -18,7 +18,7 @@ from branch_replay.batch import validate
 from models import hf
 from models import lora
 from models import transformer as tfm
-from tests.replay_test import make_batch, max_rel_err
+from helpers import make_batch, max_rel_err
 
 LORA = lora.LoraConfig(rank=4, alpha=8.0)
 

@@ -22,7 +22,7 @@ from branch_replay.tokenizer import TOKENIZER
 from models import hf
 from models import lora as lora_lib
 from models import transformer as tfm
-from tests.replay_test import make_batch, max_rel_err
+from helpers import make_batch, max_rel_err
 
 
 def lora_cfg(*overrides, **model):
@@ -177,7 +177,7 @@ def test_lora_step_shapes_on_trees_and_a_mesh(fanouts, mesh):
     assert shardings.base == sharding.param_shardings(mesh_, cfg.model)
     assert all(s == sharding.replicated(mesh_) for s in jax.tree.leaves(shardings.params))
   if fanouts:
-    from tests.tree_test import make_tree
+    from helpers import make_tree
     batch = make_tree(4, (2, 4), B=2, P=8, T=(4, 4), vocab=cfg.model.vocab_size,
                       dtype=jnp.float32)
   else:

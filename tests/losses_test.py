@@ -12,7 +12,7 @@ import pytest
 from branch_replay import losses, policy
 from branch_replay.batch import ReplayBatch
 from models import transformer as tfm
-from replay_test import make_batch, model
+from helpers import make_batch, tiny_model
 
 # ----------------------------------------------------------------------------- hand values
 
@@ -180,7 +180,7 @@ def test_loss_equals_numpy_reference(case):
   """Both paths' loss equals the hand-written objective on the model's own log-probs, with
   off-policy old log-probs (so clips bind on both sides) and a reference policy."""
   with jax.enable_x64(True):
-    cfg, params = model("float64")
+    cfg, params = tiny_model(dtype="float64", perturb=0.0)
     R = 2 if case["name"] == "dpo" else 4
     batch = make_batch(21, B=2, R=R, P=7, T=4, W=2, dtype=jnp.float64)
     logp = model_logps(cfg, params, batch)
@@ -205,7 +205,7 @@ def test_loss_equals_numpy_reference(case):
 
 def test_per_token_advantages_equal_numpy_reference():
   with jax.enable_x64(True):
-    cfg, params = model("float64")
+    cfg, params = tiny_model(dtype="float64", perturb=0.0)
     batch = make_batch(22, B=2, R=3, P=8, T=4, W=2, logps=True, dtype=jnp.float64)
     rng = np.random.default_rng(2)
     batch = batch.replace(advantages_BRT=jnp.asarray(rng.normal(size=(2, 3, 4))),
@@ -217,7 +217,7 @@ def test_per_token_advantages_equal_numpy_reference():
 
 def test_temperature_logps_equal_numpy_reference():
   with jax.enable_x64(True):
-    cfg, params = model("float64")
+    cfg, params = tiny_model(dtype="float64", perturb=0.0)
     batch = make_batch(23, B=1, R=3, P=6, T=4, W=1, dtype=jnp.float64)
     lc = losses.LossConfig(name="pg", aggregation="sum", temperature=0.7)
     expected = np_loss(lc, batch, model_logps(cfg, params, batch, temperature=0.7))
@@ -234,7 +234,7 @@ def test_temperature_logps_equal_numpy_reference():
     (dict(name="grpo", kl_coef=0.1), r"needs reference log-probs \(kl_coef > 0\)"),
 ])
 def test_missing_reference_raises(case, match):
-  cfg, params = model("float32")
+  cfg, params = tiny_model(dtype="float32", perturb=0.0)
   R = 2 if case["name"] == "dpo" else 3
   batch = make_batch(0, B=2, R=R, P=6, T=3)
   for mode in ("replay", "naive"):
@@ -244,7 +244,7 @@ def test_missing_reference_raises(case, match):
 
 
 def test_dpo_needs_two_branches():
-  cfg, params = model("float32")
+  cfg, params = tiny_model(dtype="float32", perturb=0.0)
   batch = make_batch(0, B=2, R=3, P=6, T=3, logps=True)
   with pytest.raises(ValueError, match=r"expects R=2"):
     jax.eval_shape(lambda p: policy.loss_and_grad(p, batch, cfg, losses.LossConfig("dpo")),
@@ -261,7 +261,7 @@ def test_register_a_new_objective():
   if name not in losses.OBJECTIVES:
     losses.register(name)(lambda logp, old, ref, adv, cfg: -logp)
   with jax.enable_x64(True):
-    cfg, params = model("float64")
+    cfg, params = tiny_model(dtype="float64", perturb=0.0)
     batch = make_batch(3, B=1, R=2, P=5, T=3, dtype=jnp.float64)
     a = naive_loss(params, batch, cfg, losses.LossConfig(name=name, aggregation="sum"))
     b = naive_loss(params, batch.replace(advantages_BR=jnp.ones((1, 2))), cfg,

@@ -12,9 +12,8 @@ import pytest
 
 from branch_replay import critic, engine, losses, metrics, sharding, tree, trainer
 from branch_replay.algorithms import ppo
-from tests.replay_test import assert_equal_f64
 from trainer_test import tiny_tree  # the module pytest imports (it registers a task)
-from tests.tree_test import make_tree, model
+from helpers import assert_equal_f64, make_tree, tiny_model
 
 FANOUTS = (2, 3)  # depth 2, ragged tails, unscored holes in the inner nodes
 
@@ -46,7 +45,7 @@ def test_tree_critic_replay_equals_naive_float64(share, W):
   as its own sequence with its own targets, loss, aux and every gradient leaf; the values
   of one replay forward == the naive values at every scored position."""
   with jax.enable_x64(True):
-    cfg, params = model()
+    cfg, params = tiny_model()
     cparams, body = critic_params(cfg, params, share), (params if share else None)
     cb = tree_critic_batch(3, W=W)
     critic.validate(cb)
@@ -95,7 +94,7 @@ def test_tree_ppo_policy_loss_per_token_replay_equals_naive_float64(W):
   every path's scored tokens (a hand computation: the per-path advantages are the ones
   scored)."""
   with jax.enable_x64(True):
-    cfg, params = model()
+    cfg, params = tiny_model()
     t, adv, mask = per_token_tree(5, W)
     tree.validate(t, cfg.vocab_size)
     lc = losses.LossConfig(name="ppo", kl_coef=0.1, epsilon=0.2)
@@ -199,7 +198,7 @@ def test_tree_critic_on_a_mesh_equals_one_device_float64():
   """The tree critic's loss and gradient on data:2,context:4 (prompts split, the leaves over
   `context`, the root context-parallel) == one device; so are the values."""
   with jax.enable_x64(True):
-    cfg, params = model()
+    cfg, params = tiny_model()
     ccfg = critic.CriticConfig(value_clip=0.5)
     cparams = critic_params(cfg, params, share=False)
     cb = tree_critic_batch(3, fanouts=(2, 2), P=8)

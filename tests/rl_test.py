@@ -18,7 +18,7 @@ from branch_replay.algorithms import ppo
 from branch_replay import state as train_state
 from branch_replay.config import Config, apply_overrides
 from models import transformer as tfm
-from replay_test import assert_equal_f64, make_batch, max_rel_err, model
+from helpers import assert_equal_f64, make_batch, max_rel_err, tiny_model
 
 
 # ----------------------------------------------------------------------------- GAE, value loss
@@ -130,7 +130,7 @@ def critic_batch(seed, B, R, P, T, W, dtype=jnp.float64):
 @pytest.mark.parametrize("B, R, P, T, W", [(2, 3, 9, 4, 2), (1, 4, 6, 1, 0)])
 def test_critic_replay_equals_naive_float64(B, R, P, T, W):
   with jax.enable_x64(True):
-    cfg, params = model("float64")
+    cfg, params = tiny_model(dtype="float64", perturb=0.0)
     cparams = critic.init_params(cfg, jax.random.key(1), params)
     # a non-zero head, so values (and the clip) depend on the transformer
     cparams["head"] = {"w_D": jax.random.normal(jax.random.key(2), (cfg.d_model,)),
@@ -192,7 +192,7 @@ def test_shared_critic_replay_equals_naive_and_numpy_float64(B, R, P, T, W):
   (loss, aux, head gradient), and both == the numpy loss and head gradient built from the
   policy's hidden states."""
   with jax.enable_x64(True):
-    cfg, params = model("float64")
+    cfg, params = tiny_model(dtype="float64", perturb=0.0)
     head = {"head": random_head(cfg)}
     cb = critic_batch(31, B, R, P, T, W)
     ccfg = critic.CriticConfig(value_clip=0.5, share=True)
@@ -220,7 +220,7 @@ def test_critic_on_a_mesh_equals_one_device_float64(share):
   equals one device's."""
   from branch_replay import sharding
   with jax.enable_x64(True):
-    cfg, params = model("float64")
+    cfg, params = tiny_model(dtype="float64", perturb=0.0)
     ccfg = critic.CriticConfig(value_clip=0.5, share=share)
     cparams = ({"head": random_head(cfg)} if share else
                {**critic.init_params(cfg, jax.random.key(1), params), "head": random_head(cfg)})
@@ -251,7 +251,7 @@ def test_shared_critic_head_gradient_equals_separate_model_with_policy_body():
   has, w.r.t. its head, the shared critic's loss and head gradient (its body gradient is
   what the shared critic leaves out)."""
   with jax.enable_x64(True):
-    cfg, params = model("float64")
+    cfg, params = tiny_model(dtype="float64", perturb=0.0)
     head = random_head(cfg, seed=5)
     cb = critic_batch(7, 2, 3, 8, 3, 1)
     ccfg = critic.CriticConfig(value_clip=0.3)
@@ -268,7 +268,7 @@ def test_shared_critic_head_gradient_equals_separate_model_with_policy_body():
 
 
 def test_shared_critic_params_and_body_must_agree():
-  cfg, params = model("float32")
+  cfg, params = tiny_model(dtype="float32", perturb=0.0)
   batch = make_batch(3, B=1, R=2, P=5, T=2)
   with pytest.raises(ValueError, match=r"body_params=None: a shared critic"):
     critic.values({"head": critic.init_head(cfg)}, cfg, batch)
@@ -347,7 +347,7 @@ def test_temperature_first_epoch_ratio_is_one():
 def test_critic_value_of_a_token_reads_only_the_tokens_before_it():
   """Token x's value is V(state before x): changing tail token t leaves the values of
   tokens <= t (and every trunk token) as they were and changes the later ones."""
-  cfg, params = model("float32")
+  cfg, params = tiny_model(dtype="float32", perturb=0.0)
   cparams = critic.init_params(cfg, jax.random.key(1), params)
   cparams["head"]["w_D"] = jax.random.normal(jax.random.key(2), (cfg.d_model,))
   batch = make_batch(3, B=2, R=2, P=7, T=4, W=2, ragged=False)

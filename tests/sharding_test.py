@@ -13,29 +13,20 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from branch_replay import losses, policy, sharding
-from branch_replay.batch import ReplayBatch, validate
+from branch_replay.batch import validate
 from models import transformer as tfm
+
+import helpers
+from helpers import tiny_model
 
 
 def make_batch(seed, B, R, P, T, W=2):
   """Left-padded prefixes with a trunk, ragged tails, off-policy and reference log-probs."""
-  rng = np.random.default_rng(seed)
-  prefix_valid = np.ones((B, P), bool)
-  prefix_valid[0, :P // 3] = False
-  tail_valid = np.arange(T)[None, None] < rng.integers(1, T + 1, size=(B, R))[..., None]
-  logp = lambda *shape: -rng.uniform(0.5, 4, shape).astype(np.float32)
-  return ReplayBatch(
-      prefix_BP=rng.integers(0, 128, (B, P)).astype(np.int32), prefix_valid_BP=prefix_valid,
-      tails_BRT=rng.integers(0, 128, (B, R, T)).astype(np.int32), tail_valid_BRT=tail_valid,
-      advantages_BR=rng.normal(size=(B, R)).astype(np.float32),
-      old_logp_BRT=logp(B, R, T), trunk_old_logp_BW=logp(B, W),
-      ref_logp_BRT=logp(B, R, T), trunk_ref_logp_BW=logp(B, W), trunk_len=W)
+  return helpers.make_batch(seed, B, R, P, T, W=W, logps=True)
 
 
-@functools.lru_cache(maxsize=None)
 def model():
-  cfg = tfm.preset("tiny")
-  return cfg, tfm.init_params(cfg, jax.random.key(0))
+  return tiny_model(dtype="float32", perturb=0.0)
 
 
 LOSS = losses.LossConfig(name="grpo", kl_coef=0.05, epsilon=0.1)
@@ -230,7 +221,7 @@ def tiny_config(tmp_path, mesh, *extra):
 @pytest.mark.slow
 def test_trainer_on_a_mesh_matches_one_device(tmp_path):
   """trainer.run with mesh=data:2,fsdp:2,tensor:2 (the place() / make_train_step path) takes
-  the same warm-up step as one device, leaves FSDP-sharded parameters and a checkpoint."""
+  the same SFT and RL steps as one device, leaves FSDP-sharded parameters and a checkpoint."""
   from branch_replay import metrics
   from branch_replay import trainer
   runs = {}
@@ -239,12 +230,14 @@ def test_trainer_on_a_mesh_matches_one_device(tmp_path):
     summary = trainer.run(tiny_config(tmp_path, mesh), workdir)
     runs[mesh] = summary, [r for r in metrics.read(summary["metrics"]) if r["kind"] == "train"]
   (one, one_records), (sharded, sharded_records) = runs[""], runs["data:2,fsdp:2,tensor:2"]
-  assert [r["step"] for r in sharded_records] == [0, 1]
-  for name in ("loss/policy", "grad/norm", "entropy"):  # step 0: the same SFT batch
-    np.testing.assert_allclose(sharded_records[0][name], one_records[0][name], rtol=1e-4,
-                               atol=1e-6, err_msg=name)
-  for a, b in zip(jax.tree.leaves(sharded["final_params"]), jax.tree.leaves(one["final_params"])):
-    assert a.shape == b.shape
+  assert [r["step"] for r in sharded_records] == [r["step"] for r in one_records] == [0, 1]
+  # step 0: the same SFT batch; step 1: the same sampled rollouts (threefry bits do not depend
+  # on the sharding), rewards equal, the RL step's loss and gradient norm as one device's
+  assert sharded_records[1]["reward/mean"] == one_records[1]["reward/mean"]
+  for a, b in zip(sharded_records, one_records):
+    for name in ("loss/policy", "grad/norm", "entropy"):
+      np.testing.assert_allclose(a[name], b[name], rtol=1e-4, atol=1e-6,
+                                 err_msg=f"step {a['step']}: {name}")
   mesh = sharding.make_mesh("data:2,fsdp:2,tensor:2")
   expected = sharding.param_shardings(mesh, tfm.preset("tiny"))
   for p, s in zip(jax.tree.leaves(sharded["final_params"]), jax.tree.leaves(expected)):

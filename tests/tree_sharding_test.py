@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from branch_replay import engine, losses, sharding, tree
-from tests.tree_test import make_tree, max_rel_err, model
+from helpers import make_tree, max_rel_err, tiny_model
 
 LOSS = losses.LossConfig(kl_coef=0.05, epsilon=0.1)
 
@@ -18,7 +18,7 @@ LOSS = losses.LossConfig(kl_coef=0.05, epsilon=0.1)
 ])
 def test_sharded_tree_equals_single_device(spec, fanouts, branch_chunk):
   with jax.enable_x64(True):
-    cfg, params = model()
+    cfg, params = tiny_model()
     batch = make_tree(1, fanouts, B=4, P=16, T=(3, 3), W=1, logps=True, node_advantages=True)
     mesh = sharding.make_mesh(spec)
     tree.validate(batch, cfg.vocab_size, branch_chunk, leaf_shards=mesh.shape["context"])

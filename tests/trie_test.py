@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 from branch_replay import engine, losses, policy, tree, trie
-from tests.replay_test import max_rel_err
-from tests.tree_test import model
+from helpers import max_rel_err, tiny_model
 
 RESPONSES = [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6, 7], [8, 9]]
 
@@ -78,7 +77,7 @@ def assert_same(a, b, tol=1e-10):
     pytest.param(1, "sum", "pg", marks=pytest.mark.slow)])
 def test_trie_batch_equals_flat_batch_float64(max_depth, aggregation, name):
   with jax.enable_x64(True):
-    cfg, params = model()
+    cfg, params = tiny_model()
     loss_cfg = losses.LossConfig(name=name, aggregation=aggregation)
     prompts, responses, adv, old = rollouts(0)
     batch, stats = trie.layout(prompts, responses, adv, old_logps=old, max_depth=max_depth)
@@ -92,7 +91,7 @@ def test_unscored_turn_tokens_float64():
   """Tool/observation tokens (unscored) inside the shared nodes: the tree equals the same
   responses laid out flat (depth 1, no sharing) through the naive twin."""
   with jax.enable_x64(True):
-    cfg, params = model()
+    cfg, params = tiny_model()
     loss_cfg = losses.LossConfig(aggregation="token_mean")
     prompts, responses, adv, old = rollouts(1)
     scored = [[(np.arange(len(r)) % 3) != 1 for r in rs] for rs in responses]
@@ -108,7 +107,7 @@ def test_unscored_turn_tokens_float64():
 def test_auto_tree_of_a_sampled_batch_float64():
   """The trainer's batch (prefix + trunk, tails): auto_tree finds the tails' shared openings."""
   with jax.enable_x64(True):
-    cfg, params = model()
+    cfg, params = tiny_model()
     loss_cfg = losses.LossConfig(kl_coef=0.1)
     prompts, responses, adv, old = rollouts(2, opening=4)
     ref = [[o - 0.25 for o in rs] for rs in old]

@@ -6,13 +6,12 @@ import jax.numpy as jnp
 import pytest
 
 from branch_replay import losses, policy, tree, verify
-from tests.replay_test import make_batch
 from models import transformer as tfm
-from tests.tree_test import model
+from helpers import make_batch, tiny_model
 
 
 def test_verify_passes_a_right_engine_and_catches_a_wrong_one(monkeypatch):
-  cfg, params = model(dtype="float32")
+  cfg, params = tiny_model(dtype="float32")
   params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
   batch = make_batch(0, B=2, R=3, P=6, T=4, W=1, logps=True, dtype=jnp.float32)
   loss_cfg = losses.LossConfig()
