@@ -51,7 +51,7 @@ TABLES = {
        "naive's band",
        "{replay_mean_inside_naive_band:.0%}; final reward {final_reward_replay:.3f} vs "
        "{final_reward_naive:.3f}", "`{_file}`"), ("kind=verdict",), 1),
-     Source("tree_cpu_2026-12-01.jsonl", (
+     Source("tree_cpu_2026-12-02.jsonl", (
        "a 4x4 tree of rollouts, P={prefix_len}: tree replay vs naive",
        "{tree_speedup:.2f}x faster; peak {tree_peak_mb:,.0f} vs {naive_peak_mb:,.0f} MB",
        "`{_file}`"), (), 1),
@@ -213,7 +213,7 @@ TABLES = {
   "tree_bench": Table(
     ("P", "fan-out", "lengths", "naive s", "tree s", "tree speedup", "tree FLOP ratio",
      "speedup / FLOP ratio", "peak MB naive / tree", "grad rel err"),
-    (Source("tree_cpu_2026-12-01.jsonl", (
+    (Source("tree_cpu_2026-12-02.jsonl", (
       "{prefix_len}", "{fanouts}", "{lengths}", "{naive_s:.1f}", "{tree_s:.2f}",
       "{tree_speedup:.2f}", "{tree_flop_ratio:.2f}", "{tree_speedup_over_flop_ratio:.2f}",
       "{naive_peak_mb:,.0f} / {tree_peak_mb:,.0f}", "{tree_grad_max_rel_err:.1e}"), (), 1),)),
@@ -300,6 +300,7 @@ SUPERSEDED = {
   "default_run_long_context_2026-11-30.jsonl": "default_run_2026-12-02.jsonl",
   "default_run_long_context_2026-11-30.png": "default_run_2026-12-02.png",
   "tree_cpu_2026-11-30.jsonl": "tree_cpu_2026-12-01.jsonl",
+  "tree_cpu_2026-12-01.jsonl": "tree_cpu_2026-12-02.jsonl",
   "peer_cpu_before_2026-12-01.jsonl": "peer_cpu_after_2026-12-02.jsonl",
   "profile_cpu_before_2026-12-01.jsonl": "profile_cpu_after_2026-12-02.jsonl",
   "profile_cpu_before_2026-12-01.md": "profile_cpu_after_2026-12-02.md",
