@@ -140,19 +140,16 @@ class Config:
     """What `algo.name` needs of the other sections, by field: its objective, its data, its
     step counts, and no options of another algorithm's value model."""
     name = self.algo.name
-    pairs = [  # (field, value, the algorithm it belongs to)
-        ("loss.name", self.loss.name, "dpo" if self.loss.name == "dpo" else None),
-        ("task.name", self.task.name, "rollouts" if self.task.name == "rollouts" else None)]
-    for field, value, owner in pairs:
-      if owner and name != owner:
+    paired = [  # (field, value, the value that belongs to algorithm `owner` alone, owner, what)
+        ("loss.name", self.loss.name, "dpo", "dpo", "its objective"),
+        ("task.name", self.task.name, "rollouts", "rollouts", "the completions file")]
+    for field, value, own, owner, what in paired:
+      if value == own and name != owner:
         raise ValueError(f"{field}={value!r} with algo.name={name!r}: expected "
                          f"algo.name={owner!r}")
-    if name == "dpo" and self.loss.name != "dpo":
-      raise ValueError(f"algo.name='dpo' with loss.name={self.loss.name!r}: expected "
-                       "loss.name='dpo' (its objective)")
-    if name == "rollouts" and self.task.name != "rollouts":
-      raise ValueError(f"algo.name='rollouts' with task.name={self.task.name!r}: expected "
-                       "task.name='rollouts' (the completions file)")
+      if name == owner and value != own:
+        raise ValueError(f"algo.name={owner!r} with {field}={value!r}: expected "
+                         f"{field}={own!r} ({what})")
     if name == "sft" and (self.train.rl_steps or not self.train.sft_steps):
       raise ValueError(f"algo.name='sft' with train.sft_steps={self.train.sft_steps}, "
                        f"train.rl_steps={self.train.rl_steps}: SFT trains train.sft_steps "

@@ -92,8 +92,6 @@ class TaskConfig(NamedSection):
   def options_class(cls, name: str) -> type:
     return getattr(task_class(name), "Options", NoOptions)
 
-  __init__ = NamedSection.__init__
-
 
 @dataclasses.dataclass(frozen=True)
 class Example:

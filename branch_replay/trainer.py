@@ -54,7 +54,7 @@ def run(cfg: Config, workdir: str, algorithm=None, *, init_params=None, tokenize
                                  tensorboard=cfg.train.tensorboard and chief)
   t = cfg.train
   total = getattr(algo, "total_steps", t.total_steps)  # a file's epochs may end a run sooner
-  warmup = 0 if algo.phase == "sft" else t.sft_steps  # SFT's steps are its phase
+  warmup = getattr(algo, "warmup_steps", t.sft_steps)  # supervised steps before the phase
   eval_examples = algo.eval_examples() if t.eval_size else []
   # The first-step self-check (replay.verify): replay == naive on the first batch, once.
   verify_pending = (verify.enabled(cfg.replay.verify, init_params is not None)

@@ -17,6 +17,14 @@ _BENCH_CPU = ("{prefix_len}", "{tail_len}", "{branches}", "{remat}", "{naive_s:.
 _MB = (("state_mb", "trainable_state_bytes", 2 ** 20), ("total_mb", "compiled_total_bytes", 2 ** 20),
        ("temp_mb", "temp_bytes", 2 ** 20))
 
+def _cp_memory(file: str) -> Table:
+  """A context-parallel memory table (experiments/context_parallel_memory.py rows)."""
+  return Table(
+    ("preset", "P", "mesh", "per-device MB", "temporaries MB", "parameters + AdamW MB"),
+    (Source(file, ("{preset}", "{P:,}", "{mesh}", "{per_device_mb:,.1f}", "{temp_mb:,.1f}",
+                   "{param_opt_mb:,.1f}"), ("kind=row",)),))
+
+
 TABLES = {
   # ---- README ----
   "headline": Table(
@@ -255,16 +263,8 @@ TABLES = {
       "{mesh}", "{P:,}", "{T}", "{params}", "{cache}", "{per_device_gb:.1f} ({argument_gb:.1f} / "
       "{temp_gb:.1f})", "{fits[H20]} / {fits[H100]} / {fits[H200]}"), ("kind=row",),
       optional=("cache",)),)),
-  "cp_cache_sharded": Table(
-    ("preset", "P", "mesh", "per-device MB", "temporaries MB", "parameters + AdamW MB"),
-    (Source("context_parallel_memory_cache_sharded_cpu_2026-12-02.jsonl", (
-      "{preset}", "{P:,}", "{mesh}", "{per_device_mb:,.1f}", "{temp_mb:,.1f}",
-      "{param_opt_mb:,.1f}"), ("kind=row",)),)),
-  "cp_key_major": Table(
-    ("preset", "P", "mesh", "per-device MB", "temporaries MB", "parameters + AdamW MB"),
-    (Source("context_parallel_memory_key_major_cpu_2026-12-02.jsonl", (
-      "{preset}", "{P:,}", "{mesh}", "{per_device_mb:,.1f}", "{temp_mb:,.1f}",
-      "{param_opt_mb:,.1f}"), ("kind=row",)),)),
+  "cp_cache_sharded": _cp_memory("context_parallel_memory_cache_sharded_cpu_2026-12-02.jsonl"),
+  "cp_key_major": _cp_memory("context_parallel_memory_key_major_cpu_2026-12-02.jsonl"),
   "plan_8gpu_now": Table(
     ("mesh", "P", "per device GB (arguments / temporaries)", "fits H20 / H100 / H200",
      "compiled comm GB: total (K/V prefix, K/V tails, weights, grads)",

@@ -3,10 +3,11 @@ through the shared prefix, metrics, and the bad-input paths."""
 
 import json
 
+import jax
 import numpy as np
 import pytest
 
-from branch_replay import dpo, metrics
+from branch_replay import dpo, engine, metrics, sampler, tasks
 from branch_replay import trainer
 from branch_replay.config import Config, apply_overrides
 from models import transformer as tfm
@@ -91,14 +92,12 @@ def tiny_tree(*overrides):
       "train.learning_rate=1e-2", *overrides])
 
 
-def test_dpo_on_trees_end_to_end():
+def test_dpo_on_trees_end_to_end(tmp_path):
   """DPO on preference trees (haystack -> one opening per record -> (chosen, rejected)): the
   first step's policy is the reference (margin 0, log 2 per pair: B x records pairs), and the
   updates separate chosen from rejected."""
-  import tempfile
-  with tempfile.TemporaryDirectory() as workdir:
-    s = trainer.run(tiny_tree(), workdir)
-    recs = [r for r in metrics.read(s["metrics"]) if r.get("phase") == "dpo"]
+  s = trainer.run(tiny_tree(), str(tmp_path / "run"))
+  recs = [r for r in metrics.read(s["metrics"]) if r.get("phase") == "dpo"]
   assert len(recs) == 3
   assert recs[0]["dpo/margin"] == 0.0 and recs[0]["loss/policy"] == pytest.approx(
       2 * 2 * np.log(2), rel=1e-5)
@@ -109,9 +108,6 @@ def test_dpo_on_trees_end_to_end():
 def test_preference_tree_scores_equal_its_flat_pairs():
   """The tree layout means the flat pairs (prefix = haystack + opening, tails = chosen,
   rejected): the leaves' log-probs through the tree equal the tails' through the flat batch."""
-  import jax
-  from branch_replay import engine, sampler, tasks
-  from models import transformer as tfm_
   cfg = tiny_tree()
   task = tasks.make(cfg.task)
   batch = dpo.tree_pairs(task, np.random.default_rng(3), 2)
@@ -127,7 +123,7 @@ def test_preference_tree_scores_equal_its_flat_pairs():
            for b in range(2) for r in range(2)]
   assert all(p.chosen != p.rejected for p in pairs)
   flat = dpo.make_batch(pairs, task.sft_prompt_len + 4, cfg.task.value_len, tok)
-  params = tfm_.init_params(cfg.model, jax.random.key(0))
+  params = tfm.init_params(cfg.model, jax.random.key(0))
   (_, tree_leaf_BRT), _ = engine.forward(params, batch, cfg.model)
   flat_BRT, _ = sampler.score(params, cfg.model, flat)
   np.testing.assert_allclose(np.asarray(tree_leaf_BRT).reshape(4, 2, -1), np.asarray(flat_BRT),

@@ -5,6 +5,8 @@ which compiles its jitted steps (cached across runs in one process) and then ans
 
   total_steps: int                            steps of the run, warm-up included (optional:
                                               default train.sft_steps + train.rl_steps)
+  warmup_steps: int                           supervised steps before the phase (optional:
+                                              default train.sft_steps; SFT's are its phase)
   phase: str                                  the name of its phase in metrics ("rl", "dpo")
   progress_keys: tuple                        metrics shown beside the progress bar
   warmup_batch(step) -> batch                 the supervised warm-up (train.sft_steps)

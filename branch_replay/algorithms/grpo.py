@@ -14,10 +14,6 @@ from branch_replay import algorithms, train, tree, tree_train, trie, verify
 from branch_replay import state as train_state
 
 
-def _floats(out) -> dict:
-  return {k: float(v) for k, v in jax.device_get(out).items()}
-
-
 def auto_tree(batch, cfg, pad_id: int = 0):
   """replay.auto_tree: a sampled flat batch as its cheapest exact tree (trie.auto_tree: the
   opening all of a prompt's branches share becomes scored trunk, a shared run of a group a

@@ -23,6 +23,7 @@ class SFT:
 
   phase = "sft"
   progress_keys = ("loss/policy",)
+  warmup_steps = 0  # as the run, its steps are the phase (batch/update), not a warm-up
 
   def __init__(self, cfg, task, tok, workdir=None):
     self.cfg, self.task, self.tok = cfg, task, tok
