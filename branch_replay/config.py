@@ -101,7 +101,7 @@ class Config:
   task: TaskConfig = TaskConfig()
   critic: CriticConfig = CriticConfig()  # PPO's value model (algo.name=ppo)
   mesh: str = ""  # e.g. "data:2,fsdp:2"; "" = one device
-  tree: TreeConfig = TreeConfig()  # fan-outs of sampled trees (tree_train.py); "" = flat
+  tree: TreeConfig = TreeConfig()  # fan-outs of sampled trees (algorithms/grpo.py); "" = flat
   # LoRA (models/lora.py): rank 0 = full fine-tuning; rank > 0 trains adapters on
   # lora.targets, the base frozen (no gradient, no optimizer state, not checkpointed)
   lora: LoraConfig = LoraConfig()

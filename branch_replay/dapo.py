@@ -56,3 +56,15 @@ def dynamic_sample(draw: Callable[[int], tuple[dict, np.ndarray]], batch_size: i
 
 def _take(rows, rewards_BR, mask):
   return {k: np.asarray(v)[mask] for k, v in rows.items()}, np.asarray(rewards_BR)[mask]
+
+
+def path_overlong(samples, turn_lengths, buffer: int, penalty: float) -> np.ndarray | float:
+  """DAPO's overlong shaping of every leaf [B, leaves] by its path's length: the valid
+  tokens of its ancestors' turns and its own, against the turns' total budget."""
+  if not buffer:
+    return 0.0
+  valid = [np.asarray(v) for v in samples.valid]
+  leaves = valid[-1].shape[1]
+  lengths_BR = sum(np.repeat(v.sum(-1), leaves // v.shape[1], axis=1) for v in valid)
+  return overlong_penalty(lengths_BR, sum(turn_lengths), buffer,
+                          penalty).astype(np.float32)

@@ -19,7 +19,7 @@ from typing import Optional
 
 import numpy as np
 
-from branch_replay import tasks, tree_train
+from branch_replay import tasks, tree_task
 from branch_replay.batch import ReplayBatch
 from branch_replay.tokenizer import TOKENIZER
 
@@ -68,7 +68,7 @@ def tree_pairs(task, rng: np.random.Generator, batch_size: int, tok=TOKENIZER):
   (records, 2). Chosen and rejected share the haystack and the opening, so the pair's log-ratio
   margin is that of the last turn alone (the shared tokens cancel)."""
   items = [task.supervised(rng) for _ in range(batch_size)]
-  return tree_train.turn_tree(task, items, lambda b, r, value: [value, wrong_value(value, rng)],
+  return tree_task.turn_tree(task, items, lambda b, r, value: [value, wrong_value(value, rng)],
                               tok)
 
 

@@ -10,8 +10,8 @@ The reference policy for KL / DPO is the base itself (adapters off): no copy.
 
   grads = lora.loss_and_grad(base, adapters, batch, model_cfg, loss_cfg, lora_cfg, "replay")
 
-The trainer (lora.rank > 0) does the same through `train.loss_and_grad(..., params_fn)`
-(`train.lora_params_fn`); `naive_loss_and_grad` here is the twin its test compares with.
+The trainer (lora.rank > 0) does the same through `steps.loss_and_grad(..., params_fn)`
+(`steps.lora_params_fn`); `naive_loss_and_grad` here is the twin its test compares with.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from branch_replay import engine, tree
 from branch_replay.batch import ReplayBatch
@@ -227,6 +228,14 @@ def score(params, model_cfg: tfm.ModelConfig, batch: ReplayBatch, temperature: f
   (logp_BRT,), trunk_logp_BW = engine.forward(params, tree.from_replay_batch(batch), model_cfg,
                                               temperature)
   return logp_BRT, trunk_logp_BW
+
+
+def completions(samples: Samples, tok) -> list[list[str]]:
+  """Decoded trunk + branch text (up to EOS) for every prompt and branch."""
+  trunk_BW = np.asarray(samples.trunk_BW)
+  tokens_BRT = np.asarray(samples.tokens_BRT)
+  return [[tok.decode(np.concatenate([trunk_BW[b], row]), strict=False) for row in tokens_BRT[b]]
+          for b in range(tokens_BRT.shape[0])]
 
 
 def to_batch(prompt_BP, prompt_valid_BP, samples: Samples, advantages_BR,

@@ -17,7 +17,7 @@ from typing import Optional
 
 import numpy as np
 
-from branch_replay import tasks
+from branch_replay import tasks, tree
 from branch_replay.tokenizer import TOKENIZER
 
 @dataclasses.dataclass(frozen=True)
@@ -69,3 +69,48 @@ class TreeHaystack(tasks.Task):
     n = self.cfg.value_len
     return haystack, [(f"?{t[1].lower()}", t[1], t[2:2 + n]) for t in tails]
 
+
+# ------------------------------------------------- the turns as trees (warm-up, DPO, rewards)
+
+
+def _encode_nodes(texts, length, tok, eos):
+  ids = np.zeros((len(texts), length), np.int32)
+  valid = np.zeros((len(texts), length), bool)
+  for i, text in enumerate(texts):
+    row = tok.encode(text, eos=eos)
+    ids[i, :len(row)], valid[i, :len(row)] = row, True
+  return ids, valid
+
+
+def turn_tree(task, items, children, tok=TOKENIZER) -> tree.TreeBatch:
+  """A tree of the task's turns: root = each item's haystack, level 1 = its openings `?kK` (the
+  question unscored), level 2 = each opening's children (`children(b, r, value)` -> second
+  turns; `<eos>` appended); advantage 1 everywhere (the warm-up's -log p; DPO ignores it)."""
+  B, R = len(items), len(items[0][1])
+  root_BP, root_valid_BP = tasks.encode_left([h for h, _ in items], task.sft_prompt_len, tok)
+  T1 = 2 + task.turn_lengths[0]
+  query = [q + a for _, turns in items for q, a, _ in turns]
+  tokens1, valid1 = _encode_nodes(query, T1, tok, eos=False)
+  scored1 = valid1 & (np.arange(T1) >= 2)  # `?k` is the question, not the policy's turn
+  seconds = [c for b, (_, turns) in enumerate(items)
+             for r, (_, _, v) in enumerate(turns) for c in children(b, r, v)]
+  R2 = len(seconds) // (B * R)
+  tokens2, valid2 = _encode_nodes(seconds, task.turn_lengths[1], tok, eos=True)
+  shape = lambda x, n: x.reshape(B, n, -1)
+  levels = (tree.TreeLevel(shape(tokens1, R), shape(valid1, R), shape(scored1, R),
+                           np.ones((B, R), np.float32)),
+            tree.TreeLevel(shape(tokens2, R * R2), shape(valid2, R * R2), None,
+                           np.ones((B, R * R2), np.float32)))
+  return tree.TreeBatch(root_BP, root_valid_BP, levels, fanouts=(R, R2))
+
+
+def texts(tokens_BRT, tok):
+  return [[tok.decode(row, strict=False) for row in rows] for rows in np.asarray(tokens_BRT)]
+
+
+def rewards_of(task, examples, samples, fanouts, tok=TOKENIZER) -> np.ndarray:
+  """[B, leaves]: each leaf's reward from its path's two turns."""
+  turn1, turn2 = texts(samples.tokens[0], tok), texts(samples.tokens[-1], tok)
+  per = len(turn2[0]) // len(turn1[0])
+  return np.asarray([[task.reward(ex, t1[leaf // per], t2[leaf]) for leaf in range(len(t2))]
+                     for ex, t1, t2 in zip(examples, turn1, turn2)], np.float32)

@@ -155,10 +155,11 @@ def metrics_to_results(workdir: str, out: str, run_command: str, experiment: str
   """A finished run's workdir as a results file: a `kind: header` line (the run's command,
   config.json, what is known of the run in `run_info`: its commit, dates, wall time), one
   line per metrics record (kind train or eval, as written by the run), and a last
-  `kind: summary` line (train.summarize). The header and summary carry `provenance` (this
+  `kind: summary` line (grpo.summarize). The header and summary carry `provenance` (this
   conversion's checkout and command); the per-step lines do not repeat it."""
   from branch_replay import config as config_lib
-  from branch_replay import metrics, train
+  from branch_replay import metrics
+  from branch_replay.algorithms import grpo
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   config_path = os.path.join(workdir, "config.json")
   missing = [os.path.basename(p) for p in (metrics_path, config_path) if not os.path.exists(p)]
@@ -171,7 +172,7 @@ def metrics_to_results(workdir: str, out: str, run_command: str, experiment: str
   with open(config_path) as f:
     cfg_dict = json.load(f)
   cfg = config_lib.from_dict(cfg_dict)
-  summary = train.summarize(records, cfg)
+  summary = grpo.summarize(records, cfg)
   if cfg.uses_critic:  # PPO's summary adds its critic's explained variance
     from branch_replay.algorithms import ppo
     summary.update(ppo.value_summary(records, summary["reward_window"]))

@@ -17,7 +17,8 @@ import jax
 import numpy as np
 
 from branch_replay import config as config_lib
-from branch_replay import policy, tasks, train
+from branch_replay import policy, steps, tasks
+from branch_replay.algorithms import grpo
 from branch_replay import state as train_state
 from experiments import registry
 
@@ -38,14 +39,14 @@ class Stepper:
   def __init__(self, cfg, state=None):
     self.cfg = cfg
     self.task = tasks.make(cfg.task)
-    self.fns = train.compiled(train.compile_key(cfg))
+    self.fns = steps.compiled(steps.compile_key(cfg))
     self.state = train_state.init_state(cfg) if state is None else state
 
   def batch(self, step: int):
-    """(batch, phase seconds, reward/mean) from the trainer's own rollout (train.rl_batch:
+    """(batch, phase seconds, reward/mean) from the trainer's own rollout (grpo.rl_batch:
     sample, reward, advantages, reference scores), placed as the trainer places it."""
     cfg = self.cfg
-    batch, _, stats = train.rl_batch(self.fns, self.state, self.task, cfg, step)
+    batch, _, stats = grpo.rl_batch(self.fns, self.state, self.task, cfg, step)
     t0 = time.perf_counter()
     batch = jax.block_until_ready(train_state.place(batch, "batch", cfg))
     t = {f"{name}_s": stats[f"time/{name}_s"] for name in ("data", "reward", "assemble")}
@@ -70,7 +71,7 @@ class Stepper:
 @functools.lru_cache(maxsize=8)
 def _loss_and_grad(cfg, mode):
   chunk = cfg.replay.branch_chunk if mode == "replay" else None
-  loss_cfg = train.rl_loss_config(cfg)  # at the sampler's temperature, as the trainer
+  loss_cfg = steps.rl_loss_config(cfg)  # at the sampler's temperature, as the trainer
   return jax.jit(lambda p, b: policy.loss_and_grad(p, b, cfg.model, loss_cfg, mode, chunk))
 
 

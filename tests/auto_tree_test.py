@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from branch_replay import metrics, phases, train, trainer, tree
+from branch_replay import metrics, phases, steps, trainer, tree
+from branch_replay.algorithms import grpo
 from branch_replay import state as train_state
 from branch_replay.algorithms import grpo
 from branch_replay.config import Config, apply_overrides
@@ -43,7 +44,7 @@ def sampled_batch(B=2, opening=4, trunk=2):
 @pytest.mark.parametrize("overrides", [
     (), pytest.param(("replay.branch_chunk=2", "loss.name=gspo"), marks=pytest.mark.slow)])
 def test_auto_tree_batch_trains_as_the_flat_batch_float64(overrides):
-  """The trainer's loss and gradient (train.loss_and_grad, what its jitted step
+  """The trainer's loss and gradient (steps.loss_and_grad, what its jitted step
   differentiates) on the sampled batch and on its automatic tree: equal loss and every
   gradient leaf. (The step itself on both layouts: the trainer test below.)"""
   with jax.enable_x64(True):
@@ -61,7 +62,7 @@ def test_auto_tree_batch_trains_as_the_flat_batch_float64(overrides):
     prefix, tails, _ = flat.token_counts()
     assert stats["replay/tree_token_ratio"] > 1 and sum(batch.token_counts()[:2]) < prefix + tails
     params = train_state.init_state(cfg).params
-    fn = jax.jit(lambda p, b: train.loss_and_grad(cfg, p, b, train.rl_loss_config(cfg),
+    fn = jax.jit(lambda p, b: steps.loss_and_grad(cfg, p, b, steps.rl_loss_config(cfg),
                                                   cfg.replay.branch_chunk))
     (lf, aux_f, gf), (lt, aux_t, gt) = fn(params, flat), fn(params, batch)
     assert abs(float(lt) - float(lf)) <= 1e-10 * abs(float(lf))
@@ -124,7 +125,7 @@ def test_trainer_with_auto_tree_on_and_off(tmp_path):
       assert r["time/sample_s"] > 0 and r["time/update_s"] > 0 and r["time/ref_logp_s"] > 0
       assert r["time/old_logp_s"] == 0.0  # returned by the sampler: part of sampling
   assert set(on["time_by_phase"]) == set(phases.PHASES) and on["time_by_phase"]["update"] > 0
-  assert "time by phase (RL steps): sample" in train.format_summary(on)
+  assert "time by phase (RL steps): sample" in grpo.format_summary(on)
 
 
 @pytest.mark.parametrize("override,field", [

@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from branch_replay import chat, tasks, train
+from branch_replay import chat, tasks
+from branch_replay.algorithms import sft
 from branch_replay import tokenizer as tokenizer_lib
 from branch_replay.config import Config, apply_overrides
 from models import hf
@@ -58,7 +59,7 @@ def test_template_renders_prompts_with_bos_once_and_its_eos(tmp_path, as_file):
   # Warm-up tails end with the template's EOS; the prefixes are the rendered prompts.
   cfg = apply_overrides(Config(), ["task.name=jsonl", f"task.path={path}",
                                    "task.eval_fraction=0", "train.sft_batch_size=2"])
-  batch = train.sft_batch(task, np.random.default_rng(0), cfg, tok)
+  batch = sft.sft_batch(task, np.random.default_rng(0), cfg, tok)
   for b in range(2):
     valid = batch.tail_valid_BRT[b, 0]
     assert batch.tails_BRT[b, 0][valid][-1] == END

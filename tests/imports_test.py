@@ -6,7 +6,7 @@ import ast
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ALGORITHM_MODULES = ("branch_replay.train", "branch_replay.tree_train", "branch_replay.dpo",
+ALGORITHM_MODULES = ("branch_replay.steps", "branch_replay.dpo",
                      "branch_replay.trainer", "branch_replay.algorithms")
 
 

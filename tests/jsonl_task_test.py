@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from branch_replay import config as config_lib
-from branch_replay import metrics, tasks, train
+from branch_replay import metrics, tasks
+from branch_replay.algorithms import sft
 from branch_replay import trainer
 from branch_replay.config import Config, apply_overrides
 from branch_replay.tokenizer import TOKENIZER
@@ -50,9 +51,9 @@ def test_load_split_sample_and_warm_up(tmp_path):
   assert tails == [prefix.answer]
   cfg = apply_overrides(Config(model=tfm.preset("tiny")), [
       "task.name=jsonl", f"task.path={path}", "train.sft_batch_size=3"])
-  batch = train.sft_batch(task, np.random.default_rng(1), cfg)
+  batch = sft.sft_batch(task, np.random.default_rng(1), cfg)
   assert batch.tails_BRT.shape == (3, 1, 4) and batch.prefix_BP.shape == (3, 64)
-  first = train.sft_batch(task, np.random.default_rng(1), cfg)
+  first = sft.sft_batch(task, np.random.default_rng(1), cfg)
   np.testing.assert_array_equal(first.prefix_BP, batch.prefix_BP)
   # A second file as the eval split.
   ev = write(tmp_path / "e.jsonl", reverse_lines(3))

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 from branch_replay import config as config_lib
-from branch_replay import losses, policy, train
+from branch_replay import losses, policy, steps
 from branch_replay import state as train_state
 from models import transformer as tfm
 from helpers import assert_equal_f64, make_batch, max_rel_err
@@ -85,7 +85,7 @@ def test_bfloat16_compute_moves_float32_masters_at_small_lr():
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.opt_state)
              if jnp.issubdtype(x.dtype, jnp.floating))
   batch = make_batch(2, 2, 4, 12, 5, vocab=cfg.model.vocab_size)
-  new, metrics = jax.jit(train.make_train_step(cfg))(state, batch)
+  new, metrics = jax.jit(steps.make_train_step(cfg))(state, batch)
   assert np.isfinite(float(metrics["loss/policy"]))
   moved = jax.tree.map(lambda a, b: float(jnp.mean(a != b)), new.params, state.params)
   embed = moved.pop("embed")["embedding"]  # only the rows of tokens in the batch

@@ -14,7 +14,8 @@ import pytest
 from absl import app
 
 import run
-from branch_replay import losses, sampler, sharding, tasks, train, trainer
+from branch_replay import losses, sampler, sharding, steps, tasks, trainer
+from branch_replay.algorithms import grpo
 from branch_replay import lora as lora_train
 from branch_replay import state as train_state
 from branch_replay.config import Config, apply_overrides
@@ -54,9 +55,9 @@ def test_trainer_lora_grads_equal_the_naive_twin_float64(mode):
                      is_leaf=lambda x: isinstance(x, tuple)))
     adapters = _randomized(state.params)
     batch = make_batch(3, B=2, R=2, P=6, T=4, vocab=cfg.model.vocab_size, dtype=jnp.float64)
-    loss_cfg = train.rl_loss_config(cfg)
-    step = jax.jit(lambda a, b: train.loss_and_grad(
-        cfg, a, b, loss_cfg, None, train.lora_params_fn(cfg, state)))
+    loss_cfg = steps.rl_loss_config(cfg)
+    step = jax.jit(lambda a, b: steps.loss_and_grad(
+        cfg, a, b, loss_cfg, None, steps.lora_params_fn(cfg, state)))
     loss, _, grads = step(adapters, batch)
     want_loss, _, want = jax.jit(lambda a, b: lora_train.naive_loss_and_grad(
         state.base, a, b, cfg.model, loss_cfg, cfg.lora))(adapters, batch)
@@ -119,7 +120,7 @@ def test_lora_samples_merged_weights_and_scores_kl_against_the_base():
   assert state.ref_params is None
   state = state.replace(params=_randomized(state.params, scale=0.5))
   merged = lora_lib.merge(state.base, state.params, cfg.lora)
-  fns = train.compiled(train.compile_key(cfg), TOKENIZER.eos_id)
+  fns = steps.compiled(steps.compile_key(cfg), TOKENIZER.eos_id)
   sampled_with = []
   sample = fns.sample
 
@@ -129,7 +130,7 @@ def test_lora_samples_merged_weights_and_scores_kl_against_the_base():
 
   fns = fns._replace(sample=spy)
   task = tasks.make(cfg.task, TOKENIZER)
-  batch, _, _ = train.rl_batch(fns, state, task, cfg, 0)
+  batch, _, _ = grpo.rl_batch(fns, state, task, cfg, 0)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6),
                sampled_with[0], merged)
   score = lambda p: np.asarray(sampler.score(p, cfg.model, batch,
@@ -182,7 +183,7 @@ def test_lora_step_shapes_on_trees_and_a_mesh(fanouts, mesh):
                       dtype=jnp.float32)
   else:
     batch = make_batch(4, B=2, R=4, P=8, T=4, vocab=cfg.model.vocab_size)
-  new_state, out = jax.eval_shape(train.make_train_step(cfg, "rl", losses.LossConfig("pg")),
+  new_state, out = jax.eval_shape(steps.make_train_step(cfg, "rl", losses.LossConfig("pg")),
                                   state, batch)
   same = lambda a, b: jax.tree.map(lambda x, y: (x.shape, x.dtype) == (y.shape, y.dtype), a, b)
   assert all(jax.tree.leaves(same(new_state.params, state.params)))

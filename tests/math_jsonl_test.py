@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from branch_replay import rewards, tasks, train, trainer
+from branch_replay import rewards, tasks, trainer
 from branch_replay import tokenizer as tokenizer_lib
 from branch_replay.config import apply_overrides
 from branch_replay.tasks import Example

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from branch_replay import tasks
-from branch_replay import train
+from branch_replay import steps
 from branch_replay import trainer
 from branch_replay import state as train_state
 from branch_replay import tokenizer as tokenizer_lib
@@ -144,11 +144,11 @@ def test_generation_config_eos_ids_stop_the_sampler(tmp_path):
 def test_trainer_samples_with_every_stop_id():
   """train.run hands the tokenizer's stop ids to both samplers (sampling and greedy eval)."""
   cfg = Config(model=tfm.preset("tiny", vocab_size=96))
-  fns = train.compiled(train.compile_key(cfg), (2, 5))
+  fns = steps.compiled(steps.compile_key(cfg), (2, 5))
   for fn in (fns.sample, fns.greedy):
     partial = fn.__wrapped__
     while "stop_tokens" not in partial.keywords:
       partial = partial.func
     assert partial.keywords["stop_tokens"] == (2, 5)
-  partial = train.compiled(train.compile_key(cfg), 2).greedy.__wrapped__
+  partial = steps.compiled(steps.compile_key(cfg), 2).greedy.__wrapped__
   assert partial.keywords["stop_tokens"] == (2,)

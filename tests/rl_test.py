@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from branch_replay import (advantages, checkpoint, critic, dapo, losses, metrics, policy,
-                           sampler, train)
+                           sampler)
 from branch_replay import trainer
 from branch_replay.algorithms import ppo
 from branch_replay import state as train_state

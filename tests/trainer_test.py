@@ -11,7 +11,8 @@ import jax
 import numpy as np
 import pytest
 
-from branch_replay import algorithms, dpo, engine, metrics, tasks, train, tree_task, tree_train
+from branch_replay import algorithms, dpo, engine, metrics, steps, tasks, tree_task
+from branch_replay.algorithms import grpo, sft
 from branch_replay import trainer
 from branch_replay import state as train_state
 from branch_replay.config import Config, apply_overrides
@@ -44,11 +45,11 @@ def test_tree_step_scores_at_the_sampler_temperature(monkeypatch):
 
   monkeypatch.setattr(engine, "loss_and_grad", spy)
   task = tasks.make(cfg.task)
-  batch = tree_train.sft_batch(task, np.random.default_rng(0), cfg)
+  batch = sft.sft_batch(task, np.random.default_rng(0), cfg)
   state = jax.eval_shape(lambda: train_state.init_state(cfg))
   with pytest.raises(_Stop):
-    jax.eval_shape(train.make_train_step(cfg, "rl"), state, batch)
-  assert seen[0] == train.rl_loss_config(cfg) and seen[0].temperature == 0.7
+    jax.eval_shape(steps.make_train_step(cfg, "rl"), state, batch)
+  assert seen[0] == steps.rl_loss_config(cfg) and seen[0].temperature == 0.7
 
 
 # ----------------------------------------------------------------------------- (4) refusals
@@ -71,14 +72,14 @@ def test_tree_trains_epochs_minibatches_and_kl_on_a_mesh(tmp_path, monkeypatch):
                   "algo.ppo_epochs=2", "algo.minibatches=2", "loss.kl_coef=0.05",
                   "sampler.temperature=0.7", "mesh=data:2,context:4", "train.eval_size=0")
   batches = []
-  rl_batch = tree_train.rl_batch
+  rl_batch = grpo.rl_batch
 
   def keep(*args, **kwargs):
-    batch, stats = rl_batch(*args, **kwargs)
+    batch, rewards, stats = rl_batch(*args, **kwargs)
     batches.append(batch)
-    return batch, stats
+    return batch, rewards, stats
 
-  monkeypatch.setattr(tree_train, "rl_batch", keep)
+  monkeypatch.setattr(grpo, "rl_batch", keep)
   summary = trainer.run(cfg, str(tmp_path / "run"))
   records = metrics.read(summary["metrics"])
   train_recs = [r for r in records if r["kind"] == "train"]
@@ -161,7 +162,7 @@ def test_tree_rollout_encodes_prompt_ids(monkeypatch):
   state = types.SimpleNamespace(params=None, base=None,
                                 rng=jax.random.key_data(jax.random.key(0)))
   with pytest.raises(_Stop):
-    tree_train.rl_batch(types.SimpleNamespace(sample=sample), state, task, cfg, 0)
+    grpo.rl_batch(types.SimpleNamespace(sample=sample), state, task, cfg, 0)
   P = task.max_prompt_len
   np.testing.assert_array_equal(np.asarray(seen["prompt_BP"])[:, P - len(ids):],
                                 [ids, ids])

@@ -7,7 +7,8 @@ import os
 import numpy as np
 import pytest
 
-from branch_replay import tasks, tree, tree_train
+from branch_replay import dapo, tasks, tree
+from branch_replay.algorithms import sft
 from branch_replay.config import Config, apply_overrides
 from branch_replay.tokenizer import TOKENIZER
 from models import transformer as tfm
@@ -29,7 +30,7 @@ def test_two_turn_task():
   assert len(turns) == 3
   for q, a, v in turns:
     assert q == "?" + a.lower() and len(a) == 1 and a + v in root
-  batch = tree_train.sft_batch(task, np.random.default_rng(2),
+  batch = sft.sft_batch(task, np.random.default_rng(2),
                                Config(task=task_cfg, tree=tree.TreeConfig("3x1")), TOKENIZER)
   tree.validate(batch, TOKENIZER.vocab_size)
   assert batch.fanouts == (3, 1)
@@ -71,13 +72,13 @@ def test_tree_overlong_shaping_counts_every_turn_of_the_path():
            for T, n in zip(lengths, (2, 6))]
   samples = sampler.TreeSamples(tuple(np.zeros(v.shape, np.int32) for v in valid),
                                      tuple(valid), tuple(np.zeros(v.shape) for v in valid))
-  got = tree_train.overlong(samples, lengths, buffer=3, penalty=0.5)
+  got = dapo.path_overlong(samples, lengths, buffer=3, penalty=0.5)
   for b in range(B):
     for leaf in range(6):
       n = valid[0][b, leaf // 3].sum() + valid[1][b, leaf].sum()
       assert got[b, leaf] == pytest.approx(dapo.overlong_penalty(n, 7, 3, 0.5))
   assert got.min() < 0  # the penalty binds somewhere
-  assert tree_train.overlong(samples, lengths, buffer=0, penalty=0.5) == 0.0
+  assert dapo.path_overlong(samples, lengths, buffer=0, penalty=0.5) == 0.0
 
 
 def test_tree_dynamic_sampling_and_overlong_shaping(tmp_path, monkeypatch):

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from branch_replay import algorithms, critic, sharding, train, tree, tree_train
+from branch_replay import algorithms, critic, sharding, steps, tree
+from branch_replay.algorithms import grpo
 from branch_replay import state as train_state
 from branch_replay.config import Config
 
@@ -62,7 +63,7 @@ class CriticFns(NamedTuple):
 
 @functools.lru_cache(maxsize=8)
 def compiled(cfg: Config) -> CriticFns:
-  """The critic's jitted functions of a config (`train.compile_key`), kept across runs."""
+  """The critic's jitted functions of a config (`steps.compile_key`), kept across runs."""
   return CriticFns(critic_step=jax.jit(make_critic_step(cfg), donate_argnums=0),
                    values=jax.jit(functools.partial(critic.values, model_cfg=cfg.model)))
 
@@ -139,7 +140,7 @@ class PPO:
     self.is_tree = bool(cfg.tree.fanouts)
     self.policy = algorithms.get("grpo")(cfg, task, tok, workdir=workdir)
     self.progress_keys = self.policy.progress_keys + ("loss/value",)
-    self.fns = compiled(train.compile_key(cfg))
+    self.fns = compiled(steps.compile_key(cfg))
 
   def warmup_batch(self, step):
     return self.policy.warmup_batch(step)
@@ -157,11 +158,8 @@ class PPO:
     return state
 
   def batch(self, state, step):
-    args = (self.policy.fns, state, self.task, self.cfg, step, self.tok)
-    if self.is_tree:
-      batch, rewards_BR, stats = tree_train.rl_batch(*args, with_rewards=True)
-    else:
-      batch, rewards_BR, stats = train.rl_batch(*args)
+    batch, rewards_BR, stats = grpo.rl_batch(self.policy.fns, state, self.task, self.cfg, step,
+                                             self.tok)
     batch, cb, critic_stats = gae_batch(self.fns, state, batch, rewards_BR, self.cfg)
     if self.is_tree:
       tree.validate(batch, self.cfg.model.vocab_size, self.cfg.replay.branch_chunk)
@@ -176,7 +174,7 @@ class PPO:
       state, critic_out = self.fns.critic_step(state, train_state.place(cmb, "batch", cfg))
       return state, {**out, **critic_out}
 
-    return train.rl_update(self.policy.fns, state, batch, cfg, step, step_fn=step_fn)
+    return grpo.rl_update(self.policy.fns, state, batch, cfg, step, step_fn=step_fn)
 
   def verify(self, state, batch):
     return self.policy.verify(state, batch[0])
@@ -199,7 +197,7 @@ class PPO:
 
   @staticmethod
   def format_summary(summary) -> str:  # a static method: run.py calls it on the class
-    lines = train.format_summary(summary).split("\n")
+    lines = grpo.format_summary(summary).split("\n")
     fmt = lambda x: "n/a" if x is None or x != x else f"{x:.3f}"
     ev = (f"value/explained_variance (pooled, first/last {summary['reward_window']} RL steps): "
           f"{fmt(summary['value_ev_before'])} -> {fmt(summary['value_ev_after'])}")

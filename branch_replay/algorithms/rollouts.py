@@ -18,7 +18,7 @@ import os
 import jax
 import numpy as np
 
-from branch_replay import advantages, engine, phases, rollouts, train, tree, trie, verify
+from branch_replay import advantages, engine, phases, rollouts, steps, tree, trie, verify
 from branch_replay import state as train_state
 
 
@@ -71,7 +71,7 @@ class Rollouts:
     chief = jax.process_index() == 0
     self.recorded = Recorded(os.path.join(workdir, "recorded_logprobs.jsonl")
                              if workdir and chief else None)
-    self.step_fn = jax.jit(train.make_train_step(cfg, "rl", cfg.loss), donate_argnums=0)
+    self.step_fn = jax.jit(steps.make_train_step(cfg, "rl", cfg.loss), donate_argnums=0)
     self.score_fn = jax.jit(functools.partial(engine.forward, model_cfg=cfg.model))
 
   def warmup_batch(self, step):  # unreachable: task.check refuses train.sft_steps > 0

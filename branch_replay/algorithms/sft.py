@@ -5,21 +5,43 @@ this one's batches and step, and their greedy evaluation is this one's."""
 
 from __future__ import annotations
 
+import chex
 import jax
 import numpy as np
 
-from branch_replay import metrics, sharding, tasks, train, tree, tree_train
+from branch_replay import metrics, sampler, sharding, steps, tasks, tree, tree_task
 from branch_replay import state as train_state
-from branch_replay.batch import validate
+from branch_replay.batch import ReplayBatch, validate
+from branch_replay.tokenizer import TOKENIZER
 
 
 def _floats(out) -> dict:
   return {k: float(v) for k, v in jax.device_get(out).items()}
 
 
+def sft_batch(task, rng: np.random.Generator, cfg, tok=TOKENIZER):
+  """A warm-up batch: the task's long prefix shared by its reference answers (one per tail);
+  with tree.fanouts, trees of the task's turns (root = haystack, one opening per key `?kK`,
+  the question unscored, one second turn `v<eos>` each). Advantage 1 (objective -log p)."""
+  items = [task.supervised(rng) for _ in range(cfg.train.sft_batch_size)]
+  if cfg.tree.fanouts:
+    return tree_task.turn_tree(task, items, lambda b, r, value: [value], tok)
+  prefix_BP, prefix_valid_BP = tasks.encode_prompts([p for p, _ in items], task.sft_prompt_len,
+                                                    tok)
+  T = task.sft_tail_len  # the task's longest warm-up tail, EOS included
+  tails = [tasks.encode_right(t, T, tok) for _, t in items]
+  tails_BRT = np.stack([t for t, _ in tails])
+  valid_BRT = np.stack([v for _, v in tails])
+  B, R = tails_BRT.shape[:2]
+  chex.assert_shape([tails_BRT, valid_BRT], (B, R, T))
+  chex.assert_shape([prefix_BP, prefix_valid_BP], (B, task.sft_prompt_len))
+  return ReplayBatch(prefix_BP=prefix_BP, prefix_valid_BP=prefix_valid_BP, tails_BRT=tails_BRT,
+                     tail_valid_BRT=valid_BRT,
+                     advantages_BR=np.ones(tails_BRT.shape[:2], np.float32))
+
+
 class SFT:
-  """Flat warm-up batches (train.sft_batch) or, with tree.fanouts, warm-up trees
-  (tree_train.sft_batch); the greedy evaluation of the policy on held-out prompts."""
+  """Warm-up batches (`sft_batch`: flat, or with tree.fanouts trees); the greedy evaluation of the policy on held-out prompts."""
 
   phase = "sft"
   progress_keys = ("loss/policy",)
@@ -29,10 +51,9 @@ class SFT:
     self.cfg, self.task, self.tok = cfg, task, tok
     self.is_tree = bool(cfg.tree.fanouts)
     if self.is_tree:
-      self.fns = tree_train.compiled(tree_train.compile_key(cfg), task.turn_lengths,
-                                     task.stop_tokens(tok))
+      self.fns = steps.compiled(steps.compile_key(cfg), task.stop_tokens(tok), task.turn_lengths)
     else:
-      self.fns = train.compiled(train.compile_key(cfg),
+      self.fns = steps.compiled(steps.compile_key(cfg),
                                 tuple(getattr(tok, "stop_ids", (tok.eos_id,))))
 
   @property
@@ -42,12 +63,8 @@ class SFT:
   def warmup_batch(self, step):
     cfg = self.cfg
     rng = np.random.default_rng([cfg.train.seed, step])
-    if self.is_tree:
-      batch = tree_train.sft_batch(self.task, rng, cfg, self.tok)
-      tree.validate(batch, cfg.model.vocab_size)
-    else:
-      batch = train.sft_batch(self.task, rng, cfg, self.tok)
-      validate(batch, cfg.model.vocab_size)
+    batch = sft_batch(self.task, rng, cfg, self.tok)
+    (tree.validate if self.is_tree else validate)(batch, cfg.model.vocab_size)
     return batch
 
   def warmup_update(self, state, batch):
@@ -79,9 +96,9 @@ class SFT:
                         prompt_valid_BP=valid_BP, key=jax.random.key(0))
     if self.is_tree:
       s = sharding.to_host(s)  # numpy; gathered when the mesh spans several processes
-      return float(tree_train.rewards_of(self.task, examples, s, (1, 1), self.tok).mean())
+      return float(tree_task.rewards_of(self.task, examples, s, (1, 1), self.tok).mean())
     s = sharding.to_host(s) if self.cfg.mesh else s
-    return float(train.rewards_of(self.task, examples, train.completions(s, self.tok)).mean())
+    return float(self.task.rewards(examples, sampler.completions(s, self.tok)).mean())
 
   def restore_template(self, state, step):
     return train_state.state_dict(state)

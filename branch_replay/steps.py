@@ -1,0 +1,135 @@
+"""The policy's pure train step (flat or tree batch; replay or the naive twin, `replay.mode`;
+one device or a mesh) and the jit cache of every algorithm's policy functions: step, sampler,
+greedy decoder, scorer, compiled once per config and kept across runs in one process.
+
+  make_train_step(cfg)        pure train_step(state, batch) -> (state, metrics)
+  compiled(compile_key(cfg), stop_tokens, turn_lengths)   the jitted functions of a config
+
+The supervised warm-up runs through the same engine (phase 'sft': objective -log p, pg with
+advantage 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from branch_replay import engine, losses, policy, sampler, sharding, tree
+from branch_replay.config import Config
+from branch_replay.state import TrainState, make_optimizer
+from branch_replay.tasks import TaskConfig
+from branch_replay.tokenizer import TOKENIZER
+from models import lora as lora_lib
+
+SFT_LOSS = losses.LossConfig(name="pg", aggregation="token_mean")  # -mean log p(answer)
+
+
+def rl_loss_config(cfg: Config) -> losses.LossConfig:
+  """The RL objective scores log-probs at the sampler's temperature (the ratio's
+  denominator is the distribution the tokens were drawn from)."""
+  return dataclasses.replace(cfg.loss, temperature=cfg.sampler.temperature)
+
+
+def loss_and_grad(cfg: Config, params, batch, loss_cfg, branch_chunk=None, params_fn=None):
+  """(loss, aux_BR, grads) of a flat ReplayBatch or a TreeBatch: replay or the naive twin
+  (`replay.mode`), on one device or, with `mesh`, sharded (the naive twin by the partitioner
+  alone, from the sharded inputs). params_fn(params) -> the model's weights (LoRA:
+  `lora_params_fn`; params are the adapters and grads theirs)."""
+  is_tree = isinstance(batch, tree.TreeBatch)
+  if cfg.mesh and cfg.replay.mode == "replay":
+    mesh = sharding.make_mesh(cfg.mesh)
+    if is_tree:
+      return sharding.tree_loss_and_grad(mesh, params, batch, cfg.model, loss_cfg,
+                                              branch_chunk, params_fn)
+    return sharding.sharded_loss_and_grad(mesh, params, batch, cfg.model, loss_cfg, branch_chunk,
+                                          params_fn)
+  engine_ = engine if is_tree else policy
+  return engine_.loss_and_grad(params, batch, cfg.model, loss_cfg, mode=cfg.replay.mode,
+                               branch_chunk=branch_chunk, params_fn=params_fn)
+
+
+def lora_params_fn(cfg: Config, state: TrainState):
+  """LoRA: adapters -> the merged weights, the frozen base a constant of the differentiated
+  function (no gradient); None for full fine-tuning."""
+  if state.base is None:
+    return None
+  return lambda adapters: lora_lib.merge(state.base, adapters, cfg.lora)
+
+
+def make_train_step(cfg: Config, phase: str = "rl", loss_cfg=None):
+  """Pure `train_step(state, batch) -> (state, metrics)` for flat and tree batches; phase
+  'sft' uses -log p; loss_cfg replaces the RL objective (default `rl_loss_config`)."""
+  tx = make_optimizer(cfg)
+  if loss_cfg is None:
+    loss_cfg = rl_loss_config(cfg) if phase == "rl" else SFT_LOSS
+  branch_chunk = cfg.replay.branch_chunk if phase == "rl" else None
+
+  def train_step(state: TrainState, batch):
+    loss, aux_BR, grads = loss_and_grad(cfg, state.params, batch, loss_cfg, branch_chunk,
+                                        lora_params_fn(cfg, state))
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    n = jnp.maximum(aux_BR["tokens"].sum(), 1)
+    out = {"loss/policy": loss, "kl": aux_BR["kl_sum"].sum() / n,
+           "entropy": aux_BR["entropy_sum"].sum() / n, "grad/norm": optax.tree.norm(grads),
+           "logp/mean": aux_BR["logp_sum"].sum() / n}
+    scored = jnp.maximum(aux_BR["scored_tokens"].sum(), 1)
+    out.update({"clip_frac": aux_BR["clip_sum"].sum() / scored,
+                "approx_kl": aux_BR["approx_kl_sum"].sum() / scored,
+                "ratio/max": aux_BR["ratio_max"].max()})
+    return state.replace(params=params, opt_state=opt_state, step=state.step + 1), out
+
+  return train_step
+
+
+class Fns(NamedTuple):
+  rl_step: Any
+  sft_step: Any
+  sample: Any
+  greedy: Any
+  score: Any
+
+
+def compile_key(cfg: Config) -> Config:
+  """The config with the fields that cannot change a compiled function reset (a tree run keeps
+  its task: the turn lengths shape its sampler)."""
+  train = dataclasses.replace(cfg.train, seed=0, rl_steps=0, checkpoint_every=1,
+                              keep_checkpoints=1, eval_size=0, progress=False, plot=False,
+                              tensorboard=False)
+  replay = dataclasses.replace(cfg.replay, auto_tree=False)  # trees dispatch at trace time
+  return dataclasses.replace(cfg, train=train, replay=replay,
+                             task=cfg.task if cfg.tree.fanouts else TaskConfig())
+
+
+@functools.lru_cache(maxsize=8)
+def compiled(cfg: Config, stop_tokens=TOKENIZER.eos_id, turn_lengths: tuple = ()) -> Fns:
+  """The jitted functions of a config (`compile_key(cfg)`), kept across runs in one process
+  (a notebook, the tests), so a second run of the same model does not compile again.
+  stop_tokens: the stop id or ids (flat: the tokenizer's stop_ids), or one tuple per turn
+  (trees, with the task's turn_lengths)."""
+  steps = dict(rl_step=jax.jit(make_train_step(cfg, "rl"), donate_argnums=0),
+               sft_step=jax.jit(make_train_step(cfg, "sft"), donate_argnums=0))
+  if cfg.tree.fanouts:
+    sample = functools.partial(sampler.sample_tree, model_cfg=cfg.model,
+                               fanouts=cfg.tree.fanout_tuple, lengths=turn_lengths,
+                               stop_tokens=stop_tokens)
+    return Fns(**steps, sample=jax.jit(functools.partial(sample, cfg=cfg.sampler)),
+               greedy=jax.jit(functools.partial(sample, cfg=sampler.SamplerConfig(temperature=0.0),
+                                                fanouts=(1, 1))),
+               score=jax.jit(functools.partial(engine.forward, model_cfg=cfg.model,
+                                               temperature=cfg.sampler.temperature)))
+  stops = (stop_tokens,) if isinstance(stop_tokens, int) else tuple(stop_tokens)
+  greedy = sampler.SamplerConfig(max_new_tokens=cfg.sampler.max_new_tokens, temperature=0.0,
+                                 trunk_len=cfg.sampler.trunk_len)
+  sample = functools.partial(sampler.sample, model_cfg=cfg.model, stop_tokens=stops)
+  return Fns(**steps,
+             sample=jax.jit(functools.partial(sample, cfg=cfg.sampler,
+                                              n_branches=cfg.train.n_branches)),
+             greedy=jax.jit(functools.partial(sample, cfg=greedy, n_branches=1)),
+             score=jax.jit(functools.partial(sampler.score, model_cfg=cfg.model,
+                                             temperature=cfg.sampler.temperature)))
