@@ -26,7 +26,6 @@ import optax
 
 from branch_replay import (advantages, dapo, engine, losses, metrics, phases, policy, sampler,
                            sharding, tasks, tree)
-from branch_replay.batch import ReplayBatch, validate
 from branch_replay.config import Config
 from branch_replay.state import (TrainState, make_optimizer, place, reference, sample_examples,
                                  weights)
@@ -44,19 +43,15 @@ def rl_loss_config(cfg: Config) -> losses.LossConfig:
 
 
 def loss_and_grad(cfg: Config, params, batch, loss_cfg, branch_chunk=None, params_fn=None):
-  """(loss, aux_BR, grads) of a flat ReplayBatch or a TreeBatch: replay or the naive twin
+  """(loss, aux_BR, grads) of a flat batch or a tree (TreeBatch): replay or the naive twin
   (`replay.mode`), on one device or, with `mesh`, sharded (the naive twin by the partitioner
   alone, from the sharded inputs). params_fn(params) -> the model's weights (LoRA:
   `lora_params_fn`; params are the adapters and grads theirs)."""
-  is_tree = isinstance(batch, tree.TreeBatch)
   if cfg.mesh and cfg.replay.mode == "replay":
     mesh = sharding.make_mesh(cfg.mesh)
-    if is_tree:
-      return sharding.tree_loss_and_grad(mesh, params, batch, cfg.model, loss_cfg,
-                                              branch_chunk, params_fn)
     return sharding.sharded_loss_and_grad(mesh, params, batch, cfg.model, loss_cfg, branch_chunk,
                                           params_fn)
-  engine_ = engine if is_tree else policy
+  engine_ = policy if policy.is_flat(batch) else engine
   return engine_.loss_and_grad(params, batch, cfg.model, loss_cfg, mode=cfg.replay.mode,
                                branch_chunk=branch_chunk, params_fn=params_fn)
 
@@ -98,7 +93,7 @@ def make_train_step(cfg: Config, phase: str = "rl", loss_cfg=None):
 # ----------------------------------------------------------------------------- batches
 
 
-def sft_batch(task, rng: np.random.Generator, cfg: Config, tok=TOKENIZER) -> ReplayBatch:
+def sft_batch(task, rng: np.random.Generator, cfg: Config, tok=TOKENIZER) -> tree.TreeBatch:
   """Warm-up batch: the task's long prefix shared by its reference answers (one per tail)."""
   items = [task.supervised(rng) for _ in range(cfg.train.sft_batch_size)]
   prefix_BP, prefix_valid_BP = tasks.encode_prompts([p for p, _ in items], task.sft_prompt_len,
@@ -110,9 +105,9 @@ def sft_batch(task, rng: np.random.Generator, cfg: Config, tok=TOKENIZER) -> Rep
   B, R = tails_BRT.shape[:2]
   chex.assert_shape([tails_BRT, valid_BRT], (B, R, T))
   chex.assert_shape([prefix_BP, prefix_valid_BP], (B, task.sft_prompt_len))
-  return ReplayBatch(prefix_BP=prefix_BP, prefix_valid_BP=prefix_valid_BP, tails_BRT=tails_BRT,
-                     tail_valid_BRT=valid_BRT,
-                     advantages_BR=np.ones(tails_BRT.shape[:2], np.float32))
+  return tree.flat(prefix_BP=prefix_BP, prefix_valid_BP=prefix_valid_BP, tails_BRT=tails_BRT,
+                   tail_valid_BRT=valid_BRT,
+                   advantages_BR=np.ones(tails_BRT.shape[:2], np.float32))
 
 
 def completions(samples: sampler.Samples, tok=TOKENIZER) -> list[list[str]]:
@@ -186,9 +181,9 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
     scored = jax.block_until_ready(fns.score(ref, batch=place(batch, "batch", cfg)))
     stats["time/ref_logp_s"] = time.perf_counter() - r0
     ref_BRT, ref_trunk_BW = sharding.to_host(scored)
-    batch = batch.replace(ref_logp_BRT=ref_BRT,
-                          trunk_ref_logp_BW=ref_trunk_BW if batch.trunk_len else None)
-  validate(batch, cfg.model.vocab_size, cfg.replay.branch_chunk)
+    batch = batch.with_leaves(ref_logp_BRT=ref_BRT).replace(
+        trunk_ref_logp_BW=ref_trunk_BW if batch.trunk_len else None)
+  tree.validate(batch, cfg.model.vocab_size, cfg.replay.branch_chunk)
   raw = rows["raw_BR"]
   return batch, rewards_BR, {"reward/mean": float(raw.mean()), "reward/std": float(raw.std()),
                      "reward/shaped_mean": float(rewards_BR.mean()),

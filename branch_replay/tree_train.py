@@ -3,7 +3,7 @@ algorithms/grpo.py, on trees):
   RL    sample a tree per prompt (sampler.sample_tree: prompt prefilled once, R_1 first turns, R_2
         second turns of each), reward the leaves, tree-aware advantages (tree.tree_advantages),
         the flat GRPO/PPO step (train.make_train_step: the engine takes trees), epochs x
-        minibatches, the KL reference, one device or a mesh (sharding.tree_loss_and_grad);
+        minibatches, the KL reference, one device or a mesh (sharding.sharded_loss_and_grad);
   SFT   warm-up trees from the task's reference turns (objective -log p), same engine.
 """
 

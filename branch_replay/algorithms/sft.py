@@ -10,7 +10,6 @@ import numpy as np
 
 from branch_replay import metrics, sharding, tasks, train, tree, tree_train
 from branch_replay import state as train_state
-from branch_replay.batch import validate
 
 
 def _floats(out) -> dict:
@@ -42,12 +41,8 @@ class SFT:
   def warmup_batch(self, step):
     cfg = self.cfg
     rng = np.random.default_rng([cfg.train.seed, step])
-    if self.is_tree:
-      batch = tree_train.sft_batch(self.task, rng, cfg, self.tok)
-      tree.validate(batch, cfg.model.vocab_size)
-    else:
-      batch = train.sft_batch(self.task, rng, cfg, self.tok)
-      validate(batch, cfg.model.vocab_size)
+    batch = (tree_train if self.is_tree else train).sft_batch(self.task, rng, cfg, self.tok)
+    tree.validate(batch, cfg.model.vocab_size)
     return batch
 
   def warmup_update(self, state, batch):
