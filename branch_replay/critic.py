@@ -28,7 +28,7 @@ Every function below takes `body_params=None` (separate model) or the policy's p
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Union
+from typing import Optional
 
 import flax.struct
 import jax
@@ -36,7 +36,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from branch_replay import engine, losses, sharding, tree
-from branch_replay.batch import ReplayBatch
 from models import transformer as tfm
 
 
@@ -66,18 +65,13 @@ class CriticConfig:
 
 @flax.struct.dataclass
 class CriticBatch:
-  """A flat replay batch or a tree (tokens and masks) with per-token regression targets on
+  """A tree (a flat batch: depth 1; tokens and masks) with per-token regression targets on
   every path ([B, L, X]: L branches or leaves per prompt, X = W + T_1 + ... + T_D scored
   positions in the engine's path layout, `scored_mask`; the trunk's and an inner node's
   targets repeated on every path through it, each with that path's return)."""
-  batch: Union[ReplayBatch, tree.TreeBatch]
+  batch: tree.TreeBatch
   returns_BRX: jax.Array
   old_values_BRX: jax.Array
-
-
-def as_tree(batch) -> tree.TreeBatch:
-  """The batch the engine runs: a tree as it is, a flat batch as the depth-1 tree."""
-  return batch if isinstance(batch, tree.TreeBatch) else tree.from_replay_batch(batch)
 
 
 def _scored_BLX(t: tree.TreeBatch):
@@ -91,20 +85,19 @@ def _scored_BLX(t: tree.TreeBatch):
 def scored_mask(batch) -> np.ndarray:
   """[B, L, X] bool (host): the positions with a value target (`CriticBatch`); flat: the
   trunk tokens, then the branch's valid tail tokens."""
-  return np.asarray(_scored_BLX(as_tree(batch)), bool)
+  return np.asarray(_scored_BLX(batch), bool)
 
 
 def _weights_BRX(batch):
   """token_mean over every path's scored tokens (an inner node's once per path through it),
   as the policy's tree.leaf_weights weighs them."""
-  t = as_tree(batch)
-  w_BL = tree.leaf_weights(losses.LossConfig(aggregation="token_mean"), t)
-  return w_BL[..., None] * _scored_BLX(t).astype(w_BL.dtype)
+  w_BL = tree.leaf_weights(losses.LossConfig(aggregation="token_mean"), batch)
+  return w_BL[..., None] * _scored_BLX(batch).astype(w_BL.dtype)
 
 
 def validate(cb: CriticBatch) -> None:
   """Host checks of a CriticBatch, before any compilation: ValueError naming the field."""
-  t = as_tree(cb.batch)
+  t = cb.batch
   mask = scored_mask(t)
   for name in ("returns_BRX", "old_values_BRX"):
     x = getattr(cb, name)
@@ -207,10 +200,9 @@ def replay_loss_and_grad(params, cb: CriticBatch, model_cfg, cfg: CriticConfig,
   engine's mesh path, the prefix context-parallel, branches over `context`, the critic's
   transformer and its grads sharded like the policy's (the head replicated)."""
   value_head = head(model_cfg, cfg, cb, body_params)
-  t = as_tree(cb.batch)
   if mesh is None:
-    return engine.replay_loss_and_grad(params, t, model_cfg, None, head=value_head)
-  return sharding.engine_loss_and_grad(mesh, params, t, model_cfg, None, head=value_head,
+    return engine.replay_loss_and_grad(params, cb.batch, model_cfg, None, head=value_head)
+  return sharding.engine_loss_and_grad(mesh, params, cb.batch, model_cfg, None, head=value_head,
                                        p_shardings=param_shardings(mesh, model_cfg, params))
 
 
@@ -229,9 +221,7 @@ def batch_shardings(mesh, cb: CriticBatch) -> CriticBatch:
   per-token targets split by prompt and branch (leaf) like the tails (leaves)."""
   targets = lambda name, x: sharding.named_sharding(mesh, f"critic_batch.{name}", np.shape(x),
                                                     ("batch", "branch", None))
-  batch = (sharding.tree_batch_shardings(mesh, cb.batch)
-           if isinstance(cb.batch, tree.TreeBatch) else sharding.batch_shardings(mesh, cb.batch))
-  return CriticBatch(batch,
+  return CriticBatch(sharding.batch_shardings(mesh, cb.batch),
                      targets("returns_BRX", cb.returns_BRX),
                      targets("old_values_BRX", cb.old_values_BRX))
 
@@ -239,12 +229,11 @@ def batch_shardings(mesh, cb: CriticBatch) -> CriticBatch:
 def naive_values(params, batch, model_cfg, body_params=None) -> jax.Array:
   """Values of every path position, each path as its own sequence (engine.path_sequences):
   [B, L, X]."""
-  t = as_tree(batch)
-  tokens_MS, valid_MS, back = engine.path_sequences(t)
+  tokens_MS, valid_MS, back = engine.path_sequences(batch)
   h_MSD = tfm.forward(_body(params, body_params), model_cfg, tokens_MS, valid_MS)
-  first = t.root_BP.shape[1] - t.trunk_len  # the first scored position
+  first = batch.root_BP.shape[1] - batch.trunk_len  # the first scored position
   values_MX = back(value_head(params["head"], h_MSD[:, first - 1:-1]))
-  return values_MX.reshape(t.root_BP.shape[0], t.n_leaves, -1)
+  return values_MX.reshape(batch.root_BP.shape[0], batch.n_leaves, -1)
 
 
 def naive_loss(params, cb: CriticBatch, model_cfg, cfg: CriticConfig, body_params=None):
@@ -278,12 +267,11 @@ def values(params, model_cfg, batch, body_params=None) -> jax.Array:
   L, X] (0 where a node is padded; an inner node's value repeated on its paths). The 'old'
   values of PPO, computed once per sampled batch. body_params: the policy's params for a
   shared critic (params = {'head'})."""
-  t = as_tree(batch)
-  v_levels, trunk_v_BW = engine.forward(params, t, model_cfg,
+  v_levels, trunk_v_BW = engine.forward(params, batch, model_cfg,
                                         head=head(model_cfg, body_params=body_params))
-  B, L = t.root_BP.shape[0], t.n_leaves
+  B, L = batch.root_BP.shape[0], batch.n_leaves
   per_path = lambda x_BNT: jnp.repeat(x_BNT, L // x_BNT.shape[1], axis=1)
-  return jnp.concatenate([jnp.broadcast_to(trunk_v_BW[:, None], (B, L, t.trunk_len))]
+  return jnp.concatenate([jnp.broadcast_to(trunk_v_BW[:, None], (B, L, batch.trunk_len))]
                          + [per_path(v) for v in v_levels], -1)
 
 

@@ -19,8 +19,7 @@ from typing import Optional
 
 import numpy as np
 
-from branch_replay import tasks, tree_task
-from branch_replay.batch import ReplayBatch
+from branch_replay import tasks, tree, tree_task
 from branch_replay.tokenizer import TOKENIZER
 
 FIELDS = ("prompt", "chosen", "rejected")
@@ -72,15 +71,14 @@ def tree_pairs(task, rng: np.random.Generator, batch_size: int, tok=TOKENIZER):
                               tok)
 
 
-def make_batch(pairs, prompt_len: int, answer_len: int, tok=TOKENIZER) -> ReplayBatch:
+def make_batch(pairs, prompt_len: int, answer_len: int, tok=TOKENIZER) -> tree.TreeBatch:
   """Prefix = BOS + prompt (left-padded), tails = [chosen, rejected] + EOS (right-padded)."""
   prefix_BP, prefix_valid_BP = tasks.encode_prompts(pairs, prompt_len, tok)
   tails = [tasks.encode_right([p.chosen, p.rejected], answer_len + 1, tok) for p in pairs]
   tails_BRT = np.stack([t for t, _ in tails])
   valid_BRT = np.stack([v for _, v in tails])
-  return ReplayBatch(prefix_BP=prefix_BP, prefix_valid_BP=prefix_valid_BP, tails_BRT=tails_BRT,
-                     tail_valid_BRT=valid_BRT,
-                     advantages_BR=np.zeros(tails_BRT.shape[:2], np.float32))
+  return tree.flat(prefix_BP, prefix_valid_BP, tails_BRT, valid_BRT,
+                   np.zeros(tails_BRT.shape[:2], np.float32))
 
 
 def preference_metrics(policy_logp_BR, ref_logp_BR, beta: float) -> dict:

@@ -2,7 +2,7 @@
 against its ancestors' K/V segments, so each ancestor's dK/dV comes out of the attention
 contraction already summed; the objective scores every root-to-leaf path over its X scored
 positions (trunk, then each level's tokens). `naive_loss` is the twin: every path as its own
-sequence. A flat batch is the depth-1 tree (`tree.from_replay_batch`)."""
+sequence. A flat batch is the depth-1 tree (`tree.flat`)."""
 
 from __future__ import annotations
 
@@ -320,7 +320,7 @@ def naive_loss_and_grad(params, batch, model_cfg, loss_cfg, params_fn=None):
 def loss_and_grad(params, batch: TreeBatch, model_cfg, loss_cfg, mode: str = "replay",
                   branch_chunk: Optional[int] = None, params_fn: Optional[Callable] = None):
   """(loss, aux_BR per leaf, grads) of the tree by replay or by its naive twin (on a mesh:
-  sharding.tree_loss_and_grad, which wraps this engine's replay); params_fn as in
+  sharding.sharded_loss_and_grad, which wraps this engine's replay); params_fn as in
   replay_loss_and_grad (LoRA)."""
   if mode not in MODES:
     raise ValueError(f"replay.mode={mode!r}: expected one of {MODES}")

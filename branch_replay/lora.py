@@ -21,7 +21,7 @@ from typing import Optional
 import jax
 import optax
 
-from branch_replay import engine, policy, tree
+from branch_replay import policy
 from models import lora as lora_lib
 
 
@@ -30,12 +30,8 @@ def replay_loss_and_grad(base, adapters, batch, model_cfg, loss_cfg,
                          cache_constraint=None):
   """Branch replay over the adapters (the one engine, params = merge(base, adapters) inside
   each differentiated function): (loss, aux_BR, adapter grads)."""
-  policy.check_ref(batch, loss_cfg)
-  constrain = None if cache_constraint is None else (
-      lambda level, cache: cache_constraint(cache) if level == 0 else cache)
-  return engine.replay_loss_and_grad(adapters, tree.from_replay_batch(batch), model_cfg, loss_cfg,
-                                     branch_chunk, cache_constraint=constrain,
-                                     params_fn=lambda a: lora_lib.merge(base, a, lora))
+  return policy.replay_loss_and_grad(adapters, batch, model_cfg, loss_cfg, branch_chunk,
+                                     cache_constraint, lambda a: lora_lib.merge(base, a, lora))
 
 
 def naive_loss_and_grad(base, adapters, batch, model_cfg, loss_cfg, lora: lora_lib.LoraConfig):

@@ -1,5 +1,5 @@
-"""Flat batches (batch.ReplayBatch) as a policy: replay through the one engine (the depth-1
-tree, engine.py) and a flat naive twin that shares no tree code: every branch as its own
+"""Flat batches (depth-1 trees, `tree.flat`) as a policy: replay through the one engine
+(engine.py) and a flat naive twin that shares no tree code: every branch as its own
 [P+T] sequence through the same model, attention and remat setting, scored by its own
 `branch_value`. A speedup therefore measures replay alone, and the two agreeing checks the
 engine's path scoring against an independent statement of the objective.
@@ -13,41 +13,48 @@ import jax
 import jax.numpy as jnp
 
 from branch_replay import engine, losses, tree
-from branch_replay.batch import ReplayBatch
 from models import transformer as tfm
 
 MODES = ("replay", "naive")
 
 
-def check_ref(batch: ReplayBatch, loss_cfg: losses.LossConfig) -> None:
+def is_flat(batch: tree.TreeBatch) -> bool:
+  """Whether the flat twin serves `batch`: depth 1, every valid leaf token scored."""
+  return batch.depth == 1 and batch.leaves.scored_BRT is None
+
+
+def check_ref(batch: tree.TreeBatch, loss_cfg: losses.LossConfig) -> None:
   """An objective (or KL penalty) that needs reference log-probs gets them, or a ValueError:
   a missing reference must not silently read as the policy itself (KL 0, DPO margin 0)."""
-  if loss_cfg.needs_ref and (batch.ref_logp_BRT is None
+  leaves = batch.leaves
+  if loss_cfg.needs_ref and (leaves.ref_logp_BRT is None
                              or (batch.trunk_len and batch.trunk_ref_logp_BW is None)):
     why = "kl_coef > 0" if loss_cfg.kl_coef else f"objective {loss_cfg.name!r}"
-    raise ValueError(f"batch.ref_logp_BRT: None, but loss.name={loss_cfg.name!r} needs "
-                     f"reference log-probs ({why}); score the batch with the reference policy "
-                     "(sampler.score) first")
+    raise ValueError(f"tree.levels[{batch.depth - 1}].ref_logp_BRT: None, but loss.name="
+                     f"{loss_cfg.name!r} needs reference log-probs ({why}); score the batch "
+                     "with the reference policy (sampler.score) first")
   n = loss_cfg.objective.n_branches
-  if n is not None and batch.tails_BRT.shape[1] != n:
-    raise ValueError(f"batch.tails_BRT: shape {tuple(batch.tails_BRT.shape)}: loss.name="
-                     f"{loss_cfg.name!r} expects R={n} branches")
+  if n is not None and batch.fanouts[-1] != n:
+    raise ValueError(f"tree.levels[{batch.depth - 1}].tokens_BRT: shape "
+                     f"{tuple(leaves.tokens_BRT.shape)}: loss.name={loss_cfg.name!r} expects "
+                     f"R={n} branches (fanouts {batch.fanouts})")
 
 
-def _branches(batch: ReplayBatch, loss_cfg: losses.LossConfig):
+def _branches(batch: tree.TreeBatch, loss_cfg: losses.LossConfig):
   """Per-branch inputs with the branch axis first ([R, B, ...]) and shared trunk inputs."""
   check_ref(batch, loss_cfg)
-  tail_w_BRT, w_BR = losses.aggregation_weights(loss_cfg, batch.tail_valid_BRT, batch.trunk_len)
+  leaves = batch.leaves
+  tail_w_BRT, w_BR = losses.aggregation_weights(loss_cfg, leaves.valid_BRT, batch.trunk_len)
   r_first = lambda x: None if x is None else jnp.swapaxes(x, 0, 1)
-  branches_R = dict(tokens_BT=r_first(batch.tails_BRT), valid_BT=r_first(batch.tail_valid_BRT),
+  branches_R = dict(tokens_BT=r_first(leaves.tokens_BRT), valid_BT=r_first(leaves.valid_BRT),
                     weight_BT=r_first(tail_w_BRT), trunk_weight_B=r_first(w_BR),
-                    advantage_B=r_first(batch.advantages_BR),
-                    advantage_BT=r_first(batch.advantages_BRT),
+                    advantage_B=r_first(leaves.advantages_BR),
+                    advantage_BT=r_first(leaves.advantages_BRT),
                     trunk_advantage_BW=r_first(batch.trunk_advantages_BRW),
-                    old_logp_BT=r_first(batch.old_logp_BRT),
-                    ref_logp_BT=r_first(batch.ref_logp_BRT))
-  P = batch.prefix_BP.shape[1]
-  trunk = dict(tokens_BW=batch.prefix_BP[:, P - batch.trunk_len:],
+                    old_logp_BT=r_first(leaves.old_logp_BRT),
+                    ref_logp_BT=r_first(leaves.ref_logp_BRT))
+  P = batch.root_BP.shape[1]
+  trunk = dict(tokens_BW=batch.root_BP[:, P - batch.trunk_len:],
                old_logp_BW=batch.trunk_old_logp_BW, ref_logp_BW=batch.trunk_ref_logp_BW)
   return branches_R, trunk
 
@@ -93,28 +100,34 @@ def branch_value(tail_logp_BT, tail_entropy_BT, trunk_logp_BW, branch, trunk, lo
   return value_B, aux
 
 
-def replay_loss_and_grad(params, batch: ReplayBatch, model_cfg: tfm.ModelConfig,
+def replay_loss_and_grad(params, batch: tree.TreeBatch, model_cfg: tfm.ModelConfig,
                          loss_cfg: losses.LossConfig, branch_chunk: Optional[int] = None,
                          cache_constraint=None, params_fn=None):
-  """Branch replay: (loss, aux_BR, grads), through the one engine (the depth-1 tree);
+  """Branch replay: (loss, aux_BR, grads), through the one engine;
   params_fn(params) -> the model's weights (LoRA: params are the adapters)."""
   check_ref(batch, loss_cfg)
-  constrain = None if cache_constraint is None else (lambda level, cache: cache_constraint(cache))
-  return engine.replay_loss_and_grad(params, tree.from_replay_batch(batch), model_cfg, loss_cfg,
-                                     branch_chunk, cache_constraint=constrain,
-                                     params_fn=params_fn)
+  constrain = None if cache_constraint is None else (
+      lambda level, cache: cache_constraint(cache) if level == 0 else cache)
+  return engine.replay_loss_and_grad(params, batch, model_cfg, loss_cfg, branch_chunk,
+                                     cache_constraint=constrain, params_fn=params_fn)
 
 
-def naive_loss(params, batch: ReplayBatch, model_cfg: tfm.ModelConfig,
+def naive_loss(params, batch: tree.TreeBatch, model_cfg: tfm.ModelConfig,
                loss_cfg: losses.LossConfig):
-  """The naive twin: every branch as its own [P+T] sequence. Returns (loss, aux_BR)."""
-  B, R, T = batch.tails_BRT.shape
-  P, W = batch.prefix_BP.shape[1], batch.trunk_len
+  """The naive twin of a flat batch (`is_flat`): every branch as its own [P+T] sequence.
+  Returns (loss, aux_BR)."""
+  if not is_flat(batch):
+    raise ValueError(f"tree.fanouts={batch.fanouts}: the flat naive twin expects a depth-1 "
+                     "tree with every valid leaf token scored (levels[0].scored_BRT None); "
+                     "deeper trees: engine.naive_loss")
+  leaves = batch.leaves
+  B, R, T = leaves.tokens_BRT.shape
+  P, W = batch.root_BP.shape[1], batch.trunk_len
   branches_R, trunk = _branches(batch, loss_cfg)
-  seq = lambda prefix_BP, tails_BRT: jnp.concatenate(
-      [jnp.broadcast_to(prefix_BP[:, None], (B, R, P)), tails_BRT], -1).reshape(B * R, P + T)
-  tokens_NS = seq(batch.prefix_BP, batch.tails_BRT)
-  valid_NS = seq(batch.prefix_valid_BP, batch.tail_valid_BRT)
+  seq = lambda root_BP, leaves_BRT: jnp.concatenate(
+      [jnp.broadcast_to(root_BP[:, None], (B, R, P)), leaves_BRT], -1).reshape(B * R, P + T)
+  tokens_NS = seq(batch.root_BP, leaves.tokens_BRT)
+  valid_NS = seq(batch.root_valid_BP, leaves.valid_BRT)
   h_NSD = tfm.forward(params, model_cfg, tokens_NS, valid_NS)
   logp_NT, entropy_NT = tfm.token_logps(params, model_cfg, h_NSD[:, P - 1:P + T - 1],
                                         tokens_NS[:, P:], temperature=loss_cfg.temperature)

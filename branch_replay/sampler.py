@@ -28,7 +28,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from branch_replay import engine, tree
-from branch_replay.batch import ReplayBatch
 from branch_replay.tree import TreeBatch, TreeLevel
 from models import transformer as tfm
 
@@ -221,12 +220,11 @@ def sample(params, model_cfg: tfm.ModelConfig, cfg: SamplerConfig, prompt_BP, pr
   return Samples(s.tokens[1], s.valid[1], s.logp[1], s.tokens[0][:, 0], s.logp[0][:, 0])
 
 
-def score(params, model_cfg: tfm.ModelConfig, batch: ReplayBatch, temperature: float = 1.0):
+def score(params, model_cfg: tfm.ModelConfig, batch: TreeBatch, temperature: float = 1.0):
   """Policy log-probs of every tail (and trunk) token from ONE shared-prefix forward (the
   engine's): (logp_BRT, trunk_logp_BW), of softmax(logits / temperature). Used for the
   frozen reference policy's log-probs (RL, DPO)."""
-  (logp_BRT,), trunk_logp_BW = engine.forward(params, tree.from_replay_batch(batch), model_cfg,
-                                              temperature)
+  (logp_BRT,), trunk_logp_BW = engine.forward(params, batch, model_cfg, temperature)
   return logp_BRT, trunk_logp_BW
 
 
@@ -239,16 +237,15 @@ def completions(samples: Samples, tok) -> list[list[str]]:
 
 
 def to_batch(prompt_BP, prompt_valid_BP, samples: Samples, advantages_BR,
-             ref: tuple | None = None) -> ReplayBatch:
-  """The training batch: prefix = prompt + trunk, tails = branches, old log-probs = sampling's."""
+             ref: tuple | None = None) -> TreeBatch:
+  """The flat training batch (depth 1): prefix = prompt + trunk, tails = branches, old
+  log-probs = sampling's."""
   B, W = samples.trunk_BW.shape
   prefix_BP = jnp.concatenate([prompt_BP, samples.trunk_BW], axis=1)
   prefix_valid_BP = jnp.concatenate([prompt_valid_BP, jnp.ones((B, W), bool)], axis=1)
-  return ReplayBatch(prefix_BP=prefix_BP, prefix_valid_BP=prefix_valid_BP,
-                     tails_BRT=samples.tokens_BRT, tail_valid_BRT=samples.valid_BRT,
-                     advantages_BR=advantages_BR, old_logp_BRT=samples.logp_BRT,
-                     trunk_old_logp_BW=samples.trunk_logp_BW if W else None,
-                     trunk_len=W)
+  return tree.flat(prefix_BP, prefix_valid_BP, samples.tokens_BRT, samples.valid_BRT,
+                   advantages_BR, old_logp_BRT=samples.logp_BRT,
+                   trunk_old_logp_BW=samples.trunk_logp_BW if W else None, trunk_len=W)
 
 
 def to_tree_batch(prompt_BP, prompt_valid_BP, samples: TreeSamples, fanouts, advantages,

@@ -33,8 +33,7 @@ import numpy as np
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from branch_replay import engine, losses, policy, replay, tree
-from branch_replay.batch import ReplayBatch
+from branch_replay import engine, losses, policy, replay
 from branch_replay.tree import TreeBatch
 from models import context_parallel
 from models import transformer as tfm
@@ -54,21 +53,6 @@ RULES = (
     ("mlp", "tensor"),
     ("vocab", "tensor"),
     ("head_dim", None),
-)
-
-# Logical names of every ReplayBatch field (batch-major, as the batch stores them).
-BATCH_AXES = dict(
-    prefix_BP=("batch", "seq"),
-    prefix_valid_BP=("batch", "seq"),
-    tails_BRT=("batch", "branch", None),
-    tail_valid_BRT=("batch", "branch", None),
-    advantages_BR=("batch", "branch"),
-    old_logp_BRT=("batch", "branch", None),
-    trunk_old_logp_BW=("batch", None),
-    ref_logp_BRT=("batch", "branch", None),
-    trunk_ref_logp_BW=("batch", None),
-    advantages_BRT=("batch", "branch", None),
-    trunk_advantages_BRW=("batch", "branch", None),
 )
 
 # Where the prefix cache crosses to the tails: K/V stay split over the sequence as the
@@ -196,16 +180,6 @@ def opt_state_shardings(mesh: Mesh, optimizer, opt_state, p_shardings):
                                transform_non_params=lambda _: replicated(mesh))
 
 
-def batch_shardings(mesh: Mesh, batch: ReplayBatch) -> ReplayBatch:
-  """A ReplayBatch of NamedShardings (None fields stay None), divisibility checked."""
-  fields = {}
-  for name, names in BATCH_AXES.items():
-    arr = getattr(batch, name)
-    fields[name] = None if arr is None else named_sharding(mesh, f"batch.{name}", np.shape(arr),
-                                                      names)
-  return batch.replace(**fields)
-
-
 def prompt_shardings(mesh: Mesh, tree):
   """Prompt-major arrays ([B, ...], e.g. prompts for the sampler): split by `batch`."""
   return jax.tree_util.tree_map_with_path(
@@ -267,24 +241,22 @@ def sharded_prefill(mesh: Mesh, prefill_fn):
   return fn
 
 
-def sharded_loss_and_grad(mesh: Mesh, params, batch: ReplayBatch, model_cfg: tfm.ModelConfig,
+def sharded_loss_and_grad(mesh: Mesh, params, batch: TreeBatch, model_cfg: tfm.ModelConfig,
                           loss_cfg: losses.LossConfig, branch_chunk: Optional[int] = None,
                           params_fn=None):
-  """Branch replay on `mesh` (call it inside one jit): (loss, aux_BR, grads).
-
-  Equal to `policy.loss_and_grad(..., mode='replay')` on one device. The tails' cache
-  cotangent is summed across the branch shards by the partitioner (an all-reduce /
-  reduce-scatter over `context`) before the single prefix VJP; grads come out sharded
-  like the parameters.
+  """Branch replay of a flat batch or a tree on `mesh` (call it inside one jit): (loss,
+  aux_BR per leaf, grads), equal to `engine.loss_and_grad(..., mode='replay')` on one device.
+  The leaves' cache cotangent is summed across the branch shards by the partitioner (an
+  all-reduce / reduce-scatter over `context`) before the single prefix VJP; grads come out
+  sharded like the parameters.
 
   branch_chunk streams the branches in chunks under lax.scan (replay.py); chunks are strided
   over R, so each chunk's branches stay split over `context` (branch_chunk must be a
   multiple of the `context` size for that).
   """
   policy.check_ref(batch, loss_cfg)
-  batch = constrain(batch, batch_shardings(mesh, batch))
-  return engine_loss_and_grad(mesh, params, tree.from_replay_batch(batch), model_cfg, loss_cfg,
-                              branch_chunk, params_fn)
+  return engine_loss_and_grad(mesh, params, constrain(batch, batch_shardings(mesh, batch)),
+                              model_cfg, loss_cfg, branch_chunk, params_fn)
 
 
 def engine_loss_and_grad(mesh: Mesh, params, batch, model_cfg: tfm.ModelConfig,
@@ -319,15 +291,16 @@ def engine_loss_and_grad(mesh: Mesh, params, batch, model_cfg: tfm.ModelConfig,
   return loss, aux_BR, (grads if params_fn is not None else constrain(grads, p_shardings))
 
 
-# Trees: the root's prompts over (data, fsdp) and its sequence over `context` (the
-# context-parallel prefill); inner nodes split by prompt only (every device of a `context`
-# group runs every opening: they are few and short); leaves split by prompt and over
-# `context`, as branches are (a prompt's leaf count must divide the `context` size). The root
-# cache crosses to the levels below under cache_constraint; the partitioner sums the leaves'
-# cotangents across `context` before the inner levels' and the root's VJPs.
+# Batches (a flat batch is the depth-1 tree): the root's prompts over (data, fsdp) and its
+# sequence over `context` (the context-parallel prefill); inner nodes split by prompt only
+# (every device of a `context` group runs every opening: they are few and short); leaves
+# (branches) split by prompt and over `context` (a prompt's leaf count must divide the
+# `context` size). The root cache crosses to the levels below under cache_constraint; the
+# partitioner sums the leaves' cotangents across `context` before the inner levels' and the
+# root's VJPs.
 
 
-def tree_batch_shardings(mesh: Mesh, batch: TreeBatch) -> TreeBatch:
+def batch_shardings(mesh: Mesh, batch: TreeBatch) -> TreeBatch:
   """A TreeBatch of NamedShardings (None fields stay None); a dimension its mesh axes do not
   divide is a ValueError naming the level, the field and both numbers."""
   def spec(where, x, names):
@@ -356,25 +329,14 @@ def tree_batch_shardings(mesh: Mesh, batch: TreeBatch) -> TreeBatch:
       levels=tuple(levels))
 
 
-def tree_loss_and_grad(mesh: Mesh, params, batch: TreeBatch, model_cfg: tfm.ModelConfig,
-                       loss_cfg: losses.LossConfig, branch_chunk: Optional[int] = None,
-                       params_fn=None):
-  """Tree replay on `mesh` (call it inside one jit): (loss, aux_BR, grads), equal to
-  `engine.loss_and_grad(..., mode='replay')` on one device."""
-  return engine_loss_and_grad(
-      mesh, params, constrain(batch, tree_batch_shardings(mesh, batch)), model_cfg,
-      loss_cfg, branch_chunk, params_fn)
-
-
-def prefix_residuals(mesh: Mesh, params, batch: ReplayBatch, model_cfg: tfm.ModelConfig,
+def prefix_residuals(mesh: Mesh, params, batch: TreeBatch, model_cfg: tfm.ModelConfig,
                      loss_cfg: losses.LossConfig):
   """Step 1 alone, on the mesh: (cache, prefix_vjp). prefix_vjp's leaves are the residuals
   the prefix backward keeps alive; jit this to inspect their shardings."""
   params = constrain(params, param_shardings(mesh, model_cfg))
   batch = constrain(batch, batch_shardings(mesh, batch))
-  flat = tree.from_replay_batch(batch)
-  root_fn, _, _, _ = engine.replay_fns(flat, model_cfg, engine.policy_head(flat, model_cfg,
-                                                                           loss_cfg))
+  root_fn, _, _, _ = engine.replay_fns(batch, model_cfg, engine.policy_head(batch, model_cfg,
+                                                                            loss_cfg))
   return replay.prefix_forward(sharded_prefill(mesh, lambda p, _: root_fn(p)), params, None)
 
 

@@ -13,7 +13,6 @@ import numpy as np
 import optax
 
 from branch_replay import checkpoint, critic, sharding
-from branch_replay.batch import ReplayBatch
 from branch_replay.tree import TreeBatch
 from branch_replay.config import Config
 from models import lora as lora_lib
@@ -67,10 +66,8 @@ def shardings(tree, kind: str, cfg: Config):
           critic=None if tree.critic is None else _critic_shardings(mesh, tree.critic, cfg))
     if isinstance(tree, critic.CriticBatch):
       return critic.batch_shardings(mesh, tree)
-    if isinstance(tree, ReplayBatch):
-      return sharding.batch_shardings(mesh, tree)
     if isinstance(tree, TreeBatch):
-      return sharding.tree_batch_shardings(mesh, tree)
+      return sharding.batch_shardings(mesh, tree)
     return sharding.prompt_shardings(mesh, tree)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   return jax.tree.map(lambda _: device, tree)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from branch_replay import engine, losses, policy, sampler, sharding, tree
+from branch_replay import engine, losses, policy, sampler, sharding
 from branch_replay.config import Config
 from branch_replay.state import TrainState, make_optimizer
 from branch_replay.tasks import TaskConfig
@@ -36,19 +36,15 @@ def rl_loss_config(cfg: Config) -> losses.LossConfig:
 
 
 def loss_and_grad(cfg: Config, params, batch, loss_cfg, branch_chunk=None, params_fn=None):
-  """(loss, aux_BR, grads) of a flat ReplayBatch or a TreeBatch: replay or the naive twin
+  """(loss, aux_BR, grads) of a flat batch or a tree (TreeBatch): replay or the naive twin
   (`replay.mode`), on one device or, with `mesh`, sharded (the naive twin by the partitioner
   alone, from the sharded inputs). params_fn(params) -> the model's weights (LoRA:
   `lora_params_fn`; params are the adapters and grads theirs)."""
-  is_tree = isinstance(batch, tree.TreeBatch)
   if cfg.mesh and cfg.replay.mode == "replay":
     mesh = sharding.make_mesh(cfg.mesh)
-    if is_tree:
-      return sharding.tree_loss_and_grad(mesh, params, batch, cfg.model, loss_cfg,
-                                              branch_chunk, params_fn)
     return sharding.sharded_loss_and_grad(mesh, params, batch, cfg.model, loss_cfg, branch_chunk,
                                           params_fn)
-  engine_ = engine if is_tree else policy
+  engine_ = policy if policy.is_flat(batch) else engine
   return engine_.loss_and_grad(params, batch, cfg.model, loss_cfg, mode=cfg.replay.mode,
                                branch_chunk=branch_chunk, params_fn=params_fn)
 

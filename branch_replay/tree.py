@@ -27,7 +27,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from branch_replay import losses
-from branch_replay.batch import ReplayBatch
 
 
 @flax.struct.dataclass
@@ -75,6 +74,10 @@ class TreeBatch:
   def n_leaves(self) -> int:
     return math.prod(self.fanouts)
 
+  def with_leaves(self, **fields) -> "TreeBatch":
+    """The batch with these fields of the leaf level replaced."""
+    return self.replace(levels=self.levels[:-1] + (self.leaves.replace(**fields),))
+
   def token_counts(self):
     """(root positions, positions below the root, naive-equivalent positions): padding
     included; the naive equivalent runs every root-to-leaf path as its own sequence."""
@@ -89,18 +92,18 @@ def nodes(fanouts: Sequence[int], d: int) -> int:
   return math.prod(fanouts[:d])
 
 
-def from_replay_batch(batch: ReplayBatch) -> TreeBatch:
-  """Today's batch as a depth-1 tree: the prefix is the root, the tails the leaves (per-token
-  advantages included)."""
-  R = batch.tails_BRT.shape[1]
-  leaves = TreeLevel(tokens_BRT=batch.tails_BRT, valid_BRT=batch.tail_valid_BRT,
-                     advantages_BR=batch.advantages_BR, old_logp_BRT=batch.old_logp_BRT,
-                     ref_logp_BRT=batch.ref_logp_BRT, advantages_BRT=batch.advantages_BRT)
-  return TreeBatch(root_BP=batch.prefix_BP, root_valid_BP=batch.prefix_valid_BP,
-                   levels=(leaves,), trunk_old_logp_BW=batch.trunk_old_logp_BW,
-                   trunk_ref_logp_BW=batch.trunk_ref_logp_BW,
-                   trunk_advantages_BRW=batch.trunk_advantages_BRW, fanouts=(R,),
-                   trunk_len=batch.trunk_len)
+def flat(prefix_BP, prefix_valid_BP, tails_BRT, tail_valid_BRT, advantages_BR, *,
+         old_logp_BRT=None, trunk_old_logp_BW=None, ref_logp_BRT=None, trunk_ref_logp_BW=None,
+         advantages_BRT=None, trunk_advantages_BRW=None, trunk_len: int = 0) -> TreeBatch:
+  """A flat batch (B prompts x R branches) as the depth-1 tree it is: the prefix (prompt +
+  trunk, left-padded) is the root, the tails (right-padded) the leaves."""
+  leaves = TreeLevel(tokens_BRT=tails_BRT, valid_BRT=tail_valid_BRT, advantages_BR=advantages_BR,
+                     old_logp_BRT=old_logp_BRT, ref_logp_BRT=ref_logp_BRT,
+                     advantages_BRT=advantages_BRT)
+  return TreeBatch(root_BP=prefix_BP, root_valid_BP=prefix_valid_BP, levels=(leaves,),
+                   trunk_old_logp_BW=trunk_old_logp_BW, trunk_ref_logp_BW=trunk_ref_logp_BW,
+                   trunk_advantages_BRW=trunk_advantages_BRW,
+                   fanouts=tuple(np.shape(tails_BRT)[1:2]), trunk_len=trunk_len)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -118,7 +121,9 @@ def validate(batch: TreeBatch, vocab_size: int, branch_chunk: Optional[int] = No
   devices the leaves are split over (the mesh's `context` size)."""
   fanouts = batch.fanouts
   if not fanouts or any(not isinstance(r, int) or r < 1 for r in fanouts):
-    raise ValueError(f"tree.fanouts={fanouts!r}: expected a non-empty tuple of ints >= 1")
+    leaf = (f" (leaf tokens_BRT shape {np.shape(batch.levels[-1].tokens_BRT)})"
+            if batch.levels else "")
+    raise ValueError(f"tree.fanouts={fanouts!r}: expected a non-empty tuple of ints >= 1{leaf}")
   if len(batch.levels) != len(fanouts):
     raise ValueError(f"tree.levels: {len(batch.levels)} levels, expected one per fan-out "
                      f"(fanouts={fanouts}, depth {len(fanouts)})")
@@ -204,8 +209,7 @@ def validate(batch: TreeBatch, vocab_size: int, branch_chunk: Optional[int] = No
                        f"{'None' if per_token else 'given'}: expected it exactly when the "
                        "leaves' advantages_BRT are given (per-token advantages on every token "
                        f"of a path), shape {(B, n_leaves, np.shape(level.tokens_BRT)[2])}")
-  if per_token:
-    _check_logp("trunk_advantages_BRW", batch.trunk_advantages_BRW, (B, n_leaves, W))
+  _check_logp("trunk_advantages_BRW", batch.trunk_advantages_BRW, (B, n_leaves, W))
   if branch_chunk is not None and (branch_chunk < 1 or fanouts[-1] % branch_chunk):
     raise ValueError(f"replay.branch_chunk={branch_chunk}: expected a divisor of the last "
                      f"fan-out R_{len(fanouts)}={fanouts[-1]} (fanouts {fanouts})")

@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from branch_replay.batch import ReplayBatch
+from branch_replay import tree
 from branch_replay.tree import TreeBatch, TreeLevel
 
 
@@ -249,13 +249,13 @@ def unroll(batch: TreeBatch, order, per_level_BRT, trunk_BW=None) -> list:
 
 
 def flat_batch(prompts, responses, advantages_BR, *, scored=None, old_logps=None,
-               ref_logps=None, pad_id: int = 0) -> ReplayBatch:
-  """The same responses as a flat batch (prefix = prompt, tails = responses): the twin the
-  trie batch must equal, and the batch of `replay.auto_tree=false`. Unscored tokens are not
-  expressible in a flat ReplayBatch: `scored` goes through `trie.layout` only."""
+               ref_logps=None, pad_id: int = 0) -> TreeBatch:
+  """The same responses as a flat batch (depth 1: prefix = prompt, tails = responses): the
+  twin the trie batch must equal, and the batch of `replay.auto_tree=false`. Unscored tokens
+  go through `trie.layout` only (the flat twin scores every valid tail token)."""
   if scored is not None and not all(np.all(s) for rs in scored for s in rs):
     raise ValueError("trie.flat_batch: unscored (tool/observation) tokens need the tree "
-                     "layout (trie.layout): a flat ReplayBatch scores every valid tail token")
+                     "layout (trie.layout): a flat batch scores every valid tail token")
   B = len(prompts)
   P = max(len(p) for p in prompts)
   T = max(len(r) for rs in responses for r in rs)
@@ -267,24 +267,26 @@ def flat_batch(prompts, responses, advantages_BR, *, scored=None, old_logps=None
   f = lambda xs: None if xs is None else jnp.asarray(np.stack([_pad(x, T, np.float64)
                                                                for x in xs]))
   lengths_B1 = np.array([len(p) for p in prompts])[:, None]
-  return ReplayBatch(prefix_BP=jnp.asarray(prefix),
-                     prefix_valid_BP=jnp.asarray(np.arange(P)[None] >= P - lengths_B1),
-                     tails_BRT=jnp.asarray(tails), tail_valid_BRT=jnp.asarray(valid),
-                     advantages_BR=jnp.asarray(advantages_BR), old_logp_BRT=f(old_logps),
-                     ref_logp_BRT=f(ref_logps))
+  return tree.flat(jnp.asarray(prefix), jnp.asarray(np.arange(P)[None] >= P - lengths_B1),
+                   jnp.asarray(tails), jnp.asarray(valid), jnp.asarray(advantages_BR),
+                   old_logp_BRT=f(old_logps), ref_logp_BRT=f(ref_logps))
 
 
-def auto_tree(batch: ReplayBatch, *, max_depth: int = 2, min_shared: int = 1, pad_id: int = 0):
-  """The trainer's own sampler output (`replay.auto_tree=true`) as its cheapest exact tree:
-  the prompt is the prefix before the trunk; a response is the trunk + the branch's tail.
-  Host side (concrete arrays). Returns (TreeBatch, stats) as `layout`."""
-  if batch.advantages_BRT is not None:
-    raise ValueError("batch.advantages_BRT: per-token advantages (GAE) are not laid out as a "
-                     "tree yet: expected None with replay.auto_tree=true")
-  W, P = batch.trunk_len, batch.prefix_BP.shape[1]
+def auto_tree(batch: TreeBatch, *, max_depth: int = 2, min_shared: int = 1, pad_id: int = 0):
+  """The trainer's own sampler output (`replay.auto_tree=true`, a flat batch) as its cheapest
+  exact tree: the prompt is the prefix before the trunk; a response is the trunk + the
+  branch's tail. Host side (concrete arrays). Returns (TreeBatch, stats) as `layout`."""
+  leaves = batch.leaves
+  if batch.depth != 1:
+    raise ValueError(f"tree.fanouts={batch.fanouts}: replay.auto_tree lays out a flat batch: "
+                     "expected depth 1")
+  if leaves.advantages_BRT is not None:
+    raise ValueError("tree.levels[0].advantages_BRT: per-token advantages (GAE) are not laid "
+                     "out as a tree yet: expected None with replay.auto_tree=true")
+  W, P = batch.trunk_len, batch.root_BP.shape[1]
   host = lambda x: None if x is None else np.asarray(x)
-  prefix, pv = host(batch.prefix_BP), host(batch.prefix_valid_BP).astype(bool)
-  tails, tv = host(batch.tails_BRT), host(batch.tail_valid_BRT).astype(bool)
+  prefix, pv = host(batch.root_BP), host(batch.root_valid_BP).astype(bool)
+  tails, tv = host(leaves.tokens_BRT), host(leaves.valid_BRT).astype(bool)
   B, R, _ = tails.shape
   prompts = [prefix[b, :P - W][pv[b, :P - W]] for b in range(B)]
 
@@ -296,7 +298,7 @@ def auto_tree(batch: ReplayBatch, *, max_depth: int = 2, min_shared: int = 1, pa
             for b in range(B)]
 
   responses = joined(prefix[:, P - W:], tails)
-  old = joined(host(batch.trunk_old_logp_BW), host(batch.old_logp_BRT))
-  ref = joined(host(batch.trunk_ref_logp_BW), host(batch.ref_logp_BRT))
-  return layout(prompts, responses, host(batch.advantages_BR), old_logps=old, ref_logps=ref,
+  old = joined(host(batch.trunk_old_logp_BW), host(leaves.old_logp_BRT))
+  ref = joined(host(batch.trunk_ref_logp_BW), host(leaves.ref_logp_BRT))
+  return layout(prompts, responses, host(leaves.advantages_BR), old_logps=old, ref_logps=ref,
                 max_depth=max_depth, min_shared=min_shared, pad_id=pad_id)

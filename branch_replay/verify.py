@@ -2,7 +2,7 @@
 branch replay and through its naive twin on the user's own model and data, and the run stops
 if they differ beyond a tolerance for the compute dtype, naming the worst gradient leaf.
 
-  stats = verify.check(params, batch, model_cfg, loss_cfg)   # ReplayBatch or TreeBatch
+  stats = verify.check(params, batch, model_cfg, loss_cfg)   # a flat batch or a tree
 
 Its cost (one replay and one naive loss-and-gradient, compiled once) is returned for the log.
 """
@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from branch_replay import engine, policy
-from branch_replay.tree import TreeBatch
 
 MODES = ("auto", "first", "off")  # auto: first for imported checkpoints (run.py --model_dir)
 
@@ -62,7 +61,7 @@ def check(params, batch, model_cfg, loss_cfg, *, branch_chunk=None, tol=None) ->
   leaf and both values if the loss or any gradient leaf differs by more than `tol` (default:
   `tolerance(model_cfg)`). Returns metrics: verify/max_rel_err, verify/worst_leaf,
   time/verify_s (both paths, compilation included)."""
-  engine_ = engine if isinstance(batch, TreeBatch) else policy
+  engine_ = policy if policy.is_flat(batch) else engine
   tol = tolerance(model_cfg) if tol is None else tol
   run = lambda mode: jax.block_until_ready(jax.jit(functools.partial(
       engine_.loss_and_grad, model_cfg=model_cfg, loss_cfg=loss_cfg, mode=mode,

@@ -16,8 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from branch_replay import losses, policy
-from branch_replay.batch import ReplayBatch, validate
+from branch_replay import losses, policy, tree
 from models import transformer as tfm
 
 
@@ -27,11 +26,11 @@ def small() -> bool:
 
 
 def random_batch(cfg: tfm.ModelConfig, B: int, R: int, P: int, T: int, W: int = 0,
-                 seed: int = 0) -> ReplayBatch:
+                 seed: int = 0) -> tree.TreeBatch:
   """Random tokens, all valid; W trunk tokens at the prefix's end scored by every branch."""
   rng = np.random.default_rng(seed)
   dt = cfg.compute_dtype
-  batch = ReplayBatch(
+  batch = tree.flat(
       prefix_BP=jnp.asarray(rng.integers(0, cfg.vocab_size, (B, P)), jnp.int32),
       prefix_valid_BP=jnp.ones((B, P), bool),
       tails_BRT=jnp.asarray(rng.integers(0, cfg.vocab_size, (B, R, T)), jnp.int32),
@@ -50,7 +49,7 @@ def measure(cfg: tfm.ModelConfig, B: int, R: int, P: int, T: int, mode: str = "r
   if remat is not None:
     cfg = dataclasses.replace(cfg, remat=remat)
   batch = random_batch(cfg, B, R, P, T, W)
-  validate(batch, cfg.vocab_size, branch_chunk)
+  tree.validate(batch, cfg.vocab_size, branch_chunk)
   params = tfm.init_params(cfg, jax.random.key(0))
   loss_cfg = losses.LossConfig(name=loss)
   fn = jax.jit(lambda p, b: policy.loss_and_grad(p, b, cfg, loss_cfg, mode,

@@ -122,16 +122,15 @@ def ours_step_fn(folder, batch, threads):
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from branch_replay import losses, policy
-  from branch_replay.batch import ReplayBatch
+  from branch_replay import losses, policy, tree
   from models import hf
   cfg, params = hf.load(folder)
   B, R, T = batch["tails_BRT"].shape
-  rb = ReplayBatch(prefix_BP=jnp.asarray(batch["prefix_BP"], jnp.int32),
-                   prefix_valid_BP=jnp.ones(batch["prefix_BP"].shape, bool),
-                   tails_BRT=jnp.asarray(batch["tails_BRT"], jnp.int32),
-                   tail_valid_BRT=jnp.ones((B, R, T), bool),
-                   advantages_BR=jnp.asarray(batch["adv_BR"], jnp.float32))
+  rb = tree.flat(prefix_BP=jnp.asarray(batch["prefix_BP"], jnp.int32),
+                 prefix_valid_BP=jnp.ones(batch["prefix_BP"].shape, bool),
+                 tails_BRT=jnp.asarray(batch["tails_BRT"], jnp.int32),
+                 tail_valid_BRT=jnp.ones((B, R, T), bool),
+                 advantages_BR=jnp.asarray(batch["adv_BR"], jnp.float32))
   loss_cfg = losses.LossConfig("grpo")
   compiled = jax.jit(lambda p, b: policy.loss_and_grad(p, b, cfg, loss_cfg, "replay")[::2]
                      ).lower(params, rb).compile()

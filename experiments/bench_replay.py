@@ -88,8 +88,7 @@ def run_worker(mode, P, T, R):
   import jax.numpy as jnp
   import numpy as np
   import psutil
-  from branch_replay import losses, policy
-  from branch_replay.batch import ReplayBatch, validate
+  from branch_replay import losses, policy, tree
   from models import transformer as tfm
   jnp.zeros(()).block_until_ready()  # the backend is up: count from here
   rss_after_imports = psutil.Process().memory_info().rss
@@ -99,7 +98,7 @@ def run_worker(mode, P, T, R):
   params = tfm.init_params(cfg, jax.random.key(0))
   rng = np.random.default_rng(0)
   dt = cfg.compute_dtype
-  batch = ReplayBatch(
+  batch = tree.flat(
       prefix_BP=jnp.asarray(rng.integers(0, cfg.vocab_size, (B, P)), jnp.int32),
       prefix_valid_BP=jnp.ones((B, P), bool),
       tails_BRT=jnp.asarray(rng.integers(0, cfg.vocab_size, (B, R, T)), jnp.int32),
@@ -111,8 +110,8 @@ def run_worker(mode, P, T, R):
     return _measure(mode, step, params, batch, rss_after_imports)
   loss_cfg = losses.LossConfig(name=FLAGS.loss)
   if loss_cfg.objective.needs_ref:  # e.g. DPO: reference log-probs of every tail token
-    batch = batch.replace(ref_logp_BRT=jnp.asarray(-rng.exponential(size=(B, R, T)), dt))
-  validate(batch, cfg.vocab_size, chunk)
+    batch = batch.with_leaves(ref_logp_BRT=jnp.asarray(-rng.exponential(size=(B, R, T)), dt))
+  tree.validate(batch, cfg.vocab_size, chunk)
   step = jax.jit(lambda p, b: policy.loss_and_grad(p, b, cfg, loss_cfg, mode, chunk)[::2])
   if FLAGS.mesh:  # both paths on the mesh: params FSDP/tensor-sharded, batch by the RULES
     from branch_replay import sharding
@@ -135,7 +134,7 @@ def _value_step(cfg, mode, batch, rng):
   if FLAGS.mesh or FLAGS.branch_chunk:
     raise ValueError("--loss=value: the critic runs unsharded and unchunked; expected "
                      f"--mesh='' and --branch_chunk=0, got {FLAGS.mesh!r}, {FLAGS.branch_chunk}")
-  B, R, T = batch.tails_BRT.shape
+  B, R, T = batch.leaves.tokens_BRT.shape
   params = critic.init_params(cfg, jax.random.key(0))
   params["head"] = {"w_D": jnp.asarray(rng.normal(size=cfg.d_model) / cfg.d_model ** 0.5,
                                        cfg.weight_dtype), "b": jnp.zeros((), cfg.weight_dtype)}

@@ -64,12 +64,11 @@ def model_config():
 
 
 def make_batches(cfg, B, P, fanouts, lengths):
-  """(TreeBatch, the same objective as a flat ReplayBatch): every node full, one advantage
+  """(TreeBatch, the same objective as a flat batch): every node full, one advantage
   per leaf (inner nodes scored with their leaves' advantages, as flat replay must)."""
   import jax.numpy as jnp
   import numpy as np
-  from branch_replay.batch import ReplayBatch
-  from branch_replay.tree import TreeBatch, TreeLevel, nodes
+  from branch_replay.tree import TreeBatch, TreeLevel, flat, nodes
   rng = np.random.default_rng(0)
   n = math.prod(fanouts)
   levels = []
@@ -79,13 +78,12 @@ def make_batches(cfg, B, P, fanouts, lengths):
     levels.append(TreeLevel(jnp.asarray(rng.integers(0, cfg.vocab_size, (B, R, T)), jnp.int32),
                             jnp.ones((B, R, T), bool), advantages_BR=adv))
   root_BP = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, P)), jnp.int32)
-  tree = TreeBatch(root_BP, jnp.ones((B, P), bool), tuple(levels), fanouts=tuple(fanouts))
+  tree_batch = TreeBatch(root_BP, jnp.ones((B, P), bool), tuple(levels), fanouts=tuple(fanouts))
   per_leaf = lambda x: jnp.repeat(x, n // x.shape[1], axis=1)
   tails_BRT = jnp.concatenate([per_leaf(l.tokens_BRT) for l in levels], axis=-1)
-  flat = ReplayBatch(prefix_BP=root_BP, prefix_valid_BP=jnp.ones((B, P), bool),
-                     tails_BRT=tails_BRT, tail_valid_BRT=jnp.ones(tails_BRT.shape, bool),
-                     advantages_BR=levels[-1].advantages_BR)
-  return tree, flat
+  return tree_batch, flat(prefix_BP=root_BP, prefix_valid_BP=jnp.ones((B, P), bool),
+                          tails_BRT=tails_BRT, tail_valid_BRT=jnp.ones(tails_BRT.shape, bool),
+                          advantages_BR=levels[-1].advantages_BR)
 
 
 def run_worker(mode):
@@ -94,7 +92,6 @@ def run_worker(mode):
   import numpy as np
   import psutil
   from branch_replay import engine, losses, policy, tree
-  from branch_replay.batch import validate
   from models import transformer as tfm
   jnp.zeros(()).block_until_ready()
   rss_after_imports = psutil.Process().memory_info().rss
@@ -103,7 +100,7 @@ def run_worker(mode):
   params = tfm.init_params(cfg, jax.random.key(0))
   tree_batch, flat_batch = make_batches(cfg, FLAGS.prompts, FLAGS.prefix_len, fanouts, lengths)
   tree.validate(tree_batch, cfg.vocab_size)
-  validate(flat_batch, cfg.vocab_size)
+  tree.validate(flat_batch, cfg.vocab_size)
   loss_cfg = losses.LossConfig()
   if mode == "flat":
     batch, fn = flat_batch, lambda p, b: policy.loss_and_grad(p, b, cfg, loss_cfg, "replay")

@@ -69,19 +69,18 @@ def step_check():
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from branch_replay import losses, policy
-  from branch_replay.batch import ReplayBatch
+  from branch_replay import losses, policy, tree
   from models import config, transformer as tfm
   P, T, R = FLAGS.prefix_len, FLAGS.tail_len, FLAGS.branches
   cfgs = {impl: config.preset(FLAGS.preset, attention=impl) for impl in ("fused", "blockwise")}
   params = tfm.init_params(cfgs["blockwise"], jax.random.key(0))
   rng = np.random.default_rng(0)
   V = cfgs["blockwise"].vocab_size
-  batch = ReplayBatch(prefix_BP=jnp.asarray(rng.integers(0, V, (1, P)), jnp.int32),
-                      prefix_valid_BP=jnp.ones((1, P), bool),
-                      tails_BRT=jnp.asarray(rng.integers(0, V, (1, R, T)), jnp.int32),
-                      tail_valid_BRT=jnp.ones((1, R, T), bool),
-                      advantages_BR=jnp.asarray(rng.normal(size=(1, R)), jnp.float32))
+  batch = tree.flat(prefix_BP=jnp.asarray(rng.integers(0, V, (1, P)), jnp.int32),
+                    prefix_valid_BP=jnp.ones((1, P), bool),
+                    tails_BRT=jnp.asarray(rng.integers(0, V, (1, R, T)), jnp.int32),
+                    tail_valid_BRT=jnp.ones((1, R, T), bool),
+                    advantages_BR=jnp.asarray(rng.normal(size=(1, R)), jnp.float32))
   out = {impl: jax.jit(lambda p, b, c=c: policy.loss_and_grad(
       p, b, c, losses.LossConfig("grpo"), "replay")[::2])(params, batch)
       for impl, c in cfgs.items()}

@@ -78,13 +78,13 @@ def _batch(cfg, P, concrete=False):
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from branch_replay.batch import ReplayBatch
+  from branch_replay import tree
   rng = np.random.default_rng(0)
-  b = ReplayBatch(prefix_BP=jnp.asarray(rng.integers(0, cfg.vocab_size, (1, P)), jnp.int32),
-                  prefix_valid_BP=jnp.ones((1, P), bool),
-                  tails_BRT=jnp.asarray(rng.integers(0, cfg.vocab_size, (1, R, T)), jnp.int32),
-                  tail_valid_BRT=jnp.ones((1, R, T), bool),
-                  advantages_BR=jnp.asarray(rng.normal(size=(1, R)), jnp.float32))
+  b = tree.flat(prefix_BP=jnp.asarray(rng.integers(0, cfg.vocab_size, (1, P)), jnp.int32),
+                prefix_valid_BP=jnp.ones((1, P), bool),
+                tails_BRT=jnp.asarray(rng.integers(0, cfg.vocab_size, (1, R, T)), jnp.int32),
+                tail_valid_BRT=jnp.ones((1, R, T), bool),
+                advantages_BR=jnp.asarray(rng.normal(size=(1, R)), jnp.float32))
   return b if concrete else jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), b)
 
 

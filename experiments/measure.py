@@ -69,13 +69,12 @@ def compile_replay_step(cfg, mesh, B: int, P: int, R: int, T: int):
   import jax
   import jax.numpy as jnp
   import optax
-  from branch_replay import losses, sharding
-  from branch_replay.batch import ReplayBatch
+  from branch_replay import losses, sharding, tree
   from models import transformer as tfm
   sds = jax.ShapeDtypeStruct
-  batch = ReplayBatch(prefix_BP=sds((B, P), jnp.int32), prefix_valid_BP=sds((B, P), bool),
-                      tails_BRT=sds((B, R, T), jnp.int32), tail_valid_BRT=sds((B, R, T), bool),
-                      advantages_BR=sds((B, R), jnp.float32))
+  batch = tree.flat(prefix_BP=sds((B, P), jnp.int32), prefix_valid_BP=sds((B, P), bool),
+                    tails_BRT=sds((B, R, T), jnp.int32), tail_valid_BRT=sds((B, R, T), bool),
+                    advantages_BR=sds((B, R), jnp.float32))
   loss_cfg = losses.LossConfig(name="grpo")
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-6))
   params = jax.eval_shape(lambda: tfm.init_params(cfg, jax.random.key(0)))

@@ -61,12 +61,12 @@ def make_inputs(P, T, R):
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from branch_replay.batch import ReplayBatch
+  from branch_replay import tree
   from models import config, transformer as tfm
   cfg = config.preset(FLAGS.preset)
   params = tfm.init_params(cfg, jax.random.key(0))
   rng = np.random.default_rng(0)
-  batch = ReplayBatch(
+  batch = tree.flat(
       prefix_BP=jnp.asarray(rng.integers(0, cfg.vocab_size, (1, P)), jnp.int32),
       prefix_valid_BP=jnp.ones((1, P), bool),
       tails_BRT=jnp.asarray(rng.integers(0, cfg.vocab_size, (1, R, T)), jnp.int32),
@@ -79,13 +79,12 @@ def stage_times(cfg, params, batch):
   import jax
   import jax.numpy as jnp
   import optax
-  from branch_replay import engine, losses, policy, replay, tree
+  from branch_replay import engine, losses, policy, replay
   from models import transformer as tfm
   loss_cfg = losses.LossConfig("grpo")
   # The one engine's depth-1 functions: the root (prefix) and every leaf (tail) at once.
-  flat = tree.from_replay_batch(batch)
   root_fn, _, leaf_loss_fn, branches_R = engine.replay_fns(
-      flat, cfg, engine.policy_head(flat, cfg, loss_cfg))
+      batch, cfg, engine.policy_head(batch, cfg, loss_cfg))
   reps = FLAGS.reps
   rows = {}
   # The tails' inputs are arguments; the prefix tokens are constants of root_fn.
@@ -96,9 +95,10 @@ def stage_times(cfg, params, batch):
       leaf_loss_fn, p, (c,), b, combine=engine.combine_fn(loss_cfg), batched=True))
   (_, _, dparams_tail, (dcache,)), *t = timed(tails, params, cache, branches_R, reps=reps)
   rows["tails"] = t
-  N, T = batch.tails_BRT.shape[0] * batch.tails_BRT.shape[1], batch.tails_BRT.shape[2]
+  B, R, T = batch.leaves.tokens_BRT.shape
+  N = B * R
   h_NTD = jax.random.normal(jax.random.key(1), (N, T, cfg.d_model), cfg.compute_dtype)
-  tokens_NT = batch.tails_BRT.reshape(N, T)
+  tokens_NT = batch.leaves.tokens_BRT.reshape(N, T)
 
   def logp_loss(p, h):
     logp, entropy = tfm.token_logps(p, cfg, h, tokens_NT)

@@ -89,14 +89,13 @@ def test_fused_tail_merge_matches_dense_float64(reference, name):
 
 def test_fused_replay_gradient_matches_blockwise_float64(reference):
   """The whole replay step (prefix cache, folded tails) with the fused dispatch."""
-  from branch_replay import losses, policy
-  from branch_replay.batch import ReplayBatch
+  from branch_replay import losses, policy, tree
   with jax.enable_x64(True):
     cfgs = {impl: tfm.preset("tiny", attention=impl, dtype="float64", param_dtype="float64")
             for impl in ("blockwise", "fused")}
     params = tfm.init_params(cfgs["fused"], jax.random.key(0))
     rng = np.random.default_rng(0)
-    batch = ReplayBatch(
+    batch = tree.flat(
         prefix_BP=jnp.asarray(rng.integers(0, 128, (2, 9)), jnp.int32),
         prefix_valid_BP=jnp.asarray(np.arange(9)[None] >= np.array([[0], [3]])),
         tails_BRT=jnp.asarray(rng.integers(0, 128, (2, 3, 4)), jnp.int32),

@@ -36,8 +36,8 @@ def sampled_batch(B=2, opening=4, trunk=2):
                          ref_logps=[[o[trunk:] for o in rs] for rs in ref])
   f = lambda xs: jnp.asarray(np.stack([rs[0][:trunk] for rs in xs]))
   return flat.replace(
-      prefix_BP=jnp.concatenate([flat.prefix_BP, f(responses).astype(jnp.int32)], 1),
-      prefix_valid_BP=jnp.concatenate([flat.prefix_valid_BP, jnp.ones((B, trunk), bool)], 1),
+      root_BP=jnp.concatenate([flat.root_BP, f(responses).astype(jnp.int32)], 1),
+      root_valid_BP=jnp.concatenate([flat.root_valid_BP, jnp.ones((B, trunk), bool)], 1),
       trunk_old_logp_BW=f(old), trunk_ref_logp_BW=f(ref), trunk_len=trunk)
 
 

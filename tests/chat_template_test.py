@@ -61,9 +61,9 @@ def test_template_renders_prompts_with_bos_once_and_its_eos(tmp_path, as_file):
                                    "task.eval_fraction=0", "train.sft_batch_size=2"])
   batch = sft.sft_batch(task, np.random.default_rng(0), cfg, tok)
   for b in range(2):
-    valid = batch.tail_valid_BRT[b, 0]
-    assert batch.tails_BRT[b, 0][valid][-1] == END
-    ids = batch.prefix_BP[b][batch.prefix_valid_BP[b]]
+    valid = batch.leaves.valid_BRT[b, 0]
+    assert batch.leaves.tokens_BRT[b, 0][valid][-1] == END
+    ids = batch.root_BP[b][batch.root_valid_BP[b]]
     assert tok.decode(ids).startswith("U:") and ids[0] == 1
 
 

@@ -15,7 +15,6 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from branch_replay import engine, losses, policy, sharding, tree
-from branch_replay.batch import validate
 from models import attention, context_parallel
 from models import transformer as tfm
 import attention_test
@@ -35,7 +34,7 @@ def setup():
   """The model, the batch, and the single-device references (replay and naive)."""
   cfg, params = tiny_model(FAMILY)
   batch = make_batch(0, **BATCH, vocab=cfg.vocab_size, logps=True, dtype=jnp.float64)
-  validate(batch, cfg.vocab_size)
+  tree.validate(batch, cfg.vocab_size)
   ref = {mode: jax.jit(lambda p, b, mode=mode: policy.loss_and_grad(p, b, cfg, LOSS, mode))(
       params, batch) for mode in policy.MODES}
   return cfg, params, batch, ref
@@ -81,8 +80,8 @@ def test_context_parallel_tree_equals_single_device():
     tree.validate(batch, cfg.vocab_size, None, leaf_shards=4)
     ref = jax.jit(lambda p, b: engine.loss_and_grad(p, b, cfg, LOSS))(params, batch)
     placed = (sharding.put(params, sharding.param_shardings(mesh, cfg)),
-              sharding.put(batch, sharding.tree_batch_shardings(mesh, batch)))
-    got = jax.jit(lambda p, b: sharding.tree_loss_and_grad(mesh, p, b, cfg, LOSS))(*placed)
+              sharding.put(batch, sharding.batch_shardings(mesh, batch)))
+    got = jax.jit(lambda p, b: sharding.sharded_loss_and_grad(mesh, p, b, cfg, LOSS))(*placed)
     assert abs(float(got[0]) - float(ref[0])) <= 1e-10 * abs(float(ref[0]))
     assert max_rel_err(got[2], ref[2]) < 1e-10
     assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(ref[2])) > 1e-6
@@ -185,7 +184,7 @@ def test_prefix_the_context_axis_cannot_split():
   batch = make_batch(0, B=2, R=8, P=18, T=3, logps=True)  # 18 positions over context:4
   mesh = sharding.make_mesh("context:4", jax.devices()[:4])
   step = jax.jit(lambda p, b: sharding.sharded_loss_and_grad(mesh, p, b, cfg, LOSS))
-  with pytest.raises(ValueError, match=r"batch.prefix_BP: dimension 1 has size 18, not "
+  with pytest.raises(ValueError, match=r"tree.root_BP: dimension 1 has size 18, not "
                      r"divisible by the 4 devices of mesh axes context"):
     step.lower(params, batch)
   # The attention's own check (a caller that skips the batch shardings): names P and C.

@@ -44,8 +44,8 @@ def test_pairs_from_jsonl(tmp_path):
   pairs = dpo.load_pairs(str(path))
   assert pairs[1] == dpo.Pair("x", "12", "7")
   batch = dpo.make_batch(pairs, 8, 2)
-  assert batch.tails_BRT.shape == (2, 2, 3)
-  np.testing.assert_array_equal(batch.tail_valid_BRT[1], [[1, 1, 1], [1, 1, 0]])
+  assert batch.leaves.tokens_BRT.shape == (2, 2, 3)
+  np.testing.assert_array_equal(batch.leaves.valid_BRT[1], [[1, 1, 1], [1, 1, 0]])
 
 
 @pytest.mark.slow

@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 
 from branch_replay import engine, losses, policy, tree
-from branch_replay.batch import ReplayBatch
 from helpers import assert_equal_f64, make_batch, make_tree, max_rel_err, tiny_model
 
 
-def paths_as_flat(batch: tree.TreeBatch) -> ReplayBatch:
+def paths_as_flat(batch: tree.TreeBatch) -> tree.TreeBatch:
   """Every root-to-leaf path as one branch of a flat batch (its valid tokens contiguous):
   exact for trees without unscored holes and with the leaves' advantages only."""
   b = jax.tree.map(np.asarray, batch)
@@ -36,7 +35,7 @@ def paths_as_flat(batch: tree.TreeBatch) -> ReplayBatch:
             out[name][bi, leaf, pos:pos + k] = getattr(level, field)[bi, node][keep]
         pos += k
   logps = b.leaves.old_logp_BRT is not None
-  return ReplayBatch(
+  return tree.flat(
       prefix_BP=batch.root_BP, prefix_valid_BP=batch.root_valid_BP,
       tails_BRT=jnp.asarray(out["tokens"]), tail_valid_BRT=jnp.asarray(out["valid"]),
       advantages_BR=batch.leaves.advantages_BR, trunk_len=batch.trunk_len,
@@ -68,9 +67,8 @@ def test_temperature_depth1_equals_flat_and_on_policy_ratio_is_one():
     lc = losses.LossConfig(name="ppo", temperature=0.7, kl_coef=0.1)
     batch = make_batch(3, B=2, R=3, P=9, T=5, W=2, logps=True, dtype=jnp.float64)
     want = jax.jit(lambda p: policy.loss_and_grad(p, batch, cfg, lc))(params)
-    t = tree.from_replay_batch(batch)
     for mode in engine.MODES:
-      assert_equal_f64(tree_run(cfg, params, t, lc, mode), want)
+      assert_equal_f64(tree_run(cfg, params, batch, lc, mode), want)
     # Depth 2: log-probs of the sampling distribution at T=0.7 are on-policy (ratio 1).
     deep = make_tree(4, (2, 3), W=1, logps=True)
     logp, trunk = jax.jit(lambda p: engine.forward(p, deep, cfg, 0.7))(params)
@@ -115,18 +113,21 @@ def test_streamed_leaves_accumulate_in_float32():
   assert max_rel_err(g1, g2) < 3e-2
 
 
-def test_from_replay_batch_carries_per_token_advantages():
-  """Bug 7: from_replay_batch dropped advantages_BRT / trunk_advantages_BRW silently."""
+def test_flat_carries_per_token_advantages():
+  """Bug 7: the flat -> tree conversion (now tree.flat) dropped advantages_BRT /
+  trunk_advantages_BRW silently."""
   with jax.enable_x64(True):
     cfg, params = tiny_model()
     lc = losses.LossConfig(name="ppo", kl_coef=0.1)
-    batch = make_batch(8, B=2, R=3, P=9, T=5, W=2, logps=True, dtype=jnp.float64)
-    rng = np.random.default_rng(9)
-    batch = batch.replace(advantages_BRT=jnp.asarray(rng.normal(size=(2, 3, 5))),
-                          trunk_advantages_BRW=jnp.asarray(rng.normal(size=(2, 3, 2))))
-    want = jax.jit(lambda p: policy.loss_and_grad(p, batch, cfg, lc))(params)
-    t = tree.from_replay_batch(batch)
+    b = make_batch(8, B=2, R=3, P=9, T=5, W=2, logps=True, dtype=jnp.float64)
+    rng, l = np.random.default_rng(9), b.leaves
+    t = tree.flat(b.root_BP, b.root_valid_BP, l.tokens_BRT, l.valid_BRT, l.advantages_BR,
+                  old_logp_BRT=l.old_logp_BRT, trunk_old_logp_BW=b.trunk_old_logp_BW,
+                  ref_logp_BRT=l.ref_logp_BRT, trunk_ref_logp_BW=b.trunk_ref_logp_BW,
+                  advantages_BRT=jnp.asarray(rng.normal(size=(2, 3, 5))),
+                  trunk_advantages_BRW=jnp.asarray(rng.normal(size=(2, 3, 2))), trunk_len=2)
     assert t.leaves.advantages_BRT is not None and t.trunk_advantages_BRW is not None
+    want = flat_naive(cfg, params, t, lc)  # the flat twin reads them as well
     for mode in engine.MODES:
       assert_equal_f64(tree_run(cfg, params, t, lc, mode), want)
     deep = make_tree(1, (2, 2), T=(3, 3))
@@ -144,7 +145,7 @@ def test_tree_reports_the_flat_ppo_diagnostics():
     lc = losses.LossConfig(name="grpo", epsilon=0.1, kl_coef=0.05)
     batch = make_batch(10, B=2, R=4, P=8, T=5, W=1, logps=True, dtype=jnp.float64)
     want = jax.jit(lambda p: policy.loss_and_grad(p, batch, cfg, lc))(params)
-    got = tree_run(cfg, params, tree.from_replay_batch(batch), lc)
+    got = tree_run(cfg, params, batch, lc)
     assert set(got[1]) == set(want[1])
     assert float(want[1]["clip_sum"].sum()) > 0  # the diagnostics are not trivially zero
     assert_equal_f64(got, want)

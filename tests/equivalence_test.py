@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from branch_replay import critic, engine, losses, policy, tree
-from helpers import as_flat, assert_equal_f64, make_batch, make_tree, tiny_model
+from helpers import assert_equal_f64, make_batch, make_tree, tiny_model
 
 # Tree shapes: every one ragged (nodes of 1..T tokens) with a left-padded prompt 1.
 SHAPES = {
@@ -88,7 +88,7 @@ def critic_inputs(cfg, params, batch: tree.TreeBatch, seed: int):
 @functools.partial(jax.jit, static_argnums=(2, 3, 4))
 def policy_runs(params, batch, cfg, loss_cfg, chunk):
   """(replay, the tree's naive twin, the flat naive twin at depth 1 else None)."""
-  flat = (policy.loss_and_grad(params, as_flat(batch), cfg, loss_cfg, "naive")
+  flat = (policy.loss_and_grad(params, batch, cfg, loss_cfg, "naive")
           if batch.depth == 1 else None)
   return (engine.loss_and_grad(params, batch, cfg, loss_cfg, "replay", chunk),
           engine.loss_and_grad(params, batch, cfg, loss_cfg, "naive"), flat)
@@ -143,8 +143,7 @@ def test_replay_equals_naive_float64(shape, objective, x64):
 def test_flat_edge_shapes_float64(B, R, P, x64):
   """One prompt of one token with one branch; sixteen branches against a long prompt."""
   cfg, params = tiny_model()
-  batch = tree.from_replay_batch(make_batch(B * 100 + R * 10 + P, B, R, P, T=5,
-                                            dtype=jnp.float64))
+  batch = make_batch(B * 100 + R * 10 + P, B, R, P, T=5, dtype=jnp.float64)
   tree.validate(batch, cfg.vocab_size)
   fast, slow, flat = policy_runs(params, batch, cfg, losses.LossConfig(), None)
   assert_equal_f64(fast, slow)

@@ -34,7 +34,7 @@ def test_identical_batch_gradients_agree_and_the_cosine_is_computed_from_them():
   cfg = rl_step.config_for("grpo_haystack", TINY)
   stepper = rl_step.Stepper(cfg)
   batch, _, _ = stepper.batch(0)
-  batch = batch.replace(advantages_BR=jax.numpy.asarray([[1.0, -1.0], [0.5, -0.5]]))
+  batch = batch.with_leaves(advantages_BR=jax.numpy.asarray([[1.0, -1.0], [0.5, -0.5]]))
   both = rl_step.grads_both_modes(stepper.state.params, batch, cfg)
   cmp = rl_step.compare_grads(both)
   (_, gr), (_, gn) = both["replay"], both["naive"]

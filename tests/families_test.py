@@ -7,8 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from branch_replay import losses, policy
-from branch_replay.batch import validate
+from branch_replay import losses, policy, tree
 from models import transformer as tfm
 
 import helpers
@@ -30,7 +29,7 @@ def test_replay_equals_naive_float64(family):
   with jax.enable_x64(True):
     cfg, params = model(family)
     batch = make_batch(0)
-    validate(batch, cfg.vocab_size)
+    tree.validate(batch, cfg.vocab_size)
     loss_cfg = losses.LossConfig("grpo")
     run = jax.jit(lambda p, b, mode: policy.loss_and_grad(p, b, cfg, loss_cfg, mode),
                   static_argnums=2)
@@ -48,8 +47,8 @@ def test_replay_equals_naive_float64(family):
 def test_sliding_layers_cache_only_their_window(family):
   cfg, params = model(family, "float32")
   batch = make_batch(1)
-  cache = jax.jit(lambda p: tfm.prefill(p, cfg, batch.prefix_BP, batch.prefix_valid_BP))(params)
-  P = batch.prefix_BP.shape[1]
+  cache = jax.jit(lambda p: tfm.prefill(p, cfg, batch.root_BP, batch.root_valid_BP))(params)
+  P = batch.root_BP.shape[1]
   for i, kv in enumerate(cache.kv):
     S = WINDOW if cfg.layer_window(i) else P
     assert kv.k_BSKH.shape[1] == kv.v_BSKH.shape[1] == S, (i, kv.k_BSKH.shape)
@@ -62,8 +61,8 @@ def test_decoding_equals_full_forward_float64(family):
   with jax.enable_x64(True):
     cfg, params = model(family)
     batch = make_batch(2)
-    prefix_BP, prefix_valid_BP = batch.prefix_BP, batch.prefix_valid_BP
-    gen_BT = batch.tails_BRT[:, 0]
+    prefix_BP, prefix_valid_BP = batch.root_BP, batch.root_valid_BP
+    gen_BT = batch.leaves.tokens_BRT[:, 0]
     B, T = gen_BT.shape
 
     @jax.jit

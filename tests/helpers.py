@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from branch_replay import engine, policy, tree
-from branch_replay.batch import ReplayBatch, validate
 from branch_replay.tree import TreeBatch, TreeLevel
 from models import transformer as tfm
 
@@ -82,7 +81,7 @@ def tiny_model(family=None, dtype="float64", perturb=0.1, **overrides):
 
 def make_batch(seed, B, R, P, T, W=0, ragged=True, vocab=128, pad_prefix=True, logps=False,
                dtype=jnp.float32):
-  """A random flat batch: left padding on prompt 1, ragged tails (>= 1 token), optional
+  """A random flat batch (a depth-1 tree): left padding on prompt 1, ragged tails (>= 1 token), optional
   off-policy and reference log-probs (ratio clipping and KL are exercised)."""
   rng = np.random.default_rng(seed)
   prefix_valid = np.ones((B, P), bool)
@@ -98,7 +97,7 @@ def make_batch(seed, B, R, P, T, W=0, ragged=True, vocab=128, pad_prefix=True, l
                  ref_logp_BRT=jnp.asarray(-rng.uniform(0.5, 6, (B, R, T)), dtype),
                  trunk_old_logp_BW=jnp.asarray(-rng.uniform(0.5, 6, (B, W)), dtype),
                  trunk_ref_logp_BW=jnp.asarray(-rng.uniform(0.5, 6, (B, W)), dtype))
-  return ReplayBatch(
+  return tree.flat(
       prefix_BP=jnp.asarray(rng.integers(0, vocab, (B, P)), jnp.int32),
       prefix_valid_BP=jnp.asarray(prefix_valid),
       tails_BRT=jnp.asarray(rng.integers(0, vocab, (B, R, T)), jnp.int32),
@@ -145,19 +144,6 @@ def make_tree(seed, fanouts, B=2, P=7, T=(4, 3, 3), W=0, ragged=True, logps=Fals
                    fanouts=tuple(fanouts), trunk_len=W, **trunk)
 
 
-def as_flat(batch: TreeBatch) -> ReplayBatch:
-  """A depth-1 tree as the flat batch it is (the inverse of tree.from_replay_batch)."""
-  if batch.depth != 1:
-    raise ValueError(f"as_flat: fanouts {batch.fanouts}: expected a depth-1 tree")
-  leaf = batch.leaves
-  return ReplayBatch(prefix_BP=batch.root_BP, prefix_valid_BP=batch.root_valid_BP,
-                     tails_BRT=leaf.tokens_BRT, tail_valid_BRT=leaf.valid_BRT,
-                     advantages_BR=leaf.advantages_BR, old_logp_BRT=leaf.old_logp_BRT,
-                     trunk_old_logp_BW=batch.trunk_old_logp_BW, ref_logp_BRT=leaf.ref_logp_BRT,
-                     trunk_ref_logp_BW=batch.trunk_ref_logp_BW, advantages_BRT=leaf.advantages_BRT,
-                     trunk_advantages_BRW=batch.trunk_advantages_BRW, trunk_len=batch.trunk_len)
-
-
 # ----------------------------------------------------------------------------- comparisons
 
 
@@ -182,9 +168,9 @@ def assert_equal_f64(got, want, tol=1e-10, keys=None):
   assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(g2)) > 1e-6
 
 
-def both_paths(cfg, params, batch: ReplayBatch, loss_cfg, branch_chunk=None):
+def both_paths(cfg, params, batch: TreeBatch, loss_cfg, branch_chunk=None):
   """A flat batch by replay and by the flat naive twin (every branch its own sequence)."""
-  validate(batch, cfg.vocab_size, branch_chunk)
+  tree.validate(batch, cfg.vocab_size, branch_chunk)
   fast = jax.jit(lambda p, b: policy.loss_and_grad(p, b, cfg, loss_cfg, "replay", branch_chunk))
   slow = jax.jit(lambda p, b: policy.loss_and_grad(p, b, cfg, loss_cfg, "naive"))
   return fast(params, batch), slow(params, batch)

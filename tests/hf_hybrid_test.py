@@ -104,8 +104,7 @@ def test_replay_grpo_gradient_matches_torch_autograd(checkpoint):
   states to the tails; left-padded prompts, ragged tails, a scored trunk) against torch
   autograd of the same GRPO loss over every full sequence (transformers' torch reference
   path, which runs its delta rule, norms and RoPE in float32 whatever the model dtype)."""
-  from branch_replay import losses, policy
-  from branch_replay.batch import validate
+  from branch_replay import losses, policy, tree
   from tests.hf_test import full_sequences, make_batch
   path, model = checkpoint
   batch = make_batch(B=2, R=3, P=9, T=5, W=2, vocab=TINY["vocab_size"])
@@ -113,16 +112,16 @@ def test_replay_grpo_gradient_matches_torch_autograd(checkpoint):
   for dtype in ("float32", "float64"):
     with jax.enable_x64(dtype == "float64"):
       cfg, params = hf.load(path, dtype=dtype, param_dtype=dtype)
-      b = batch.replace(advantages_BR=batch.advantages_BR.astype(dtype))
-      validate(b, cfg.vocab_size)
+      b = batch.with_leaves(advantages_BR=batch.leaves.advantages_BR.astype(dtype))
+      tree.validate(b, cfg.vocab_size)
       loss, _, grads = jax.jit(lambda p, b: policy.loss_and_grad(
           p, b, cfg, losses.LossConfig("grpo"), "replay"))(params, b)
       ours[dtype] = float(loss), hf.tensors_from_params(cfg, grads)
 
   # The same loss written out in torch: the token mean over every scored token (the W trunk
   # tokens and the valid tail tokens) of -A * exp(logp - sg(logp)).
-  B, R, T = batch.tails_BRT.shape
-  P, W = batch.prefix_BP.shape[1], batch.trunk_len
+  B, R, T = batch.leaves.tokens_BRT.shape
+  P, W = batch.root_BP.shape[1], batch.trunk_len
   tokens, valid, positions = full_sequences(batch)
   model.zero_grad()
   logits = model(input_ids=torch.tensor(tokens),
@@ -132,8 +131,8 @@ def test_replay_grpo_gradient_matches_torch_autograd(checkpoint):
   logp_NS = torch.gather(logp_NSV[:, :-1], -1, torch.tensor(tokens[:, 1:, None]))[..., 0]
   scored = np.zeros((B * R, P + T - 1), bool)  # logit s predicts token s+1
   scored[:, P - W - 1:P - 1] = True
-  scored[:, P - 1:] = np.asarray(batch.tail_valid_BRT).reshape(B * R, T)
-  advantage_N1 = torch.tensor(np.asarray(batch.advantages_BR).reshape(B * R, 1))
+  scored[:, P - 1:] = np.asarray(batch.leaves.valid_BRT).reshape(B * R, T)
+  advantage_N1 = torch.tensor(np.asarray(batch.leaves.advantages_BR).reshape(B * R, 1))
   per_token = (-advantage_N1 * torch.exp(logp_NS - logp_NS.detach()))[torch.tensor(scored)]
   torch_loss = per_token.sum() / scored.sum()
   torch_loss.backward()

@@ -16,8 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 import safetensors.numpy  # noqa: E402
 
-from branch_replay import losses, policy  # noqa: E402
-from branch_replay.batch import ReplayBatch, validate  # noqa: E402
+from branch_replay import losses, policy, tree  # noqa: E402
 from models import hf  # noqa: E402
 from models import transformer as tfm  # noqa: E402
 
@@ -69,7 +68,7 @@ def make_batch(B=2, R=2, P=8, T=4, W=1, vocab=V):
   prefix_valid[1, :2] = False  # left padding on prompt 1
   lengths = rng.integers(1, T + 1, (B, R))
   lengths[0, 0] = T
-  return ReplayBatch(
+  return tree.flat(
       prefix_BP=jnp.asarray(rng.integers(0, vocab, (B, P)), jnp.int32),
       prefix_valid_BP=jnp.asarray(prefix_valid),
       tails_BRT=jnp.asarray(rng.integers(0, vocab, (B, R, T)), jnp.int32),
@@ -79,13 +78,13 @@ def make_batch(B=2, R=2, P=8, T=4, W=1, vocab=V):
 
 def full_sequences(batch):
   """Every branch as its own [P+T] sequence: tokens, validity, RoPE positions ([B*R, S])."""
-  B, R, T = batch.tails_BRT.shape
-  P = batch.prefix_BP.shape[1]
+  B, R, T = batch.leaves.tokens_BRT.shape
+  P = batch.root_BP.shape[1]
   seq = lambda prefix, tails: np.concatenate(
       [np.broadcast_to(np.asarray(prefix)[:, None], (B, R, P)), np.asarray(tails)],
       -1).reshape(B * R, P + T)
-  tokens = seq(batch.prefix_BP, batch.tails_BRT)
-  valid = seq(batch.prefix_valid_BP, batch.tail_valid_BRT)
+  tokens = seq(batch.root_BP, batch.leaves.tokens_BRT)
+  valid = seq(batch.root_valid_BP, batch.leaves.valid_BRT)
   return tokens, valid, np.maximum(np.cumsum(valid, 1) - 1, 0)
 
 
@@ -117,23 +116,23 @@ def test_replay_grpo_gradient_matches_torch_autograd(checkpoints, family):
   folder, model = checkpoints[family]
   cfg, params = hf.load(folder)
   batch = make_batch()
-  validate(batch, cfg.vocab_size)
+  tree.validate(batch, cfg.vocab_size)
   loss, _, grads = jax.jit(lambda p, b: policy.loss_and_grad(
       p, b, cfg, losses.LossConfig("grpo"), "replay"))(params, batch)
 
   # The torch side, written out: token-mean over every scored token (the W trunk tokens of
   # each branch and its valid tail tokens) of -A * ratio, ratio = exp(logp - sg(logp)) = 1:
   # GRPO's value on-policy, and the gradient of -A * logp.
-  B, R, T = batch.tails_BRT.shape
-  P, W = batch.prefix_BP.shape[1], batch.trunk_len
+  B, R, T = batch.leaves.tokens_BRT.shape
+  P, W = batch.root_BP.shape[1], batch.trunk_len
   tokens, valid, positions = full_sequences(batch)
   model.zero_grad()
   logp_NSV = torch.log_softmax(torch_logits(model, tokens, valid, positions), -1)
   logp_NS = torch.gather(logp_NSV[:, :-1], -1, torch.tensor(tokens[:, 1:, None]))[..., 0]
   scored = np.zeros((B * R, P + T - 1), bool)  # logit s predicts token s+1
   scored[:, P - W - 1:P - 1] = True
-  scored[:, P - 1:] = np.asarray(batch.tail_valid_BRT).reshape(B * R, T)
-  advantage_N1 = torch.tensor(np.asarray(batch.advantages_BR).reshape(B * R, 1))
+  scored[:, P - 1:] = np.asarray(batch.leaves.valid_BRT).reshape(B * R, T)
+  advantage_N1 = torch.tensor(np.asarray(batch.leaves.advantages_BR).reshape(B * R, 1))
   ratio = torch.exp(logp_NS - logp_NS.detach())
   per_token = (-advantage_N1 * ratio)[torch.tensor(scored)]
   torch_loss = per_token.sum() / scored.sum()

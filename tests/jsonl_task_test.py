@@ -52,9 +52,9 @@ def test_load_split_sample_and_warm_up(tmp_path):
   cfg = apply_overrides(Config(model=tfm.preset("tiny")), [
       "task.name=jsonl", f"task.path={path}", "train.sft_batch_size=3"])
   batch = sft.sft_batch(task, np.random.default_rng(1), cfg)
-  assert batch.tails_BRT.shape == (3, 1, 4) and batch.prefix_BP.shape == (3, 64)
+  assert batch.leaves.tokens_BRT.shape == (3, 1, 4) and batch.root_BP.shape == (3, 64)
   first = sft.sft_batch(task, np.random.default_rng(1), cfg)
-  np.testing.assert_array_equal(first.prefix_BP, batch.prefix_BP)
+  np.testing.assert_array_equal(first.root_BP, batch.root_BP)
   # A second file as the eval split.
   ev = write(tmp_path / "e.jsonl", reverse_lines(3))
   task = make(path, eval_path=ev)

@@ -12,9 +12,8 @@ import optax
 import pytest
 import safetensors.numpy
 
-from branch_replay import losses, policy
+from branch_replay import losses, policy, tree
 from branch_replay import lora as lora_train
-from branch_replay.batch import validate
 from models import hf
 from models import lora
 from models import transformer as tfm
@@ -39,7 +38,7 @@ def test_lora_replay_equals_naive_float64(loss_name, W, logps):
   with jax.enable_x64(True):
     cfg, base, adapters = model_and_adapters(qkv_bias=True)
     batch = make_batch(5, B=2, R=3, P=7, T=4, W=W, logps=logps, dtype=jnp.float64)
-    validate(batch, cfg.vocab_size)
+    tree.validate(batch, cfg.vocab_size)
     loss_cfg = losses.LossConfig(name=loss_name, kl_coef=0.1 if logps else 0.0)
     run = lambda mode: jax.jit(lambda a, b: lora_train.loss_and_grad(
         base, a, b, cfg, loss_cfg, LORA, mode))(adapters, batch)

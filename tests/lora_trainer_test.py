@@ -135,7 +135,7 @@ def test_lora_samples_merged_weights_and_scores_kl_against_the_base():
                sampled_with[0], merged)
   score = lambda p: np.asarray(sampler.score(p, cfg.model, batch,
                                              temperature=cfg.sampler.temperature)[0])
-  np.testing.assert_allclose(np.asarray(batch.ref_logp_BRT), score(state.base), rtol=1e-5,
+  np.testing.assert_allclose(np.asarray(batch.leaves.ref_logp_BRT), score(state.base), rtol=1e-5,
                              atol=1e-5)
   assert np.abs(score(merged) - score(state.base)).max() > 1e-3  # the policy differs
 

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from branch_replay import losses, policy
-from branch_replay.batch import ReplayBatch
 from models import transformer as tfm
 from helpers import make_batch, tiny_model
 
@@ -89,12 +88,12 @@ def np_log_softmax(x):
 def model_logps(cfg, params, batch, temperature=1.0):
   """log p of every scored token, [B, R, W+T], each branch as its own full sequence, with
   the log-softmax and the token picking done in numpy (independent of policy.py)."""
-  B, R, T = batch.tails_BRT.shape
-  P, W = batch.prefix_BP.shape[1], batch.trunk_len
-  tokens = np.concatenate([np.repeat(np.asarray(batch.prefix_BP)[:, None], R, 1),
-                           np.asarray(batch.tails_BRT)], -1).reshape(B * R, P + T)
-  valid = np.concatenate([np.repeat(np.asarray(batch.prefix_valid_BP)[:, None], R, 1),
-                          np.asarray(batch.tail_valid_BRT)], -1).reshape(B * R, P + T)
+  B, R, T = batch.leaves.tokens_BRT.shape
+  P, W = batch.root_BP.shape[1], batch.trunk_len
+  tokens = np.concatenate([np.repeat(np.asarray(batch.root_BP)[:, None], R, 1),
+                           np.asarray(batch.leaves.tokens_BRT)], -1).reshape(B * R, P + T)
+  valid = np.concatenate([np.repeat(np.asarray(batch.root_valid_BP)[:, None], R, 1),
+                          np.asarray(batch.leaves.valid_BRT)], -1).reshape(B * R, P + T)
   logits = np.asarray(_logits(params, cfg, jnp.asarray(tokens), jnp.asarray(valid)))
   lp = np_log_softmax(logits / temperature)
   out = np.zeros((B * R, W + T))
@@ -114,22 +113,23 @@ def naive_loss(params, batch, cfg, lc):
   return policy.naive_loss(params, batch, cfg, lc)[0]
 
 
-def np_loss(cfg: losses.LossConfig, batch: ReplayBatch, logp_BRX):
+def np_loss(cfg: losses.LossConfig, batch, logp_BRX):
   """The objective by hand, in loops: independent of losses.py's vectorised code."""
-  B, R, T = batch.tails_BRT.shape
+  B, R, T = batch.leaves.tokens_BRT.shape
   W = batch.trunk_len
   cat = lambda trunk_BW, tail_BRT: np.concatenate(
       [np.broadcast_to(np.asarray(trunk_BW)[:, None], (B, R, W)), np.asarray(tail_BRT)], -1)
-  valid = np.concatenate([np.ones((B, R, W), bool), np.asarray(batch.tail_valid_BRT)], -1)
-  old = logp_BRX if batch.old_logp_BRT is None else cat(batch.trunk_old_logp_BW,
-                                                        batch.old_logp_BRT)
-  ref = logp_BRX if batch.ref_logp_BRT is None else cat(batch.trunk_ref_logp_BW,
-                                                        batch.ref_logp_BRT)
-  if batch.advantages_BRT is None:
-    adv = np.broadcast_to(np.asarray(batch.advantages_BR)[..., None], valid.shape)
+  valid = np.concatenate([np.ones((B, R, W), bool), np.asarray(batch.leaves.valid_BRT)], -1)
+  leaves = batch.leaves
+  old = logp_BRX if leaves.old_logp_BRT is None else cat(batch.trunk_old_logp_BW,
+                                                         leaves.old_logp_BRT)
+  ref = logp_BRX if leaves.ref_logp_BRT is None else cat(batch.trunk_ref_logp_BW,
+                                                         leaves.ref_logp_BRT)
+  if batch.leaves.advantages_BRT is None:
+    adv = np.broadcast_to(np.asarray(batch.leaves.advantages_BR)[..., None], valid.shape)
   else:
     adv = np.concatenate([np.asarray(batch.trunk_advantages_BRW),
-                          np.asarray(batch.advantages_BRT)], -1)
+                          np.asarray(batch.leaves.advantages_BRT)], -1)
   mode = "sum" if cfg.name == "dpo" else cfg.aggregation
   n_total = valid.sum()
   values = np.zeros((B, R))
@@ -188,18 +188,17 @@ def test_loss_equals_numpy_reference(case):
     # old log-probs near the policy's, so ratios straddle the clip band on both sides
     noise = lambda *s: rng.normal(scale=0.3, size=s)
     W = 2
-    batch = batch.replace(
-        old_logp_BRT=jnp.asarray(np.where(batch.tail_valid_BRT, logp[..., W:] + noise(2, R, 4),
-                                          0.0)),
+    valid = batch.leaves.valid_BRT
+    batch = batch.with_leaves(
+        old_logp_BRT=jnp.asarray(np.where(valid, logp[..., W:] + noise(2, R, 4), 0.0)),
+        ref_logp_BRT=jnp.asarray(np.where(valid, logp[..., W:] + noise(2, R, 4), 0.0))).replace(
         trunk_old_logp_BW=jnp.asarray(logp[:, 0, :W] + noise(2, W)),
-        ref_logp_BRT=jnp.asarray(np.where(batch.tail_valid_BRT, logp[..., W:] + noise(2, R, 4),
-                                          0.0)),
         trunk_ref_logp_BW=jnp.asarray(logp[:, 0, :W] + noise(2, W)))
     lc = losses.LossConfig(**case)
     loss = naive_loss(params, batch, cfg, lc)
     assert float(loss) == pytest.approx(np_loss(lc, batch, logp), rel=1e-10, abs=1e-13)
     if case["name"] in ("grpo", "ppo"):  # the test data exercises the clip on both sides
-      ratio = np.exp(logp[..., 2:] - np.asarray(batch.old_logp_BRT))[np.asarray(batch.tail_valid_BRT)]
+      ratio = np.exp(logp[..., 2:] - np.asarray(batch.leaves.old_logp_BRT))[np.asarray(valid)]
       assert (ratio > 1 + lc.eps_high).any() and (ratio < 1 - lc.epsilon).any()
 
 
@@ -208,8 +207,8 @@ def test_per_token_advantages_equal_numpy_reference():
     cfg, params = tiny_model(dtype="float64", perturb=0.0)
     batch = make_batch(22, B=2, R=3, P=8, T=4, W=2, logps=True, dtype=jnp.float64)
     rng = np.random.default_rng(2)
-    batch = batch.replace(advantages_BRT=jnp.asarray(rng.normal(size=(2, 3, 4))),
-                          trunk_advantages_BRW=jnp.asarray(rng.normal(size=(2, 3, 2))))
+    batch = batch.with_leaves(advantages_BRT=jnp.asarray(rng.normal(size=(2, 3, 4)))).replace(
+        trunk_advantages_BRW=jnp.asarray(rng.normal(size=(2, 3, 2))))
     lc = losses.LossConfig(name="ppo", aggregation="token_mean", kl_coef=0.1)
     expected = np_loss(lc, batch, model_logps(cfg, params, batch))
     assert float(naive_loss(params, batch, cfg, lc)) == pytest.approx(expected, rel=1e-10)
@@ -264,7 +263,7 @@ def test_register_a_new_objective():
     cfg, params = tiny_model(dtype="float64", perturb=0.0)
     batch = make_batch(3, B=1, R=2, P=5, T=3, dtype=jnp.float64)
     a = naive_loss(params, batch, cfg, losses.LossConfig(name=name, aggregation="sum"))
-    b = naive_loss(params, batch.replace(advantages_BR=jnp.ones((1, 2))), cfg,
+    b = naive_loss(params, batch.with_leaves(advantages_BR=jnp.ones((1, 2))), cfg,
                    losses.LossConfig(name="pg", aggregation="sum"))
     assert float(a) == pytest.approx(float(b), rel=1e-12)
   with pytest.raises(ValueError, match="already registered"):

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from branch_replay import engine, losses, policy, replay, tree
-from branch_replay.batch import validate
 from helpers import assert_equal_f64, make_batch, max_rel_err, tiny_model
 from models import transformer as tfm
 
@@ -22,9 +21,8 @@ def test_staged_jits_equal_fused_and_prefix_compiles_once():
     traces = []
 
     def stages(batch):  # the engine's depth-1 functions: root, (no inner levels), leaves
-      flat = tree.from_replay_batch(batch)
-      root_fn, _, leaf_loss_fn, leaves_R = engine.replay_fns(flat, cfg,
-                                                             engine.policy_head(flat, cfg, lc))
+      root_fn, _, leaf_loss_fn, leaves_R = engine.replay_fns(batch, cfg,
+                                                             engine.policy_head(batch, cfg, lc))
       return root_fn, leaf_loss_fn, leaves_R
 
     @jax.jit
@@ -58,15 +56,15 @@ def test_prefill_plus_tail_equals_full_forward():
   with jax.enable_x64(True):
     cfg, params = tiny_model()
     batch = make_batch(4, B=2, R=1, P=9, T=5, ragged=False, dtype=jnp.float64)
-    tails_BT = batch.tails_BRT[:, 0]
-    tail_valid_BT = batch.tail_valid_BRT[:, 0]
+    tails_BT = batch.leaves.tokens_BRT[:, 0]
+    tail_valid_BT = batch.leaves.valid_BRT[:, 0]
 
     @jax.jit
     def split_and_full(params):
-      cache = tfm.prefill(params, cfg, batch.prefix_BP, batch.prefix_valid_BP)
-      h_tail = tfm.tail(params, cfg, cache, batch.prefix_valid_BP, tails_BT, tail_valid_BT)
-      h_full = tfm.forward(params, cfg, jnp.concatenate([batch.prefix_BP, tails_BT], 1),
-                           jnp.concatenate([batch.prefix_valid_BP, tail_valid_BT], 1))
+      cache = tfm.prefill(params, cfg, batch.root_BP, batch.root_valid_BP)
+      h_tail = tfm.tail(params, cfg, cache, batch.root_valid_BP, tails_BT, tail_valid_BT)
+      h_full = tfm.forward(params, cfg, jnp.concatenate([batch.root_BP, tails_BT], 1),
+                           jnp.concatenate([batch.root_valid_BP, tail_valid_BT], 1))
       return tfm.logits(params, cfg, h_tail), tfm.logits(params, cfg, h_full[:, 9:])
 
     split, full = split_and_full(params)
@@ -98,40 +96,71 @@ def test_tail_padding_does_not_change_loss():
   with jax.enable_x64(True):
     cfg, params = tiny_model()
     batch = make_batch(8, B=2, R=3, P=6, T=5, dtype=jnp.float64)
-    other = batch.replace(tails_BRT=jnp.where(batch.tail_valid_BRT, batch.tails_BRT,
-                                              (batch.tails_BRT + 17) % cfg.vocab_size))
+    l = batch.leaves
+    other = batch.with_leaves(tokens_BRT=jnp.where(l.valid_BRT, l.tokens_BRT,
+                                                   (l.tokens_BRT + 17) % cfg.vocab_size))
     f = jax.jit(lambda b: policy.loss_and_grad(params, b, cfg, losses.LossConfig()))
     assert_equal_f64(f(other), f(batch), tol=1e-13)
 
 
+L = "tree.levels\\[0\\] \\(level 1, fan-out 3\\)"  # the leaves of a flat batch, in messages
+
+
 @pytest.mark.parametrize("mutate, match", [
-    (lambda b: b.replace(tails_BRT=b.tails_BRT[:, :, :0], tail_valid_BRT=b.tail_valid_BRT[..., :0]),
-     r"tails_BRT: shape \(2, 3, 0\): expected T >= 1"),
-    (lambda b: b.replace(prefix_BP=b.prefix_BP[:, :0], prefix_valid_BP=b.prefix_valid_BP[:, :0]),
-     r"prefix_BP: shape \(2, 0\): expected P >= 1"),
-    (lambda b: b.replace(tails_BRT=b.tails_BRT.at[0, 0, 0].set(128)),
-     r"tails_BRT: shape \(2, 3, 4\): expected token ids in \[0, 128\)"),
-    (lambda b: b.replace(prefix_BP=b.prefix_BP.at[0, 0].set(-1)), r"prefix_BP.*\[0, 128\)"),
-    (lambda b: b.replace(advantages_BR=b.advantages_BR.at[1, 2].set(jnp.nan)),
-     r"advantages_BR: shape \(2, 3\): expected finite"),
-    (lambda b: b.replace(advantages_BR=b.advantages_BR.at[0, 0].set(jnp.inf)), "finite"),
-    (lambda b: b.replace(advantages_BR=b.advantages_BR[:, :2]),
-     r"advantages_BR: shape \(2, 2\): expected shape \(2, 3\)"),
-    (lambda b: b.replace(tails_BRT=b.tails_BRT[:1]), r"tails_BRT: shape \(1, 3, 4\): expected \[B=2"),
-    (lambda b: b.replace(tail_valid_BRT=b.tail_valid_BRT.at[0, 1, :].set(False)), "empty tail"),
-    (lambda b: b.replace(prefix_valid_BP=b.prefix_valid_BP.at[0, -1].set(False)), "left padding"),
+    (lambda b: b.with_leaves(tokens_BRT=b.leaves.tokens_BRT[:, :, :0],
+                             valid_BRT=b.leaves.valid_BRT[..., :0]),
+     L + r"\.tokens_BRT: shape \(2, 3, 0\): expected \[B=2, R=3 .*T >= 1\]"),
+    (lambda b: b.replace(root_BP=b.root_BP[:, :0], root_valid_BP=b.root_valid_BP[:, :0]),
+     r"tree.root_BP: shape \(2, 0\): expected \[B >= 1, P >= 1\]"),
+    (lambda b: b.replace(root_BP=b.root_BP[:0], root_valid_BP=b.root_valid_BP[:0]),
+     r"tree.root_BP: shape \(0, 9\): expected \[B >= 1, P >= 1\]"),
+    (lambda b: tree.flat(b.root_BP, b.root_valid_BP, b.leaves.tokens_BRT[:, :0],
+                         b.leaves.valid_BRT[:, :0], b.leaves.advantages_BR[:, :0]),
+     r"tree.fanouts=\(0,\): expected .*ints >= 1 \(leaf tokens_BRT shape \(2, 0, 4\)\)"),
+    (lambda b: b.with_leaves(tokens_BRT=b.leaves.tokens_BRT.at[0, 0, 0].set(128)),
+     L + r"\.tokens_BRT: shape \(2, 3, 4\): expected token ids in \[0, 128\)"),
+    (lambda b: b.with_leaves(tokens_BRT=b.leaves.tokens_BRT.astype(jnp.float32)),
+     L + r"\.tokens_BRT: shape \(2, 3, 4\): expected integer token ids, got dtype float32"),
+    (lambda b: b.replace(root_BP=b.root_BP.at[0, 0].set(-1)), r"root_BP.*\[0, 128\)"),
+    (lambda b: b.with_leaves(advantages_BR=b.leaves.advantages_BR.at[1, 2].set(jnp.nan)),
+     L + r"\.advantages_BR: shape \(2, 3\): expected finite"),
+    (lambda b: b.with_leaves(advantages_BR=b.leaves.advantages_BR.at[0, 0].set(jnp.inf)),
+     "finite"),
+    (lambda b: b.with_leaves(advantages_BR=b.leaves.advantages_BR[:, :2]),
+     L + r"\.advantages_BR: shape \(2, 2\): expected shape \(2, 3\)"),
+    (lambda b: b.with_leaves(old_logp_BRT=jnp.full((2, 3, 4), jnp.nan)),
+     L + r"\.old_logp_BRT: shape \(2, 3, 4\): expected finite"),
+    (lambda b: b.with_leaves(ref_logp_BRT=jnp.zeros((2, 3, 5))),
+     L + r"\.ref_logp_BRT: shape \(2, 3, 5\): expected shape \(2, 3, 4\)"),
+    (lambda b: b.with_leaves(tokens_BRT=b.leaves.tokens_BRT[:1]),
+     L + r"\.tokens_BRT: shape \(1, 3, 4\): expected \[B=2"),
+    (lambda b: b.with_leaves(valid_BRT=b.leaves.valid_BRT.at[0, 1, :].set(False)),
+     "node 1 of prompt 0 is empty"),
+    (lambda b: b.with_leaves(valid_BRT=b.leaves.valid_BRT.at[0, 1, 1].set(False)),
+     L + r"\.valid_BRT: shape \(2, 3, 4\): expected right padding"),
+    (lambda b: b.replace(root_valid_BP=b.root_valid_BP.at[0, -1].set(False)), "left padding"),
+    (lambda b: b.replace(root_valid_BP=b.root_valid_BP.at[0, 3].set(False)), "left padding"),
     (lambda b: b.replace(trunk_len=9), r"trunk_len=9: expected 0 <= trunk_len < P=9"),
+    (lambda b: b.replace(trunk_len=2, root_valid_BP=b.root_valid_BP.at[1, :7].set(False)),
+     r"root_valid_BP: shape \(2, 9\): expected every prompt longer than trunk_len=2"),
+    (lambda b: b.replace(trunk_len=2, trunk_old_logp_BW=jnp.zeros((2, 2))),
+     r"old_logp_BRT \(and trunk_old_logp_BW with a trunk\) must be given on every level"),
+    (lambda b: b.replace(trunk_len=2).with_leaves(advantages_BRT=jnp.zeros((2, 3, 4))),
+     r"trunk_advantages_BRW: give it exactly when the leaves' advantages_BRT are given"),
+    (lambda b: b.replace(trunk_advantages_BRW=jnp.zeros((2, 3, 1))),
+     r"tree.trunk_advantages_BRW: shape \(2, 3, 1\): expected shape \(2, 3, 0\)"),
 ])
 def test_bad_input_raises_before_compilation(mutate, match):
   batch = make_batch(0, B=2, R=3, P=9, T=4, ragged=False)
   with pytest.raises(ValueError, match=match):
-    validate(mutate(batch), vocab_size=128)
+    tree.validate(mutate(batch), vocab_size=128)
 
 
 def test_chunk_must_divide_branches():
   batch = make_batch(0, B=2, R=3, P=9, T=4)
-  with pytest.raises(ValueError, match=r"branch_chunk=2: expected a divisor of R=3"):
-    validate(batch, vocab_size=128, branch_chunk=2)
+  with pytest.raises(ValueError, match=r"branch_chunk=2: expected a divisor of the last fan-out "
+                     r"R_1=3"):
+    tree.validate(batch, vocab_size=128, branch_chunk=2)
 
 
 def test_config_errors_name_the_field():

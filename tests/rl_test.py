@@ -164,14 +164,14 @@ def numpy_shared_critic(params, cfg, cb, head, clip):
   transformer's hidden states of every branch as its own sequence (one tfm.forward per
   branch), the head in numpy, the clipped loss token-mean over the scored tokens."""
   b_ = cb.batch
-  B, R, T = b_.tails_BRT.shape
-  P, W = b_.prefix_BP.shape[1], b_.trunk_len
+  B, R, T = b_.leaves.tokens_BRT.shape
+  P, W = b_.root_BP.shape[1], b_.trunk_len
   forward = jax.jit(lambda tokens, valid: tfm.forward(params, cfg, tokens, valid))
   h = np.zeros((B, R, W + T, cfg.d_model))
   for b in range(B):
     for r in range(R):
-      tokens = jnp.concatenate([b_.prefix_BP[b], b_.tails_BRT[b, r]])[None]
-      valid = jnp.concatenate([b_.prefix_valid_BP[b], b_.tail_valid_BRT[b, r]])[None]
+      tokens = jnp.concatenate([b_.root_BP[b], b_.leaves.tokens_BRT[b, r]])[None]
+      valid = jnp.concatenate([b_.root_valid_BP[b], b_.leaves.valid_BRT[b, r]])[None]
       h[b, r] = np.asarray(forward(tokens, valid))[0, P - 1 - W:P + T - 1]
   w, bias = np.asarray(head["w_D"]), float(head["b"])
   v = h @ w + bias
@@ -354,9 +354,9 @@ def test_critic_value_of_a_token_reads_only_the_tokens_before_it():
   values = jax.jit(lambda b: critic.values(cparams, cfg, b))
   v = np.asarray(values(batch))
   for t in range(4):
-    tails = np.asarray(batch.tails_BRT).copy()
+    tails = np.asarray(batch.leaves.tokens_BRT).copy()
     tails[1, 0, t] = (tails[1, 0, t] + 1) % cfg.vocab_size
-    v2 = np.asarray(values(batch.replace(tails_BRT=jnp.asarray(tails))))
+    v2 = np.asarray(values(batch.with_leaves(tokens_BRT=jnp.asarray(tails))))
     x = 2 + t  # the W trunk tokens come first
     np.testing.assert_array_equal(v2[1, 0, :x + 1], v[1, 0, :x + 1])
     assert np.all(np.abs(v2[1, 0, x + 1:] - v[1, 0, x + 1:]) > 1e-6), t
@@ -376,8 +376,8 @@ def test_critic_step_fits_a_fixed_batch():
   state = state.replace(critic=dict(params=cparams,
                                     opt_state=train_state.make_critic_optimizer(cfg).init(cparams)))
   batch = make_batch(5, B=2, R=4, P=6, T=3, W=1, ragged=True, pad_prefix=False)
-  seq = np.concatenate([np.broadcast_to(np.asarray(batch.prefix_BP)[:, None], (2, 4, 6)),
-                        np.asarray(batch.tails_BRT)], -1)
+  seq = np.concatenate([np.broadcast_to(np.asarray(batch.root_BP)[:, None], (2, 4, 6)),
+                        np.asarray(batch.leaves.tokens_BRT)], -1)
   mask = critic.scored_mask(batch)
   returns = np.where(mask, (seq[..., 6 - 1 - 1:-1] % 2 == 0).astype(np.float32), 0.0)
   step = jax.jit(ppo.make_critic_step(cfg))

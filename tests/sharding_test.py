@@ -12,8 +12,7 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from branch_replay import losses, policy, sharding
-from branch_replay.batch import validate
+from branch_replay import losses, policy, sharding, tree
 from models import transformer as tfm
 
 import helpers
@@ -37,7 +36,7 @@ BATCH = dict(B=4, R=8, P=16, T=3)
 def single_device():
   cfg, params = model()
   batch = make_batch(0, **BATCH)
-  validate(batch, cfg.vocab_size)
+  tree.validate(batch, cfg.vocab_size)
   out = jax.jit(lambda p, b: policy.loss_and_grad(p, b, cfg, LOSS))(params, batch)
   return jax.tree.map(np.asarray, out)
 
@@ -192,12 +191,12 @@ def test_bad_mesh_spec(spec, message):
 def test_dimension_not_dividing_its_axis():
   cfg, _ = model()
   batch = make_batch(0, **BATCH)  # B=4 prompts
-  with pytest.raises(ValueError, match=r"batch.prefix_BP: dimension 0 has size 4, not "
+  with pytest.raises(ValueError, match=r"tree.root_BP: dimension 0 has size 4, not "
                      r"divisible by the 8 devices of mesh axes \('data', 'fsdp'\)"):
     sharding.batch_shardings(sharding.make_mesh("data:8"), batch)
   few_branches = make_batch(0, B=4, R=4, P=16, T=3)  # R=4 branches over an 8-way context
-  with pytest.raises(ValueError, match=r"batch.tails_BRT: dimension 1 has size 4, not "
-                     r"divisible by the 8 devices of mesh axes context"):
+  with pytest.raises(ValueError, match=r"tree.levels\[0\] \(level 1\).tokens_BRT: dimension 1 "
+                     r"has size 4, not divisible by the 8 devices of mesh axes context"):
     sharding.batch_shardings(sharding.make_mesh("context:8"), few_branches)
   # kv_heads=2 cannot split 4 ways over `tensor`: the error names the parameter leaf.
   with pytest.raises(ValueError, match=r"params\['layer_0'\]\['k'\]: dimension 1 has size 2, "

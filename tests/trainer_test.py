@@ -173,9 +173,9 @@ def test_dpo_pairs_encode_prompt_ids():
   ids = (TOKENIZER.bos_id, *TOKENIZER.encode("xy"))
   pairs = [dpo.Pair("a long prompt", "1", "2", prompt_ids=ids), dpo.Pair("ab", "3", "4")]
   batch = dpo.make_batch(pairs, 8, 1)
-  np.testing.assert_array_equal(batch.prefix_BP[0, -3:], ids)
-  assert batch.prefix_valid_BP[0].sum() == 3
-  np.testing.assert_array_equal(batch.prefix_BP[1, -3:],
+  np.testing.assert_array_equal(batch.root_BP[0, -3:], ids)
+  assert batch.root_valid_BP[0].sum() == 3
+  np.testing.assert_array_equal(batch.root_BP[1, -3:],
                                 [TOKENIZER.bos_id, *TOKENIZER.encode("ab")])
   task = tasks.make(tasks.TaskConfig(name="haystack", prompt_len=16, n_keys=2))
   ex = task.sample(np.random.default_rng(3))

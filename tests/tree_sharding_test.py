@@ -24,8 +24,8 @@ def test_sharded_tree_equals_single_device(spec, fanouts, branch_chunk):
     tree.validate(batch, cfg.vocab_size, branch_chunk, leaf_shards=mesh.shape["context"])
     ref = jax.jit(lambda p, b: engine.loss_and_grad(p, b, cfg, LOSS))(params, batch)
     placed_params = sharding.put(params, sharding.param_shardings(mesh, cfg))
-    placed = sharding.put(batch, sharding.tree_batch_shardings(mesh, batch))
-    got = jax.jit(lambda p, b: sharding.tree_loss_and_grad(mesh, p, b, cfg, LOSS,
+    placed = sharding.put(batch, sharding.batch_shardings(mesh, batch))
+    got = jax.jit(lambda p, b: sharding.sharded_loss_and_grad(mesh, p, b, cfg, LOSS,
                                                                 branch_chunk))(placed_params,
                                                                                placed)
     assert abs(float(got[0]) - float(ref[0])) <= 1e-10 * abs(float(ref[0]))
@@ -40,4 +40,4 @@ def test_leaves_the_mesh_cannot_split():
   batch = make_tree(0, (3, 2), B=4, P=16, T=(3, 3))
   with pytest.raises(ValueError, match=r"tree.levels\[1\] \(level 2\).tokens_BRT: dimension "
                      r"1 has size 6, not divisible by the 4 devices of mesh axes context"):
-    sharding.tree_batch_shardings(sharding.make_mesh("data:2,context:4"), batch)
+    sharding.batch_shardings(sharding.make_mesh("data:2,context:4"), batch)

@@ -115,15 +115,15 @@ def test_auto_tree_of_a_sampled_batch_float64():
     flat = trie.flat_batch(prompts, [[r[2:] for r in rs] for rs in responses], adv,
                            old_logps=[[o[2:] for o in rs] for rs in old],
                            ref_logps=[[o[2:] for o in rs] for rs in ref])
-    P = flat.prefix_BP.shape[1]
+    P = flat.root_BP.shape[1]
     head = jnp.asarray(np.stack([rs[0][:2] for rs in responses]))
-    flat = flat.replace(prefix_BP=jnp.concatenate([flat.prefix_BP, head], 1).astype(jnp.int32),
-                        prefix_valid_BP=jnp.concatenate([flat.prefix_valid_BP,
+    flat = flat.replace(root_BP=jnp.concatenate([flat.root_BP, head], 1).astype(jnp.int32),
+                        root_valid_BP=jnp.concatenate([flat.root_valid_BP,
                                                          jnp.ones((2, 2), bool)], 1),
                         trunk_old_logp_BW=jnp.asarray(np.stack([rs[0][:2] for rs in old])),
                         trunk_ref_logp_BW=jnp.asarray(np.stack([rs[0][:2] for rs in ref])),
                         trunk_len=2)
-    assert flat.prefix_BP.shape[1] == P + 2
+    assert flat.root_BP.shape[1] == P + 2
     batch, stats = trie.auto_tree(flat)
     assert stats["trunk_len"] == 4 and stats["fanouts"] == (2, 2)
     assert_same(run_tree(params, cfg, batch, loss_cfg), run_flat(params, cfg, flat, loss_cfg))

@@ -5,9 +5,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from branch_replay import losses, policy, tree, verify
+from branch_replay import losses, policy, verify
 from models import transformer as tfm
-from helpers import make_batch, tiny_model
+from helpers import make_batch, make_tree, tiny_model
 
 
 def test_verify_passes_a_right_engine_and_catches_a_wrong_one(monkeypatch):
@@ -17,7 +17,8 @@ def test_verify_passes_a_right_engine_and_catches_a_wrong_one(monkeypatch):
   loss_cfg = losses.LossConfig()
   stats = verify.check(params, batch, cfg, loss_cfg)
   assert stats["verify/max_rel_err"] < verify.tolerance(cfg) and stats["time/verify_s"] > 0
-  stats = verify.check(params, tree.from_replay_batch(batch), cfg, loss_cfg)  # the tree engine
+  deep = make_tree(1, (2, 3), W=1, logps=True, dtype=jnp.float32)
+  stats = verify.check(params, deep, cfg, loss_cfg)  # the tree engine and its naive twin
   assert stats["verify/max_rel_err"] < verify.tolerance(cfg)
 
   right = policy.replay_loss_and_grad

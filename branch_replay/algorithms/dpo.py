@@ -12,7 +12,6 @@ import numpy as np
 from branch_replay import dpo, sharding, tree
 from branch_replay import state as train_state
 from branch_replay.algorithms.grpo import GRPO
-from branch_replay.batch import validate
 
 KEYS = ("loss/policy", "grad/norm", "logp/mean", "entropy")  # of the replay step's metrics
 
@@ -56,8 +55,8 @@ class DPO(GRPO):  # the warm-up and compiled steps (flat or tree); its own phase
     batch = dpo.make_batch(pairs, self.prompt_len, self.answer_len, self.tok)
     # 1. Reference log-probs of chosen and rejected: one shared-prefix forward per prompt.
     ref_BRT, _ = self.fns.score(state.ref_params, batch=train_state.place(batch, "batch", cfg))
-    batch = batch.replace(ref_logp_BRT=sharding.to_host(ref_BRT))  # -> every process
-    validate(batch, cfg.model.vocab_size)
+    batch = batch.with_leaves(ref_logp_BRT=sharding.to_host(ref_BRT))  # -> every process
+    tree.validate(batch, cfg.model.vocab_size)
     # 2. The policy's log-probs, for the metrics before the update.
     pol_BRT, _ = self.fns.score(state.params, batch=train_state.place(batch, "batch", cfg))
     return batch, dpo.preference_metrics(sharding.to_host(pol_BRT).sum(-1),

@@ -17,7 +17,6 @@ from branch_replay import (advantages, algorithms, dapo, phases, sampler, shardi
                            tree, tree_task, trie, verify)
 from branch_replay import metrics
 from branch_replay import state as train_state
-from branch_replay.batch import validate
 from branch_replay.config import Config
 from branch_replay.state import TrainState, place, reference, sample_examples, weights
 from branch_replay.tokenizer import TOKENIZER
@@ -123,9 +122,9 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
       batch = batch.replace(levels=tuple(level.replace(ref_logp_BRT=ref)
                                          for level, ref in zip(batch.levels, ref_logps)))
     else:
-      batch = batch.replace(ref_logp_BRT=ref_logps,
-                            trunk_ref_logp_BW=ref_trunk_BW if batch.trunk_len else None)
-  (tree.validate if fanouts else validate)(batch, cfg.model.vocab_size, cfg.replay.branch_chunk)
+      batch = batch.with_leaves(ref_logp_BRT=ref_logps).replace(
+          trunk_ref_logp_BW=ref_trunk_BW if batch.trunk_len else None)
+  tree.validate(batch, cfg.model.vocab_size, cfg.replay.branch_chunk)
   raw = rows["raw_BR"]
   return batch, rewards_BR, {
       "reward/mean": float(raw.mean()), "reward/std": float(raw.std()),

@@ -70,14 +70,11 @@ def compiled(cfg: Config) -> CriticFns:
 
 def with_token_advantages(batch, adv_BLX):
   """The batch with per-token advantages [B, L, X] (the engine's path layout) in place of
-  its per-branch (per-node) ones: flat, the trunk's and the tails'; a tree, the trunk's,
-  each inner level's per path (`path_advantages_BLT`) and the leaves' (`advantages_BRT`)."""
+  its per-branch (per-node) ones: the trunk's, each inner level's per path
+  (`path_advantages_BLT`) and the leaves' (`advantages_BRT`)."""
   f32 = lambda x: jnp.asarray(x, jnp.float32)
   W = batch.trunk_len
   trunk = f32(adv_BLX[..., :W]) if W else None
-  if not isinstance(batch, tree.TreeBatch):
-    return batch.replace(advantages_BR=f32(np.zeros(adv_BLX.shape[:2])),
-                         advantages_BRT=f32(adv_BLX[..., W:]), trunk_advantages_BRW=trunk)
   ends = W + np.cumsum([np.shape(level.tokens_BRT)[2] for level in batch.levels])
   starts = [W, *ends[:-1]]
   levels = [level.replace(advantages_BR=None, path_advantages_BLT=f32(adv_BLX[..., a:b]))

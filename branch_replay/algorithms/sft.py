@@ -11,7 +11,6 @@ import numpy as np
 
 from branch_replay import metrics, sampler, sharding, steps, tasks, tree, tree_task
 from branch_replay import state as train_state
-from branch_replay.batch import ReplayBatch, validate
 from branch_replay.tokenizer import TOKENIZER
 
 
@@ -35,9 +34,9 @@ def sft_batch(task, rng: np.random.Generator, cfg, tok=TOKENIZER):
   B, R = tails_BRT.shape[:2]
   chex.assert_shape([tails_BRT, valid_BRT], (B, R, T))
   chex.assert_shape([prefix_BP, prefix_valid_BP], (B, task.sft_prompt_len))
-  return ReplayBatch(prefix_BP=prefix_BP, prefix_valid_BP=prefix_valid_BP, tails_BRT=tails_BRT,
-                     tail_valid_BRT=valid_BRT,
-                     advantages_BR=np.ones(tails_BRT.shape[:2], np.float32))
+  return tree.flat(prefix_BP=prefix_BP, prefix_valid_BP=prefix_valid_BP, tails_BRT=tails_BRT,
+                   tail_valid_BRT=valid_BRT,
+                   advantages_BR=np.ones(tails_BRT.shape[:2], np.float32))
 
 
 class SFT:
@@ -64,7 +63,7 @@ class SFT:
     cfg = self.cfg
     rng = np.random.default_rng([cfg.train.seed, step])
     batch = sft_batch(self.task, rng, cfg, self.tok)
-    (tree.validate if self.is_tree else validate)(batch, cfg.model.vocab_size)
+    tree.validate(batch, cfg.model.vocab_size)
     return batch
 
   def warmup_update(self, state, batch):

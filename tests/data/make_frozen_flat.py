@@ -53,10 +53,9 @@ def batch_of(seed, spec):
   batch = make_batch(seed, vocab=MODEL["vocab_size"], dtype=jnp.float64, **spec)
   if token_adv:  # PPO's per-token (GAE) advantages
     rng = np.random.default_rng(seed + 1000)
-    B, R, T = batch.tails_BRT.shape
-    batch = batch.replace(advantages_BRT=jnp.asarray(rng.normal(size=(B, R, T))),
-                          trunk_advantages_BRW=jnp.asarray(rng.normal(size=(B, R,
-                                                                             batch.trunk_len))))
+    B, R, T = batch.leaves.tokens_BRT.shape
+    batch = batch.with_leaves(advantages_BRT=jnp.asarray(rng.normal(size=(B, R, T)))).replace(
+        trunk_advantages_BRW=jnp.asarray(rng.normal(size=(B, R, batch.trunk_len))))
   return batch
 
 
