@@ -306,6 +306,8 @@ def batch_shardings(mesh: Mesh, batch: TreeBatch) -> TreeBatch:
   def spec(where, x, names):
     return None if x is None else named_sharding(mesh, f"tree.{where}", np.shape(x), names)
 
+  root = dict(root_BP=spec("root_BP", batch.root_BP, ("batch", "seq")),  # checked first
+              root_valid_BP=spec("root_valid_BP", batch.root_valid_BP, ("batch", "seq")))
   levels = []
   for d, level in enumerate(batch.levels, start=1):
     node_axis = "branch" if d == batch.depth else None  # leaves over `context`
@@ -320,8 +322,7 @@ def batch_shardings(mesh: Mesh, batch: TreeBatch) -> TreeBatch:
         path_advantages_BLT=spec(f"{at}.path_advantages_BLT", level.path_advantages_BLT,
                                  ("batch", "branch", None))))
   return batch.replace(
-      root_BP=spec("root_BP", batch.root_BP, ("batch", "seq")),
-      root_valid_BP=spec("root_valid_BP", batch.root_valid_BP, ("batch", "seq")),
+      **root,
       trunk_old_logp_BW=spec("trunk_old_logp_BW", batch.trunk_old_logp_BW, ("batch", None)),
       trunk_ref_logp_BW=spec("trunk_ref_logp_BW", batch.trunk_ref_logp_BW, ("batch", None)),
       trunk_advantages_BRW=spec("trunk_advantages_BRW", batch.trunk_advantages_BRW,
