@@ -236,8 +236,7 @@ def completions(samples: Samples, tok) -> list[list[str]]:
           for b in range(tokens_BRT.shape[0])]
 
 
-def to_batch(prompt_BP, prompt_valid_BP, samples: Samples, advantages_BR,
-             ref: tuple | None = None) -> TreeBatch:
+def to_batch(prompt_BP, prompt_valid_BP, samples: Samples, advantages_BR) -> TreeBatch:
   """The flat training batch (depth 1): prefix = prompt + trunk, tails = branches, old
   log-probs = sampling's."""
   B, W = samples.trunk_BW.shape

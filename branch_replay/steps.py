@@ -109,16 +109,17 @@ def compiled(cfg: Config, stop_tokens=TOKENIZER.eos_id, turn_lengths: tuple = ()
   stop_tokens: the stop id or ids (flat: the tokenizer's stop_ids), or one tuple per turn
   (trees, with the task's turn_lengths)."""
   steps = dict(rl_step=jax.jit(make_train_step(cfg, "rl"), donate_argnums=0),
-               sft_step=jax.jit(make_train_step(cfg, "sft"), donate_argnums=0))
+               sft_step=jax.jit(make_train_step(cfg, "sft"), donate_argnums=0),
+               # log-probs of every node at the sampler's temperature (reference, DPO metrics)
+               score=jax.jit(functools.partial(engine.forward, model_cfg=cfg.model,
+                                               temperature=cfg.sampler.temperature)))
   if cfg.tree.fanouts:
     sample = functools.partial(sampler.sample_tree, model_cfg=cfg.model,
                                fanouts=cfg.tree.fanout_tuple, lengths=turn_lengths,
                                stop_tokens=stop_tokens)
     return Fns(**steps, sample=jax.jit(functools.partial(sample, cfg=cfg.sampler)),
                greedy=jax.jit(functools.partial(sample, cfg=sampler.SamplerConfig(temperature=0.0),
-                                                fanouts=(1, 1))),
-               score=jax.jit(functools.partial(engine.forward, model_cfg=cfg.model,
-                                               temperature=cfg.sampler.temperature)))
+                                                fanouts=(1, 1))))
   stops = (stop_tokens,) if isinstance(stop_tokens, int) else tuple(stop_tokens)
   greedy = sampler.SamplerConfig(max_new_tokens=cfg.sampler.max_new_tokens, temperature=0.0,
                                  trunk_len=cfg.sampler.trunk_len)
@@ -126,6 +127,4 @@ def compiled(cfg: Config, stop_tokens=TOKENIZER.eos_id, turn_lengths: tuple = ()
   return Fns(**steps,
              sample=jax.jit(functools.partial(sample, cfg=cfg.sampler,
                                               n_branches=cfg.train.n_branches)),
-             greedy=jax.jit(functools.partial(sample, cfg=greedy, n_branches=1)),
-             score=jax.jit(functools.partial(sampler.score, model_cfg=cfg.model,
-                                             temperature=cfg.sampler.temperature)))
+             greedy=jax.jit(functools.partial(sample, cfg=greedy, n_branches=1)))

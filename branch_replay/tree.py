@@ -78,6 +78,13 @@ class TreeBatch:
     """The batch with these fields of the leaf level replaced."""
     return self.replace(levels=self.levels[:-1] + (self.leaves.replace(**fields),))
 
+  def with_reference(self, ref_levels, trunk_ref_BW) -> "TreeBatch":
+    """The batch with the reference policy's log-probs (`engine.forward`'s output: one
+    [B, R, T] per level, the trunk's [B, W]) in place."""
+    return self.replace(levels=tuple(level.replace(ref_logp_BRT=ref)
+                                     for level, ref in zip(self.levels, ref_levels)),
+                        trunk_ref_logp_BW=trunk_ref_BW if self.trunk_len else None)
+
   def token_counts(self):
     """(root positions, positions below the root, naive-equivalent positions): padding
     included; the naive equivalent runs every root-to-leaf path as its own sequence."""

@@ -47,35 +47,25 @@ class DPO(GRPO):  # the warm-up and compiled steps (flat or tree); its own phase
     cfg, t = self.cfg, self.cfg.train
     rng = np.random.default_rng([t.seed, step])
     if self.is_tree:
-      return self._tree_batch(state, dpo.tree_pairs(self.task, rng, t.batch_size, self.tok))
-    if self.file_pairs is not None:
-      pairs = [self.file_pairs[i] for i in rng.integers(0, len(self.file_pairs), t.batch_size)]
+      batch = dpo.tree_pairs(self.task, rng, t.batch_size, self.tok)
     else:
-      pairs = [dpo.task_pair(self.task, rng) for _ in range(t.batch_size)]
-    batch = dpo.make_batch(pairs, self.prompt_len, self.answer_len, self.tok)
-    # 1. Reference log-probs of chosen and rejected: one shared-prefix forward per prompt.
-    ref_BRT, _ = self.fns.score(state.ref_params, batch=train_state.place(batch, "batch", cfg))
-    batch = batch.with_leaves(ref_logp_BRT=sharding.to_host(ref_BRT))  # -> every process
-    tree.validate(batch, cfg.model.vocab_size)
-    # 2. The policy's log-probs, for the metrics before the update.
-    pol_BRT, _ = self.fns.score(state.params, batch=train_state.place(batch, "batch", cfg))
-    return batch, dpo.preference_metrics(sharding.to_host(pol_BRT).sum(-1),
-                                         sharding.to_host(ref_BRT).sum(-1), cfg.loss.beta)
-
-  def _tree_batch(self, state, batch):
-    """Reference log-probs of every node (one forward over the tree), the preference
-    metrics from the leaves (the pair's shared ancestors cancel in its margin)."""
-    cfg = self.cfg
-    ref_levels, _ = sharding.to_host(self.fns.score(state.ref_params,
-                                                    train_state.place(batch, "batch", cfg)))
-    batch = batch.replace(levels=tuple(level.replace(ref_logp_BRT=ref)
-                                       for level, ref in zip(batch.levels, ref_levels)))
+      pairs = ([self.file_pairs[i] for i in rng.integers(0, len(self.file_pairs), t.batch_size)]
+               if self.file_pairs is not None
+               else [dpo.task_pair(self.task, rng) for _ in range(t.batch_size)])
+      batch = dpo.make_batch(pairs, self.prompt_len, self.answer_len, self.tok)
+    place = lambda b: train_state.place(b, "batch", cfg)
+    # 1. Reference log-probs of every node (flat: chosen and rejected), one shared-prefix
+    #    forward; on every process.
+    ref_levels, ref_trunk_BW = sharding.to_host(self.fns.score(state.ref_params,
+                                                               batch=place(batch)))
+    batch = batch.with_reference(ref_levels, ref_trunk_BW)
     tree.validate(batch, cfg.model.vocab_size, cfg.replay.branch_chunk)
-    pol_levels, _ = sharding.to_host(self.fns.score(state.params,
-                                                    train_state.place(batch, "batch", cfg)))
-    leaf_sum = lambda logp_BRT: np.where(batch.leaves.valid_BRT, logp_BRT, 0.0).sum(-1)
-    return batch, dpo.preference_metrics(leaf_sum(pol_levels[-1]).reshape(-1, 2),
-                                         leaf_sum(ref_levels[-1]).reshape(-1, 2), cfg.loss.beta)
+    # 2. The policy's, for the metrics before the update: from the leaves, [pairs, 2] (0 where
+    #    invalid; a pair's shared ancestors cancel in its margin).
+    pol_levels, _ = sharding.to_host(self.fns.score(state.params, batch=place(batch)))
+    pair_sum = lambda logp_BRT: np.asarray(logp_BRT).sum(-1).reshape(-1, 2)
+    return batch, dpo.preference_metrics(pair_sum(pol_levels[-1]), pair_sum(ref_levels[-1]),
+                                         cfg.loss.beta)
 
   def update(self, state, batch, step):
     state, out = self.fns.rl_step(state, train_state.place(batch, "batch", self.cfg))

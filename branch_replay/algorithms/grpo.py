@@ -117,13 +117,7 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
     r0 = time.perf_counter()
     scored = jax.block_until_ready(fns.score(ref, batch=place(batch, "batch", cfg)))
     stats["time/ref_logp_s"] = time.perf_counter() - r0
-    ref_logps, ref_trunk_BW = sharding.to_host(scored)
-    if fanouts:
-      batch = batch.replace(levels=tuple(level.replace(ref_logp_BRT=ref)
-                                         for level, ref in zip(batch.levels, ref_logps)))
-    else:
-      batch = batch.with_leaves(ref_logp_BRT=ref_logps).replace(
-          trunk_ref_logp_BW=ref_trunk_BW if batch.trunk_len else None)
+    batch = batch.with_reference(*sharding.to_host(scored))
   tree.validate(batch, cfg.model.vocab_size, cfg.replay.branch_chunk)
   raw = rows["raw_BR"]
   return batch, rewards_BR, {
@@ -235,7 +229,8 @@ def format_summary(s: dict) -> str:
 
 class GRPO:
   """Flat rollouts (the prompt prefilled once, R branches of it) or, with tree.fanouts,
-  trees (R_1 first turns, R_2 second turns of each; tree-aware advantages): `rl_batch`. The update, epochs x minibatches, KL reference and mesh are one
+  trees (R_1 first turns, R_2 second turns of each; tree-aware advantages): `rl_batch`.
+  The update, epochs x minibatches, KL reference and mesh are one
   (the step takes both)."""
 
   phase = "rl"

@@ -40,7 +40,8 @@ def sft_batch(task, rng: np.random.Generator, cfg, tok=TOKENIZER):
 
 
 class SFT:
-  """Warm-up batches (`sft_batch`: flat, or with tree.fanouts trees); the greedy evaluation of the policy on held-out prompts."""
+  """Warm-up batches (`sft_batch`: flat, or with tree.fanouts trees); the greedy evaluation
+  of the policy on held-out prompts."""
 
   phase = "sft"
   progress_keys = ("loss/policy",)
