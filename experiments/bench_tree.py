@@ -10,13 +10,19 @@ as JSON lines (one line per shape).
 All three compute the same objective (an opening's tokens scored by every leaf below it with
 that leaf's advantage) with the same model and attention, so their gradients agree.
 Each variant runs in its own subprocess (clean memory accounting): warm-up, then the median
-of --reps timed steps; peak = RSS growth during the timed steps (experiments/measure.py).
+of --reps timed steps, wall and CPU seconds (process time: every thread); peak = RSS growth
+during the timed steps (experiments/measure.py). --rounds=N runs the variants' subprocesses
+N times, alternating (naive, flat, tree, naive, ...), and takes each speedup as the median of
+its per-round ratios: this machine's speed drifts by 2x between minutes (its matmul probe
+read 125 to 292 GFLOP/s), so only ratios of neighbouring runs compare code.
 
   python experiments/bench_tree.py                         # P=2048, 4x4, openings 256, tails 128
+  python experiments/bench_tree.py --modes=naive,tree --rounds=3 --reps=2
   python experiments/bench_tree.py --preset=tiny --prefix_len=16 --fanouts=2x2 --lengths=4x3 --reps=1
 
-Targets (issue 10, small preset, CPU): tree speedup over naive >= 0.85 x its useful-FLOP
-ratio, and tree faster than flat.
+Targets (small preset, CPU): tree faster than flat (issue 10); tree's CPU-time speedup over
+naive >= 1.0 x its useful-FLOP ratio, with a lower peak than the 1,753 MB before the one
+engine (issue 16).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -45,6 +52,8 @@ flags.DEFINE_string("fanouts", "4x4", "fan-out per level, e.g. 4x4 (R_1 openings
 flags.DEFINE_string("lengths", "256x128", "tokens per node at each level, e.g. 256x128")
 flags.DEFINE_integer("prompts", 1, "B: prompts per step")
 flags.DEFINE_integer("reps", 5, "timed repetitions after warm-up (median reported)")
+flags.DEFINE_integer("rounds", 1, "subprocesses per variant, alternating between variants; "
+                     "speedups are medians of the per-round ratios")
 flags.DEFINE_string("preset", "small", "model size preset (models.transformer.PRESETS)")
 flags.DEFINE_string("dtype", "float32", "compute and parameter dtype")
 flags.DEFINE_bool("check_grads", True, "compare flat's and tree's gradients with naive's")
@@ -110,14 +119,16 @@ def run_worker(mode):
                                                 "naive" if mode == "naive" else "replay")
   compiled = jax.jit(lambda p, b: fn(p, b)[::2]).lower(params, batch).compile()
   jax.block_until_ready(compiled(params, batch))  # warm-up
-  times = []
+  times, cpu_times = [], []
   with PeakRSS() as rss:
     for _ in range(FLAGS.reps):
-      t0 = time.perf_counter()
+      t0, c0 = time.perf_counter(), time.process_time()
       loss, grads = compiled(params, batch)
       jax.block_until_ready(grads)
       times.append(time.perf_counter() - t0)
+      cpu_times.append(time.process_time() - c0)
   result = dict(mode=mode, seconds=float(np.median(times)), times=[round(t, 4) for t in times],
+                cpu_seconds=float(np.median(cpu_times)),
                 peak_mb=round((rss.peak - rss_after_imports) / 2 ** 20, 1), loss=float(loss),
                 backend=jax.default_backend())
   stats = jax.devices()[0].memory_stats() or {}
@@ -162,27 +173,44 @@ def main(argv):
     row[f"{m}_flop_ratio"] = round(ratio, 3)  # naive's FLOPs over flat's / tree's
   with tempfile.TemporaryDirectory() as tmp:
     paths = {m: os.path.join(tmp, f"{m}.npz") if FLAGS.check_grads else "" for m in modes}
-    runs = {m: spawn(m, paths[m]) for m in modes}
-    for m, r in runs.items():
-      row[f"{m}_s"] = r.get("seconds")
-      row[f"{m}_peak_mb"] = r.get("peak_mb")
-      if "device_peak_mb" in r:
-        row[f"{m}_device_peak_mb"] = r["device_peak_mb"]
-      if "error" in r:
-        row[f"{m}_error"] = r["error"]
-      if r.get("seconds"):
-        row[f"{m}_gflops"] = round(counts[m] / r["seconds"] / 1e9, 1)
+    rounds = [{m: spawn(m, paths[m] if k == 0 else "") for m in modes}
+              for k in range(FLAGS.rounds)]
+    runs = rounds[0]
+    for m in modes:
+      ok = [r[m] for r in rounds if r[m].get("seconds")]
+      errors = [r[m]["error"] for r in rounds if "error" in r[m]]
+      if errors:
+        row[f"{m}_error"] = errors[0]
+      if not ok:
+        row[f"{m}_s"] = row[f"{m}_peak_mb"] = None
+        continue
+      row[f"{m}_s"] = statistics.median([r["seconds"] for r in ok])
+      row[f"{m}_cpu_s"] = statistics.median([r["cpu_seconds"] for r in ok])
+      row[f"{m}_peak_mb"] = max(r["peak_mb"] for r in ok)
+      if "device_peak_mb" in ok[0]:
+        row[f"{m}_device_peak_mb"] = max(r["device_peak_mb"] for r in ok)
+      row[f"{m}_gflops"] = round(counts[m] / row[f"{m}_s"] / 1e9, 1)
+    if FLAGS.rounds > 1:
+      row["rounds"] = [{f"{m}_{k}": r[m].get(key) for m in modes
+                        for k, key in (("s", "seconds"), ("cpu_s", "cpu_seconds"))}
+                       for r in rounds]
     for m in ("flat", "tree"):
-      if runs.get(m, {}).get("seconds") and runs.get("naive", {}).get("seconds"):
-        row[f"{m}_speedup"] = round(runs["naive"]["seconds"] / runs[m]["seconds"], 3)
-        row[f"{m}_speedup_over_flop_ratio"] = round(row[f"{m}_speedup"] /
-                                                    row[f"{m}_flop_ratio"], 3)
+      paired = [r for r in rounds if r.get(m, {}).get("seconds") and
+                r.get("naive", {}).get("seconds")]
+      if paired:
+        for suffix, key in (("", "seconds"), ("_cpu", "cpu_seconds")):
+          speedup = statistics.median([r["naive"][key] / r[m][key] for r in paired])
+          row[f"{m}{suffix}_speedup"] = round(speedup, 3)
+          row[f"{m}{suffix}_speedup_over_flop_ratio"] = round(speedup / row[f"{m}_flop_ratio"], 3)
       if FLAGS.check_grads and "naive" in runs and os.path.exists(paths.get(m, "")) and \
           os.path.exists(paths["naive"]):
         row[f"{m}_grad_max_rel_err"] = compare.npz_max_rel_err(paths[m], paths["naive"])
         row[f"{m}_loss_abs_err"] = abs(runs[m]["loss"] - runs["naive"]["loss"])
-    if runs.get("flat", {}).get("seconds") and runs.get("tree", {}).get("seconds"):
-      row["tree_over_flat_speedup"] = round(runs["flat"]["seconds"] / runs["tree"]["seconds"], 3)
+    paired = [r for r in rounds if r.get("flat", {}).get("seconds") and
+              r.get("tree", {}).get("seconds")]
+    if paired:
+      row["tree_over_flat_speedup"] = round(
+          statistics.median([r["flat"]["seconds"] / r["tree"]["seconds"] for r in paired]), 3)
   from experiments import provenance  # commit, command, jax/devices, machine, date
   provenance.emit(row, FLAGS.out)
 

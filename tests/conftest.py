@@ -76,12 +76,12 @@ SLOW = {
     "hf_test.py::test_replay_grpo_gradient_matches_torch_autograd[[]qwen2]": 16,
     "sampler_test.py::test_sampling_logps_equal_training_forward[[]0]": 25,  # [3] kept
     # end-to-end runs whose parts have their own default checks
-    "train_test.py::test_resume_equals_uninterrupted": 89,  # trainer_test: the loop resumes
+    "run_test.py::test_resume_equals_uninterrupted": 89,  # trainer_test: the loop resumes
     "experiments_test.py::test_q5_critic_step_through_replay_matches_naive": 80,  # rl_test
     "notebooks_test.py::test_notebook_executes[[]ablations.ipynb]": 179,
     "multihost_test.py::test_finished_run_rerun_on_two_processes_does_not_hang": 93,
     "bench_test.py::test_bench_reports_oom_instead_of_running": 78,
-    "train_test.py::test_replay_and_naive_modes_agree": 77,  # verify_test, frozen_flat
+    "run_test.py::test_replay_and_naive_modes_agree": 77,  # verify_test, frozen_flat
     "experiments_test.py::test_q3_one_real_trial_in_a_subprocess": 76,
     "experiments_test.py::test_q1_times_every_phase_of_both_modes": 67,
 }

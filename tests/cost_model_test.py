@@ -112,7 +112,7 @@ def test_fit_errors_are_computed_from_the_results_files():
     assert f["within_30pct"] == sum(e <= 0.3 for e in errs)
 
 
-def test_the_committed_cost_model_file_is_reproduced_bit_for_bit():
+def test_the_committed_cost_model_file_is_reproduced():
   """Every line of cost_model_blockwise_2026-11-30.jsonl but its provenance (fits, points'
   FLOP counts, memory points, predictions) and its .md from today's counting, with its
   command's defaults (--tail_len=512 --tail_len=4096, flash efficiency 0.35 in 0.2..0.55)."""
@@ -129,7 +129,15 @@ def test_the_committed_cost_model_file_is_reproduced_bit_for_bit():
     del row["provenance"], row["experiment"]
   assert len(got) == len(want) == 95
   for g, w in zip(json.loads(json.dumps(got)), want):
-    assert g == w, {k: (g.get(k), w.get(k)) for k in set(g) | set(w) if g.get(k) != w.get(k)}
+    assert g.keys() == w.keys(), set(g) ^ set(w)
+    # Names and ints exactly; floats to 1e-12 relative: a least-squares solve's last bits
+    # differ between CPUs (LAPACK's kernels: loo_rel_err 0.11431871152143254 on one machine,
+    # 0.11431871152143266 committed), while any change of counting or fitting moves a value
+    # by far more.
+    differ = {k: (g[k], w[k]) for k in g if g[k] != w[k] and not (
+        isinstance(g[k], float) and isinstance(w[k], float) and
+        abs(g[k] - w[k]) <= 1e-12 * max(abs(g[k]), abs(w[k])))}
+    assert not differ, differ
   preds = got[-len([r for r in want if r["kind"] == "prediction"]):]
   md = cm.markdown(fits, points, preds, cm.memory_points(paths))
   with open(os.path.join(cm.RESULTS, "cost_model_blockwise_2026-11-30.md")) as f:

@@ -35,7 +35,7 @@ def worker():
 
     atomicity.AtomicRenameTemporaryPath.finalize = die_mid_save
   from branch_replay import trainer
-  from train_test import tiny
+  from run_test import tiny
   trainer.run(tiny("train.rl_steps=2"), args.workdir)  # 3 steps, a checkpoint after each
 
 
@@ -48,7 +48,7 @@ def _run(*args):
 @pytest.mark.slow  # two training subprocesses: ~1 min on an idle 2-core CPU, 7 under load
 def test_kill_9_during_checkpoint_save_then_resume(tmp_path):
   from branch_replay import metrics, trainer
-  from train_test import tiny
+  from run_test import tiny
 
   workdir = tmp_path / "w"
   out = _run(f"--workdir={workdir}", "--kill_at_step=2")

@@ -9,17 +9,17 @@ import pytest
 
 from branch_replay import dpo, engine, metrics, sampler, tasks
 from branch_replay import trainer
-from branch_replay.config import Config, apply_overrides
 from models import transformer as tfm
+from helpers import tiny_run, tiny_tree_run
+
+
+DPO_RUN = ("algo.name=dpo", "loss.name=dpo", "train.sft_steps=1", "train.rl_steps=3",
+           "train.batch_size=2", "train.sft_batch_size=2", "train.checkpoint_every=2",
+           "train.learning_rate=1e-2")
 
 
 def tiny(*overrides):
-  return apply_overrides(Config(model=tfm.preset("tiny")), [
-      "train.n_branches=2", "algo.name=dpo", "loss.name=dpo", "task.prompt_len=20", "task.n_keys=2",
-      "train.sft_steps=1",
-      "train.rl_steps=3", "train.batch_size=2", "train.sft_batch_size=2",
-      "train.eval_size=0", "train.progress=false", "train.plot=false",
-      "train.checkpoint_every=2", "train.learning_rate=1e-2", *overrides])
+  return tiny_run("train.n_branches=2", *DPO_RUN, *overrides)
 
 
 def test_dpo_run_end_to_end_and_resume(tmp_path):
@@ -84,12 +84,7 @@ def test_bad_dpo_config(overrides, match):
 
 
 def tiny_tree(*overrides):
-  return apply_overrides(Config(model=tfm.preset("tiny")), [
-      "algo.name=dpo", "loss.name=dpo", "task.name=tree_haystack", "task.prompt_len=16",
-      "task.n_keys=2", "task.sft_prompt_len=12", "tree.fanouts=2x2", "train.sft_steps=1",
-      "train.rl_steps=3", "train.batch_size=2", "train.sft_batch_size=2", "train.eval_size=0",
-      "train.progress=false", "train.plot=false", "train.checkpoint_every=2",
-      "train.learning_rate=1e-2", *overrides])
+  return tiny_tree_run(*DPO_RUN, *overrides)
 
 
 def test_dpo_on_trees_end_to_end(tmp_path):

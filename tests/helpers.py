@@ -1,5 +1,5 @@
 """Helpers shared by the test modules: random flat batches and trees, the cached tiny model
-(of any family), gradient comparisons. Import by basename (`from helpers import ...`), the
+(of any family), tiny run configs (`tiny_run`, `tiny_tree_run`), gradient comparisons. Import by basename (`from helpers import ...`), the
 name pytest imports test modules by (tests/ has no __init__.py): `tests.helpers` would be a
 second copy with caches of its own."""
 
@@ -30,6 +30,29 @@ def cache_per_x64(fn):
   def wrapper(*args, **kwargs):
     return cached(x64_enabled(), *args, **kwargs)
   return wrapper
+
+
+# ----------------------------------------------------------------------------- tiny runs
+
+# What every tiny trainer run shares: the "tiny" preset, no evaluation, no progress bar, no plot.
+QUIET = ("train.eval_size=0", "train.progress=false", "train.plot=false")
+
+
+def tiny_run(*overrides, **model):
+  """A tiny flat run's Config: the haystack task at prompt_len 20 with 2 keys, quiet; then
+  `overrides` in order (a test file's own settings, then the test's). `model`: preset fields."""
+  from branch_replay.config import Config, apply_overrides
+  return apply_overrides(Config(model=tfm.preset("tiny", **model)),
+                         ["task.prompt_len=20", "task.n_keys=2", *QUIET, *overrides])
+
+
+def tiny_tree_run(*overrides, **model):
+  """A tiny tree run's Config: the two-turn haystack (prompt_len 16, 2 keys, warm-up prompts
+  of 12) on 2x2 trees, quiet; then `overrides` in order."""
+  from branch_replay.config import Config, apply_overrides
+  return apply_overrides(Config(model=tfm.preset("tiny", **model)), [
+      "task.name=tree_haystack", "task.prompt_len=16", "task.n_keys=2", "task.sft_prompt_len=12",
+      "tree.fanouts=2x2", *QUIET, *overrides])
 
 
 # ----------------------------------------------------------------------------- tiny models

@@ -193,7 +193,7 @@ def test_garbage_reward_stops_the_run(tmp_path):
 
 def test_run_py_names_the_bad_line_before_compute(tmp_path):
   import re
-  import run  # its parser, in process (train_test starts run.py itself once)
+  import run  # its parser, in process (run_test starts run.py itself once)
   path = write(tmp_path / "d.jsonl", reverse_lines(3) + ['{"prompt": "abc"}'])
   argv = ["run.py", "--set=task.name=jsonl", f"--set=task.path={path}",
           f"--workdir={tmp_path / 'w'}"]

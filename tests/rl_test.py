@@ -18,7 +18,7 @@ from branch_replay.algorithms import ppo
 from branch_replay import state as train_state
 from branch_replay.config import Config, apply_overrides
 from models import transformer as tfm
-from helpers import assert_equal_f64, make_batch, max_rel_err, tiny_model
+from helpers import assert_equal_f64, make_batch, max_rel_err, tiny_model, tiny_run
 
 
 # ----------------------------------------------------------------------------- GAE, value loss
@@ -394,11 +394,9 @@ def test_critic_step_fits_a_fixed_batch():
 
 
 def tiny(*overrides):
-  return apply_overrides(Config(model=tfm.preset("tiny")), [
-      "task.prompt_len=20", "task.n_keys=2", "train.sft_steps=0", "train.rl_steps=2",
-      "train.batch_size=4", "train.n_branches=4", "sampler.max_new_tokens=2",
-      "train.eval_size=0", "train.progress=false", "train.plot=false",
-      "train.checkpoint_every=5", *overrides])
+  return tiny_run("train.sft_steps=0", "train.rl_steps=2", "train.batch_size=4",
+                  "train.n_branches=4", "sampler.max_new_tokens=2", "train.checkpoint_every=5",
+                  *overrides)
 
 
 def test_ppo_with_critic_epochs_and_minibatches_runs(tmp_path):
@@ -426,9 +424,7 @@ def test_ppo_with_critic_epochs_and_minibatches_runs(tmp_path):
 def test_ppo_on_a_mesh_takes_one_devices_steps(tmp_path, share):
   """PPO (GAE from the critic, epochs x minibatches, a trunk) on data:2,context:4: the same
   rewards, value loss, policy loss and explained variance as one device, step by step (the
-  sampler draws the same tokens: threefry bits do not depend on the sharding); the value
-  model's checkpointed params come out sharded like the policy's."""
-  from branch_replay import sharding
+  sampler draws the same tokens: threefry bits do not depend on the sharding)."""
   runs = {}
   for mesh in ("", "data:2,context:4"):
     cfg = tiny("loss.name=ppo", "algo.name=ppo", f"critic.share={share}",
@@ -437,7 +433,7 @@ def test_ppo_on_a_mesh_takes_one_devices_steps(tmp_path, share):
                "algo.overlong_buffer=1", f"mesh={mesh}")  # shaped rewards vary: returns != 0
     s = trainer.run(cfg, str(tmp_path / (mesh.replace(":", "").replace(",", "_") or "one")))
     runs[mesh] = s, [r for r in metrics.read(s["metrics"]) if r.get("kind") == "train"]
-  (one, one_recs), (sharded, sharded_recs) = runs[""], runs["data:2,context:4"]
+  (_, one_recs), (_, sharded_recs) = runs[""], runs["data:2,context:4"]
   assert len(one_recs) == len(sharded_recs) == 2
   for a, b in zip(sharded_recs, one_recs):
     assert a["reward/mean"] == b["reward/mean"] and a["value/tokens"] == b["value/tokens"]

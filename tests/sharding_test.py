@@ -16,7 +16,7 @@ from branch_replay import losses, policy, sharding, tree
 from models import transformer as tfm
 
 import helpers
-from helpers import tiny_model
+from helpers import tiny_model, tiny_run
 
 
 def make_batch(seed, B, R, P, T, W=2):
@@ -209,12 +209,9 @@ def test_dimension_not_dividing_its_axis():
 
 
 def tiny_config(tmp_path, mesh, *extra):
-  from branch_replay.config import Config, apply_overrides
-  return apply_overrides(Config(model=tfm.preset("tiny")), [
-      "task.prompt_len=20", "task.n_keys=2", "train.sft_steps=1", "train.rl_steps=1",
-      "train.batch_size=4", "train.n_branches=4", "train.sft_batch_size=4",
-      "sampler.max_new_tokens=2", "train.eval_size=0", "train.progress=false",
-      "train.plot=false", "train.checkpoint_every=1", f"mesh={mesh}", *extra])
+  return tiny_run("train.sft_steps=1", "train.rl_steps=1", "train.batch_size=4",
+                  "train.n_branches=4", "train.sft_batch_size=4", "sampler.max_new_tokens=2",
+                  "train.checkpoint_every=1", f"mesh={mesh}", *extra)
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ from branch_replay import state as train_state
 from branch_replay.config import Config, apply_overrides
 from branch_replay.tokenizer import TOKENIZER, CharTokenizer
 from models import transformer as tfm
+from helpers import tiny_tree_run
 
 
 class _Stop(Exception):
@@ -25,11 +26,9 @@ class _Stop(Exception):
 
 
 def tiny_tree(*overrides):
-  return apply_overrides(Config(model=tfm.preset("tiny", vocab_size=TOKENIZER.vocab_size)), [
-      "task.name=tree_haystack", "task.prompt_len=16", "task.n_keys=2",
-      "task.sft_prompt_len=12", "tree.fanouts=2x2", "train.sft_steps=1", "train.rl_steps=1",
-      "train.batch_size=2", "train.sft_batch_size=2", "train.eval_size=2",
-      "train.progress=false", "train.plot=false", "train.checkpoint_every=2", *overrides])
+  return tiny_tree_run("train.sft_steps=1", "train.rl_steps=1", "train.batch_size=2",
+                       "train.sft_batch_size=2", "train.eval_size=2", "train.checkpoint_every=2",
+                       *overrides, vocab_size=TOKENIZER.vocab_size)
 
 
 # ----------------------------------------------------------------------------- (1) temperature

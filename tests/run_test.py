@@ -12,8 +12,8 @@ import pytest
 
 from branch_replay import metrics, trainer
 from branch_replay.algorithms import grpo
-from branch_replay.config import Config, apply_overrides
-from models import transformer as tfm
+from branch_replay.config import apply_overrides
+from helpers import tiny_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REQUIRED = ("step", "reward/mean", "reward/std", "loss/policy", "kl", "entropy", "grad/norm",
@@ -22,12 +22,9 @@ REQUIRED = ("step", "reward/mean", "reward/std", "loss/policy", "kl", "entropy",
 
 
 def tiny(*overrides):
-  return apply_overrides(Config(model=tfm.preset("tiny")), [
-      "task.prompt_len=20", "task.n_keys=2", "train.sft_steps=1", "train.rl_steps=2",
-      "train.batch_size=2", "train.n_branches=4", "train.sft_batch_size=2",
-      "sampler.max_new_tokens=2", "train.eval_size=0", "train.progress=false",
-      "train.plot=false", "train.checkpoint_every=1", "train.learning_rate=3e-3",
-      *overrides])
+  return tiny_run("train.sft_steps=1", "train.rl_steps=2", "train.batch_size=2",
+                  "train.n_branches=4", "train.sft_batch_size=2", "sampler.max_new_tokens=2",
+                  "train.checkpoint_every=1", "train.learning_rate=3e-3", *overrides)
 
 
 def _train_records(workdir):
