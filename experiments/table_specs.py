@@ -59,9 +59,10 @@ TABLES = {
        "naive's band",
        "{replay_mean_inside_naive_band:.0%}; final reward {final_reward_replay:.3f} vs "
        "{final_reward_naive:.3f}", "`{_file}`"), ("kind=verdict",), 1),
-     Source("tree_cpu_2026-12-02.jsonl", (
+     Source("tree_cpu_2026-12-03.jsonl", (
        "a 4x4 tree of rollouts, P={prefix_len}: tree replay vs naive",
-       "{tree_speedup:.2f}x faster; peak {tree_peak_mb:,.0f} vs {naive_peak_mb:,.0f} MB",
+       "{tree_speedup:.2f}x faster ({tree_cpu_speedup:.2f}x CPU time); peak "
+       "{tree_peak_mb:,.0f} vs {naive_peak_mb:,.0f} MB",
        "`{_file}`"), (), 1),
      Source("q5_cpu_2026-11-30.jsonl", (
        "PPO's policy step through replay, P={prefix_len}, R={branches}: CPU-time speedup",
@@ -219,11 +220,14 @@ TABLES = {
 
   # ---- docs/trees.md ----
   "tree_bench": Table(
-    ("P", "fan-out", "lengths", "naive s", "tree s", "tree speedup", "tree FLOP ratio",
-     "speedup / FLOP ratio", "peak MB naive / tree", "grad rel err"),
-    (Source("tree_cpu_2026-12-02.jsonl", (
-      "{prefix_len}", "{fanouts}", "{lengths}", "{naive_s:.1f}", "{tree_s:.2f}",
-      "{tree_speedup:.2f}", "{tree_flop_ratio:.2f}", "{tree_speedup_over_flop_ratio:.2f}",
+    ("P", "fan-out", "lengths", "naive s (CPU s)", "tree s (CPU s)", "tree speedup wall / CPU",
+     "tree FLOP ratio", "speedup / FLOP ratio wall / CPU", "peak MB naive / tree",
+     "grad rel err"),
+    (Source("tree_cpu_2026-12-03.jsonl", (
+      "{prefix_len}", "{fanouts}", "{lengths}", "{naive_s:.1f} ({naive_cpu_s:.1f})",
+      "{tree_s:.2f} ({tree_cpu_s:.2f})", "{tree_speedup:.2f} / {tree_cpu_speedup:.2f}",
+      "{tree_flop_ratio:.2f}",
+      "{tree_speedup_over_flop_ratio:.3f} / {tree_cpu_speedup_over_flop_ratio:.3f}",
       "{naive_peak_mb:,.0f} / {tree_peak_mb:,.0f}", "{tree_grad_max_rel_err:.1e}"), (), 1),)),
   "auto_tree": Table(
     ("strategy", "P", "R", "T", "trunk", "flat replay s (cpu)", "tree s (cpu)",
@@ -301,6 +305,7 @@ SUPERSEDED = {
   "default_run_long_context_2026-11-30.png": "default_run_2026-12-02.png",
   "tree_cpu_2026-11-30.jsonl": "tree_cpu_2026-12-01.jsonl",
   "tree_cpu_2026-12-01.jsonl": "tree_cpu_2026-12-02.jsonl",
+  "tree_cpu_2026-12-02.jsonl": "tree_cpu_2026-12-03.jsonl",
   "peer_cpu_before_2026-12-01.jsonl": "peer_cpu_after_2026-12-02.jsonl",
   "profile_cpu_before_2026-12-01.jsonl": "profile_cpu_after_2026-12-02.jsonl",
   "profile_cpu_before_2026-12-01.md": "profile_cpu_after_2026-12-02.md",

@@ -91,8 +91,10 @@ def test_bad_layouts_are_refused_by_name():
 def test_bench_tree_ratios_of_its_results_files():
   """flat_flop_ratio 4.775 / tree_flop_ratio 7.847 at bench_tree's default shape (as executed:
   dense), and the superseded file's shape."""
-  (row,) = rows("tree_cpu_2026-12-02.jsonl")
+  (row,) = rows("tree_cpu_2026-12-03.jsonl")
   assert (row["prefix_len"], row["fanouts"], row["lengths"]) == (2048, "4x4", "256x128")
+  assert (row["flat_flop_ratio"], row["tree_flop_ratio"]) == (4.775, 7.847)
+  (row,) = rows("superseded/tree_cpu_2026-12-02.jsonl")
   assert (row["flat_flop_ratio"], row["tree_flop_ratio"]) == (4.775, 7.847)
   for row in rows("superseded/tree_cpu_2026-12-01.jsonl") + rows("superseded/tree_cpu_2026-11-30.jsonl"):
     fanouts, lengths = (tuple(map(int, row[k].split("x"))) for k in ("fanouts", "lengths"))
