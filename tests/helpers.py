@@ -1,7 +1,7 @@
 """Helpers shared by the test modules: random flat batches and trees, the cached tiny model
-(of any family), tiny run configs (`tiny_run`, `tiny_tree_run`), gradient comparisons. Import by basename (`from helpers import ...`), the
-name pytest imports test modules by (tests/ has no __init__.py): `tests.helpers` would be a
-second copy with caches of its own."""
+(of any family), tiny run configs (`tiny_run`, `tiny_tree_run`), gradient comparisons.
+Import by basename (`from helpers import ...`), the name pytest imports test modules by
+(tests/ has no __init__.py): `tests.helpers` would be a second copy with caches of its own."""
 
 import functools
 
