@@ -53,9 +53,12 @@ SLOW = {
     "long_context_test.py::test_scanned_layers_equal_unrolled[[]gemma2]": 56,  # llama kept
     "long_context_test.py::test_tail_memory_does_not_grow_with_branches[[]dense]": 37,
     "long_context_test.py::test_remat_policies_equal_none[[]full]": 35,  # dots kept
-    # PPO on trees: W=2 kept; the tree PPO run (ppo_test, ~35 s) whose pieces the
-    # equivalence, GAE and mesh tests of ppo_test check in the default suite
-    "ppo_test.py::test_tree_ppo_policy_loss_per_token_replay_equals_naive_float64[[]0]": 26,
+    # PPO on trees, off-policy replay == naive (equivalence_test's (trunk, ppo) cell checks the
+    # same per-path per-token objective by default; ppo_test's hand computation of the
+    # on-policy loss stays). Its W=2 cell segfaulted inside XLA's CPU compiler in two clean-clone
+    # suite runs (stop 29's, and at d4cb887 on 2026-12-03), never when run alone; the
+    # tree PPO run (~35 s) whose pieces the GAE and mesh tests of ppo_test check by default
+    "ppo_test.py::test_tree_ppo_policy_loss_per_token_replay_equals_naive_float64[[]*]": 26,
     "ppo_test.py::test_tree_ppo_run_trains_its_critic": 35,
     # the tree critic on data:2,context:4 (mostly compile); the flat critic on a mesh
     # (rl_test) and tree batches on meshes (tree_sharding_test) stay in the default suite

@@ -89,10 +89,8 @@ def per_token_tree(seed, W=0):
 
 @pytest.mark.parametrize("W", [0, 2])
 def test_tree_ppo_policy_loss_per_token_replay_equals_naive_float64(W):
-  """PPO-clip with KL and per-path per-token advantages on a depth-2 tree: replay == naive
-  (loss, aux, every gradient leaf); on-policy the loss is -sum of weight x advantage over
-  every path's scored tokens (a hand computation: the per-path advantages are the ones
-  scored)."""
+  """PPO-clip with KL and per-path per-token advantages on a depth-2 tree, off-policy: replay
+  == naive (loss, aux, every gradient leaf), the ratio clip binding."""
   with jax.enable_x64(True):
     cfg, params = tiny_model()
     t, adv, mask = per_token_tree(5, W)
@@ -103,12 +101,28 @@ def test_tree_ppo_policy_loss_per_token_replay_equals_naive_float64(W):
     fast, slow = run(params, t, "replay"), run(params, t, "naive")
     assert_equal_f64(fast, slow)
     assert int(slow[1]["clip_sum"].sum()) > 0
-    on_policy = t.replace(trunk_old_logp_BW=None, trunk_ref_logp_BW=None, levels=tuple(
-        level.replace(old_logp_BRT=None, ref_logp_BRT=None) for level in t.levels))
-    loss, _, _ = jax.jit(lambda p, b: engine.loss_and_grad(
-        p, b, cfg, losses.LossConfig(name="ppo")))(params, on_policy)
-    want = -np.sum(adv * mask) / mask.sum()  # token_mean over every path's scored tokens
-    np.testing.assert_allclose(float(loss), want, rtol=1e-12)
+
+
+@pytest.mark.parametrize("W", [0, 2])
+def test_tree_ppo_on_policy_loss_is_the_hand_computation(W):
+  """On-policy, PPO's loss on a depth-2 tree with per-path per-token advantages is -sum of
+  weight x advantage over every path's scored tokens (the per-path advantages are the ones
+  scored). Replay == naive for the same tree: equivalence_test's (trunk, ppo) cell by
+  default, and the off-policy test above under -m slow."""
+  with jax.enable_x64(True):
+    cfg, params = tiny_model()
+    t, adv, mask = per_token_tree(5, W)
+    tree.validate(t, cfg.vocab_size)
+    _assert_on_policy_loss_is_the_hand_computation(cfg, params, t, adv, mask)
+
+
+def _assert_on_policy_loss_is_the_hand_computation(cfg, params, t, adv, mask):
+  on_policy = t.replace(trunk_old_logp_BW=None, trunk_ref_logp_BW=None, levels=tuple(
+      level.replace(old_logp_BRT=None, ref_logp_BRT=None) for level in t.levels))
+  loss, _, _ = jax.jit(lambda p, b: engine.loss_and_grad(
+      p, b, cfg, losses.LossConfig(name="ppo")))(params, on_policy)
+  want = -np.sum(adv * mask) / mask.sum()  # token_mean over every path's scored tokens
+  np.testing.assert_allclose(float(loss), want, rtol=1e-12)
 
 
 def gae_per_path(t, rewards_BL, values_BLX, gamma, lam):
