@@ -3,6 +3,10 @@
 The base parameter tree stays as it is (frozen, stored once); adapters are a second tree,
 {layer_i: {target: {a: A [in, r], b: B [r, out]}}}, and `merge` gives the weights the model
 runs: W + (alpha / rank) * A @ B, reshaped to W's einsum layout (q: D->NH, o: NH->D, ...).
+On gated attention (Qwen3.5's full-attention layers) `q` is one adapter over the fused
+query+gate projection, as transformers' q_proj is: B [r, N*2*H] with columns in q_proj's
+row order (head n's query, then its output gate), so the update reaches both leaves (`q`,
+`q_gate`) and the file is peft's own layout (`_fused_gate`).
 Merging inside the differentiated function makes jax return gradients for A and B only (the
 base is a closed-over constant: no gradient, no optimizer state). With B = 0 at init the
 adapted model starts as the base.
@@ -76,6 +80,13 @@ def _in_ndim(target: str) -> int:
   return 2 if target == "o" else 1  # o: [N, H, D]; the others have one input axis
 
 
+def _fused_gate(layer, target: str) -> bool:
+  """Whether `target` of this layer's params is the query of a gated attention: its adapter
+  covers transformers' fused q_proj, [N, 2, H] outputs (query, gate per head), and trains
+  the gate half too (peft's LoRA on q_proj does: the same parameterization both ways)."""
+  return target == "q" and "q_gate" in layer
+
+
 def adapter_shapes(cfg: tfm.ModelConfig, lora: LoraConfig) -> dict:
   """{layer_i: {target: {a: (in, r), b: (r, out)}}} from the base's weight shapes (a layer
   without a target, e.g. a hybrid's linear-attention layer for q/k/v/o, gets none of it).
@@ -96,7 +107,7 @@ def _shapes(cfg: tfm.ModelConfig, lora: LoraConfig):
       found.add(t)
       shape = layer[t].shape
       n_in = math.prod(shape[:_in_ndim(t)])
-      n_out = math.prod(shape[_in_ndim(t):])
+      n_out = math.prod(shape[_in_ndim(t):]) * (2 if _fused_gate(layer, t) else 1)
       targets.append((t, (("a", (n_in, lora.rank)), ("b", (lora.rank, n_out)))))
     out.append((f"layer_{i}", tuple(targets)))
   missing = [t for t in lora.targets if t not in found]
@@ -131,13 +142,21 @@ def delta(adapter, shape, scale: float):
 
 
 def merge(base, adapters, lora: LoraConfig):
-  """The weights the adapted model runs: base with W + scale * A @ B at every target."""
+  """The weights the adapted model runs: base with W + scale * A @ B at every target (a
+  gated attention's q adapter split into its query and gate halves)."""
   out = dict(base)
   for layer, targets in adapters.items():
     out[layer] = dict(base[layer])
     for t, adapter in targets.items():
       w = base[layer][t]
-      out[layer][t] = w + delta(adapter, w.shape, lora.scale).astype(w.dtype)
+      if _fused_gate(base[layer], t):
+        D, N, H = w.shape
+        d_DN2H = delta(adapter, (D, N, 2, H), lora.scale)
+        g = base[layer]["q_gate"]
+        out[layer]["q_gate"] = g + d_DN2H[:, :, 1].astype(g.dtype)
+        out[layer][t] = w + d_DN2H[:, :, 0].astype(w.dtype)
+      else:
+        out[layer][t] = w + delta(adapter, w.shape, lora.scale).astype(w.dtype)
   return out
 
 
@@ -257,20 +276,46 @@ def load_peft(adapter_dir: str, cfg: tfm.ModelConfig, lora: Optional[LoraConfig]
     for ours, peft_name in (("a", "lora_A"), ("b", "lora_B")):
       name = f"{module}.{peft_name}.weight"
       expected.add(name)
+      want = shapes[layer][t][ours][::-1]  # PEFT's [r, in] / [out, r]
       if name not in tensors:
-        raise ValueError(f"{weights}: missing tensor {name} (an adapter for another "
-                         f"architecture, or fewer layers than config's {cfg.n_layers})")
-      x = tensors[name].T
-      if x.shape != shapes[layer][t][ours]:
-        raise ValueError(f"{weights}: tensor {name} has shape {tensors[name].shape}, expected "
-                         f"{shapes[layer][t][ours][::-1]} (r={found.rank} in {CONFIG_FILE}, "
-                         "the base model's dimensions)")
-      adapters[layer][t][ours] = jnp.asarray(x, dtype)
+        raise ValueError(f"{weights}: module {module}: missing tensor {name} (expected shape "
+                         f"{want}, found none): the adapter disagrees: it lacks a module the "
+                         f"base has (target_modules lists {PEFT_MODULES[t]}; an adapter for "
+                         f"another architecture, or fewer layers than the base's "
+                         f"{cfg.n_layers})")
+      _check_peft_shape(weights, module, peft_name, tuple(tensors[name].shape), want,
+                        found.rank, cfg, layer, t)
+      adapters[layer][t][ours] = jnp.asarray(tensors[name].T, dtype)
   extra = sorted(set(tensors) - expected)
   if extra:
-    raise ValueError(f"{weights}: unexpected tensors {extra[:3]} ({len(extra)} in all): an "
-                     "adapter for another architecture or a larger model")
+    shown = ", ".join(f"{n} {tuple(tensors[n].shape)}" for n in extra[:3])
+    raise ValueError(f"{weights}: unexpected tensors {shown} ({len(extra)} in all; expected "
+                     "none): the base disagrees: it has no such module (an adapter for another "
+                     "architecture or a larger model, or targets outside adapter_config.json's "
+                     "target_modules)")
   return found, adapters
+
+
+def _check_peft_shape(weights, module, peft_name, got, want, rank, cfg, layer, target):
+  """ValueError naming the module, both shapes and the side that disagrees: the adapter
+  (its rank axis is not adapter_config.json's r) or the base (its in / out features)."""
+  if got == want:
+    return
+  head = (f"{weights}: module {module}: tensor {module}.{peft_name}.weight has shape {got}, "
+          f"expected {want} ({'[r, in]' if peft_name == 'lora_A' else '[out, r]'})")
+  r_axis = 0 if peft_name == "lora_A" else 1
+  if len(got) != 2 or got[r_axis] != rank:
+    raise ValueError(f"{head}: the adapter disagrees: its rank axis is not r={rank} of "
+                     f"{CONFIG_FILE} (a damaged or mixed adapter)")
+  what, n_base, n_found = (("input", want[1], got[1]) if peft_name == "lora_A" else
+                           ("output", want[0], got[0]))
+  why = " (an adapter for another base model)"
+  if target == "q" and peft_name == "lora_B" and cfg.attn_output_gate:
+    why = (f"; this gated attention's q_proj holds each head's query and output gate, 2*N*H "
+           f"= {want[0]} outputs (an adapter over the query half alone has "
+           f"{cfg.n_heads * cfg.head_dim} rows: not peft's layout)")
+  raise ValueError(f"{head}: the base disagrees: its {module.rsplit('.', 1)[-1]} of {layer} "
+                   f"has {n_base} {what} features, the adapter's {n_found}{why}")
 
 
 def save_merged(model_dir: str, cfg: tfm.ModelConfig, base, adapters,
