@@ -12,7 +12,7 @@ base is a closed-over constant: no gradient, no optimizer state). With B = 0 at 
 adapted model starts as the base.
 
 PEFT: `save_peft` writes adapter_config.json + adapter_model.safetensors with the module
-names transformers' Llama/Qwen2/Qwen3/Mistral/Gemma 2/Gemma 3 use (lora_A.weight [r, in],
+names transformers' Llama/Qwen2/Qwen3/Mistral/Gemma 2/Gemma 3/Qwen3.5 use (lora_A.weight [r, in],
 lora_B.weight [out, r]); `load_peft` reads one back to continue training; `save_merged`
 writes the full merged checkpoint (`--merge`).
 """

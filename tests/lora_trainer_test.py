@@ -167,7 +167,8 @@ def test_lora_config_and_flags_refuse_bad_input(tmp_path):
                                            ("2x4", "")])
 def test_lora_step_shapes_on_trees_and_a_mesh(fanouts, mesh):
   """The tree and mesh paths take params_fn: traced, the step returns adapter-shaped params
-  and optimizer state; on a mesh the base keeps the parameter shardings (compile-free)."""
+  and optimizer state; on a mesh the base keeps the parameter shardings (compile-free). The
+  values on trees and a mesh: tests/lora_tree_test.py."""
   extra = (["train.n_branches=8", f"tree.fanouts={fanouts}", "task.name=tree_haystack",
             "task.sft_prompt_len=12"] if fanouts else ["train.n_branches=4"])
   cfg = lora_cfg(f"mesh={mesh}", *extra)
