@@ -39,6 +39,8 @@ TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 # our target -> the PEFT / transformers module name (the same in every supported family)
 PEFT_MODULES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
                 "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+# Qwen3.5's linear-attention (Gated DeltaNet) modules: real layers, no target of ours
+LINEAR_ATTENTION_MODULES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 
@@ -237,6 +239,11 @@ def _peft_config(adapter_dir: str) -> tuple[LoraConfig, str]:
     raise bad("target_modules", f"a list of module names among {sorted(PEFT_MODULES.values())}")
   ours = {v: k for k, v in PEFT_MODULES.items()}
   unknown = [m for m in modules if m not in ours]
+  linear = [m for m in unknown if m in LINEAR_ATTENTION_MODULES]
+  if linear:
+    raise ValueError(f"{path}: target_modules {linear}: Qwen3.5's Gated DeltaNet projections, "
+                     f"which lora.targets cannot adapt (expected among {sorted(ours)}: the "
+                     "gated attention's and every layer's MLP)")
   if unknown:
     raise ValueError(f"{path}: target_modules {unknown} name no layer of the supported "
                      f"families (expected among {sorted(ours)}): an adapter for another "

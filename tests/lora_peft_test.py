@@ -5,6 +5,7 @@ it -> the same logits, and write back peft's very tensors. Every import error na
 module, the expected and the found shape and the side (adapter or base) that disagrees."""
 
 import dataclasses
+import json
 import os
 
 import jax
@@ -121,6 +122,11 @@ def test_import_errors_name_module_shapes_and_side(tmp_path):
   hcfg = hybrid_config()
   (q,) = q_modules(hcfg)
   half = lambda t: t.__setitem__(f"{q}.lora_B.weight", t[f"{q}.lora_B.weight"][:32].copy())
+  linear = write(tmp_path, "linear", hcfg, random_adapters(hcfg))
+  config_path = os.path.join(linear, lora.CONFIG_FILE)
+  config = json.load(open(config_path))
+  json.dump({**config, "target_modules": ["q_proj", "in_proj_qkv"]}, open(config_path, "w"))
+  expect(linear, r"target_modules \['in_proj_qkv'\]: Qwen3.5's Gated DeltaNet projections", hcfg)
   expect(write(tmp_path, "half_q", hcfg, random_adapters(hcfg), half),
          rf"module {q}: .*lora_B.weight has shape \(32, 4\), expected \(64, 4\) .*the base "
          r"disagrees: its q_proj of layer_1 has 64 output features, the adapter's 32; this "
