@@ -109,10 +109,12 @@ def from_model_dir(model_dir: str, hf_config: dict, *, char_tokenizer: bool = Fa
   """The checkpoint's tokenizer.json as an HFTokenizer. A folder without one is an error
   unless `char_tokenizer` asks for the shipped CharTokenizer explicitly (then returned);
   a vocabulary larger than the checkpoint's embedding rows is an error."""
+  from models import gguf
   from models import hf  # the only place that imports `tokenizers`
-  path = os.path.join(model_dir, "tokenizer.json")
+  gguf_path = gguf.gguf_file(model_dir)  # a GGUF file: the tokenizer in its metadata
+  path = gguf_path or os.path.join(model_dir, "tokenizer.json")
   if char_tokenizer:
-    if os.path.exists(path):
+    if (gguf.has_tokenizer(gguf_path) if gguf_path else os.path.exists(path)):
       raise ValueError(f"{path}: the folder has its own tokenizer; the character tokenizer "
                        "(--char_tokenizer) would train on other ids than it was trained on")
     return TOKENIZER
