@@ -88,6 +88,10 @@ def smollm2_path() -> str:
   return path
 
 
+class _Truncated(Exception):
+  pass
+
+
 class _File:
   """One parsed GGUF file: metadata (python values) and its tensor records."""
 
@@ -95,8 +99,25 @@ class _File:
     import gguf as gguf_lib  # the `gguf` package (gguf==0.19.0), not this module
     self.path = path
     size = os.path.getsize(path)
+
+    class Reader(gguf_lib.GGUFReader):
+      def _build_tensors(self, start_offs, fields):  # bounds first: a truncated file is named
+        for field in fields:
+          _, name, _, dims, raw_dtype, offset = field.parts
+          qtype = gguf_lib.GGMLQuantizationType(int(raw_dtype[0]))
+          block, type_size = gguf_lib.GGML_QUANT_SIZES[qtype]
+          n_bytes = int(np.prod(dims)) * type_size // block
+          end = int(start_offs + offset[0]) + n_bytes
+          if end > size:
+            raise _Truncated(f"{path}: truncated: tensor {bytes(name).decode()} "
+                             f"({qtype.name}, {n_bytes} bytes) ends at byte {end}, the file "
+                             f"has {size}")
+        return super()._build_tensors(start_offs, fields)
+
     try:
-      reader = gguf_lib.GGUFReader(path)
+      reader = Reader(path)
+    except _Truncated as e:
+      raise ValueError(str(e)) from None
     except Exception as e:  # the reader raises ValueError, IndexError, ... on a bad file
       raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e}); "
                        f"truncated or not GGUF? ({size} bytes)") from None
