@@ -446,7 +446,9 @@ def to_hf(path: str, out_dir: str) -> None:
 
 def main(argv=None):
   import argparse
-  parser = argparse.ArgumentParser(prog="python -m models.gguf", description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(
+      prog="python -m models.gguf",
+      description="Export a GGUF file as a Hugging Face folder (safetensors + tokenizer).")
   parser.add_argument("file", help="a .gguf file (or 'smollm2' for the packaged one)")
   parser.add_argument("--to_hf", required=True, help="output folder (HF safetensors)")
   args = parser.parse_args(argv)
