@@ -70,11 +70,11 @@ def lora_options(fv, cfg):
     flag = "--merge" if fv.merge else "--adapter_dir"
     raise app.UsageError(f"{flag}: lora.rank=0 (LoRA off); {flag} needs a LoRA run, e.g. "
                          "--set=lora.rank=16")
-  from models import hf
+  from models import gguf, hf
   from models import lora as lora_lib
   family, extra = None, None
   if fv.model_dir:
-    extra = hf.read_config(fv.model_dir)
+    extra = gguf.read_model_config(fv.model_dir)  # an HF folder's config.json or a GGUF's
     family = hf.family_of(extra)
   adapters = None
   if fv.adapter_dir:
@@ -113,10 +113,10 @@ def config_from(fv):
   if fv.model_dir:  # an imported Hugging Face checkpoint (models/hf.py) replaces the model
     import dataclasses
     from branch_replay import tokenizer as tokenizer_lib
-    from models import hf
+    from models import gguf  # an HF folder (models/hf.py) or a GGUF file (models/gguf.py)
     try:
-      model_cfg, init_params = hf.load(fv.model_dir, dtype=fv.model_dtype)
-      tokenizer = tokenizer_lib.from_model_dir(fv.model_dir, hf.read_config(fv.model_dir),
+      model_cfg, init_params = gguf.load_model(fv.model_dir, dtype=fv.model_dtype)
+      tokenizer = tokenizer_lib.from_model_dir(fv.model_dir, gguf.read_model_config(fv.model_dir),
                                                char_tokenizer=fv.char_tokenizer)
     except ValueError as e:
       raise app.UsageError(f"--model_dir={fv.model_dir}: {e}")

@@ -54,11 +54,7 @@ class ChatTemplate:
 
 
 def load(model_dir: str) -> Optional[ChatTemplate]:
-  """The folder's chat template, or None when it has none (a GGUF file: its
-  tokenizer.chat_template, models/gguf.py)."""
-  from models import gguf
-  if (path := gguf.gguf_file(model_dir)) is not None:
-    return gguf.chat_template(path)
+  """The folder's chat template, or None when it has none."""
   config_path = os.path.join(model_dir, "tokenizer_config.json")
   config = {}
   if os.path.exists(config_path):

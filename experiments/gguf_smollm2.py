@@ -31,18 +31,18 @@ def main(argv):
   from branch_replay import sampler
   from branch_replay import tokenizer as tokenizer_lib
   from experiments import provenance
-  from models import gguf, hf
+  from models import gguf
   t_import = time.perf_counter() - t0
   path = gguf.smollm2_path()
   t = time.perf_counter()
   gguf.open_file(path)
   t_metadata = time.perf_counter() - t
   t = time.perf_counter()
-  cfg, params = hf.load(path)
+  cfg, params = gguf.load(path)
   jax.block_until_ready(params)
   t_weights = time.perf_counter() - t
   t = time.perf_counter()
-  tok = tokenizer_lib.from_model_dir(path, hf.read_config(path))
+  tok = tokenizer_lib.from_model_dir(path, gguf.read_config(path))
   t_tokenizer = time.perf_counter() - t
   writer = provenance.ResultsWriter(FLAGS.out, "gguf_smollm2")
   writer.write(dict(what="load", file=os.path.basename(path), bytes=os.path.getsize(path),

@@ -4,11 +4,11 @@ config.json dict (`read_config`), the tensors are dequantized with `gguf`'s own 
 dequantizers and renamed to HF names (llama.cpp's Q/K row permutation undone), and
 `hf.params_from_tensors` builds the same parameter tree an HF folder gives. So a GGUF run is
 an HF-folder run: `run.py --model_dir=FILE.gguf` (or a folder holding exactly one .gguf and no
-config.json) goes through the same hf.load / hf.read_config / hf.load_tokenizer /
-hf.generation_eos_ids / chat.load calls, which hand a GGUF path to this module.
+config.json): run.py reads --model_dir through `load_model` / `read_model_config` and
+`tokenizer.from_model_dir` takes the tokenizer, chat template and stop ids from here.
 
   path = gguf.smollm2_path()             # the packaged SmolLM2-135M-Instruct.Q4_1.gguf
-  cfg, params = gguf.load(path)          # == hf.load(path)
+  cfg, params = gguf.load(path)          # as hf.load(folder)
   tok = gguf.load_tokenizer(path)        # tokenizers.Tokenizer (byte-level BPE)
   python -m models.gguf --to_hf=DIR FILE.gguf   # export an HF safetensors folder
 
@@ -72,6 +72,18 @@ def gguf_file(model_dir: str) -> Optional[str]:
     raise ValueError(f"{model_dir}: {len(files)} .gguf files ({[os.path.basename(f) for f in files]})"
                      " and no config.json: pass --model_dir=<one of them>.gguf")
   return files[0] if files else None
+
+
+def read_model_config(model_dir: str) -> dict:
+  """--model_dir's config.json dict: a GGUF file's (read_config), else the HF folder's."""
+  path = gguf_file(model_dir)
+  return read_config(path) if path else hf.read_config(model_dir)
+
+
+def load_model(model_dir: str, dtype: str = "float32", param_dtype: Optional[str] = None):
+  """--model_dir's (ModelConfig, params): a GGUF file (load), else hf.load of the folder."""
+  path = gguf_file(model_dir)
+  return load(path, dtype, param_dtype) if path else hf.load(model_dir, dtype, param_dtype)
 
 
 def smollm2_path() -> str:
@@ -332,7 +344,7 @@ def has_tokenizer(path: str) -> bool:
 
 
 def load_tokenizer(path: str):
-  """The tokenizer the metadata describes, as a `tokenizers.Tokenizer`: byte-level BPE from
+  """The tokenizer the metadata describes, as a `tokenizers.Tokenizer` (as hf.load_tokenizer): byte-level BPE from
   tokenizer.ggml.tokens/merges, control tokens (token_type 3) added as special tokens and
   user-defined ones (4) as added tokens, so chat markers such as <|im_start|> stay whole.
   A file without tokenizer metadata is an error naming the missing key."""

@@ -416,18 +416,7 @@ def _safetensors_files(model_dir: str) -> list[str]:
   return files
 
 
-def _gguf_file(model_dir: str) -> Optional[str]:
-  """The GGUF file a model_dir names (a .gguf path, or a folder's one .gguf without
-  config.json: models/gguf.py), else None."""
-  from models import gguf
-  return gguf.gguf_file(model_dir)
-
-
 def read_config(model_dir: str) -> dict:
-  """The folder's config.json dict (for a GGUF file: the one its metadata describes)."""
-  if (path := _gguf_file(model_dir)) is not None:
-    from models import gguf
-    return gguf.read_config(path)
   path = os.path.join(model_dir, "config.json")
   if not os.path.exists(path):
     raise ValueError(f"{path}: missing (a Hugging Face folder needs config.json)")
@@ -439,11 +428,7 @@ def load(model_dir: str, dtype: str = "float32", param_dtype: Optional[str] = No
   """A local Hugging Face folder -> (ModelConfig, params). `dtype` is the compute dtype
   ('float32', 'bfloat16' or 'float64', the latter needs jax x64); the parameters are float32
   "master weights" (exact for bf16 checkpoints) unless `param_dtype` says otherwise, so an
-  optimizer update at a fine-tuning learning rate is not rounded away. A GGUF file (or a
-  folder holding one and no config.json) loads through models/gguf.py."""
-  if (path := _gguf_file(model_dir)) is not None:
-    from models import gguf
-    return gguf.load(path, dtype, param_dtype)
+  optimizer update at a fine-tuning learning rate is not rounded away."""
   for name, value in (("dtype", dtype), ("param_dtype", param_dtype)):
     if value is not None and value not in tfm.DTYPES:
       raise ValueError(f"{name}={value!r}: expected one of {sorted(tfm.DTYPES)}")
@@ -494,11 +479,7 @@ def save(model_dir: str, cfg: tfm.ModelConfig, params, family: Optional[str] = N
 
 def load_tokenizer(model_dir: str):
   """The folder's tokenizer.json as a `tokenizers.Tokenizer` (a required dependency); None
-  when the folder has no tokenizer.json. A GGUF file: the tokenizer its metadata describes
-  (an error when it has none)."""
-  if (path := _gguf_file(model_dir)) is not None:
-    from models import gguf
-    return gguf.load_tokenizer(path)
+  when the folder has no tokenizer.json."""
   path = os.path.join(model_dir, "tokenizer.json")
   if not os.path.exists(path):
     return None
@@ -511,10 +492,7 @@ def load_tokenizer(model_dir: str):
 
 def generation_eos_ids(model_dir: str) -> tuple[int, ...]:
   """generation_config.json's eos_token_id (an int or a list: chat models often stop at
-  several, e.g. <|im_end|> and <|endoftext|>); () when the folder has no such file (or is a
-  GGUF file, which carries one eos id, in read_config)."""
-  if _gguf_file(model_dir) is not None:
-    return ()
+  several, e.g. <|im_end|> and <|endoftext|>); () when the folder has no such file."""
   path = os.path.join(model_dir, "generation_config.json")
   if not os.path.exists(path):
     return ()

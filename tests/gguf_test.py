@@ -15,7 +15,6 @@ import gguf as gguf_lib  # the `gguf` package
 from gguf import quants
 import tokenizers
 
-from branch_replay import chat
 from branch_replay import tokenizer as tokenizer_lib
 from models import gguf
 from models import hf
@@ -207,7 +206,7 @@ def test_f32_gguf_loads_as_the_hf_folder(models, folders, vocab, tmp_path, famil
   """F32: bitwise the HF folder's parameters (the permutation undone exactly), the same
   ModelConfig, and transformers' GGUF load's logits."""
   path = write_gguf(tmp_path / "m.gguf", models[family], vocab)
-  cfg, params = hf.load(path)
+  cfg, params = gguf.load(path)
   ref_cfg, ref_params = hf.load(folders[family])
   assert cfg == ref_cfg
   jax.tree.map(np.testing.assert_array_equal, params, ref_params)
@@ -220,7 +219,7 @@ def test_f32_gguf_loads_as_the_hf_folder(models, folders, vocab, tmp_path, famil
 @pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
 def test_quantized_gguf_logits_equal_transformers(models, vocab, tmp_path, qtype):
   path = write_gguf(tmp_path / "m.gguf", models["llama"], vocab, qtype=Q[qtype])
-  cfg, params = hf.load(path)
+  cfg, params = gguf.load(path)
   tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 12))
   ref = transformers_logits(path, tokens)
   assert np.abs(ref).max() > 0.1
@@ -236,7 +235,7 @@ def test_q8_0_dequantizes_as_its_block_formula(models, vocab, tmp_path):
   d = blocks[..., :2].copy().view(np.float16).astype(np.float32)
   q = blocks[..., 2:].copy().view(np.int8).astype(np.float32)
   want = (d * q).reshape(raw.shape[0], -1)
-  cfg, params = hf.load(path)
+  cfg, params = gguf.load(path)
   got = hf.tensors_from_params(cfg, params)["model.layers.0.self_attn.v_proj.weight"]
   np.testing.assert_array_equal(got, want)
   orig = models["llama"].model.layers[0].self_attn.v_proj.weight.detach().numpy()
@@ -246,9 +245,9 @@ def test_q8_0_dequantizes_as_its_block_formula(models, vocab, tmp_path):
 @pytest.mark.parametrize("pre", ["smollm", "llama-bpe", "qwen2"])
 def test_tokenizer_encodes_as_transformers(models, vocab, tmp_path, pre):
   path = write_gguf(tmp_path / "m.gguf", models["llama"], vocab, pre=pre)
-  ours = hf.load_tokenizer(path)
+  ours = gguf.load_tokenizer(path)
   ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="m.gguf")
-  template = chat.load(path)
+  template = gguf.chat_template(path)
   rendered, _ = template.render("What is 17 + 25?  ünï 🙂")
   for text in (TEXT, rendered, " 12  34\n\n x", "日本語🙂"):
     ids = ours.encode(text, add_special_tokens=False).ids
@@ -295,7 +294,7 @@ def test_run_and_export_see_what_an_hf_folder_gives(models, vocab, tmp_path):
 def test_unsupported_architecture_is_named(models, vocab, tmp_path):
   path = write_gguf(tmp_path / "m.gguf", models["llama"], vocab, arch="gpt2")
   with pytest.raises(ValueError, match=r"general.architecture='gpt2': unsupported .*llama"):
-    hf.load(path)
+    gguf.load(path)
 
 
 def test_unsupported_quantization_type_is_named(models, vocab, tmp_path):
@@ -303,7 +302,7 @@ def test_unsupported_quantization_type_is_named(models, vocab, tmp_path):
                     tensor_types={"blk.1.ffn_up.weight": Q.TQ1_0})
   with pytest.raises(ValueError, match=r"tensor blk.1.ffn_up.weight has type TQ1_0: "
                      r"unsupported quantization type \(supported: F32, F16, BF16"):
-    hf.load(path)
+    gguf.load(path)
 
 
 def test_truncated_file_is_named(models, vocab, tmp_path):
@@ -317,7 +316,7 @@ def test_truncated_file_is_named(models, vocab, tmp_path):
     short = tmp_path / f"cut{cut}.gguf"
     short.write_bytes(data[:cut])
     with pytest.raises(ValueError, match=match):
-      hf.load(str(short))
+      gguf.load(str(short))
 
 
 def test_missing_tokenizer_metadata_is_named(models, vocab, tmp_path):
@@ -325,11 +324,11 @@ def test_missing_tokenizer_metadata_is_named(models, vocab, tmp_path):
   from absl import app
   path = write_gguf(tmp_path / "m.gguf", models["llama"], vocab, tokenizer=False)
   with pytest.raises(ValueError, match=r"no tokenizer metadata \(tokenizer.ggml.model is missing"):
-    hf.load_tokenizer(path)
+    gguf.load_tokenizer(path)
   with pytest.raises(app.UsageError, match=r"m.gguf: .*no tokenizer metadata"):
     run.parse(["run.py", f"--model_dir={path}"])
   # --char_tokenizer trains on the shipped one, as for an HF folder without tokenizer.json
-  cfg = hf.read_config(path)
+  cfg = gguf.read_config(path)
   assert tokenizer_lib.from_model_dir(path, cfg, char_tokenizer=True) is tokenizer_lib.TOKENIZER
   with_tok = write_gguf(tmp_path / "t.gguf", models["llama"], vocab)
   with pytest.raises(ValueError, match="has its own tokenizer"):
@@ -339,14 +338,14 @@ def test_missing_tokenizer_metadata_is_named(models, vocab, tmp_path):
 def test_sentencepiece_vocabulary_is_a_clear_error(models, vocab, tmp_path):
   path = write_gguf(tmp_path / "m.gguf", models["llama"], vocab, tokenizer_model="llama")
   with pytest.raises(ValueError, match=r"tokenizer.ggml.model='llama': unsupported"):
-    hf.load_tokenizer(path)
+    gguf.load_tokenizer(path)
 
 
 def test_folder_with_two_gguf_files_is_an_error(models, vocab, tmp_path):
   write_gguf(tmp_path / "a.gguf", models["llama"], vocab)
   shutil.copy(tmp_path / "a.gguf", tmp_path / "b.gguf")
   with pytest.raises(ValueError, match=r"2 .gguf files \(\['a.gguf', 'b.gguf'\]\)"):
-    hf.read_config(str(tmp_path))
+    gguf.read_model_config(str(tmp_path))
 
 
 def test_smollm2_path_names_the_install_command(monkeypatch):
