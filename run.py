@@ -4,11 +4,19 @@
   python run.py --experiment=grpo_arithmetic --set=train.rl_steps=100 --workdir=/tmp/arith
   python run.py --mode=naive                      # the same run through the naive twin
   python run.py --model_dir=PATH                  # train an imported Hugging Face checkpoint
+  python run.py --model_dir=FILE.gguf             # or a GGUF file (models/gguf.py), e.g.
+  python run.py --model_dir=$(python -c "from models import gguf; print(gguf.smollm2_path())")
+                                                  # the packaged SmolLM2-135M-Instruct Q4_1
   python run.py --model_dir=PATH --set=lora.rank=16 --merge
                                                   # LoRA: WORKDIR/adapter (PEFT) + WORKDIR/merged
   python run.py --mesh=data:2,fsdp:2,context:2    # sharded over 8 devices (branch_replay/sharding.py)
   python run.py --mesh=... --coordinator_address=HOST0:1234 --num_processes=N --process_id=I
                                                   # one per host, all with the same flags
+
+--model_dir takes a Hugging Face folder (config.json, *.safetensors, tokenizer.json, ...), a
+.gguf file, or a folder holding exactly one .gguf and no config.json. A GGUF run is an HF-folder
+run: the same ModelConfig, parameter layout, tokenizer, chat template and stop ids, read from
+the file's metadata (docs/architectures.md#gguf-files).
 
 Re-running with the same --workdir resumes from its latest checkpoint.
 """
@@ -39,10 +47,12 @@ def define_flags(fv: flags.FlagValues) -> flags.FlagValues:
   flags.DEFINE_integer("num_processes", None, "Multi-host: how many processes.", flag_values=fv)
   flags.DEFINE_integer("process_id", None, "Multi-host: this process's index.", flag_values=fv)
   flags.DEFINE_string("model_dir", None, "A Hugging Face folder (config.json, *.safetensors, "
-                      "optional tokenizer.json) to train from instead of the experiment's model.",
+                      "optional tokenizer.json), a .gguf file, or a folder holding one .gguf "
+                      "(and no config.json) to train from instead of the experiment's model.",
                       flag_values=fv)
   flags.DEFINE_bool("char_tokenizer", False, "With --model_dir: train on the shipped character "
-                    "tokenizer (only for a folder without tokenizer.json).", flag_values=fv)
+                    "tokenizer (only for a folder without tokenizer.json, or a GGUF without "
+                    "tokenizer metadata).", flag_values=fv)
   flags.DEFINE_enum("model_dtype", "float32", ["float32", "bfloat16"],
                     "compute dtype of --model_dir (parameters and AdamW state stay float32)",
                     flag_values=fv)
@@ -60,11 +70,11 @@ def lora_options(fv, cfg):
     flag = "--merge" if fv.merge else "--adapter_dir"
     raise app.UsageError(f"{flag}: lora.rank=0 (LoRA off); {flag} needs a LoRA run, e.g. "
                          "--set=lora.rank=16")
-  from models import hf
+  from models import gguf, hf
   from models import lora as lora_lib
   family, extra = None, None
   if fv.model_dir:
-    extra = hf.read_config(fv.model_dir)
+    extra = gguf.read_model_config(fv.model_dir)  # an HF folder's config.json or a GGUF's
     family = hf.family_of(extra)
   adapters = None
   if fv.adapter_dir:
@@ -103,10 +113,10 @@ def config_from(fv):
   if fv.model_dir:  # an imported Hugging Face checkpoint (models/hf.py) replaces the model
     import dataclasses
     from branch_replay import tokenizer as tokenizer_lib
-    from models import hf
+    from models import gguf  # an HF folder (models/hf.py) or a GGUF file (models/gguf.py)
     try:
-      model_cfg, init_params = hf.load(fv.model_dir, dtype=fv.model_dtype)
-      tokenizer = tokenizer_lib.from_model_dir(fv.model_dir, hf.read_config(fv.model_dir),
+      model_cfg, init_params = gguf.load_model(fv.model_dir, dtype=fv.model_dtype)
+      tokenizer = tokenizer_lib.from_model_dir(fv.model_dir, gguf.read_model_config(fv.model_dir),
                                                char_tokenizer=fv.char_tokenizer)
     except ValueError as e:
       raise app.UsageError(f"--model_dir={fv.model_dir}: {e}")

@@ -109,14 +109,16 @@ def from_model_dir(model_dir: str, hf_config: dict, *, char_tokenizer: bool = Fa
   """The checkpoint's tokenizer.json as an HFTokenizer. A folder without one is an error
   unless `char_tokenizer` asks for the shipped CharTokenizer explicitly (then returned);
   a vocabulary larger than the checkpoint's embedding rows is an error."""
+  from models import gguf
   from models import hf  # the only place that imports `tokenizers`
-  path = os.path.join(model_dir, "tokenizer.json")
+  gguf_path = gguf.gguf_file(model_dir)  # a GGUF file: the tokenizer in its metadata
+  path = gguf_path or os.path.join(model_dir, "tokenizer.json")
   if char_tokenizer:
-    if os.path.exists(path):
+    if (gguf.has_tokenizer(gguf_path) if gguf_path else os.path.exists(path)):
       raise ValueError(f"{path}: the folder has its own tokenizer; the character tokenizer "
                        "(--char_tokenizer) would train on other ids than it was trained on")
     return TOKENIZER
-  tok = hf.load_tokenizer(model_dir)
+  tok = gguf.load_tokenizer(gguf_path) if gguf_path else hf.load_tokenizer(model_dir)
   if tok is None:
     raise ValueError(f"{path}: missing; the checkpoint's text needs its tokenizer (pass "
                      "--char_tokenizer to train on the shipped character tokenizer instead)")
@@ -133,7 +135,7 @@ def from_model_dir(model_dir: str, hf_config: dict, *, char_tokenizer: bool = Fa
                      "stop token")
   from branch_replay import chat
   bos = eos if bos is None else bos
-  template = chat.load(model_dir)
+  template = gguf.chat_template(gguf_path) if gguf_path else chat.load(model_dir)
   if template is not None and template.eos_token:  # a chat model's turns end with its EOS
     eos_id = tok.token_to_id(template.eos_token)
     if eos_id is None:
@@ -142,7 +144,7 @@ def from_model_dir(model_dir: str, hf_config: dict, *, char_tokenizer: bool = Fa
     eos = eos_id
   config_eos = hf_config.get("eos_token_id")
   config_eos = list(config_eos) if isinstance(config_eos, (list, tuple)) else [config_eos]
-  stops = [*config_eos, *hf.generation_eos_ids(model_dir)]
+  stops = [*config_eos, *(() if gguf_path else hf.generation_eos_ids(model_dir))]
   for i in stops:
     if not 0 <= int(i) < (rows or vocab):
       raise ValueError(f"{model_dir}: eos_token_id {i} is outside the vocabulary "
