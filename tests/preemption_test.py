@@ -1,0 +1,315 @@
+"""Runs that survive the cluster (docs/training.md, "Preemption and faults"): SIGTERM/SIGINT
+checkpoint the step in progress and the same call resumes as if never stopped; the grace
+bound; every process stops after the same step; a damaged newest checkpoint, a torn
+metrics line, a full disk during a save or a metrics write; a reward that hangs.
+
+The loop's own logic runs with trainer_test's `_Counting` algorithm (no train step to
+compile, real orbax checkpoints); the GRPO runs and two processes are `slow`."""
+
+import errno
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from branch_replay import checkpoint, metrics, preemption, rewards, tasks, trainer
+from branch_replay import state as train_state
+from trainer_test import _Counting, _loop_cfg
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _records(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]  # every line (read() would hide a duplicate)
+
+
+def _steps(workdir):
+  return [r["step"] for r in _records(workdir)]
+
+
+def _params_after(n_steps):
+  """The first parameter leaf after `n_steps` of _Counting (+1 each, float32, in order)."""
+  expected = jax.tree.leaves(train_state.init_state(_loop_cfg()).params)[0]
+  for _ in range(n_steps):
+    expected = expected + 1
+  return np.asarray(expected)
+
+
+def _first_leaf(summary):
+  return np.asarray(jax.tree.leaves(summary["final_params"])[0])
+
+
+def _signal_at(signum, at_step):
+  class SignalAt(_Counting):
+    def update(self, state, batch, step):
+      if step == at_step:  # arrives mid-step (before the update), as a scheduler's would
+        os.kill(os.getpid(), signum)
+      return super().update(state, batch, step)
+  return SignalAt
+
+
+# ----------------------------------------------------------------------------- (1) preemption
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["term", "int"])
+def test_signal_finishes_the_step_checkpoints_it_and_the_same_call_resumes(tmp_path, signum):
+  handlers = {s: signal.getsignal(s) for s in preemption.SIGNALS}
+  workdir = str(tmp_path / "w")
+  cfg = _loop_cfg("train.rl_steps=4", "train.checkpoint_every=100")  # no periodic save
+  with pytest.raises(preemption.Preempted, match=r"stopped after step 2; checkpoint 3 "
+                     r"written in .*run the same command to resume at step 3") as stopped:
+    trainer.run(cfg, workdir, _signal_at(signum, 2))
+  assert (stopped.value.step, stopped.value.signum) == (3, signum)
+  assert preemption.exit_code(signum) == 128 + signum
+  assert {s: signal.getsignal(s) for s in preemption.SIGNALS} == handlers  # restored
+  assert _steps(workdir) == [0, 1, 2]  # the step in progress finished and was logged
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["3"]
+  resumed = trainer.run(cfg, workdir, _Counting)
+  assert _Counting.made[-1].steps == [3, 4]
+  assert _steps(workdir) == [0, 1, 2, 3, 4]  # each once
+  np.testing.assert_array_equal(_first_leaf(resumed), _params_after(5))
+  full = trainer.run(cfg, str(tmp_path / "full"), _Counting)
+  untimed = lambda rs: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rs]
+  assert untimed(_records(workdir)) == untimed(_records(full["workdir"]))
+
+
+def test_signal_before_the_first_step_saves_nothing_new(tmp_path):
+  class SignalWhileCompiling(_Counting):
+    def __init__(self, *a, **k):
+      super().__init__(*a, **k)
+      os.kill(os.getpid(), signal.SIGTERM)
+
+  workdir = str(tmp_path / "w")
+  with pytest.raises(preemption.Preempted, match="stopped before step 0 .nothing new") as e:
+    trainer.run(_loop_cfg(), workdir, SignalWhileCompiling)
+  assert not e.value.saved and not os.path.exists(os.path.join(workdir, "metrics.jsonl"))
+  assert trainer.run(_loop_cfg(), workdir, _Counting)["records"][-1]["step"] == 2
+
+
+def test_every_process_stops_after_the_same_step(monkeypatch):
+  """Only process 1 was signalled; the per-step gather tells process 0 (faked: what
+  process_allgather returns on two processes)."""
+  from jax.experimental import multihost_utils
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  gathered = []
+  monkeypatch.setattr(multihost_utils, "process_allgather",
+                      lambda x: (gathered.append(int(x)), np.asarray([int(x), peer]))[1])
+  guard = preemption.Guard(5.0)
+  peer = 0
+  assert not guard.agreed() and guard.signum is None
+  peer = int(signal.SIGTERM)
+  assert guard.agreed() and guard.signum == signal.SIGTERM
+  assert gathered == [0, 0]  # this process sent "not signalled" both times
+
+
+def _guard_script(body):
+  return subprocess.run(
+      [sys.executable, "-c", "import os, signal, sys, time\n"
+       f"sys.path.insert(0, {ROOT!r})\nfrom branch_replay import preemption\n" + body],
+      capture_output=True, text=True, timeout=60)
+
+
+def test_grace_bounds_the_exit():
+  """A step that never ends: EXIT_GRACE once train.preemption_grace_s has passed; a
+  second signal does not wait for it."""
+  out = _guard_script("t0 = time.time()\nwith preemption.Guard(0.5):\n"
+                      "  os.kill(os.getpid(), signal.SIGTERM)\n  time.sleep(30)\n")
+  assert out.returncode == preemption.EXIT_GRACE, out.stderr
+  assert "preemption_grace_s=0.5 s ran out: exiting now (124)" in out.stderr
+  out = _guard_script("with preemption.Guard(30):\n  os.kill(os.getpid(), signal.SIGINT)\n"
+                      "  time.sleep(0.2)\n  os.kill(os.getpid(), signal.SIGINT)\n"
+                      "  time.sleep(30)\n")
+  assert out.returncode == preemption.EXIT_GRACE and "a second SIGINT" in out.stderr
+
+
+# ----------------------------------------------------------------------------- (4) damage
+
+
+def _three_checkpoints(workdir):
+  trainer.run(_loop_cfg("train.keep_checkpoints=3"), workdir, _Counting)
+  return os.path.join(workdir, "checkpoints")
+
+
+def _largest_data_file(step_dir):
+  files = glob.glob(os.path.join(step_dir, "**", "d", "*"), recursive=True)
+  return max(files, key=os.path.getsize)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_damaged_newest_checkpoint_is_named_and_the_previous_resumes(tmp_path, capfd, damage):
+  workdir = str(tmp_path / "w")
+  directory = _three_checkpoints(workdir)
+  if damage == "truncated":  # a copy or a disk cut short
+    path = _largest_data_file(os.path.join(directory, "3"))
+    with open(path, "r+b") as f:
+      f.truncate(os.path.getsize(path) // 2)
+  else:
+    os.remove(os.path.join(directory, "3", "default", "_METADATA"))
+  capfd.readouterr()
+  resumed = trainer.run(_loop_cfg("train.rl_steps=4", "train.keep_checkpoints=3"), workdir,
+                        _Counting)
+  err = capfd.readouterr().err
+  assert f"checkpoint {os.path.join(directory, '3')} does not restore" in err, err
+  assert "resuming from step 2" in err
+  assert _Counting.made[-1].steps == [2, 3, 4]
+  assert [os.path.basename(p).split(".")[0]
+          for p in glob.glob(os.path.join(workdir, checkpoint.DAMAGED, "*"))] == ["3"]
+  assert _steps(workdir) == [0, 1, 2, 3, 4]  # steps 2.. logged once (repaired, redone)
+  np.testing.assert_array_equal(_first_leaf(resumed), _params_after(5))
+
+
+def test_no_checkpoint_that_restores_is_a_refusal_that_moves_nothing(tmp_path):
+  workdir = str(tmp_path / "w")
+  directory = _three_checkpoints(workdir)
+  for step in ("1", "2", "3"):
+    os.remove(os.path.join(directory, step, "default", "_METADATA"))
+  with pytest.raises(ValueError, match=r"(?s)checkpoint .*checkpoints/3 does not restore .* no "
+                     r"older checkpoint does either \(3, 2, 1 tried\): .*move checkpoints/ "
+                     r"aside"):
+    trainer.run(_loop_cfg(), workdir, _Counting)
+  assert sorted(os.listdir(directory)) == ["1", "2", "3"]
+
+
+def test_torn_metrics_line_is_repaired_on_resume_and_named(tmp_path, capfd):
+  workdir = str(tmp_path / "w")
+  trainer.run(_loop_cfg("train.rl_steps=1"), workdir, _Counting)  # steps 0, 1; checkpoint 2
+  with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
+    f.write('{"kind": "train", "step": 2, "loss/po')  # a kill mid-write
+  capfd.readouterr()
+  trainer.run(_loop_cfg(), workdir, _Counting)
+  err = capfd.readouterr().err
+  assert "metrics.jsonl: repaired: dropped 1 torn line(s) (line 3" in err, err
+  assert _steps(workdir) == [0, 1, 2]
+
+
+def test_repair_drops_the_steps_a_resume_redoes_and_keeps_a_finished_runs_eval(tmp_path):
+  path = str(tmp_path / "metrics.jsonl")
+  lines = [{"step": 0, "kind": "eval"}, {"step": 0}, {"step": 1}, {"step": 2},
+           {"step": 2, "kind": "eval"}]
+  write = lambda: open(path, "w").write("".join(json.dumps(r) + "\n" for r in lines))
+  write()
+  assert metrics.repair(path, 2, 2) is None  # finished: nothing to redo, nothing torn
+  assert "dropped 3 record(s) of steps >= 1" in metrics.repair(path, 1, 2)
+  assert [json.loads(x) for x in open(path)] == lines[:2]
+  write()
+  metrics.repair(path, 0, 2)  # no checkpoint: everything is redone
+  assert open(path).read() == ""
+
+
+def _fail_finalize_of(monkeypatch, step, error):
+  from orbax.checkpoint._src.path import atomicity
+  finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
+  async def fail(self, *a, **k):
+    if self._final_path.name == str(step):
+      raise error
+    return await finalize(self, *a, **k)
+  monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", fail)
+
+
+@pytest.mark.parametrize("asynchronous", [True, False], ids=["async", "sync"])
+def test_full_disk_during_a_save_names_it_and_keeps_the_previous(tmp_path, monkeypatch,
+                                                                 asynchronous):
+  workdir = str(tmp_path / "w")
+  cfg = _loop_cfg(f"train.async_checkpoints={str(asynchronous).lower()}")
+  _fail_finalize_of(monkeypatch, 2, OSError(errno.ENOSPC, "No space left on device"))
+  with pytest.raises(checkpoint.StorageError, match=r"checkpoint save of step 2 in .*"
+                     r"checkpoints failed: No space left on device \(ENOSPC\); the previous "
+                     r"checkpoint \(step 1\) is intact") as e:
+    trainer.run(cfg, workdir, _Counting)
+  assert e.value.errno == errno.ENOSPC
+  monkeypatch.undo()
+  resumed = trainer.run(_loop_cfg(), workdir, _Counting)  # restores 1: the previous, intact
+  assert _Counting.made[-1].steps == ["start", 1, 2]
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2", "3"]  # tmp gone
+  np.testing.assert_array_equal(_first_leaf(resumed), _params_after(3))
+
+
+def test_full_disk_during_a_metrics_write_names_it(tmp_path, monkeypatch):
+  workdir = str(tmp_path / "w")
+  real_open = open
+
+  class Full:
+    def __init__(self, f):
+      self.f = f
+
+    def __enter__(self):
+      return self
+
+    def __exit__(self, *exc):
+      self.f.close()
+
+    def write(self, text):
+      if '"step": 2' in text:
+        self.f.write(text[:10])  # half a line, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+      return self.f.write(text)
+
+    def flush(self):
+      self.f.flush()
+
+  monkeypatch.setattr(metrics, "open", lambda *a, **k: Full(real_open(*a, **k)), raising=False)
+  with pytest.raises(checkpoint.StorageError, match=r"metrics.jsonl: appending the train "
+                     r"record of step 2 failed: No space left on device \(ENOSPC\)"):
+    trainer.run(_loop_cfg(), workdir, _Counting)
+  monkeypatch.undo()
+  trainer.run(_loop_cfg(), workdir, _Counting)
+  assert _steps(workdir) == [0, 1, 2]
+
+
+# ----------------------------------------------------------------------------- (5) rewards
+
+
+def _examples(n):
+  return [tasks.Example(prompt=f"prompt {i}", answer="a", source=f"data.jsonl:{i + 1}")
+          for i in range(n)]
+
+
+def _hangs_on(index, seconds=30.0):
+  import time
+
+  def reward(examples, completions):
+    if any(e.source == f"data.jsonl:{index + 1}" for e in examples):
+      time.sleep(seconds)
+    return [1.0] * len(examples)
+  return rewards.Reward("hangs", reward)
+
+
+def test_reward_that_hangs_stops_naming_the_example():
+  with rewards.time_limit(0.3):
+    with pytest.raises(rewards.RewardTimeout, match=r"reward 'hangs' did not return within "
+                       r"train.reward_timeout_s=0.3 s on 6 completions; data.jsonl:3 example 2 "
+                       r"branch 0 \(prompt 'prompt 2'"):
+      rewards.compute(_hangs_on(2), _examples(3), [["a", "b"]] * 3)
+    # Slow as a batch, quick alone: said so.
+    slow = rewards.Reward("slow", lambda ex, c: (__import__("time").sleep(0.1 * len(ex)),
+                                                 [0.0] * len(ex))[1])
+    with pytest.raises(rewards.RewardTimeout, match="the batch as a whole is too slow"):
+      rewards.compute(slow, _examples(3), [["a", "b"]] * 3)
+    # Quick: the same values as without a limit; an error or a NaN as before.
+    quick = rewards.REWARDS["exact_match"]
+    np.testing.assert_array_equal(rewards.compute(quick, _examples(2), [["a", "b"]] * 2),
+                                  [[1, 0], [1, 0]])
+    with pytest.raises(ValueError, match="reward 'nan' returned nan for data.jsonl:1 example 0"):
+      rewards.compute(rewards.Reward("nan", lambda e, c: [float("nan")] * len(e)),
+                      _examples(1), [["a"]])
+  with pytest.raises(ValueError, match=r"train.reward_timeout_s=-1.0: expected a finite number"):
+    _loop_cfg("train.reward_timeout_s=-1")
+
+
+def test_the_run_applies_its_reward_timeout(tmp_path):
+  class HangingReward(_Counting):
+    def batch(self, state, step):
+      rewards.compute(_hangs_on(0), _examples(1), [["a"]])
+      return super().batch(state, step)
+
+  with pytest.raises(rewards.RewardTimeout, match="reward_timeout_s=0.2 s .* data.jsonl:1"):
+    trainer.run(_loop_cfg("train.reward_timeout_s=0.2"), str(tmp_path / "w"), HangingReward)
+  assert rewards._LIMIT_S[0] == 0.0  # restored after the run
