@@ -4,7 +4,13 @@ bound; every process stops after the same step; a damaged newest checkpoint, a t
 metrics line, a full disk during a save or a metrics write; a reward that hangs.
 
 The loop's own logic runs with trainer_test's `_Counting` algorithm (no train step to
-compile, real orbax checkpoints); the GRPO runs and two processes are `slow`."""
+compile, real orbax checkpoints); the GRPO runs and two processes are `slow`.
+
+Run as a script, this file is one process of a two-process GRPO run (multihost_test's
+harness) that SIGTERMs itself inside step --term_at_step when it is process --term_process:
+  python tests/preemption_test.py --coordinator_address=localhost:PORT --process_id=I \\
+      --workdir=DIR [--term_at_step=N --term_process=P]
+"""
 
 import errno
 import glob
@@ -14,15 +20,17 @@ import signal
 import subprocess
 import sys
 
-import jax
-import numpy as np
-import pytest
-
-from branch_replay import checkpoint, metrics, preemption, rewards, tasks, trainer
-from branch_replay import state as train_state
-from trainer_test import _Counting, _loop_cfg
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if __name__ == "__main__":  # a worker process (below): the repository on the path
+  sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from branch_replay import checkpoint, metrics, preemption, rewards, tasks, trainer  # noqa: E402
+from branch_replay import state as train_state  # noqa: E402
+from trainer_test import _Counting, _loop_cfg  # noqa: E402
 
 
 def _records(workdir):
@@ -313,3 +321,119 @@ def test_the_run_applies_its_reward_timeout(tmp_path):
   with pytest.raises(rewards.RewardTimeout, match="reward_timeout_s=0.2 s .* data.jsonl:1"):
     trainer.run(_loop_cfg("train.reward_timeout_s=0.2"), str(tmp_path / "w"), HangingReward)
   assert rewards._LIMIT_S[0] == 0.0  # restored after the run
+
+
+# ----------------------------------------------------------------------------- slow: GRPO
+
+
+def _grpo(*overrides):
+  from run_test import tiny
+  return tiny("train.rl_steps=3", "train.checkpoint_every=100", *overrides)
+
+
+@pytest.mark.slow  # three tiny GRPO runs (compilation shared): ~1 min on an idle 2-core CPU
+def test_grpo_sigterm_then_the_same_call_resumes_bitwise(tmp_path):
+  from branch_replay import metrics as metrics_lib
+  from branch_replay import algorithms
+
+  algo = algorithms.for_config(_grpo())
+  update = algo.update
+
+  def term_at_2(self, state, batch, step):
+    if step == 2:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return update(self, state, batch, step)
+
+  workdir = str(tmp_path / "w")
+  algo.update = term_at_2
+  try:
+    with pytest.raises(preemption.Preempted, match="stopped after step 2; checkpoint 3"):
+      trainer.run(_grpo(), workdir)
+  finally:
+    algo.update = update
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["3"]
+  trainer.run(_grpo(), workdir)
+  full = trainer.run(_grpo(), str(tmp_path / "full"))
+  untimed = lambda rs: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rs]
+  assert _steps(workdir) == [0, 1, 2, 3]
+  assert untimed(_records(workdir)) == untimed(metrics_lib.read(full["metrics"]))
+
+
+MESH_OVERRIDES = ["model.vocab_size=128", "model.d_model=32", "model.n_layers=2",
+                  "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=8",
+                  "model.mlp_hidden=64", "task.prompt_len=20", "task.n_keys=2",
+                  "train.sft_steps=0", "train.rl_steps=3", "train.batch_size=4",
+                  "train.n_branches=4", "sampler.max_new_tokens=2", "train.eval_size=0",
+                  "train.progress=false", "train.plot=false", "train.tensorboard=false",
+                  "train.checkpoint_every=100", "mesh=data:2,fsdp:2"]
+
+
+def worker():
+  import argparse
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--coordinator_address", required=True)
+  parser.add_argument("--process_id", type=int, required=True)
+  parser.add_argument("--workdir", required=True)
+  parser.add_argument("--term_at_step", type=int, default=None)
+  parser.add_argument("--term_process", type=int, default=1)
+  args = parser.parse_args()
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(args.coordinator_address, 2, args.process_id)
+  from branch_replay import algorithms, config as config_lib, metrics as metrics_lib
+  from branch_replay import preemption as preemption_lib, trainer as trainer_lib
+  cfg = config_lib.apply_overrides(config_lib.Config(), MESH_OVERRIDES)
+  if args.term_at_step is not None and args.process_id == args.term_process:
+    write = metrics_lib.MetricsWriter.write
+
+    def term(self, record):  # inside the step, before this process's agreement call
+      if record.get("step") == args.term_at_step:
+        os.kill(os.getpid(), signal.SIGTERM)
+      return write(self, record)
+    metrics_lib.MetricsWriter.write = term
+  try:
+    trainer_lib.run(cfg, args.workdir, algorithms.for_config(cfg))
+  except preemption_lib.Preempted as e:
+    print(f"preempted at {e.step}", flush=True)
+    sys.exit(preemption_lib.exit_code(e.signum))
+
+
+def _two_processes(workdir, *extra, timeout=500):
+  from multihost_test import free_port
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  address = f"localhost:{free_port()}"
+  procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__),
+                             f"--coordinator_address={address}", f"--process_id={i}",
+                             f"--workdir={workdir}", *extra], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for i in range(2)]
+  try:
+    logs = [p.communicate(timeout=timeout)[0] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  return [p.returncode for p in procs], logs
+
+
+@pytest.mark.slow  # three two-process GRPO runs: ~3 min on an idle 2-core CPU
+def test_sigterm_on_one_process_stops_every_process_after_the_same_step(tmp_path):
+  """Process 1 alone is signalled inside step 1; both stop after step 1, save checkpoint 2
+  together (exit 143), and the same command on both resumes to the uninterrupted run's
+  metrics."""
+  workdir = str(tmp_path / "w")
+  codes, logs = _two_processes(workdir, "--term_at_step=1", "--term_process=1")
+  assert codes == [preemption.exit_code(signal.SIGTERM)] * 2, logs
+  assert all("preempted at 2" in log for log in logs), logs
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2"]
+  assert _steps(workdir) == [0, 1]  # process 0 writes: it stopped after step 1 too
+  codes, logs = _two_processes(workdir)
+  assert codes == [0, 0], logs
+  codes, logs = _two_processes(str(tmp_path / "full"))
+  assert codes == [0, 0], logs
+  untimed = lambda rs: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rs]
+  assert _steps(workdir) == [0, 1, 2]
+  assert untimed(_records(workdir)) == untimed(_records(str(tmp_path / "full")))
+
+
+if __name__ == "__main__":
+  worker()
