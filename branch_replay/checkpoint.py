@@ -40,13 +40,16 @@ class StorageError(OSError):
 
 
 def _os_error(e: BaseException):
-  """The OSError behind `e` (itself, or along its causes: orbax wraps its writers' errors)."""
-  seen = set()
+  """The OSError behind `e` (itself, or along its causes: orbax wraps its writers' errors;
+  tensorstore's C++ writers report a full disk as a ValueError saying so)."""
+  seen, first = set(), e
   while e is not None and id(e) not in seen:
     if isinstance(e, OSError) and e.errno is not None:
       return e
     seen.add(id(e))
     e = e.__cause__ or e.__context__
+  if "No space left on device" in str(first):
+    return OSError(errno.ENOSPC, "No space left on device")
   return None
 
 

@@ -323,6 +323,47 @@ def test_the_run_applies_its_reward_timeout(tmp_path):
   assert rewards._LIMIT_S[0] == 0.0  # restored after the run
 
 
+# ----------------------------------------------------------------------------- (3) campaign
+
+
+def test_fault_campaign_check_finds_each_kind_of_loss(tmp_path):
+  from experiments import fault_campaign
+  reference = [{"step": s, "kind": "train", "loss/policy": 0.5 + s, "time/step_s": 1.0}
+               for s in range(fault_campaign.TOTAL)]
+
+  def workdir(name, lines, checkpoints):
+    d = tmp_path / name
+    (d / "checkpoints").mkdir(parents=True)
+    for c in checkpoints:
+      (d / "checkpoints" / c).mkdir()
+    (d / "metrics.jsonl").write_text("".join(lines))
+    return str(d)
+
+  good = [json.dumps(dict(r, **{"time/step_s": 2.0})) + "\n" for r in reference]
+  last = str(fault_campaign.TOTAL)
+  assert fault_campaign.check(workdir("good", good, ["4", last]), reference) == []
+  torn = good[:-1] + [good[-1][:20] + "\n", good[-1]]
+  assert "line 5 is torn" in " ".join(fault_campaign.check(workdir("torn", torn, [last]),
+                                                           reference))
+  twice = good + good[-1:]
+  assert "twice" in " ".join(fault_campaign.check(workdir("twice", twice, [last]), reference))
+  other = good[:-1] + [json.dumps(dict(reference[-1], **{"loss/policy": 9.0})) + "\n"]
+  assert "differ" in " ".join(fault_campaign.check(workdir("other", other, [last]), reference))
+  tmp = [last, "4.orbax-checkpoint-tmp-123"]
+  assert "temporary" in " ".join(fault_campaign.check(workdir("tmp", good, tmp), reference))
+  assert "newest checkpoint 4" in " ".join(fault_campaign.check(workdir("old", good, ["4"]),
+                                                                reference))
+
+
+@pytest.mark.slow  # 2 trials: 6 tiny GRPO launches, ~2-3 min on a 2-core CPU
+def test_a_small_fault_campaign_loses_nothing(tmp_path):
+  import argparse
+  from experiments import fault_campaign
+  counts = fault_campaign.campaign(argparse.Namespace(trials=2, seed=1, no_cache=False,
+                                                      out=str(tmp_path / "campaign.jsonl")))
+  assert counts == {"survived": 2, "lost": 0, "not_killed": 0}
+
+
 # ----------------------------------------------------------------------------- slow: GRPO
 
 
@@ -357,6 +398,27 @@ def test_grpo_sigterm_then_the_same_call_resumes_bitwise(tmp_path):
   untimed = lambda rs: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rs]
   assert _steps(workdir) == [0, 1, 2, 3]
   assert untimed(_records(workdir)) == untimed(metrics_lib.read(full["metrics"]))
+
+
+@pytest.mark.slow  # two tiny GRPO runs: ~1 min on a 2-core CPU
+def test_async_checkpoints_equal_sync_ones_while_later_steps_donate(tmp_path):
+  """An asynchronous save returns before its files are written, and the next steps donate
+  the state's buffers: every checkpoint must still hold its own step's state, bitwise."""
+  restored = {}
+  for asynchronous in ("false", "true"):
+    cfg = _grpo("train.checkpoint_every=1", "train.keep_checkpoints=5",
+                f"train.async_checkpoints={asynchronous}")
+    trainer.run(cfg, str(tmp_path / asynchronous))
+    ckpt = checkpoint.Checkpointer(str(tmp_path / asynchronous), cfg)
+    template = train_state.state_dict(train_state.init_state(cfg))
+    restored[asynchronous] = {s: jax.tree.map(np.asarray, ckpt.restore(s, template))
+                              for s in ckpt.manager.all_steps()}
+    ckpt.close()
+  assert sorted(restored["true"]) == sorted(restored["false"]) == [1, 2, 3, 4]
+  for step, want in restored["false"].items():
+    jax.tree.map(np.testing.assert_array_equal, restored["true"][step], want)
+  assert not np.array_equal(*(jax.tree.leaves(restored["false"][s]["params"])[0]
+                              for s in (1, 4)))  # the steps moved the parameters
 
 
 MESH_OVERRIDES = ["model.vocab_size=128", "model.d_model=32", "model.n_layers=2",
