@@ -18,7 +18,9 @@
 run: the same ModelConfig, parameter layout, tokenizer, chat template and stop ids, read from
 the file's metadata (docs/architectures.md#gguf-files).
 
-Re-running with the same --workdir resumes from its latest checkpoint.
+Re-running with the same --workdir resumes from its latest checkpoint. SIGTERM or SIGINT
+checkpoints the step in progress and exits 128 + the signal (143, 130); past
+train.preemption_grace_s it exits 124 (docs/training.md, "Preemption and faults").
 """
 
 import glob
@@ -139,7 +141,7 @@ def main(argv):
     jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   cfg, init_params, tokenizer = config_from(FLAGS)
   init_adapters, merge_kwargs = lora_options(FLAGS, cfg)
-  from branch_replay import algorithms, trainer
+  from branch_replay import algorithms, checkpoint, preemption, rewards, trainer
   algorithm = algorithms.for_config(cfg)
   try:
     summary = trainer.run(cfg, FLAGS.workdir, algorithm, init_params=init_params,
@@ -149,7 +151,10 @@ def main(argv):
       merged = os.path.join(FLAGS.workdir, "merged")
       lora_lib.save_merged(merged, cfg.model, summary["base_params"], summary["final_params"],
                            cfg.lora, **merge_kwargs)
-  except (ValueError, FloatingPointError) as e:
+  except preemption.Preempted as e:  # SIGTERM/SIGINT: checkpointed; 128 + the signal
+    print(f"preempted: {e}", file=sys.stderr, flush=True)
+    sys.exit(preemption.exit_code(e.signum))
+  except (ValueError, FloatingPointError, checkpoint.StorageError, rewards.RewardTimeout) as e:
     sys.exit(f"error: {e}")
   except KeyboardInterrupt:
     sys.exit(f"interrupted: run again with --workdir={FLAGS.workdir} to resume from its "

@@ -65,6 +65,16 @@ class TrainConfig:
   progress: bool = True  # tqdm bar on the terminal
   plot: bool = True  # workdir/metrics.png at the end
   tensorboard: bool = True  # TensorBoard event files beside metrics.jsonl (same keys)
+  # Checkpoints written by orbax in the background (the step goes on while the files are
+  # written; still committed by one atomic rename); false: every save blocks the step
+  async_checkpoints: bool = True
+  # SIGTERM/SIGINT: the step in progress finishes, its checkpoint is written, the run exits
+  # 128 + the signal; past this many seconds after the signal it exits 124 at once (the
+  # last committed checkpoint stands). docs/training.md, "Preemption and faults"
+  preemption_grace_s: float = 120.0
+  # A reward call (one step's batch) running longer stops the run naming the example that
+  # hangs (rewards.py); 0 = no limit
+  reward_timeout_s: float = 600.0
   # the algorithm's own options (advantages, epochs, DAPO, ...): the `algo` section
 
   def __post_init__(self):
@@ -83,6 +93,14 @@ class TrainConfig:
         raise ValueError(f"train.{name}={value!r}: expected a finite number > 0")
     if not 0 <= self.weight_decay < float("inf"):
       raise ValueError(f"train.weight_decay={self.weight_decay!r}: expected >= 0")
+    if not (isinstance(self.preemption_grace_s, (int, float))
+            and 0 < self.preemption_grace_s < float("inf")):
+      raise ValueError(f"train.preemption_grace_s={self.preemption_grace_s!r}: expected a "
+                       "finite number of seconds > 0")
+    if not (isinstance(self.reward_timeout_s, (int, float))
+            and 0 <= self.reward_timeout_s < float("inf")):
+      raise ValueError(f"train.reward_timeout_s={self.reward_timeout_s!r}: expected a finite "
+                       "number of seconds >= 0 (0 = no limit)")
 
   @property
   def total_steps(self) -> int:
@@ -359,6 +377,7 @@ def from_dict(d: dict) -> Config:
 # another experiment.
 RESUMABLE = ("train.rl_steps", "train.checkpoint_every", "train.keep_checkpoints",
              "train.eval_size", "train.progress", "train.plot", "train.tensorboard",
+             "train.async_checkpoints", "train.preemption_grace_s", "train.reward_timeout_s",
              "replay.mode", "replay.branch_chunk", "replay.auto_tree", "mesh", "algo.max_sample_rounds",
              "algo.pairs_file")
 

@@ -24,9 +24,19 @@ class MetricsWriter:
   def write(self, record: dict) -> None:
     clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
              for k, v in record.items()}
-    with open(self.path, "a") as f:
-      f.write(json.dumps(clean, sort_keys=True) + "\n")
-      f.flush()
+    try:
+      with open(self.path, "a") as f:
+        f.write(json.dumps(clean, sort_keys=True) + "\n")
+        f.flush()
+    except OSError as e:  # a full disk: say what was lost and what a resume does
+      from branch_replay import checkpoint
+      error = checkpoint.StorageError(
+          f"{self.path}: appending the {record.get('kind', 'train')} record of step "
+          f"{record.get('step')} failed: {checkpoint.describe_os_error(e)}; the checkpoints "
+          "already committed are intact (a torn last line is repaired at the next start); "
+          "free space and run the same command to resume")
+      error.errno = e.errno
+      raise error from e
     if self._tb is not None:
       for k, v in record.items():
         if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -37,6 +47,49 @@ class MetricsWriter:
     if self._tb is not None:
       self._tb.close()
       self._tb = None
+
+
+def repair(path: str, start: int, total: int) -> str | None:
+  """Before a run (re)starts at `start`: drop what it will write again, so metrics.jsonl holds
+  each record once. The records of steps >= start (a kill lost their checkpoint; the resumed
+  run redoes them, bitwise) unless the run is finished (start == total: its final eval
+  stays), and any line that is not a whole JSON record (a kill mid-write tears the last
+  one). Rewritten aside and renamed (atomic). Returns what was dropped (for the log), or None."""
+  if not os.path.exists(path):
+    return None
+  kept, torn, redone = [], [], 0
+  with open(path) as f:
+    lines = f.read().split("\n")
+  for number, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    try:
+      rec = json.loads(line)
+      if not isinstance(rec, dict):
+        raise ValueError("not a record")
+    except ValueError:
+      torn.append(number)
+      continue
+    if start < total and rec.get("step", 0) >= start:
+      redone += 1
+      continue
+    kept.append(line)
+  if not torn and not redone:
+    return None
+  tmp = f"{path}.{os.getpid()}.tmp"
+  with open(tmp, "w") as f:
+    f.write("".join(line + "\n" for line in kept))
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+  said = []
+  if torn:
+    said.append(f"dropped {len(torn)} torn line(s) (line {', '.join(map(str, torn))}: a "
+                "write cut short)")
+  if redone:
+    said.append(f"dropped {redone} record(s) of steps >= {start} (after the checkpoint "
+                "resumed from; they are computed again)")
+  return f"{path}: repaired: " + "; ".join(said)
 
 
 def read(path: str) -> list[dict]:

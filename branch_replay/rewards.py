@@ -11,13 +11,18 @@ what a reward reads. Register a new one in its own file:
 
 `compute` calls a reward and stops the run on garbage: an exception, a wrong count or a
 non-finite value is a ValueError naming the example (its file:line when it came from one).
+Under `time_limit(seconds)` (the trainer's `train.reward_timeout_s`) a call that has not
+returned after `seconds` is a `RewardTimeout` naming the example that hangs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import re
+import threading
+import time
 from typing import Callable, Sequence
 
 import chex
@@ -69,6 +74,76 @@ def _where(example) -> str:
   return f"{source} " if source else ""
 
 
+class RewardTimeout(TimeoutError):
+  """A reward call ran past `time_limit` (train.reward_timeout_s)."""
+
+
+_LIMIT_S = [0.0]  # the time limit of reward calls (0: none), set by `time_limit`
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+  """Within: every `compute` whose reward call runs longer than `seconds` raises
+  RewardTimeout (0 = no limit). The call runs in a daemon thread; one that never returns is
+  left behind (Python cannot stop a thread) and the run stops."""
+  previous, _LIMIT_S[0] = _LIMIT_S[0], float(seconds)
+  try:
+    yield
+  finally:
+    _LIMIT_S[0] = previous
+
+
+_HUNG = object()
+
+
+def _call(fn, args, kwargs, seconds: float):
+  """fn(*args, **kwargs), or _HUNG when it has not returned after `seconds` (0: no limit);
+  its exception is raised here."""
+  if not seconds:
+    return fn(*args, **kwargs)
+  box = {}
+
+  def target():
+    try:
+      box["value"] = fn(*args, **kwargs)
+    except BaseException as e:  # re-raised in the caller's thread
+      box["error"] = e
+
+  thread = threading.Thread(target=target, name="reward", daemon=True)
+  thread.start()
+  thread.join(seconds)
+  if thread.is_alive():
+    return _HUNG
+  if "error" in box:
+    raise box["error"]
+  return box["value"]
+
+
+def _timeout(reward: Reward, flat_examples, flat_texts, R: int, kwargs, seconds: float):
+  """The error of a batch call that hung: each pair alone (each within `seconds`, while a
+  budget of 2 x `seconds` lasts) finds the first example that does not return in time."""
+  deadline, probed, which = time.monotonic() + 2 * seconds, 0, None
+  for i, (ex, text) in enumerate(zip(flat_examples, flat_texts)):
+    if deadline - time.monotonic() < seconds:
+      break  # the budget ran out before a probe could run its full limit
+    probed += 1
+    try:
+      got = _call(reward.fn, ([ex], [text]), kwargs, seconds)
+    except Exception:
+      continue  # it returns (an error is not a hang; the batch call would have raised it)
+    if got is _HUNG:
+      which = (f"{_where(ex)}example {i // R} branch {i % R} (prompt {ex.prompt[-60:]!r}, "
+               f"completion {text[:60]!r}) alone does not return within it")
+      break
+  if which is None:
+    which = (f"none of the {probed} completion(s) tried alone ran past it: the batch as a "
+             "whole is too slow (raise train.reward_timeout_s)")
+  return RewardTimeout(f"reward {reward.name!r} did not return within "
+                       f"train.reward_timeout_s={seconds:g} s on {len(flat_texts)} completions; "
+                       f"{which}: stopping (this step is not taken; the last checkpoint "
+                       "stands)")
+
+
 def compute(reward: Reward, examples: Sequence, completions_BR: Sequence[Sequence[str]],
             **kwargs) -> np.ndarray:
   """Rewards [B, R] (float32) of R completions per example, in one call of the reward."""
@@ -76,13 +151,16 @@ def compute(reward: Reward, examples: Sequence, completions_BR: Sequence[Sequenc
   # One call for all B*R pairs, flattened row-major: pair n = (b, r) with n = b*R + r.
   flat_examples = [ex for ex, row in zip(examples, completions_BR) for _ in row]
   flat_texts = [text for row in completions_BR for text in row]
+  seconds = _LIMIT_S[0]
   try:
-    values = reward.fn(flat_examples, flat_texts, **kwargs)
+    values = _call(reward.fn, (flat_examples, flat_texts), kwargs, seconds)
   except Exception as e:  # the reward's own bug or a bad example: name it and stop
     i = getattr(e, "example_index", None)
     at = f" on example {i} ({_where(flat_examples[i])}prompt {flat_examples[i].prompt[-60:]!r})" \
         if isinstance(i, int) and 0 <= i < len(flat_examples) else ""
     raise ValueError(f"reward {reward.name!r} raised{at}: {type(e).__name__}: {e}") from e
+  if values is _HUNG:
+    raise _timeout(reward, flat_examples, flat_texts, R, kwargs, seconds)
   try:
     values_N = np.asarray(values, np.float64).reshape(-1)
   except (TypeError, ValueError):

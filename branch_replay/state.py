@@ -161,6 +161,7 @@ def sample_examples(task, seed: int, stream, n: int):
 def finite_or_stop(values: dict, step: int, ckpt: checkpoint.Checkpointer):
   for name in ("loss/policy", "grad/norm"):
     if not np.isfinite(values[name]):
+      ckpt.wait()  # the save in flight (asynchronous) is committed before we name the last
       last = ckpt.latest_step()
       where = (f"the last good checkpoint is step {last} in {ckpt.directory}"
                if last is not None else "no checkpoint was written yet")

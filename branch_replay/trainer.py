@@ -1,17 +1,20 @@
 """The one training loop: warm-up then the algorithm's phase, by step; checkpoints, metrics and
 TensorBoard (process 0), progress, greedy evaluation (the final decision broadcast), resume
-and the NaN stop. What a step trains is the algorithm's (algorithms/: compile, start, batch,
+(metrics.jsonl repaired to the checkpoint resumed from), the NaN stop, preemption (SIGTERM /
+SIGINT: the step in progress finishes and is checkpointed; preemption.py) and the reward
+time limit. What a step trains is the algorithm's (algorithms/: compile, start, batch,
 update); this module imports none of them."""
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import jax
 import numpy as np
 
-from branch_replay import checkpoint, metrics, sharding, tasks, verify
+from branch_replay import checkpoint, metrics, preemption, rewards, sharding, tasks, verify
 from branch_replay import state as train_state
 from branch_replay.config import Config
 from branch_replay.tokenizer import TOKENIZER
@@ -30,7 +33,18 @@ def run(cfg: Config, workdir: str, algorithm=None, *, init_params=None, tokenize
   (lora.rank > 0) init_params are the frozen base, init_adapters (`models.lora.load_peft`)
   the adapters to start from, and the run ends by writing workdir/adapter in PEFT's format;
   the summary's final_params are the adapters and base_params the base
-  (`models.lora.save_merged` for --merge)."""
+  (`models.lora.save_merged` for --merge).
+
+  SIGTERM or SIGINT (from the main thread's handlers, installed for the call): the step in
+  progress finishes, its metrics line and a checkpoint of it are written, and
+  `preemption.Preempted` is raised (run.py exits 128 + the signal); the same call resumes."""
+  guard = preemption.Guard(cfg.train.preemption_grace_s, on_timeout=lambda: (
+      f"the same command resumes from the newest checkpoint in {workdir}"))
+  with guard, rewards.time_limit(cfg.train.reward_timeout_s):
+    return _train(cfg, workdir, algorithm, init_params, tokenizer, init_adapters, guard)
+
+
+def _train(cfg, workdir, algorithm, init_params, tokenizer, init_adapters, guard):
   tok = TOKENIZER if tokenizer is None else tokenizer
   if tok.vocab_size > cfg.model.vocab_size:
     raise ValueError(f"model.vocab_size={cfg.model.vocab_size}: expected >= the tokenizer's "
@@ -46,14 +60,20 @@ def run(cfg: Config, workdir: str, algorithm=None, *, init_params=None, tokenize
   ckpt = checkpoint.Checkpointer(workdir, cfg)
   ckpt.check_config()
   state = train_state.init_state(cfg, init_params, init_adapters)
-  start = ckpt.latest_step() or 0
+  # The newest checkpoint that restores (a damaged newer one is named and set aside).
+  start, restored = ckpt.restore_latest(lambda step: algo.restore_template(state, step))
   if start:  # the checkpointed fields (LoRA: not the base, which init rebuilt)
-    state = state.replace(**ckpt.restore(start, algo.restore_template(state, start)))
+    state = state.replace(**restored)
   chief = jax.process_index() == 0  # several processes run this loop alike; one writes
-  writer = metrics.MetricsWriter(os.path.join(workdir, "metrics.jsonl") if chief else os.devnull,
-                                 tensorboard=cfg.train.tensorboard and chief)
   t = cfg.train
   total = getattr(algo, "total_steps", t.total_steps)  # a file's epochs may end a run sooner
+  metrics_path = os.path.join(workdir, "metrics.jsonl")
+  if chief:  # each record once: a torn last line and the steps to redo are dropped
+    repaired = metrics.repair(metrics_path, start, total)
+    if repaired:
+      print(repaired, file=sys.stderr, flush=True)
+  writer = metrics.MetricsWriter(metrics_path if chief else os.devnull,
+                                 tensorboard=cfg.train.tensorboard and chief)
   warmup = getattr(algo, "warmup_steps", t.sft_steps)  # supervised steps before the phase
   eval_examples = algo.eval_examples() if t.eval_size else []
   # The first-step self-check (replay.verify): replay == naive on the first batch, once.
@@ -68,6 +88,16 @@ def run(cfg: Config, workdir: str, algorithm=None, *, init_params=None, tokenize
   from tqdm import tqdm
   bar = tqdm(total=total, initial=start, disable=not (t.progress and chief),
              dynamic_ncols=True, desc="train")
+
+  def stop(step: int, saved: bool):
+    ckpt.wait()  # the preemption checkpoint committed before we exit
+    bar.close()
+    writer.close()
+    ckpt.close()
+    raise preemption.Preempted(step, guard.signum, workdir, saved)
+
+  if start < total and guard.agreed():  # a signal during compilation or restore
+    stop(start, False)
   for step in range(start, total):
     t0 = time.time()
     rec = {"step": step, "kind": "train"}
@@ -100,10 +130,13 @@ def run(cfg: Config, workdir: str, algorithm=None, *, init_params=None, tokenize
                 "replay/computed_tokens": naive if cfg.replay.mode == "naive" else prefix + tails,
                 "time/step_s": time.time() - t0})
     writer.write(rec)
-    if (step + 1) % t.checkpoint_every == 0 or step + 1 == total:
+    preempted = guard.agreed()  # several processes: all of them, after the same step
+    if (step + 1) % t.checkpoint_every == 0 or step + 1 == total or preempted:
       ckpt.save(step + 1, train_state.state_dict(state))
     bar.update(1)
     bar.set_postfix({k: f"{rec[k]:.3f}" for k in algo.progress_keys if k in rec})
+    if preempted:
+      stop(step + 1, True)
   bar.close()
   records = metrics.read(writer.path)
   if eval_examples and total > warmup and final_eval_missing(records, total):

@@ -36,6 +36,7 @@ KINDS = {
     "phase_times": "the default run's RL step by phase (trainer metrics)",
     "ablations": "R, trunk W, branch_chunk, remat (notebooks/ablations.ipynb)",
     "rollout_strategies": "flat replay vs the automatic tree over rollout layouts",
+    "fault_campaign": "SIGKILL at random moments, resumed: metrics equal the uninterrupted run's",
   },
   "bench": {
     "bench_replay": "one loss+gradient step, naive vs replay (the step benchmark)",
@@ -48,6 +49,7 @@ KINDS = {
     "context_parallel_memory": "per-device compiled memory under context parallelism",
     "plan_8gpu": "the 8-GPU plan from compiled footprints (Llama-3-8B shapes)",
     "fused_check": "model.attention=fused against blockwise (GPU path)",
+    "bench_checkpoint": "asynchronous vs synchronous checkpoints: the step's stall",
   },
   "tools": {
     "provenance": "ResultsWriter: commit, command, machine on every results line",
