@@ -4,7 +4,8 @@ The base parameter tree stays as it is (frozen, stored once); adapters are a sec
 {layer_i: {target: {a: A [in, r], b: B [r, out]}}}, and `merge` gives the weights the model
 runs: W + (alpha / rank) * A @ B, reshaped to W's einsum layout (q: D->NH, o: NH->D, ...).
 Merging inside the differentiated function makes jax return gradients for A and B only (the
-base is a closed-over constant: no gradient, no optimizer state). With B = 0 at init the
+base is a closed-over constant: no gradient, no optimizer state). Training attaches the
+adapters to the base (`attach`) and the model merges each layer's weights inside that layer. With B = 0 at init the
 adapted model starts as the base.
 
 PEFT: `save_peft` writes adapter_config.json + adapter_model.safetensors with the module
@@ -138,6 +139,21 @@ def merge(base, adapters, lora: LoraConfig):
     for t, adapter in targets.items():
       w = base[layer][t]
       out[layer][t] = w + delta(adapter, w.shape, lora.scale).astype(w.dtype)
+  return out
+
+
+def attach(base, adapters, lora: LoraConfig):
+  """The base with each layer's adapters beside its weights, under `transformer.ADAPTERS`
+  ({target: {a, b, scale}}): the model merges W + scale * A @ B inside each layer
+  (`transformer.run_layers`, under the layer's remat), so the merged weights live one layer
+  at a time and their cotangent never exists for the whole model at once; the same
+  arithmetic as `merge` (the scale in the adapters' dtype, as a Python float would be)."""
+  out = dict(base)
+  for layer, targets in adapters.items():
+    out[layer] = dict(base[layer])
+    out[layer][tfm.ADAPTERS] = {
+        t: dict(a=ab["a"], b=ab["b"], scale=jnp.asarray(lora.scale, ab["a"].dtype))
+        for t, ab in targets.items()}
   return out
 
 

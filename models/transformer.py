@@ -323,6 +323,21 @@ def _remat(fn, cfg: ModelConfig):
       "device", "pinned_host"))
 
 
+ADAPTERS = "lora"  # a layer's LoRA adapters beside its weights (models/lora.py: attach)
+
+
+def merge_adapters(layer_params):
+  """A layer's weights with its attached adapters merged: W + scale * A @ B in W's layout and
+  dtype (models/lora.py: the same arithmetic as lora.merge); unchanged without adapters."""
+  if ADAPTERS not in layer_params:
+    return layer_params
+  out = {k: v for k, v in layer_params.items() if k != ADAPTERS}
+  for t, ab in layer_params[ADAPTERS].items():
+    w = out[t]
+    out[t] = w + (ab["scale"] * (ab["a"] @ ab["b"])).reshape(w.shape).astype(w.dtype)
+  return out
+
+
 def run_layers(params, cfg: ModelConfig, x_BTD, positions_BT, valid_BT, context=()):
   """Every decoder layer on x: (x_BTD, own K/V per layer).
 
@@ -337,13 +352,13 @@ def run_layers(params, cfg: ModelConfig, x_BTD, positions_BT, valid_BT, context=
   def layer_fn(index):
     if cfg.layer_type(index) == "linear_attention":  # hybrid: context is a LinearState
       return _remat(lambda layer_params, x_BTD, state: deltanet.GatedDeltaNetBlock(
-          cfg, index, parent=None).apply({"params": layer_params}, x_BTD, positions_BT,
-                                         valid_BT, state), cfg)
+          cfg, index, parent=None).apply({"params": merge_adapters(layer_params)}, x_BTD,
+                                         positions_BT, valid_BT, state), cfg)
 
     def fn(layer_params, x_BTD, key_arrays):  # only arrays cross jax.checkpoint
       segments = [attention.KeySegment(*arrays) for arrays in key_arrays]
-      return Block(cfg, index, parent=None).apply({"params": layer_params}, x_BTD,
-                                                  positions_BT, valid_BT, segments)
+      return Block(cfg, index, parent=None).apply({"params": merge_adapters(layer_params)},
+                                                  x_BTD, positions_BT, valid_BT, segments)
     remat_fn = _remat(fn, cfg)
     return lambda layer_params, x_BTD, segments: remat_fn(
         layer_params, x_BTD, [tuple(seg[:4]) for seg in segments])
