@@ -144,14 +144,18 @@ def nbytes(tree) -> int:
 def gpu_estimate(cfg, B, P, R, T, adapter_params: int) -> dict:
   """cost_model.memory in bf16 (replay, remat, flash, one device), its parameter part
   replaced by LoRA's state: the bf16 base (2 B/param) + adapters, their gradient and AdamW
-  moments (16 B/param); the logits block at 1,024 tokens, the MLP's working set chunked."""
-  from experiments import cost_model
+  moments (16 B/param), plus one stacked bf16 copy of the layers' weights (the scan's); the
+  logits block at 1,024 tokens, the MLP's working set chunked."""
+  from experiments import cost_model, flops
   shape = cost_model.Shape(B, R, P, T)
   ex = cost_model.Execution(attention="flash", remat=True, compute_bytes=2, logits_chunk=1024)
   parts = cost_model.memory(cfg, shape, "replay", ex)
   parts.pop("total")
   parts["params_grads_optimizer"] = 0.0
   parts["base_bf16"] = cost_model.param_count(cfg) * 2
+  # the scan stacks the per-layer weights on the fly (transformer.run_layers): one bf16 copy
+  # of the layers' weights (the prefix's, kept for its backward; the tails' may share it)
+  parts["stacked_layer_weights"] = cfg.n_layers * flops.layer_macs(cfg) * 2
   parts["adapters_grads_adamw"] = adapter_params * 16
   if cfg.mlp_chunk and cfg.mlp_chunk < P:  # the 3 F-sized activations (+ cotangents) chunked
     parts["layer_working_set"] -= 2 * B * (P - cfg.mlp_chunk) * 3 * cfg.mlp_hidden * 2
