@@ -12,6 +12,7 @@ The step is the trainer's LoRA step: branch_replay.lora.loss_and_grad (the one e
   python experiments/plan_1gpu.py --out=experiments/results/plan_1gpu_cpu_2026-12-03.jsonl
   python experiments/plan_1gpu.py --model=llama3_8b --layers=2 --layers=4 --prefix_len=131072
   # on one GPU (experiments/gpu_check.sh): random weights, compile, 1 warm-up + 2 timed steps
+  # (a `compiled` line and a `step` line per step as they happen, then the `run` row)
   python experiments/plan_1gpu.py --run --prefix_len=131072 --out=$OUT/one_gpu_8b.jsonl
 
 Per compiled row (`jax.jit(step).lower(ShapeDtypeStructs).compile().memory_analysis()`):
@@ -223,9 +224,11 @@ def compile_row(model: str, P: int, layers: int) -> dict:
   return row
 
 
-def run_row(model: str, P: int) -> dict:
+def run_row(model: str, P: int, emit=lambda row: None) -> dict:
   """Random weights on this process's first device, compile, 1 warm-up + --reps timed steps:
-  step seconds, MFU (useful FLOPs / (seconds x the card's bf16 peak)), peak device memory."""
+  step seconds, MFU (useful FLOPs / (seconds x the card's bf16 peak)), peak device memory.
+  emit(line) gets a `compiled` line (the GPU compile's footprint) and a `step` line per step
+  as they happen, so a run stopped by a time limit still leaves what it measured."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -255,20 +258,30 @@ def run_row(model: str, P: int) -> dict:
   compiled = step.lower(base, adapters, opt_state, batch).compile()
   compile_s = time.time() - t0
   mem = compiled.memory_analysis()
+  dev = jax.devices()[0]
+  gb = lambda b: None if b is None else round(b / 1e9, 3)
+  peak_gb = lambda: gb((dev.memory_stats() or {}).get("peak_bytes_in_use"))
+  compiled_gb = None if mem is None else gb(
+      mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
+      - mem.alias_size_in_bytes)
+  emit(dict(kind="compiled", model=model, P=P, device_kind=dev.device_kind,
+            init_s=round(init_s, 1), compile_s=round(compile_s, 1),
+            compiled_total_gb=compiled_gb, peak_gb=peak_gb()))
   times, losses_ = [], []
   for i in range(FLAGS.reps + 1):
     t0 = time.perf_counter()
     adapters, opt_state, loss = jax.block_until_ready(compiled(base, adapters, opt_state, batch))
+    seconds = time.perf_counter() - t0
     if i:
-      times.append(time.perf_counter() - t0)
+      times.append(seconds)
     losses_.append(float(loss))
-  dev = jax.devices()[0]
+    emit(dict(kind="step", model=model, P=P, step=i, warm_up=i == 0,
+              seconds=round(seconds, 3), loss=float(loss), peak_gb=peak_gb()))
   stats = dev.memory_stats() or {}
   useful = flops.step_flops(cfg, flops.flat(B, R, P, T, "replay"))
   step_s = float(np.median(times))
   kind = dev.device_kind
   peak = next((v for k, v in PEAK_TFLOPS.items() if k in kind), None)
-  gb = lambda b: None if b is None else round(b / 1e9, 3)
   return dict(model=model, n_layers=cfg.n_layers, P=P, T=T, R=R, B=B, rank=FLAGS.rank,
               attention=cfg.attention, mlp_chunk=cfg.mlp_chunk, device=str(dev),
               device_kind=kind, init_s=round(init_s, 1), compile_s=round(compile_s, 1),
@@ -278,10 +291,7 @@ def run_row(model: str, P: int) -> dict:
               mfu=None if peak is None else round(useful / (step_s * peak * 1e12), 4),
               mfu_peak_tflops=peak,
               peak_gb=gb(stats.get("peak_bytes_in_use")),
-              bytes_limit_gb=gb(stats.get("bytes_limit")),
-              compiled_total_gb=gb(mem.argument_size_in_bytes + mem.temp_size_in_bytes
-                                   + mem.output_size_in_bytes - mem.alias_size_in_bytes)
-              if mem is not None else None)
+              bytes_limit_gb=gb(stats.get("bytes_limit")), compiled_total_gb=compiled_gb)
 
 
 def run_subprocess(model: str, P: int, layers: int, passed, env) -> dict:
@@ -313,7 +323,7 @@ def main(argv):
   if FLAGS.run:  # in this process, on its device
     for model in FLAGS.model:
       for P in FLAGS.prefix_len:
-        writer.write({"kind": "run", **run_row(model, P)})
+        writer.write({"kind": "run", **run_row(model, P, writer.write)})
     return
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
   passed = [a for a in sys.argv[1:] if not a.startswith(("--out", "--prefix_len", "--model",

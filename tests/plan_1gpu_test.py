@@ -54,8 +54,13 @@ def test_gpu_check_one_gpu_row_smoke_on_cpu(tmp_path):
   assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
   (check,) = [json.loads(l) for l in open(tmp_path / "fused_check.jsonl")]
   assert check["passed"]
-  (row,) = [json.loads(l) for l in open(tmp_path / "one_gpu_8b.jsonl")]
-  assert row["kind"] == "run" and row["model"] == "tiny" and row["P"] == 64
+  lines = [json.loads(l) for l in open(tmp_path / "one_gpu_8b.jsonl")]
+  assert [l["kind"] for l in lines] == ["compiled", "step", "step", "step", "run"]
+  assert lines[0]["compile_s"] > 0 and lines[0]["compiled_total_gb"] is not None
+  assert [l["step"] for l in lines[1:4]] == [0, 1, 2] and lines[1]["warm_up"]
+  row = lines[-1]
+  assert row["model"] == "tiny" and row["P"] == 64
+  assert row["step_times"] == [l["seconds"] for l in lines[2:4]]
   assert row["finite"] and len(row["losses"]) == 3 and len(row["step_times"]) == 2
   assert row["step_s"] > 0 and row["useful_pflop"] >= 0 and "mfu" in row and "peak_gb" in row
   assert row["provenance"]["git_commit"]
