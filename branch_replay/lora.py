@@ -1,11 +1,11 @@
 """The policy objective with LoRA: gradients for the adapters only, the base frozen.
 
 The base weights are a constant of the differentiated function; the adapters are its only
-argument, merged into the targeted projections inside it (models/lora.py). In replay, the
-prefix function and the tail function each merge (one [L, in, out] merged copy of the
-targeted weights per pass, in the param dtype; two while both are live, besides the base);
-jax then returns dA, dB through the merge's VJP: dA = s dW' B^T, dB = s A^T dW', with dW'
-(a targeted weight's gradient) transient inside the backward, never stored or optimized.
+argument, attached to the base (models/lora.py: attach) and merged into the targeted
+projections inside each layer (transformer.run_layers, under the layer's remat): one layer's
+merged weights at a time, never an [L, in, out] merged copy of the model. jax returns dA, dB
+through the merge's VJP: dA = s dW' B^T, dB = s A^T dW', with dW' (a targeted weight's
+gradient) one layer's, transient inside the backward, never stored or optimized.
 The reference policy for KL / DPO is the base itself (adapters off): no copy.
 
   grads = lora.loss_and_grad(base, adapters, batch, model_cfg, loss_cfg, lora_cfg, "replay")
@@ -31,12 +31,12 @@ def replay_loss_and_grad(base, adapters, batch, model_cfg, loss_cfg,
   """Branch replay over the adapters (the one engine, params = merge(base, adapters) inside
   each differentiated function): (loss, aux_BR, adapter grads)."""
   return policy.replay_loss_and_grad(adapters, batch, model_cfg, loss_cfg, branch_chunk,
-                                     cache_constraint, lambda a: lora_lib.merge(base, a, lora))
+                                     cache_constraint, lambda a: lora_lib.attach(base, a, lora))
 
 
 def naive_loss_and_grad(base, adapters, batch, model_cfg, loss_cfg, lora: lora_lib.LoraConfig):
   """The naive twin over the adapters: every branch as its own full sequence."""
-  fn = lambda a: policy.naive_loss(lora_lib.merge(base, a, lora), batch, model_cfg, loss_cfg)
+  fn = lambda a: policy.naive_loss(lora_lib.attach(base, a, lora), batch, model_cfg, loss_cfg)
   (loss, aux), grads = jax.value_and_grad(fn, has_aux=True)(adapters)
   return loss, aux, grads
 

@@ -216,6 +216,19 @@ def constrain(tree, shardings):
   return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
 
 
+def constrain_weights(tree, shardings):
+  """`constrain` for a params_fn's weights: layers' attached LoRA adapters (replicated, as
+  the adapters are) pass through; the rest is sharded like the parameters."""
+  adapters = {k: v[tfm.ADAPTERS] for k, v in tree.items()
+              if isinstance(v, dict) and tfm.ADAPTERS in v}
+  bare = {k: ({n: x for n, x in v.items() if n != tfm.ADAPTERS} if k in adapters else v)
+          for k, v in tree.items()}
+  out = constrain(bare, shardings)
+  for k, a in adapters.items():
+    out[k] = dict(out[k], **{tfm.ADAPTERS: a})
+  return out
+
+
 def cache_constraint(mesh: Mesh):
   """The layout decision where the prefix cache crosses to the tails (see CACHE_AXES)."""
   def apply(cache):
@@ -274,7 +287,7 @@ def engine_loss_and_grad(mesh: Mesh, params, batch, model_cfg: tfm.ModelConfig,
   if params_fn is None:
     params = constrain(params, p_shardings)
   else:
-    params_fn = (lambda fn: lambda p: constrain(fn(p), p_shardings))(params_fn)
+    params_fn = (lambda fn: lambda p: constrain_weights(fn(p), p_shardings))(params_fn)
   root_constraint = cache_constraint(mesh)
 
   def root_wrap(root_fn):

@@ -50,11 +50,12 @@ def loss_and_grad(cfg: Config, params, batch, loss_cfg, branch_chunk=None, param
 
 
 def lora_params_fn(cfg: Config, state: TrainState):
-  """LoRA: adapters -> the merged weights, the frozen base a constant of the differentiated
-  function (no gradient); None for full fine-tuning."""
+  """LoRA: adapters -> the base with the adapters attached (merged inside each layer), the
+  frozen base a constant of the differentiated function (no gradient); None for full
+  fine-tuning."""
   if state.base is None:
     return None
-  return lambda adapters: lora_lib.merge(state.base, adapters, cfg.lora)
+  return lambda adapters: lora_lib.attach(state.base, adapters, cfg.lora)
 
 
 def make_train_step(cfg: Config, phase: str = "rl", loss_cfg=None):

@@ -14,7 +14,13 @@ transformers' LlamaForCausalLM), the same tokens, float32, GRPO on-policy loss
 logits, forward + backward (no optimizer). Each framework lives in its own subprocess (its own
 RSS baseline, taken after imports; after its warm-up step each hands the heap it freed back
 to the OS, malloc_trim, so XLA's retained compiler heap is not counted as step memory); the
-timed steps alternate ABBA between them. One JSON line:
+timed steps alternate ABBA between them. Before the workers start, the driver waits for a
+quiet machine: the 1-minute load average below --max_load (polled every --wait_poll_s,
+for at most --wait_timeout_s; past it the run stops, naming the load, unless
+--wait_timeout_action=run, which measures anyway and records quiet=false). During every timed
+step it records the load: the load average and the cores other processes used (the
+machine's busy CPU seconds over the step minus the stepping worker's own, per wall second;
+psutil), per side. One JSON line:
 both times (median, min; wall and CPU), both peak RSS growths, the ratio (peer / ours: > 1
 means ours is faster), useful-FLOP rates and the gradient agreement (every leaf, float32).
 
@@ -22,7 +28,7 @@ means ours is faster), useful-FLOP rates and the gradient agreement (every leaf,
   python experiments/bench_peer.py --out=experiments/results/peer_cpu_2026-12-01.jsonl
   python experiments/bench_peer.py --prefix_len=8192 --tail_len=128 --branches=16
   python experiments/bench_peer.py --preset=tiny --prefix_len=32 --tail_len=8 --branches=2 \
-      --reps=2   # the smoke test's shape
+      --reps=2 --max_load=0   # the smoke test's shape (no waiting)
 """
 
 from __future__ import annotations
@@ -47,6 +53,12 @@ flags.DEFINE_string("preset", "small", "model size preset (models.config.PRESETS
 flags.DEFINE_integer("reps", 6, "timed steps per framework (even: ABBA pairs)")
 flags.DEFINE_integer("threads", 2, "intra-op threads of both frameworks")
 flags.DEFINE_string("out", "", "also append the JSON line to this file")
+flags.DEFINE_float("max_load", 0.6, "wait until the 1-minute load average is below this "
+                   "before starting (0: do not wait)")
+flags.DEFINE_integer("wait_timeout_s", 1800, "the most seconds to wait for --max_load")
+flags.DEFINE_integer("wait_poll_s", 10, "seconds between load readings while waiting")
+flags.DEFINE_enum("wait_timeout_action", "stop", ["stop", "run"], "past --wait_timeout_s: "
+                  "stop (exit naming the load) or run anyway (recorded as quiet=false)")
 flags.DEFINE_string("worker", "", "internal: 'ours' or 'peer', driven over stdin")
 flags.DEFINE_string("data", "", "internal: the folder holding the checkpoint and the batch")
 PEER_NAME = "prefix_grouper(torch sdpa, bottom-right causal)"
@@ -266,21 +278,32 @@ def main(argv):
                      "https://download.pytorch.org/whl/cpu")
   import numpy as np
   from experiments import provenance
-  from experiments import flops
+  from experiments import flops, measure
   from experiments.measure import matmul_gflops
   P, T, R = FLAGS.prefix_len, FLAGS.tail_len, FLAGS.branches
+  wait = measure.wait_for_quiet(FLAGS.max_load, FLAGS.wait_timeout_s, FLAGS.wait_poll_s)
+  if not wait["quiet"] and FLAGS.wait_timeout_action == "stop":
+    raise SystemExit(f"bench_peer: the 1-minute load average is {wait['load_at_start']} after "
+                     f"{wait['waited_s']} s, not below --max_load={FLAGS.max_load}: not a "
+                     "quiet machine (--wait_timeout_action=run measures anyway)")
   with tempfile.TemporaryDirectory() as folder:
     cfg = write_inputs(folder, P, T, R)
     workers = {k: Worker(k, folder) for k in ("ours", "peer")}
     try:
       times = {k: [] for k in workers}
       cpu = {k: [] for k in workers}
+      load = {k: [] for k in workers}
+      others = {k: [] for k in workers}
       order = ["ours", "peer", "peer", "ours"]
       for i in range(FLAGS.reps * 2):  # ABBA ABBA ...
         kind = order[i % 4]
+        busy0, t0 = measure.busy_cpu_seconds(), time.perf_counter()
         reply = workers[kind].ask("step")
+        wall, busy1 = time.perf_counter() - t0, measure.busy_cpu_seconds()
         times[kind].append(reply["seconds"])
         cpu[kind].append(reply["cpu_seconds"])
+        load[kind].append(round(os.getloadavg()[0], 2))
+        others[kind].append(round(measure.other_cores(busy0, busy1, reply["cpu_seconds"], wall), 3))
       peaks = {k: w.ask("peak")["peak_mb"] for k, w in workers.items()}
       paths = {k: os.path.join(folder, f"grads_{k}.npz") for k in workers}
       for k, w in workers.items():
@@ -302,6 +325,8 @@ def main(argv):
              cpu_ratio=round(float(np.median(cpu["peer"]) / np.median(cpu["ours"])), 3),
              ours_times=[round(t, 4) for t in times["ours"]],
              peer_times=[round(t, 4) for t in times["peer"]],
+             wait=wait, load_during_steps=load, other_cores_during_steps=others,
+             max_other_cores=max(max(v) for v in others.values()),
              ours_peak_mb=round(peaks["ours"], 1), peer_peak_mb=round(peaks["peer"], 1),
              rss_note="peak RSS growth over the RSS after imports; both workers release "
                       "freed heap (malloc_trim) after their warm-up step",

@@ -1,8 +1,10 @@
 """Measuring helpers shared by the benchmarks (flag-free, importable anywhere): the machine's
-matmul rate, a thread sampling this process's peak RSS (a step's FLOPs: experiments/flops.py)."""
+matmul rate, a thread sampling this process's peak RSS, waiting for a quiet machine and the
+cores other processes use (a step's FLOPs: experiments/flops.py)."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -59,6 +61,37 @@ class PeakRSS:
   def __exit__(self, *exc):
     self._stop = True
     self._thread.join()
+
+
+def wait_for_quiet(max_load: float, timeout_s: float, poll_s: float, load_fn=None, sleep=None,
+                   clock=None) -> dict:
+  """Poll the 1-minute load average until it is below max_load (max_load <= 0: no wait).
+  Returns dict(quiet, waited_s, load_at_start, loads: the readings); quiet=False when
+  timeout_s passed first. load_fn, sleep and clock are injectable (tests)."""
+  load_fn = load_fn or (lambda: os.getloadavg()[0])
+  sleep, clock = sleep or time.sleep, clock or time.monotonic
+  t0 = clock()
+  loads = [round(load_fn(), 2)]
+  if max_load <= 0:
+    return dict(quiet=True, waited_s=0.0, load_at_start=loads[-1], loads=loads, max_load=max_load)
+  while loads[-1] >= max_load and clock() - t0 < timeout_s:
+    sleep(min(poll_s, max(timeout_s - (clock() - t0), 0.0)))
+    loads.append(round(load_fn(), 2))
+  return dict(quiet=loads[-1] < max_load, waited_s=round(clock() - t0, 1),
+              load_at_start=loads[-1], loads=loads[-20:], max_load=max_load)
+
+
+def busy_cpu_seconds() -> float:
+  """The machine's non-idle CPU seconds so far, summed over cores (psutil)."""
+  import psutil
+  t = psutil.cpu_times()
+  return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+
+
+def other_cores(busy_before: float, busy_after: float, own_cpu_s: float, wall_s: float) -> float:
+  """Cores that processes other than the stepping worker kept busy during a step: the
+  machine's busy CPU seconds over it, less the worker's own, per wall second (>= 0)."""
+  return max(busy_after - busy_before - own_cpu_s, 0.0) / max(wall_s, 1e-9)
 
 
 def compile_replay_step(cfg, mesh, B: int, P: int, R: int, T: int):

@@ -48,6 +48,7 @@ KINDS = {
     "lora_memory": "LoRA vs full fine-tuning: compiled memory and speed",
     "context_parallel_memory": "per-device compiled memory under context parallelism",
     "plan_8gpu": "the 8-GPU plan from compiled footprints (Llama-3-8B shapes)",
+    "plan_1gpu": "the one-GPU LoRA plan (8B, P=131,072, R=16) from compiled footprints; its GPU row",
     "fused_check": "model.attention=fused against blockwise (GPU path)",
     "bench_checkpoint": "asynchronous vs synchronous checkpoints: the step's stall",
   },

@@ -281,6 +281,16 @@ TABLES = {
       "{prediction[step_time][8 x H100 SXM][step_s_compiled_comm]:.1f} / "
       "{prediction[step_time][8 x H200][step_s_compiled_comm]:.1f}"), ("kind=row",),
       ratios=(("kv_prefix_gb", "hlo_comm_bytes.kv_prefix", 1e9), ("kv_tails_gb", "hlo_comm_bytes.kv_tails", 1e9), ("weights_gb", "hlo_comm_bytes.weights", 1e9), ("grads_gb", "hlo_comm_bytes.grads", 1e9), ("total_gb", "hlo_comm_bytes.total", 1e9))),)),
+  "plan_1gpu": Table(
+    ("model", "P", "compiled GB, CPU proxy: total (arguments / temporaries)",
+     "CPU proxy within 90% of H200 / H20 / H100", "GPU estimate GB (bf16, analytic)",
+     "step s on one H200: 40% / 60% MFU / cost model"),
+    (Source("plan_1gpu_cpu_2026-12-03.jsonl", (
+      "{model}", "{P:,}", "{total_gb:.1f} ({argument_gb:.1f} / {temp_gb:.1f})",
+      "{fits_with_headroom[H200]} / {fits_with_headroom[H20]} / {fits_with_headroom[H100]}",
+      "{gpu_estimate_gb[total]:.1f}",
+      "{prediction[step_s][H200][mfu_40]:.1f} / {prediction[step_s][H200][mfu_60]:.1f} / "
+      "{prediction[step_s][H200][cost_model]:.1f}"), ("kind=row",)),)),
 }
 
 # INDEX.md: which engine produced a file where it matters (the dense engine's rows predate
@@ -365,6 +375,8 @@ CLAIMS = {
                   "fsdp x context and the key-major backward: both memory targets met",
   "plan_8gpu_now": "the 8-GPU plan after the tails' per-layer gather: compiled traffic near "
                    "the formula, 131K fits H20/H100/H200",
+  "plan_1gpu": "the one-GPU LoRA plan: 8B at 16 x 131,072, compiled on one CPU device (a "
+               "proxy that misses 141 GB) and estimated in bf16",
 }
 # Figures the docs show: (claim, the image under experiments/results/, the lines it plots).
 FIGURES = {

@@ -77,6 +77,16 @@ class ModelConfig:
   #   all_gather (shard_map, K/V all-gathered, models/context_parallel.py) | gspmd (the
   #   partitioner splits the kernel from sharding constraints)
   logits_chunk: Optional[int] = 1024  # tokens per [chunk, V] logits block (None: all at once)
+  # Chunk over every row's positions together (rows x positions flattened, chunks of
+  # logits_chunk tokens) instead of over the positions of all rows at once: with R*T scored
+  # tokens and T <= logits_chunk (Llama-3-8B's 16 x 512 tails), the per-position chunks hold
+  # all 8,192 rows' [V=128,256] logits (4.2 GB in f32, x ~4 live copies); flattened, one
+  # [logits_chunk, V] block. Off by default (the default run's bits stay as frozen).
+  logits_chunk_rows: bool = False
+  # positions per MLP chunk (None: all at once); chunks run under lax.scan, each
+  # rematerialised: at P=131,072 one layer's recomputation otherwise holds several
+  # [P, mlp_hidden] hidden states (3.8 GB each in bf16 at Llama-3-8B). Off by default.
+  mlp_chunk: Optional[int] = None
   # lax.scan over (periods of) identical layers: true | false | None (auto: scanned when
   # `remat` is on). Unrolled, XLA schedules the layers' recomputation freely and remat saves
   # nothing: the small replay step at P=8192, T=512, R=16, bf16, remat=full compiles to 1,571
@@ -132,6 +142,11 @@ class ModelConfig:
     if self.logits_chunk is not None and (not isinstance(self.logits_chunk, int)
                                           or self.logits_chunk < 1):
       raise ValueError(f"model.logits_chunk={self.logits_chunk!r}: expected None or an int >= 1")
+    if self.mlp_chunk is not None and (not isinstance(self.mlp_chunk, int)
+                                       or isinstance(self.mlp_chunk, bool) or self.mlp_chunk < 1):
+      raise ValueError(f"model.mlp_chunk={self.mlp_chunk!r}: expected None or an int >= 1")
+    if not isinstance(self.logits_chunk_rows, bool):
+      raise ValueError(f"model.logits_chunk_rows={self.logits_chunk_rows!r}: expected a bool")
     if isinstance(self.local_layers, list):
       object.__setattr__(self, "local_layers", tuple(self.local_layers))
     if isinstance(self.rope_scaling, dict):

@@ -218,7 +218,8 @@ def _canonical(cfg: tfm.ModelConfig) -> dict:
   """Fields that decide the computation, with equivalent spellings made equal."""
   c = dataclasses.asdict(cfg)
   for key in ("dtype", "param_dtype", "remat", "attention", "attention_block_q",
-              "attention_block_k", "logits_chunk", "scan_layers", "linear_chunk", "linear_remat"):
+              "attention_block_k", "logits_chunk", "logits_chunk_rows", "mlp_chunk", "scan_layers",
+              "linear_chunk", "linear_remat"):
     c.pop(key)
   if c["query_pre_attn_scalar"] is None:
     c["query_pre_attn_scalar"] = float(cfg.head_dim)

@@ -8,7 +8,8 @@ query+gate projection, as transformers' q_proj is: B [r, N*2*H] with columns in 
 row order (head n's query, then its output gate), so the update reaches both leaves (`q`,
 `q_gate`) and the file is peft's own layout (`_fused_gate`).
 Merging inside the differentiated function makes jax return gradients for A and B only (the
-base is a closed-over constant: no gradient, no optimizer state). With B = 0 at init the
+base is a closed-over constant: no gradient, no optimizer state). Training attaches the
+adapters to the base (`attach`) and the model merges each layer's weights inside that layer. With B = 0 at init the
 adapted model starts as the base.
 
 PEFT: `save_peft` writes adapter_config.json + adapter_model.safetensors with the module
@@ -159,6 +160,21 @@ def merge(base, adapters, lora: LoraConfig):
         out[layer][t] = w + d_DN2H[:, :, 0].astype(w.dtype)
       else:
         out[layer][t] = w + delta(adapter, w.shape, lora.scale).astype(w.dtype)
+  return out
+
+
+def attach(base, adapters, lora: LoraConfig):
+  """The base with each layer's adapters beside its weights, under `transformer.ADAPTERS`
+  ({target: {a, b, scale}}): the model merges W + scale * A @ B inside each layer
+  (`transformer.run_layers`, under the layer's remat), so the merged weights live one layer
+  at a time and their cotangent never exists for the whole model at once; the same
+  arithmetic as `merge` (the scale in the adapters' dtype, as a Python float would be)."""
+  out = dict(base)
+  for layer, targets in adapters.items():
+    out[layer] = dict(base[layer])
+    out[layer][tfm.ADAPTERS] = {
+        t: dict(a=ab["a"], b=ab["b"], scale=jnp.asarray(lora.scale, ab["a"].dtype))
+        for t, ab in targets.items()}
   return out
 
 

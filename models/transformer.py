@@ -25,6 +25,7 @@ configured remat policy; the parameter tree stays per layer (`layer_i`), as Hugg
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple, Optional, Sequence
 
 import flax.linen as nn
@@ -165,13 +166,38 @@ class Block(nn.Module):
                                                   self.w_gate_DNH.astype(dt)))
     a_BTD = jnp.einsum("BTNH,NHD->BTD", a_BTNH, self.w_o_NHD.astype(dt))
     x_BTD = x_BTD + (self.post_attn_norm(a_BTD) if cfg.post_norms else a_BTD)
-    h_BTD = self.mlp_norm(x_BTD)
-    gate_BTF = jnp.einsum("BTD,DF->BTF", h_BTD, self.w_gate_DF.astype(dt))
-    up_BTF = jnp.einsum("BTD,DF->BTF", h_BTD, self.w_up_DF.astype(dt))
-    m_BTD = jnp.einsum("BTF,FD->BTD", ACTIVATIONS[cfg.activation](gate_BTF) * up_BTF,
-                       self.w_down_FD.astype(dt))
+    m_BTD = mlp(cfg, (self.w_gate_DF, self.w_up_DF, self.w_down_FD), self.mlp_norm(x_BTD))
     x_BTD = x_BTD + (self.post_mlp_norm(m_BTD) if cfg.post_norms else m_BTD)
     return nn.with_logical_constraint(x_BTD, ("batch", "seq", None)), own
+
+
+def mlp(cfg: ModelConfig, weights, h_BTD):
+  """The gated MLP on h (weights: gate [D, F], up [D, F], down [F, D], any param dtype).
+
+  With `model.mlp_chunk` = C < T, the T positions run in chunks of C under `lax.scan`, each
+  chunk rematerialised in the backward: one chunk's [B, C, F] hidden states are alive instead
+  of [B, T, F] (per position the same arithmetic). The weights enter the scan in at least
+  float32, so their cotangents accumulate over the chunks in float32 (and reach a bf16
+  weight rounded once, as the unchunked matmul's do)."""
+  dt = h_BTD.dtype
+  act = ACTIVATIONS[cfg.activation]
+
+  def block(w_gate_DF, w_up_DF, w_down_FD, h_BCD):
+    gate_BCF = jnp.einsum("BTD,DF->BTF", h_BCD, w_gate_DF.astype(dt))
+    up_BCF = jnp.einsum("BTD,DF->BTF", h_BCD, w_up_DF.astype(dt))
+    return jnp.einsum("BTF,FD->BTD", act(gate_BCF) * up_BCF, w_down_FD.astype(dt))
+
+  B, T, D = h_BTD.shape
+  C = cfg.mlp_chunk
+  if C is None or T <= C:
+    return block(*weights, h_BTD)
+  acc = jnp.promote_types(weights[0].dtype, jnp.float32)
+  weights = tuple(w.astype(acc) for w in weights)
+  n = -(-T // C)
+  h_nBCD = jnp.pad(h_BTD, ((0, 0), (0, n * C - T), (0, 0))).reshape(B, n, C, D).swapaxes(0, 1)
+  chunk_fn = jax.checkpoint(lambda h_BCD: block(*weights, h_BCD))
+  _, m_nBCD = jax.lax.scan(lambda c, h_BCD: (c, chunk_fn(h_BCD)), None, h_nBCD)
+  return m_nBCD.swapaxes(0, 1).reshape(B, n * C, D)[:, :T]
 
 
 class Transformer(nn.Module):
@@ -297,6 +323,21 @@ def _remat(fn, cfg: ModelConfig):
       "device", "pinned_host"))
 
 
+ADAPTERS = "lora"  # a layer's LoRA adapters beside its weights (models/lora.py: attach)
+
+
+def merge_adapters(layer_params):
+  """A layer's weights with its attached adapters merged: W + scale * A @ B in W's layout and
+  dtype (models/lora.py: the same arithmetic as lora.merge); unchanged without adapters."""
+  if ADAPTERS not in layer_params:
+    return layer_params
+  out = {k: v for k, v in layer_params.items() if k != ADAPTERS}
+  for t, ab in layer_params[ADAPTERS].items():
+    w = out[t]
+    out[t] = w + (ab["scale"] * (ab["a"] @ ab["b"])).reshape(w.shape).astype(w.dtype)
+  return out
+
+
 def run_layers(params, cfg: ModelConfig, x_BTD, positions_BT, valid_BT, context=()):
   """Every decoder layer on x: (x_BTD, own K/V per layer).
 
@@ -311,13 +352,13 @@ def run_layers(params, cfg: ModelConfig, x_BTD, positions_BT, valid_BT, context=
   def layer_fn(index):
     if cfg.layer_type(index) == "linear_attention":  # hybrid: context is a LinearState
       return _remat(lambda layer_params, x_BTD, state: deltanet.GatedDeltaNetBlock(
-          cfg, index, parent=None).apply({"params": layer_params}, x_BTD, positions_BT,
-                                         valid_BT, state), cfg)
+          cfg, index, parent=None).apply({"params": merge_adapters(layer_params)}, x_BTD,
+                                         positions_BT, valid_BT, state), cfg)
 
     def fn(layer_params, x_BTD, key_arrays):  # only arrays cross jax.checkpoint
       segments = [attention.KeySegment(*arrays) for arrays in key_arrays]
-      return Block(cfg, index, parent=None).apply({"params": layer_params}, x_BTD,
-                                                  positions_BT, valid_BT, segments)
+      return Block(cfg, index, parent=None).apply({"params": merge_adapters(layer_params)},
+                                                  x_BTD, positions_BT, valid_BT, segments)
     remat_fn = _remat(fn, cfg)
     return lambda layer_params, x_BTD, segments: remat_fn(
         layer_params, x_BTD, [tuple(seg[:4]) for seg in segments])
@@ -429,9 +470,17 @@ def token_logps(params, cfg: ModelConfig, h_BTD: Array, targets_BT: Array,
 
   With `model.logits_chunk` = C, the T positions run in chunks of C under `lax.scan`, each
   chunk rematerialised in the backward: at most one [B, C, V] logits block is ever alive.
+  With `model.logits_chunk_rows` (and T <= C < B*T), the B rows' positions run as one
+  sequence of B*T tokens in chunks of C: one [C, V] block.
   """
   B, T, D = h_BTD.shape
   C = cfg.logits_chunk
+  if C is not None and cfg.logits_chunk_rows and T <= C < B * T:
+    # rows x positions as one axis of B*T tokens, chunked below as one row
+    logp_1N, entropy_1N = token_logps(params, dataclasses.replace(cfg, logits_chunk_rows=False),
+                                      h_BTD.reshape(1, B * T, D),
+                                      targets_BT.reshape(1, B * T), temperature)
+    return logp_1N.reshape(B, T), entropy_1N.reshape(B, T)
   if C is None or T <= C:
     return _token_logps(params, cfg, h_BTD, targets_BT, temperature)
   n = -(-T // C)

@@ -55,6 +55,39 @@ def test_chunked_logps_equal_unchunked(x64):
   assert max_rel_err(g1, g2) < 1e-10
 
 
+def test_row_chunked_logps_equal_unchunked(x64):
+  """logits_chunk_rows: 3 rows x 4 positions as 12 tokens in chunks of 5 (T <= C < B*T;
+  a ragged last chunk): log-probs, entropies and their gradients, float64."""
+  cfg, params = tiny(logits_chunk=5, logits_chunk_rows=True)
+  full = dataclasses.replace(cfg, logits_chunk=None)
+  h_BTD = jax.random.normal(jax.random.key(4), (3, 4, cfg.d_model), jnp.float64)
+  targets_BT = jax.random.randint(jax.random.key(5), (3, 4), 0, cfg.vocab_size)
+
+  def f(c):
+    def loss(p, h):
+      logp, ent = tfm.token_logps(p, c, h, targets_BT)
+      return jnp.sum(logp * jnp.arange(12.0).reshape(3, 4)) + jnp.sum(ent ** 2), (logp, ent)
+    return jax.value_and_grad(loss, (0, 1), has_aux=True)(params, h_BTD)
+
+  (l1, (lp1, e1)), g1 = f(cfg)
+  (l2, (lp2, e2)), g2 = f(full)
+  np.testing.assert_allclose(lp1, lp2, rtol=1e-12)
+  np.testing.assert_allclose(e1, e2, rtol=1e-12)
+  assert max_rel_err(g1, g2) < 1e-10
+
+
+def test_chunked_mlp_equals_whole_in_replay_and_naive(x64):
+  """mlp_chunk=4 (P=9: a ragged last chunk; the tails' T=3 stay whole) with remat and
+  row-chunked log-probs == the defaults: replay's loss and every gradient leaf, float64, and
+  the chunked replay == the chunked naive twin."""
+  cfg, params = tiny(mlp_chunk=4, logits_chunk=5, logits_chunk_rows=True, remat="full")
+  batch = make_batch(6, 2, 3, 9, 3, W=1, dtype=jnp.float64)
+  whole = dataclasses.replace(cfg, mlp_chunk=None, logits_chunk_rows=False)
+  assert_equal_f64(replay_grad(cfg, params, batch), replay_grad(whole, params, batch))
+  naive = jax.jit(lambda p: policy.loss_and_grad(p, batch, cfg, losses.LossConfig(), "naive"))
+  assert_equal_f64(replay_grad(cfg, params, batch), naive(params))
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_scanned_layers_equal_unrolled(family, x64):
   """scan over periods of identical layers (Gemma 2 alternates local/global: period 2) ==
@@ -122,6 +155,8 @@ def test_bad_model_options_name_the_field():
                            (dict(attention_block_q=0), "model.attention_block_q"),
                            (dict(attention_block_k=-4), "model.attention_block_k"),
                            (dict(logits_chunk=0), "model.logits_chunk"),
+                           (dict(mlp_chunk=0), "model.mlp_chunk"),
+                           (dict(logits_chunk_rows=1), "model.logits_chunk_rows"),
                            (dict(remat="sometimes"), "model.remat")]:
     with pytest.raises(ValueError, match=field):
       tfm.preset("tiny", **overrides)

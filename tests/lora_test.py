@@ -2,6 +2,7 @@
 gradient projected through the adapter, PEFT files in and out (peft loads ours: same logits),
 --merge, bad input."""
 
+import dataclasses
 import json
 import os
 
@@ -49,6 +50,24 @@ def test_lora_replay_equals_naive_float64(loss_name, W, logps):
     for name in aux1:
       np.testing.assert_allclose(aux1[name], aux2[name], rtol=1e-10, atol=1e-10)
     assert min(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(g2)) > 1e-6  # every leaf
+
+
+def test_lora_replay_equals_naive_with_the_one_gpu_plans_options():
+  """experiments/plan_1gpu.py's step at a tiny shape: full remat, scanned layers, chunked MLP
+  and row-chunked log-probs, the base frozen; replay == the naive twin with the default
+  options (float64, every adapter leaf)."""
+  with jax.enable_x64(True):
+    cfg, base, adapters = model_and_adapters(remat="full", scan_layers=True, mlp_chunk=4,
+                                             logits_chunk=5, logits_chunk_rows=True)
+    plain = dataclasses.replace(cfg, remat="none", mlp_chunk=None, logits_chunk_rows=False)
+    batch = make_batch(7, B=1, R=4, P=10, T=3, dtype=jnp.float64)
+    loss_cfg = losses.LossConfig(name="grpo")
+    l1, _, g1 = jax.jit(lambda a: lora_train.loss_and_grad(base, a, batch, cfg, loss_cfg, LORA,
+                                                           "replay"))(adapters)
+    l2, _, g2 = jax.jit(lambda a: lora_train.loss_and_grad(base, a, batch, plain, loss_cfg,
+                                                           LORA, "naive"))(adapters)
+    assert abs(float(l1) - float(l2)) <= 1e-10 * max(abs(float(l2)), 1e-3)
+    assert max_rel_err(g1, g2) < 1e-10
 
 
 def test_adapter_gradient_is_the_full_gradient_projected():

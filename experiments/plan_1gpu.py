@@ -1,0 +1,339 @@
+"""The one-GPU plan: Llama-3-8B (and Qwen3-8B) shapes, B=1 prompt, P=131,072 prefix positions,
+R=16 branches of T=512, LoRA rank 16 on every linear layer of every block (q, k, v, o, gate,
+up, down), the frozen base in bf16 (no fp32 master, no gradient, no optimizer state), the
+adapters in fp32 with AdamW, compute in bf16, full remat per layer (scanned layers), the
+blockwise attention kernel (on the GPU: blockwise or tokamax's fused kernel, --attention),
+the MLP in chunks of --mlp_chunk positions and the log-probs in chunks of 1,024 of the R*T
+scored tokens (model.mlp_chunk, model.logits_chunk_rows: engine options, tested against the
+unchunked step and the naive twin in tests/long_context_test.py and tests/lora_test.py).
+The step is the trainer's LoRA step: branch_replay.lora.loss_and_grad (the one engine) + AdamW.
+
+  # compile only, one fake CPU device, one subprocess per row:
+  python experiments/plan_1gpu.py --out=experiments/results/plan_1gpu_cpu_2026-12-03.jsonl
+  python experiments/plan_1gpu.py --model=llama3_8b --layers=2 --layers=4 --prefix_len=131072
+  # on one GPU (experiments/gpu_check.sh): random weights, compile, 1 warm-up + 2 timed steps
+  # (a `compiled` line and a `step` line per step as they happen, then the `run` row)
+  python experiments/plan_1gpu.py --run --prefix_len=131072 --out=$OUT/one_gpu_8b.jsonl
+
+Per compiled row (`jax.jit(step).lower(ShapeDtypeStructs).compile().memory_analysis()`):
+argument / output / temporary / alias bytes, the total (args + temps + outputs - aliases),
+fits (total <= capacity) and fits_with_headroom (total <= 0.9 x capacity) for H200 141 GB,
+H20 96 GB and H100 80 GB, the state's bytes from shapes, and the step time predicted from its
+FLOPs at 40% and 60% MFU and by experiments/cost_model.py (calibrated matmul efficiency,
+flash attention at 0.35 (0.2-0.55), element-wise passes; one device, no communication).
+
+CPU XLA is a proxy for the GPU's memory: the CPU backend has no bf16 matmul, so it stores
+many bf16 intermediates in f32 (the saved layer inputs, the prefix K/V and their cotangents,
+the dot operands: e.g. f32[L, 1, P, 4096] for the remat'd layer inputs), and its scheduler
+and fusion differ from the GPU's. Rows therefore also carry `gpu_estimate`: cost_model.memory's
+parts in bf16 with LoRA's state (bf16 base, fp32 adapters + grads + AdamW), an analytic
+estimate, not a compiled number. The run mode measures the real peak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+GPU_GB = {"H200": 141.0, "H20": 96.0, "H100": 80.0}
+HEADROOM = 0.9  # the target: the compiled total within 90% of the card
+MFUS = (0.4, 0.6)
+PEAK_TFLOPS = {"H200": 989.0, "H20": 148.0, "H100": 989.0}  # dense bf16
+
+
+def define_flags():
+  """Defined when the script runs, not on import (tests import it beside other experiments)."""
+  flags.DEFINE_multi_integer("prefix_len", [131072, 65536, 32768], "P values")
+  flags.DEFINE_multi_string("model", ["llama3_8b", "qwen3_8b"], "llama3_8b | qwen3_8b | tiny")
+  flags.DEFINE_multi_integer("layers", [0], "n_layers override per row (0: the model's own)")
+  flags.DEFINE_integer("tail_len", 512, "T")
+  flags.DEFINE_integer("branches", 16, "R")
+  flags.DEFINE_integer("prompts", 1, "B")
+  flags.DEFINE_integer("rank", 16, "LoRA rank (alpha = 2 x rank)")
+  flags.DEFINE_integer("mlp_chunk", 8192, "model.mlp_chunk (0: the MLP whole)")
+  flags.DEFINE_bool("logits_chunk_rows", True, "model.logits_chunk_rows")
+  flags.DEFINE_string("attention", "blockwise", "model.attention (fused: GPU only)")
+  flags.DEFINE_bool("run", False, "materialise random weights and time steps (a GPU)")
+  flags.DEFINE_integer("reps", 2, "run: timed steps after the warm-up")
+  flags.DEFINE_integer("timeout_s", 1800, "per compiled row")
+  flags.DEFINE_string("worker", "", "internal: 'model;P;layers' -> one JSON line")
+  flags.DEFINE_string("out", "", "append JSON lines here")
+
+
+QWEN3_8B = dict(vocab_size=151936, d_model=4096, n_layers=36, n_heads=32, n_kv_heads=8,
+                head_dim=128, mlp_hidden=12288, rope_theta=1000000.0, qk_norm=True)
+
+
+def model_config(name: str, layers: int = 0, mlp_chunk: int = 8192,
+                 logits_chunk_rows: bool = True, attention: str = "blockwise"):
+  """The plan's model: bf16 weights and compute, full remat, scanned layers, chunks."""
+  from experiments import cost_model
+  from models import transformer as tfm
+  if name == "llama3_8b":
+    base = cost_model.LLAMA3_8B
+  elif name == "qwen3_8b":
+    base = tfm.ModelConfig(**QWEN3_8B)
+  elif name == "tiny":
+    base = tfm.preset("tiny", attention_block_q=16, attention_block_k=16, logits_chunk=16)
+  else:
+    raise ValueError(f"--model={name!r}: expected 'llama3_8b', 'qwen3_8b' or 'tiny'")
+  cfg = dataclasses.replace(base, dtype="bfloat16", param_dtype="bfloat16", remat="full",
+                            scan_layers=True, attention=attention,
+                            mlp_chunk=mlp_chunk or None, logits_chunk_rows=logits_chunk_rows)
+  return dataclasses.replace(cfg, n_layers=layers) if layers else cfg
+
+
+def check_row(P: int, T: int, R: int, B: int, rank: int) -> None:
+  for name, v in (("prefix_len", P), ("tail_len", T), ("branches", R), ("prompts", B),
+                  ("rank", rank)):
+    if not isinstance(v, int) or v < 1:
+      raise ValueError(f"--{name}={v!r}: expected an int >= 1")
+
+
+def lora_step(cfg, rank: int):
+  """(jitted step, LoraConfig, tx): the trainer's LoRA step. Adapters (fp32) and their AdamW
+  state are donated; the bf16 base is a frozen argument."""
+  import jax
+  import optax
+  from branch_replay import losses
+  from branch_replay import lora as lora_train
+  from models import lora
+  lora_cfg = lora.LoraConfig(rank=rank, alpha=2.0 * rank)
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-5))
+  loss_cfg = losses.LossConfig(name="grpo")
+
+  def step(base, adapters, opt_state, batch):
+    loss, _, grads = lora_train.loss_and_grad(base, adapters, batch, cfg, loss_cfg, lora_cfg,
+                                              "replay")
+    updates, opt_state = tx.update(grads, opt_state, adapters)
+    return optax.apply_updates(adapters, updates), opt_state, loss
+
+  return jax.jit(step, donate_argnums=(1, 2)), lora_cfg, tx
+
+
+def abstract_args(cfg, lora_cfg, tx, B, P, R, T):
+  import jax
+  import jax.numpy as jnp
+  from branch_replay import tree
+  from models import lora
+  from models import transformer as tfm
+  sds = jax.ShapeDtypeStruct
+  base = jax.eval_shape(lambda: tfm.init_params(cfg, jax.random.key(0)))
+  adapter_cfg = dataclasses.replace(cfg, param_dtype="float32")  # fp32 adapter masters
+  adapters = jax.eval_shape(lambda: lora.init_adapters(adapter_cfg, lora_cfg, jax.random.key(1)))
+  opt_state = jax.eval_shape(tx.init, adapters)
+  batch = tree.flat(prefix_BP=sds((B, P), jnp.int32), prefix_valid_BP=sds((B, P), bool),
+                    tails_BRT=sds((B, R, T), jnp.int32), tail_valid_BRT=sds((B, R, T), bool),
+                    advantages_BR=sds((B, R), jnp.float32))
+  return base, adapters, opt_state, batch
+
+
+def nbytes(tree) -> int:
+  import jax
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def gpu_estimate(cfg, B, P, R, T, adapter_params: int) -> dict:
+  """cost_model.memory in bf16 (replay, remat, flash, one device), its parameter part
+  replaced by LoRA's state: the bf16 base (2 B/param) + adapters, their gradient and AdamW
+  moments (16 B/param), plus one stacked bf16 copy of the layers' weights (the scan's); the
+  logits block at 1,024 tokens, the MLP's working set chunked."""
+  from experiments import cost_model, flops
+  shape = cost_model.Shape(B, R, P, T)
+  ex = cost_model.Execution(attention="flash", remat=True, compute_bytes=2, logits_chunk=1024)
+  parts = cost_model.memory(cfg, shape, "replay", ex)
+  parts.pop("total")
+  parts["params_grads_optimizer"] = 0.0
+  parts["base_bf16"] = cost_model.param_count(cfg) * 2
+  # the scan stacks the per-layer weights on the fly (transformer.run_layers): one bf16 copy
+  # of the layers' weights (the prefix's, kept for its backward; the tails' may share it)
+  parts["stacked_layer_weights"] = cfg.n_layers * flops.layer_macs(cfg) * 2
+  parts["adapters_grads_adamw"] = adapter_params * 16
+  if cfg.mlp_chunk and cfg.mlp_chunk < P:  # the 3 F-sized activations (+ cotangents) chunked
+    parts["layer_working_set"] -= 2 * B * (P - cfg.mlp_chunk) * 3 * cfg.mlp_hidden * 2
+  gb = {k: round(v / 1e9, 2) for k, v in parts.items()}
+  gb["total"] = round(sum(parts.values()) / 1e9, 2)
+  return gb
+
+
+def predict(cfg, B, P, R, T) -> dict:
+  """Step time on one GPU: useful FLOPs (experiments/flops.py: fwd + bwd, causal pairs once)
+  at 40% / 60% MFU, and cost_model's prediction (remat's extra forward, flash attention)."""
+  from experiments import cost_model, flops
+  from experiments.plan_8gpu import FLASH_EFFICIENCY, FLASH_RANGE, MATMUL_EFFICIENCY
+  useful = flops.step_flops(cfg, flops.flat(B, R, P, T, "replay"))
+  shape = cost_model.Shape(B, R, P, T)
+  ex = cost_model.Execution(attention="flash", remat=True, compute_bytes=2)
+  counts = cost_model.step_counts(cfg, shape, "replay", ex)
+  ew = cost_model.layer_table(cfg, shape, "replay", ex)["elementwise_bytes"] * cfg.n_layers
+  out = dict(useful_pflop=round(useful / 1e15, 3),
+             executed_pflop=round(counts["total_flops"] / 1e15, 3), step_s={})
+  for gpu in cost_model.GPUS:
+    name = next(n for n in ("H200", "H100", "H20") if n in gpu.name)
+    one = dataclasses.replace(gpu, name=name)
+    t = cost_model.predict_time(counts, MATMUL_EFFICIENCY, FLASH_EFFICIENCY, one, 1, ew, 0.0)
+    lo, hi = (cost_model.predict_time(counts, MATMUL_EFFICIENCY, e, one, 1, ew, 0.0)["step_s"]
+              for e in FLASH_RANGE[::-1])
+    row = {f"mfu_{int(m * 100)}": round(useful / (m * gpu.bf16_tflops * 1e12), 1) for m in MFUS}
+    row.update(cost_model=round(t["step_s"], 1), cost_model_range=[round(lo, 1), round(hi, 1)],
+               cost_model_mfu=round(useful / (t["step_s"] * gpu.bf16_tflops * 1e12), 3))
+    out["step_s"][name] = row
+  return out
+
+
+def compile_row(model: str, P: int, layers: int) -> dict:
+  """One compile-only row on this process's one device."""
+  cfg = model_config(model, layers, FLAGS.mlp_chunk, FLAGS.logits_chunk_rows, FLAGS.attention)
+  B, R, T = FLAGS.prompts, FLAGS.branches, FLAGS.tail_len
+  check_row(P, T, R, B, FLAGS.rank)
+  step, lora_cfg, tx = lora_step(cfg, FLAGS.rank)
+  args = abstract_args(cfg, lora_cfg, tx, B, P, R, T)
+  t0 = time.time()
+  mem = step.lower(*args).compile().memory_analysis()
+  compile_s = time.time() - t0
+  total = (mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
+           - mem.alias_size_in_bytes)
+  gb = lambda b: round(b / 1e9, 3)
+  base, adapters, opt_state, _ = args
+  row = dict(model=model, n_layers=cfg.n_layers, full_model=not layers, P=P, T=T, R=R, B=B,
+             rank=FLAGS.rank, targets="q,k,v,o,gate,up,down", base_dtype="bfloat16",
+             adapter_dtype="float32", compute_dtype="bfloat16", remat="full",
+             attention=cfg.attention, mlp_chunk=cfg.mlp_chunk,
+             logits_chunk=cfg.logits_chunk, logits_chunk_rows=cfg.logits_chunk_rows,
+             compile_s=round(compile_s, 1), argument_gb=gb(mem.argument_size_in_bytes),
+             temp_gb=gb(mem.temp_size_in_bytes), output_gb=gb(mem.output_size_in_bytes),
+             alias_gb=gb(mem.alias_size_in_bytes), total_gb=gb(total), total_bytes=total,
+             base_gb=gb(nbytes(base)), adapter_params=nbytes(adapters) // 4,
+             adapter_state_gb=gb(2 * nbytes(adapters) + nbytes(opt_state)),
+             fits={g: total / 1e9 <= cap for g, cap in GPU_GB.items()},
+             fits_with_headroom={g: total / 1e9 <= HEADROOM * cap for g, cap in GPU_GB.items()},
+             memory_backend="cpu (proxy: bf16 intermediates stored as f32)")
+  row["gpu_estimate_gb"] = gpu_estimate(cfg, B, P, R, T, row["adapter_params"])
+  row["gpu_estimate_fits_with_headroom"] = {
+      g: row["gpu_estimate_gb"]["total"] <= HEADROOM * cap for g, cap in GPU_GB.items()}
+  row["prediction"] = predict(cfg, B, P, R, T)
+  return row
+
+
+def run_row(model: str, P: int, emit=lambda row: None) -> dict:
+  """Random weights on this process's first device, compile, 1 warm-up + --reps timed steps:
+  step seconds, MFU (useful FLOPs / (seconds x the card's bf16 peak)), peak device memory.
+  emit(line) gets a `compiled` line (the GPU compile's footprint) and a `step` line per step
+  as they happen, so a run stopped by a time limit still leaves what it measured."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from branch_replay import tree
+  from experiments import flops
+  from models import lora
+  from models import transformer as tfm
+  cfg = model_config(model, 0, FLAGS.mlp_chunk, FLAGS.logits_chunk_rows, FLAGS.attention)
+  B, R, T = FLAGS.prompts, FLAGS.branches, FLAGS.tail_len
+  check_row(P, T, R, B, FLAGS.rank)
+  step, lora_cfg, tx = lora_step(cfg, FLAGS.rank)
+  t0 = time.time()
+  base = jax.jit(lambda k: tfm.init_params(cfg, k))(jax.random.key(0))
+  adapter_cfg = dataclasses.replace(cfg, param_dtype="float32")
+  adapters = lora.init_adapters(adapter_cfg, lora_cfg, jax.random.key(1))
+  adapters = jax.tree.map(lambda x: x + 1e-3, adapters)  # B != 0: both adapter halves move
+  opt_state = tx.init(adapters)
+  rng = np.random.default_rng(0)
+  batch = tree.flat(prefix_BP=jnp.asarray(rng.integers(0, cfg.vocab_size, (B, P)), jnp.int32),
+                    prefix_valid_BP=jnp.ones((B, P), bool),
+                    tails_BRT=jnp.asarray(rng.integers(0, cfg.vocab_size, (B, R, T)), jnp.int32),
+                    tail_valid_BRT=jnp.ones((B, R, T), bool),
+                    advantages_BR=jnp.asarray(rng.normal(size=(B, R)), jnp.float32))
+  jax.block_until_ready((base, adapters, opt_state, batch))
+  init_s = time.time() - t0
+  t0 = time.time()
+  compiled = step.lower(base, adapters, opt_state, batch).compile()
+  compile_s = time.time() - t0
+  mem = compiled.memory_analysis()
+  dev = jax.devices()[0]
+  gb = lambda b: None if b is None else round(b / 1e9, 3)
+  peak_gb = lambda: gb((dev.memory_stats() or {}).get("peak_bytes_in_use"))
+  compiled_gb = None if mem is None else gb(
+      mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
+      - mem.alias_size_in_bytes)
+  emit(dict(kind="compiled", model=model, P=P, device_kind=dev.device_kind,
+            init_s=round(init_s, 1), compile_s=round(compile_s, 1),
+            compiled_total_gb=compiled_gb, peak_gb=peak_gb()))
+  times, losses_ = [], []
+  for i in range(FLAGS.reps + 1):
+    t0 = time.perf_counter()
+    adapters, opt_state, loss = jax.block_until_ready(compiled(base, adapters, opt_state, batch))
+    seconds = time.perf_counter() - t0
+    if i:
+      times.append(seconds)
+    losses_.append(float(loss))
+    emit(dict(kind="step", model=model, P=P, step=i, warm_up=i == 0,
+              seconds=round(seconds, 3), loss=float(loss), peak_gb=peak_gb()))
+  stats = dev.memory_stats() or {}
+  useful = flops.step_flops(cfg, flops.flat(B, R, P, T, "replay"))
+  step_s = float(np.median(times))
+  kind = dev.device_kind
+  peak = next((v for k, v in PEAK_TFLOPS.items() if k in kind), None)
+  return dict(model=model, n_layers=cfg.n_layers, P=P, T=T, R=R, B=B, rank=FLAGS.rank,
+              attention=cfg.attention, mlp_chunk=cfg.mlp_chunk, device=str(dev),
+              device_kind=kind, init_s=round(init_s, 1), compile_s=round(compile_s, 1),
+              step_s=round(step_s, 3), step_times=[round(t, 3) for t in times],
+              losses=losses_, finite=bool(np.all(np.isfinite(losses_))),
+              useful_pflop=round(useful / 1e15, 3),
+              mfu=None if peak is None else round(useful / (step_s * peak * 1e12), 4),
+              mfu_peak_tflops=peak,
+              peak_gb=gb(stats.get("peak_bytes_in_use")),
+              bytes_limit_gb=gb(stats.get("bytes_limit")), compiled_total_gb=compiled_gb)
+
+
+def run_subprocess(model: str, P: int, layers: int, passed, env) -> dict:
+  argv = [sys.executable, os.path.abspath(__file__), *passed, f"--worker={model};{P};{layers}"]
+  try:
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=FLAGS.timeout_s)
+  except subprocess.TimeoutExpired:
+    return dict(model=model, P=P, n_layers=layers, error=f"compile over {FLAGS.timeout_s} s")
+  lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+  if lines:
+    return json.loads(lines[-1])
+  return dict(model=model, P=P, n_layers=layers, error=f"exit {proc.returncode}: "
+              f"{proc.stderr[-600:]}")
+
+
+def main(argv):
+  del argv
+  if FLAGS.worker:
+    model, P, layers = FLAGS.worker.split(";")
+    print(json.dumps(compile_row(model, int(P), int(layers))), flush=True)
+    return
+  for model in FLAGS.model:  # bad input before any compilation
+    model_config(model)
+    for P in FLAGS.prefix_len:
+      check_row(P, FLAGS.tail_len, FLAGS.branches, FLAGS.prompts, FLAGS.rank)
+  from experiments import provenance
+  writer = provenance.ResultsWriter(FLAGS.out, "plan_1gpu_run" if FLAGS.run else "plan_1gpu",
+                                    with_jax=FLAGS.run)
+  if FLAGS.run:  # in this process, on its device
+    for model in FLAGS.model:
+      for P in FLAGS.prefix_len:
+        writer.write({"kind": "run", **run_row(model, P, writer.write)})
+    return
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  passed = [a for a in sys.argv[1:] if not a.startswith(("--out", "--prefix_len", "--model",
+                                                         "--layers"))]
+  for model in FLAGS.model:
+    for layers in FLAGS.layers:
+      for P in FLAGS.prefix_len:
+        writer.write({"kind": "row", **run_subprocess(model, P, layers, passed, env)})
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)
