@@ -51,6 +51,7 @@ KINDS = {
     "plan_1gpu": "the one-GPU LoRA plan (8B, P=131,072, R=16) from compiled footprints; its GPU row",
     "fused_check": "model.attention=fused against blockwise (GPU path)",
     "bench_checkpoint": "asynchronous vs synchronous checkpoints: the step's stall",
+    "gguf_smollm2": "the packaged SmolLM2 GGUF: load time by part and greedy answers",
   },
   "tools": {
     "provenance": "ResultsWriter: commit, command, machine on every results line",
