@@ -24,6 +24,7 @@ KINDS = {
     "tree_haystack": "tree GRPO on a two-turn lookup whose turns branch (4 x 4 trees)",
     "jsonl_reverse": "your own prompts: a JSON-lines file of 'reverse this word'",
     "math_jsonl": "GSM8K-layout k-shot math prompts for an imported checkpoint",
+    "math_smollm2": "SmolLM2-135M-Instruct learns k-shot math with LoRA (the real-model recipe)",
   },
   "repro": {
     "q1_wallclock": "Q1: the whole RL step by phase, replay vs naive",

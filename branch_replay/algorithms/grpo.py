@@ -242,6 +242,7 @@ class GRPO:
     self.fns = self.sft.fns
     self.warmup_batch, self.warmup_update = self.sft.warmup_batch, self.sft.warmup_update
     self.eval_examples, self.evaluate = self.sft.eval_examples, self.sft.evaluate
+    self.evaluate_all = self.sft.evaluate_all
     self.progress_keys = ("reward/mean",) + (("reward/turn1",) if self.sft.is_tree else ()) + (
         "loss/policy",)
 
