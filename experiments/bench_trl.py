@@ -51,6 +51,7 @@ flags.DEFINE_integer("max_new_tokens", 0, "T (0: the recipe's)")
 flags.DEFINE_integer("threads", 2, "torch intra-op threads")
 flags.DEFINE_string("out", "", "also append the JSON lines to this file")
 flags.DEFINE_string("export_only", "", "write the HF folder of the GGUF here and stop")
+flags.DEFINE_bool("twin", True, "also time replay vs the naive twin's loss+grad on our batches")
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PHASES = ("generate", "reward", "old_logp", "ref_logp", "update", "step")
@@ -115,7 +116,7 @@ def trl_args(cfg, out_dir: str, steps: int) -> dict:
               steps_per_generation=1, num_iterations=1, max_completion_length=s.max_new_tokens,
               temperature=s.temperature, top_p=1.0, top_k=0, learning_rate=t.learning_rate,
               lr_scheduler_type="constant", warmup_steps=0, weight_decay=t.weight_decay,
-              max_grad_norm=t.grad_clip, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+              max_grad_norm=t.grad_clip, adam_beta1=0.9, adam_beta2=0.99, adam_epsilon=1e-8,
               beta=cfg.loss.kl_coef, epsilon=cfg.loss.epsilon, loss_type="dapo",
               scale_rewards="group", shuffle_dataset=False, use_cpu=True, bf16=False,
               fp16=False, logging_steps=1, report_to=[], save_strategy="no", seed=t.seed,
@@ -148,9 +149,43 @@ class Ours:
     return [e for s in range(n_steps) for e in sample_examples(self.task, t.seed, s,
                                                                t.batch_size)]
 
-  def run_step(self) -> dict:
+  def twin(self, batch) -> dict:
+    """Replay and the naive twin on this step's batch, from the same adapters: loss and
+    gradient (what the update computes; LoRA: the adapters'), each timed after its compile,
+    their losses, the worst gradient leaf's relative gap and the useful-FLOP ratio."""
+    import jax
+    import numpy as np
+    from branch_replay import policy, steps
+    from experiments import flops
+    from models import lora as lora_lib
+    cfg, loss_cfg = self.cfg, steps.rl_loss_config(self.cfg)
+    if not hasattr(self, "_twin_fns"):
+      self._twin_fns = {m: jax.jit(lambda a, base, b, m=m: policy.loss_and_grad(
+          a, b, cfg.model, loss_cfg, mode=m,
+          params_fn=lambda x: lora_lib.merge(base, x, cfg.lora))) for m in ("replay", "naive")}
+    out = {}
+    for m, fn in self._twin_fns.items():
+      t0 = time.perf_counter()
+      loss, _, grads = jax.block_until_ready(fn(self.state.params, self.state.base, batch))
+      out[m] = (float(loss), grads, time.perf_counter() - t0)
+    gaps = [float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / (np.max(np.abs(b)) + 1e-30))
+            for a, b in zip(jax.tree.leaves(out["replay"][1]), jax.tree.leaves(out["naive"][1]))]
+    B, R, T = batch.leaves.tokens_BRT.shape
+    P = batch.root_BP.shape[1]
+    useful = flops.useful_flop_ratio(cfg.model, flops.flat(B, R, P, T, "naive"),
+                                     flops.flat(B, R, P, T, "replay"))
+    return {"twin_loss_replay": out["replay"][0], "twin_loss_naive": out["naive"][0],
+            "twin_grad_max_rel_gap": max(gaps), "twin_replay_s": out["replay"][2],
+            "twin_naive_s": out["naive"][2], "twin_useful_flop_ratio": useful}
+
+  def run_step(self, twin: bool = False) -> dict:
     t0 = time.perf_counter()
     batch, sampled = self.algo.batch(self.state, self.step)
+    extra = {}
+    if twin:  # outside the timed step
+      tw = time.perf_counter()
+      extra = self.twin(batch)
+      t0 += time.perf_counter() - tw
     t1 = time.perf_counter()
     self.state, out = self.algo.update(self.state, batch, self.step)
     t2 = time.perf_counter()
@@ -158,7 +193,7 @@ class Ours:
     return {"generate": sampled["time/generate_s"] + sampled["time/data_s"],
             "reward": sampled["time/reward_s"], "old_logp": sampled["time/old_logp_s"],
             "ref_logp": sampled["time/ref_logp_s"], "update": t2 - t1, "step": t2 - t0,
-            "reward_mean": sampled["reward/mean"], "loss": out["loss/policy"]}
+            "reward_mean": sampled["reward/mean"], "loss": out["loss/policy"], **extra}
 
 
 def wrap_timer(obj, name: str, bucket: dict, key: str, when=lambda: True):
@@ -235,7 +270,7 @@ def main(argv):
       rows["trl"].append(row)
       writer.write_plain({"side": "trl", "step": i, **row})
       load0 = os.getloadavg()[0]
-      mine = ours.run_step()
+      mine = ours.run_step(twin=FLAGS.twin)
       mine["loadavg_1m"] = [load0, os.getloadavg()[0]]
       rows["ours"].append(mine)
       writer.write_plain({"side": "ours", "step": i, **mine})
@@ -273,7 +308,17 @@ def main(argv):
            if summary["ours"][k] > 0}
   slower = {k: {"ours_s": summary["ours"][k], "trl_s": summary["trl"][k]} for k in PHASES
             if summary["ours"][k] > summary["trl"][k]}
-  writer.write({"summary": True, "shape": shape, "steps": FLAGS.steps, "warmup": FLAGS.warmup,
+  twin = {}
+  if FLAGS.twin:
+    rs = rows["ours"][FLAGS.warmup:]
+    twin = {"replay_s": float(statistics.median(r["twin_replay_s"] for r in rs)),
+            "naive_s": float(statistics.median(r["twin_naive_s"] for r in rs)),
+            "loss_max_rel_gap": max(abs(r["twin_loss_replay"] - r["twin_loss_naive"])
+                                    / max(abs(r["twin_loss_naive"]), 1e-30) for r in rows["ours"]),
+            "grad_max_rel_gap": max(r["twin_grad_max_rel_gap"] for r in rows["ours"]),
+            "useful_flop_ratio": rows["ours"][-1]["twin_useful_flop_ratio"]}
+    twin["time_ratio_naive_over_replay"] = twin["naive_s"] / twin["replay_s"]
+  writer.write({"summary": True, "twin": twin, "shape": shape, "steps": FLAGS.steps, "warmup": FLAGS.warmup,
                 "median_s": summary, "ratio_trl_over_ours": ratio, "ours_slower": slower,
                 "targets": {"update_3x": ratio.get("update", 0) >= 3,
                             "whole_step_faster": ratio.get("step", 0) > 1}})

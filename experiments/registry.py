@@ -44,6 +44,7 @@ KINDS = {
     "bench_tree": "tree batches: naive vs flat replay vs tree replay",
     "bench_hybrid": "Gated DeltaNet hybrids beside pure attention",
     "bench_peer": "side by side with PrefixGrouper (torch)",
+    "bench_trl": "side by side with TRL's GRPOTrainer on SmolLM2-135M (the recipe's shape)",
     "profile_replay": "where replay's step goes: stages and top XLA ops",
     "lora_memory": "LoRA vs full fine-tuning: compiled memory and speed",
     "context_parallel_memory": "per-device compiled memory under context parallelism",
