@@ -86,7 +86,7 @@ def run(cfg: Config, workdir: str, algorithm=None, *, init_params=None, tokenize
     else:
       rec["phase"] = algo.phase
       if step == warmup:
-        if eval_examples:
+        if eval_examples and t.eval_before:
           bar.write(f"step {step}: greedy eval reward before {algo.phase} "
                     f"{evaluate(state, step):.3f}")
         state = algo.start(state)

@@ -97,7 +97,7 @@ def test_recipe_config_and_prompt_files(tmp_path):
   cfg = recipe.get_config()
   assert cfg.lora.rank == 16 and cfg.loss.kl_coef > 0 and cfg.train.n_branches >= 8
   assert cfg.task.reward == "final_number" and cfg.train.eval_size >= 200
-  assert cfg.train.eval_shared_prefix and cfg.sampler.temperature == 1.0
+  assert cfg.train.eval_shared_prefix and 0 < cfg.sampler.temperature <= 1.0
   train, held = recipe.build_prompts(out_dir=str(tmp_path))
   read = lambda p: [json.loads(line) for line in open(p)]
   train, held = read(train), read(held)
