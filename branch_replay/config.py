@@ -361,7 +361,8 @@ def from_dict(d: dict) -> Config:
 # Fields a resumed run may change; any other difference means the checkpoint belongs to
 # another experiment.
 RESUMABLE = ("train.rl_steps", "train.checkpoint_every", "train.keep_checkpoints",
-             "train.eval_size", "train.eval_batch", "train.eval_shared_prefix", "train.eval_before",
+             "train.eval_size", "train.eval_batch", "train.eval_shared_prefix",
+             "train.eval_before",
              "train.progress", "train.plot", "train.tensorboard",
              "replay.mode", "replay.branch_chunk", "replay.auto_tree", "mesh", "algo.max_sample_rounds",
              "algo.pairs_file")
