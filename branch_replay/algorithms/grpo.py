@@ -216,6 +216,8 @@ def summarize(records, cfg: Config) -> dict:
       "naive_equiv_tokens": int(sum(r["replay/naive_equiv_tokens"] for r in train)),
       "train_time_s": float(sum(r["time/step_s"] for r in train)),
       "steps": len(train),
+      "rl_steps": len(rl),
+      "median_rl_step_s": float(np.median([r["time/step_s"] for r in rl])) if rl else None,
       "time_by_phase": phases.totals(records),
   }
 

@@ -14,7 +14,7 @@ train.eval_batch prompts). Reward: `final_number` (the number after `####`, else
 LoRA rank 16 on every projection, the frozen base as the KL reference (loss.kl_coef).
 
 Sizes (chosen for ~30-40 min on 2 quiet cores): B=2 prompts x R=8 branches per step, up to
-48 new tokens (the shots' answers are 25-35 tokens with `#### N`), 36 steps; see
+40 new tokens (the answers are 25-36 tokens with `#### N`), 36 steps; see
 docs/recipe.md for the measured times and why.
 Without --model_dir there is no model to train (the character tokenizer has no newline):
 the task refuses the prompts with a ValueError naming the file and line.
@@ -42,7 +42,7 @@ SHOTS, N_TRAIN, N_EVAL = 8, 1000, 200
 SEP = "\n\n"
 PROMPT_LEN = 640  # the chat-templated prompts are 560-575 SmolLM2 tokens
 MAX_NEW_TOKENS = 40
-STEPS, BATCH, BRANCHES = 20, 2, 8
+STEPS, BATCH, BRANCHES = 36, 2, 8
 LEARNING_RATE, KL_COEF, LORA_RANK = 3e-4, 0.02, 16
 # At temperature 1 the 135M model's sampled answers were all wrong (0/48 in 3 steps, greedy
 # 13.5%): no group had a reward to compare; 0.6 keeps the samples near the greedy answer.
