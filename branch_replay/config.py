@@ -62,6 +62,9 @@ class TrainConfig:
   checkpoint_every: int = 50
   keep_checkpoints: int = 2
   eval_size: int = 64  # held-out prompts scored greedily before and after RL (0 = off)
+  eval_batch: int = 0  # prompts per greedy-evaluation call (0 = all at once)
+  eval_shared_prefix: bool = False  # prefill the ids all eval prompts share once (k-shot)
+  eval_before: bool = True  # False: only the final evaluation (the before one known already)
   progress: bool = True  # tqdm bar on the terminal
   plot: bool = True  # workdir/metrics.png at the end
   tensorboard: bool = True  # TensorBoard event files beside metrics.jsonl (same keys)
@@ -78,7 +81,7 @@ class TrainConfig:
   # the algorithm's own options (advantages, epochs, DAPO, ...): the `algo` section
 
   def __post_init__(self):
-    for name in ("sft_steps", "rl_steps", "eval_size"):
+    for name in ("sft_steps", "rl_steps", "eval_size", "eval_batch"):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 0:
         raise ValueError(f"train.{name}={value!r}: expected an int >= 0")
@@ -376,7 +379,8 @@ def from_dict(d: dict) -> Config:
 # Fields a resumed run may change; any other difference means the checkpoint belongs to
 # another experiment.
 RESUMABLE = ("train.rl_steps", "train.checkpoint_every", "train.keep_checkpoints",
-             "train.eval_size", "train.progress", "train.plot", "train.tensorboard",
+             "train.eval_size", "train.eval_batch", "train.eval_shared_prefix",
+             "train.eval_before", "train.progress", "train.plot", "train.tensorboard",
              "train.async_checkpoints", "train.preemption_grace_s", "train.reward_timeout_s",
              "replay.mode", "replay.branch_chunk", "replay.auto_tree", "mesh", "algo.max_sample_rounds",
              "algo.pairs_file")

@@ -8,6 +8,29 @@ import math
 import os
 
 
+def wilson_interval(k: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
+  """The Wilson score interval of a binomial proportion k/n (default: 95%, z = the normal's
+  0.975 quantile): (low, high), inside [0, 1] even at k = 0 or n."""
+  if not (isinstance(n, int) and n >= 1 and 0 <= k <= n):
+    raise ValueError(f"wilson_interval(k={k!r}, n={n!r}): expected ints 0 <= k <= n, n >= 1")
+  p, z2 = k / n, z * z
+  center = (p + z2 / (2 * n)) / (1 + z2 / n)
+  half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+  return max(0.0, center - half), min(1.0, center + half)
+
+
+def eval_record(rewards) -> dict:
+  """The greedy evaluation's metrics of per-prompt rewards: the mean and n; for 0/1 rewards
+  (accuracy) the correct count and its Wilson 95% interval."""
+  rewards = [float(r) for r in rewards]
+  out = {"eval/greedy_reward": sum(rewards) / len(rewards), "eval/n": len(rewards)}
+  if all(r in (0.0, 1.0) for r in rewards):
+    k = int(sum(rewards))
+    low, high = wilson_interval(k, len(rewards))
+    out.update({"eval/correct": k, "eval/ci95_low": low, "eval/ci95_high": high})
+  return out
+
+
 class MetricsWriter:
   """Appends records to `path`; with tensorboard=True also writes every numeric key of each
   record as a TensorBoard scalar (same name, at the record's `step`) to an event file in the

@@ -151,18 +151,39 @@ class TreeSamples(NamedTuple):
   logp: tuple  # float32 log-probs at the sampler's temperature (0 where invalid)
 
 
+def _prefill(model, params, prompt_BP, prompt_valid_BP, header_H=None):
+  """The prompt's K/V segments, the logits after its last token and its length. With a
+  header (ids every prompt starts with, unpadded [H]), its K/V is computed once ([1, H])
+  and read by every prompt's rest (prompt_BP is then the part after the header), so B
+  prompts sharing a k-shot header prefill H + B*P tokens instead of B*(H + P)."""
+  n_B = jnp.sum(prompt_valid_BP.astype(jnp.int32), axis=1)
+  if header_H is None:
+    h_BPD, prompt_kv = model.apply({"params": params}, prompt_BP,
+                                   tfm.positions_from_valid(prompt_valid_BP), prompt_valid_BP)
+    segments = [(prompt_kv, prompt_valid_BP)]
+  else:
+    B, H = prompt_BP.shape[0], header_H.shape[0]
+    valid_1H = jnp.ones((1, H), bool)
+    _, header_kv = model.apply({"params": params}, header_H[None], jnp.arange(H)[None],
+                               valid_1H)
+    header = (jax.tree.map(lambda x: jnp.broadcast_to(x, (B, *x.shape[1:])), header_kv),
+              jnp.ones((B, H), bool))
+    h_BPD, prompt_kv = model.apply({"params": params}, prompt_BP,
+                                   tfm.positions_from_valid(prompt_valid_BP, H),
+                                   prompt_valid_BP, context=[header])
+    segments, n_B = [header, (prompt_kv, prompt_valid_BP)], n_B + H
+  logits_BV = model.apply({"params": params}, h_BPD[:, -1:], method=tfm.Transformer.logits)[:, 0]
+  return segments, logits_BV, n_B
+
+
 def _levels(params, model_cfg, cfg, prompt_BP, prompt_valid_BP, child_keys, lengths,
-            stop_tokens) -> TreeSamples:
+            stop_tokens, header_H=None) -> TreeSamples:
   """The one decoder: child_keys[d-1] holds one key per node of level d, shaped [R_1, ...,
   R_d] (its parent's axes first); level d decodes lengths[d-1] tokens ending at
-  stop_tokens[d-1]."""
+  stop_tokens[d-1]. header_H: a shared header before every prompt (`_prefill`; depth 1)."""
   model = tfm.Transformer(model_cfg)
   # 1. Prefill the prompt once.
-  h_BPD, prompt_kv = model.apply({"params": params}, prompt_BP,
-                                 tfm.positions_from_valid(prompt_valid_BP), prompt_valid_BP)
-  logits_BV = model.apply({"params": params}, h_BPD[:, -1:], method=tfm.Transformer.logits)[:, 0]
-  offset_B = jnp.sum(prompt_valid_BP.astype(jnp.int32), axis=1)
-  segments = [(prompt_kv, prompt_valid_BP)]  # per level: (kv, valid), nested [R_1..]
+  segments, logits_BV, offset_B = _prefill(model, params, prompt_BP, prompt_valid_BP, header_H)
   out = ([], [], [])
   for d, (keys, T, stops) in enumerate(zip(child_keys, lengths, stop_tokens), start=1):
     stop_ids = jnp.asarray(tuple(stops) or (-1,), jnp.int32)
@@ -203,21 +224,37 @@ def sample_tree(params, model_cfg: tfm.ModelConfig, cfg: SamplerConfig, prompt_B
 
 
 def sample(params, model_cfg: tfm.ModelConfig, cfg: SamplerConfig, prompt_BP, prompt_valid_BP,
-           key, n_branches: int, stop_tokens: Sequence[int] = ()) -> Samples:
+           key, n_branches: int, stop_tokens: Sequence[int] = (), header_H=None) -> Samples:
   """R = n_branches continuations of every (left-padded) prompt, prefix K/V computed once:
   the tree of fan-outs (R,), or (1, R) with a trunk of sampler.trunk_len tokens decoded once
-  per prompt (stop tokens do not end a trunk)."""
+  per prompt (stop tokens do not end a trunk). header_H: ids that precede every prompt
+  (unpadded; prompt_BP is then each prompt's rest), prefilled once for all of them
+  (`shared_header` splits prompts; attention only, no trunk)."""
   B, W = prompt_BP.shape[0], cfg.trunk_len
+  if header_H is not None and (W or any(model_cfg.layer_type(i) == "linear_attention"
+                                        for i in range(model_cfg.n_layers))):
+    raise ValueError(f"sampler header_H: shape {tuple(header_H.shape)}: a shared header needs "
+                     f"sampler.trunk_len=0 (got {W}) and attention layers only")
   trunk_key, branch_key = jax.random.split(key)
   keys_R = jax.random.split(branch_key, n_branches)
   if not W:
     s = _levels(params, model_cfg, cfg, prompt_BP, prompt_valid_BP, [keys_R],
-                [cfg.max_new_tokens], [stop_tokens])
+                [cfg.max_new_tokens], [stop_tokens], header_H)
     return Samples(s.tokens[0], s.valid[0], s.logp[0], jnp.zeros((B, 0), jnp.int32),
                    jnp.zeros((B, 0), jnp.float32))
   s = _levels(params, model_cfg, cfg, prompt_BP, prompt_valid_BP, [trunk_key[None], keys_R[None]],
               [W, cfg.max_new_tokens], [(), stop_tokens])
   return Samples(s.tokens[1], s.valid[1], s.logp[1], s.tokens[0][:, 0], s.logp[0][:, 0])
+
+
+def shared_header(ids_list, keep: int = 1):
+  """The longest prefix of token ids every prompt starts with, each prompt keeping at least
+  `keep` ids of its own: (header ids [H], rests). H = 0 when they share nothing."""
+  n = min(len(ids) for ids in ids_list) - keep
+  H = 0
+  while H < n and all(ids[H] == ids_list[0][H] for ids in ids_list):
+    H += 1
+  return np.asarray(ids_list[0][:H], np.int32), [list(ids[H:]) for ids in ids_list]
 
 
 def score(params, model_cfg: tfm.ModelConfig, batch: TreeBatch, temperature: float = 1.0):

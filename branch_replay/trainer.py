@@ -81,9 +81,16 @@ def _train(cfg, workdir, algorithm, init_params, tokenizer, init_adapters, guard
                     and hasattr(algo, "verify") and not cfg.mesh)
 
   def evaluate(state, step):
-    reward = algo.evaluate(state, eval_examples)
-    writer.write({"step": step, "kind": "eval", "eval/greedy_reward": reward})
-    return reward
+    if t.eval_batch or t.eval_shared_prefix:  # per prompt: n, and 0/1 rewards' interval
+      rec = metrics.eval_record(algo.evaluate_all(state, eval_examples))
+    else:
+      rec = {"eval/greedy_reward": algo.evaluate(state, eval_examples)}
+    writer.write({"step": step, "kind": "eval", **rec})
+    if "eval/ci95_low" in rec:
+      bar.write(f"step {step}: greedy accuracy {rec['eval/correct']}/{rec['eval/n']} = "
+                f"{rec['eval/greedy_reward']:.3f} (95% interval {rec['eval/ci95_low']:.3f}-"
+                f"{rec['eval/ci95_high']:.3f})")
+    return rec["eval/greedy_reward"]
 
   from tqdm import tqdm
   bar = tqdm(total=total, initial=start, disable=not (t.progress and chief),
@@ -109,7 +116,7 @@ def _train(cfg, workdir, algorithm, init_params, tokenizer, init_adapters, guard
     else:
       rec["phase"] = algo.phase
       if step == warmup:
-        if eval_examples:
+        if eval_examples and t.eval_before:
           bar.write(f"step {step}: greedy eval reward before {algo.phase} "
                     f"{evaluate(state, step):.3f}")
         state = algo.start(state)

@@ -24,6 +24,7 @@ KINDS = {
     "tree_haystack": "tree GRPO on a two-turn lookup whose turns branch (4 x 4 trees)",
     "jsonl_reverse": "your own prompts: a JSON-lines file of 'reverse this word'",
     "math_jsonl": "GSM8K-layout k-shot math prompts for an imported checkpoint",
+    "math_smollm2": "SmolLM2-135M-Instruct learns k-shot math with LoRA (the real-model recipe)",
   },
   "repro": {
     "q1_wallclock": "Q1: the whole RL step by phase, replay vs naive",
@@ -44,6 +45,7 @@ KINDS = {
     "bench_tree": "tree batches: naive vs flat replay vs tree replay",
     "bench_hybrid": "Gated DeltaNet hybrids beside pure attention",
     "bench_peer": "side by side with PrefixGrouper (torch)",
+    "bench_trl": "side by side with TRL's GRPOTrainer on SmolLM2-135M (the recipe's shape)",
     "profile_replay": "where replay's step goes: stages and top XLA ops",
     "lora_memory": "LoRA vs full fine-tuning: compiled memory and speed",
     "context_parallel_memory": "per-device compiled memory under context parallelism",

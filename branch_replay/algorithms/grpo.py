@@ -192,7 +192,19 @@ def summarize(records, cfg: Config) -> dict:
   k = max(1, min(10, len(rl) // 4))
   evals = {r["step"]: r["eval/greedy_reward"] for r in records if r.get("kind") == "eval"}
   mean = lambda xs: float(np.mean(xs)) if xs else float("nan")
+  intervals = {}  # accuracy evaluations (train.eval_batch / eval_shared_prefix): n, Wilson 95%
+  for when, step in (("before", cfg.train.sft_steps), ("after", cfg.train.total_steps)):
+    rec = next((r for r in records if r.get("kind") == "eval" and r["step"] == step
+                and "eval/ci95_low" in r), None)
+    if rec is not None:
+      intervals.update({f"eval_{when}_n": rec["eval/n"],
+                        f"eval_{when}_correct": rec["eval/correct"],
+                        f"eval_{when}_ci95": [rec["eval/ci95_low"], rec["eval/ci95_high"]]})
+  if "eval_before_ci95" in intervals and "eval_after_ci95" in intervals:
+    intervals["eval_after_interval_above_before"] = (intervals["eval_after_ci95"][0]
+                                                     > intervals["eval_before_ci95"][1])
   return {
+      **intervals,
       "reward_before": mean([r["reward/mean"] for r in rl[:k]]),
       "reward_after": mean([r["reward/mean"] for r in rl[-k:]]),
       "reward_window": k,
@@ -204,6 +216,8 @@ def summarize(records, cfg: Config) -> dict:
       "naive_equiv_tokens": int(sum(r["replay/naive_equiv_tokens"] for r in train)),
       "train_time_s": float(sum(r["time/step_s"] for r in train)),
       "steps": len(train),
+      "rl_steps": len(rl),
+      "median_rl_step_s": float(np.median([r["time/step_s"] for r in rl])) if rl else None,
       "time_by_phase": phases.totals(records),
   }
 
@@ -242,6 +256,7 @@ class GRPO:
     self.fns = self.sft.fns
     self.warmup_batch, self.warmup_update = self.sft.warmup_batch, self.sft.warmup_update
     self.eval_examples, self.evaluate = self.sft.eval_examples, self.sft.evaluate
+    self.evaluate_all = self.sft.evaluate_all
     self.progress_keys = ("reward/mean",) + (("reward/turn1",) if self.sft.is_tree else ()) + (
         "loss/policy",)
 

