@@ -20,7 +20,8 @@ ADDED = {"train": {"async_checkpoints": True, "preemption_grace_s": 120.0,
 
 # Fields added after d1fa8e0, with the defaults that leave every config as it was; and the
 # configs added after it (not in the dump).
-ADDED_FIELDS = {"train": {"eval_batch": 0, "eval_shared_prefix": False, "eval_before": True}}
+ADDED_FIELDS = {"train": {"eval_batch": 0, "eval_shared_prefix": False, "eval_before": True},
+                "model": {"logits_chunk_rows": False, "mlp_chunk": None}}
 ADDED_CONFIGS = ("math_smollm2",)
 
 
@@ -31,7 +32,7 @@ def dump(cfg) -> dict:
   d = json.loads(text.replace(tempfile.gettempdir(), "<tmp>"))
   for section, fields in ADDED_FIELDS.items():
     for name, default in fields.items():
-      if d[section].get(name) == default:
+      if name in d[section] and d[section][name] == default:
         del d[section][name]
   return d
 
