@@ -41,10 +41,27 @@ def git_info() -> dict:
           "git_dirty": None if status is None else bool(status)}
 
 
+def cpu_info() -> dict:
+  """The CPU's model and widest vector ISA (Linux /proc/cpuinfo; {} elsewhere). XLA's CPU code
+  differs with the ISA, so float32 results agree to the digit only on like machines: a run's
+  first loss differed in its last bit between an AVX-512 host and the one of 2026-12-03."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      text = f.read()
+  except OSError:
+    return {}
+  model = next((line.split(":", 1)[1].strip() for line in text.splitlines()
+                if line.startswith("model name")), None)
+  flags = next((set(line.split(":", 1)[1].split()) for line in text.splitlines()
+                if line.startswith("flags")), set())
+  isa = next((name for name in ("avx512f", "avx2", "avx", "sse4_2") if name in flags), None)
+  return {"cpu_model": model, "cpu_isa": isa}
+
+
 def machine_info() -> dict:
   info = {"hostname": platform.node(), "platform": platform.platform(),
           "processor": platform.machine(), "cpu_count": os.cpu_count(),
-          "python": platform.python_version()}
+          "python": platform.python_version(), **cpu_info()}
   try:
     import psutil
     info["memory_gb"] = round(psutil.virtual_memory().total / 2 ** 30, 1)

@@ -28,6 +28,8 @@ def test_writer_lines_carry_commit_command_jax_machine_and_date(tmp_path):
   assert p["backend"] == "cpu" and p["device_count"] == 8 and p["jax"]
   assert p["cpu_count"] >= 1 and p["hostname"] and p["date"].startswith("20")
   assert rows[0]["experiment"] == "unit"
+  if sys.platform.startswith("linux"):  # the ISA that decides XLA's CPU float paths
+    assert p["cpu_isa"] in ("avx512f", "avx2", "avx", "sse4_2", None) and "cpu_model" in p
 
 
 def _fake_workdir(tmp_path):
