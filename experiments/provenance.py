@@ -173,7 +173,8 @@ def metrics_to_results(workdir: str, out: str, run_command: str, experiment: str
   config.json, what is known of the run in `run_info`: its commit, dates, wall time), one
   line per metrics record (kind train or eval, as written by the run), and a last
   `kind: summary` line (grpo.summarize). The header and summary carry `provenance` (this
-  conversion's checkout and command); the per-step lines do not repeat it."""
+  conversion's checkout and command) and `run_info` as `run` (a table credits the summary to
+  the run's commit when it names one); the per-step lines do not repeat it."""
   from branch_replay import config as config_lib
   from branch_replay import metrics
   from branch_replay.algorithms import grpo
@@ -199,7 +200,8 @@ def metrics_to_results(workdir: str, out: str, run_command: str, experiment: str
   rows = [writer.write({"kind": "header", "run_command": run_command, "run": run_info or {},
                         "config": cfg_dict})]
   rows += [writer.write_plain(rec) for rec in records]
-  rows.append(writer.write({"kind": "summary", **summary, "run_command": run_command}))
+  rows.append(writer.write({"kind": "summary", **summary, "run_command": run_command,
+                            **({"run": run_info} if run_info else {})}))
   return rows
 
 

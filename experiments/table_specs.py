@@ -29,11 +29,11 @@ TABLES = {
   # ---- README ----
   "headline": Table(
     ("claim", "measured", "results file"),
-    (Source("default_run_2026-12-03.jsonl", (
+    (Source("default_run_2026-12-04.jsonl", (
       "the default run (`python run.py`) learns the task: sampled reward, greedy reward",
       "{reward_before:.3f} -> {reward_after:.3f}; {eval_before:.3f} -> {eval_after:.3f}",
       "`{_file}`"), ("kind=summary",), 1),
-     Source("default_run_2026-12-03.jsonl", (
+     Source("default_run_2026-12-04.jsonl", (
        "token positions the default run computes vs its naive twin",
        "{computed_tokens:,} vs {naive_equiv_tokens:,}",
        "`{_file}`"), ("kind=summary",), 1),
@@ -107,10 +107,10 @@ TABLES = {
   # ---- docs/reproduction.md ----
   "default_run": Table(
     ("", "before RL", "after RL"),
-    (Source("default_run_2026-12-03.jsonl", (
+    (Source("default_run_2026-12-04.jsonl", (
       "sampled `reward/mean` (mean of first / last 10 RL steps)", "{reward_before:.3f}",
       "{reward_after:.3f}"), ("kind=summary",), 1),
-     Source("default_run_2026-12-03.jsonl", (
+     Source("default_run_2026-12-04.jsonl", (
        "greedy reward on 128 held-out 256-token prompts", "{eval_before:.3f}",
        "{eval_after:.3f}"), ("kind=summary",), 1))),
   "phase_times": Table(
@@ -325,6 +325,8 @@ ENGINE = {
   "default_run_2026-11-30.png": "dense", "gpu_h200_2026-11-30.jsonl": "dense (H200)",
   "tree_cpu_2026-11-30.jsonl": "before the one engine",
   "default_run_d1fa8e0_rerun_2026-12-03.jsonl": "before the one batch type (rerun)",
+  "default_run_2026-12-03.jsonl": "another machine (its float32 paths: first loss differs in the last bit)",
+  "default_run_3d4842d_rerun_2026-12-04.jsonl": "before session 13's merges (rerun, same machine)",
   "rollout_strategies_cpu_2026-12-01.jsonl": "before the one engine",
   "peer_cpu_before_2026-12-01.jsonl": "before issue 18's changes",
   "profile_cpu_before_2026-12-01.jsonl": "before issue 18's changes",
@@ -340,6 +342,8 @@ SUPERSEDED = {
   "default_run_long_context_2026-11-30.png": "default_run_2026-12-02.png",
   "default_run_2026-12-02.jsonl": "default_run_2026-12-03.jsonl",
   "default_run_2026-12-02.png": "default_run_2026-12-03.png",
+  "default_run_2026-12-03.jsonl": "default_run_2026-12-04.jsonl",
+  "default_run_2026-12-03.png": "default_run_2026-12-04.png",
   "tree_cpu_2026-11-30.jsonl": "tree_cpu_2026-12-01.jsonl",
   "tree_cpu_2026-12-01.jsonl": "tree_cpu_2026-12-02.jsonl",
   "tree_cpu_2026-12-02.jsonl": "tree_cpu_2026-12-03.jsonl",
@@ -357,6 +361,7 @@ COMPANIONS = {
   "default_run_long_context_2026-11-30.png": "default run (plot)",
   "default_run_2026-12-02.png": "default run (plot)",
   "default_run_2026-12-03.png": "default run (plot)",
+  "default_run_2026-12-04.png": "default run (plot)",
   "gpu_h200_2026-11-30_env.txt": "H200 device check (environment)",
   "lora_memory_2026-12-01.md": "lora_memory (rendered)",
   "plan_8gpu_cpu_2026-12-02.md": "plan_8gpu (rendered)",
@@ -409,6 +414,6 @@ FIGURES = {
   "q2_curves": ("Q2: reward and loss with 5-seed bands; gradient agreement",
                 "q2_cpu_5seeds_2026-11-30.png", "q2_cpu_5seeds_2026-11-30.jsonl"),
   "default_run_curve": ("the default run's reward and step time",
-                        "default_run_2026-12-03.png",
-                        "default_run_2026-12-03.jsonl"),
+                        "default_run_2026-12-04.png",
+                        "default_run_2026-12-04.jsonl"),
 }

@@ -78,10 +78,12 @@ def read_rows(path: str) -> list[tuple[int, dict]]:
 
 
 def provenance_of(row: dict) -> dict | None:
-  """{commit, command, machine} of a row (its `provenance` dict, else its top-level fields),
-  None when any of the three is missing."""
+  """{commit, command, machine} of a row (its `provenance` dict, else its top-level fields;
+  the commit of its `run` when it names one: a workdir converted later), None when any of
+  the three is missing."""
   p = row.get("provenance") if isinstance(row.get("provenance"), dict) else row
-  commit = p.get("git_commit") or p.get("commit")
+  run = row.get("run") if isinstance(row.get("run"), dict) else {}
+  commit = run.get("git_commit") or p.get("git_commit") or p.get("commit")  # the run's first
   command = p.get("command") or row.get("command")
   machine = p.get("hostname") or p.get("machine") or p.get("platform")
   if not (commit and command and machine):

@@ -8,7 +8,7 @@ A 2-layer d=64 model (char tokenizer, 79 ids) first warms up for 600 supervised 
 engine), where it learns the retrieval circuit almost perfectly; on the 256-token haystacks
 of the RL phase it only half works (attention to the one right record is diluted by the
 long filler). GRPO with 8 branches per prompt on the long prompts then raises it.
-Measured (seed 0): experiments/results/default_run_2026-12-03.jsonl (its
+Measured (seed 0): experiments/results/default_run_2026-12-04.jsonl (its
 `kind: summary` line; the table `default_run` in docs/training.md renders it).
 """
 
