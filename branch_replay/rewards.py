@@ -144,6 +144,30 @@ def _timeout(reward: Reward, flat_examples, flat_texts, R: int, kwargs, seconds:
                        "stands)")
 
 
+def limited(what: str, fn, probes=()):
+  """fn() under `time_limit` (for rewards that are not a `Reward`: a tree task's per-leaf
+  `task.reward`). Past the limit: a RewardTimeout naming `what` and the first of `probes`
+  ((description, thunk) pairs, each tried alone within the limit while 2 x the limit
+  lasts) that does not return in time."""
+  seconds = _LIMIT_S[0]
+  got = _call(fn, (), {}, seconds)
+  if got is not _HUNG:
+    return got
+  deadline, which = time.monotonic() + 2 * seconds, None
+  for description, thunk in probes:
+    if deadline - time.monotonic() < seconds:
+      break
+    try:
+      if _call(thunk, (), {}, seconds) is _HUNG:
+        which = f"{description} alone does not return within it"
+        break
+    except Exception:
+      continue
+  which = which or "no single call tried alone ran past it (raise train.reward_timeout_s)"
+  raise RewardTimeout(f"{what} did not return within train.reward_timeout_s={seconds:g} s; "
+                      f"{which}: stopping (this step is not taken; the last checkpoint stands)")
+
+
 def compute(reward: Reward, examples: Sequence, completions_BR: Sequence[Sequence[str]],
             **kwargs) -> np.ndarray:
   """Rewards [B, R] (float32) of R completions per example, in one call of the reward."""

@@ -17,7 +17,7 @@ from typing import Optional
 
 import numpy as np
 
-from branch_replay import tasks, tree
+from branch_replay import rewards, tasks, tree
 from branch_replay.tokenizer import TOKENIZER
 
 @dataclasses.dataclass(frozen=True)
@@ -109,8 +109,17 @@ def texts(tokens_BRT, tok):
 
 
 def rewards_of(task, examples, samples, fanouts, tok=TOKENIZER) -> np.ndarray:
-  """[B, leaves]: each leaf's reward from its path's two turns."""
+  """[B, leaves]: each leaf's reward from its path's two turns, within
+  train.reward_timeout_s (`rewards.limited`: past it, the run stops naming the first leaf
+  that hangs alone)."""
   turn1, turn2 = texts(samples.tokens[0], tok), texts(samples.tokens[-1], tok)
   per = len(turn2[0]) // len(turn1[0])
-  return np.asarray([[task.reward(ex, t1[leaf // per], t2[leaf]) for leaf in range(len(t2))]
-                     for ex, t1, t2 in zip(examples, turn1, turn2)], np.float32)
+  leaves = [(b, leaf) for b in range(len(examples)) for leaf in range(len(turn2[0]))]
+  one = lambda b, leaf: task.reward(examples[b], turn1[b][leaf // per], turn2[b][leaf])
+  probes = [(f"example {b} leaf {leaf} (prompt {examples[b].prompt[-60:]!r}, turns "
+             f"{turn1[b][leaf // per][:30]!r} / {turn2[b][leaf][:30]!r})",
+             lambda b=b, leaf=leaf: one(b, leaf)) for b, leaf in leaves]
+  values = rewards.limited(
+      f"task {type(task).__name__}'s reward on {len(leaves)} leaves",
+      lambda: [one(b, leaf) for b, leaf in leaves], probes)
+  return np.asarray(values, np.float32).reshape(len(examples), len(turn2[0]))

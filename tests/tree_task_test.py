@@ -132,3 +132,39 @@ def test_tree_rloo_is_leave_one_out_among_siblings():
       sibling = leaf ^ 1
       assert got[1][b, leaf] == pytest.approx(rewards_BR[b, leaf] - rewards_BR[b, sibling],
                                               rel=1e-6)
+
+
+def test_tree_reward_within_the_time_limit():
+  """A tree task's per-leaf reward runs under train.reward_timeout_s too: the same values as
+  without a limit; one that hangs stops naming the example and leaf."""
+  import time
+  from types import SimpleNamespace
+
+  from branch_replay import rewards, tree_task
+  task_cfg = tasks.TaskConfig(name="tree_haystack", prompt_len=40, n_keys=3, sft_prompt_len=20)
+  task = tasks.make(task_cfg)
+  rng = np.random.default_rng(0)
+  examples = [task.sample(rng) for _ in range(2)]
+  enc = lambda s: [TOKENIZER.encode(ch)[-1] for ch in s]
+  # Turn 1 per (example, branch) [B, 2, 1], turn 2 per leaf [B, 4, T2] (2 x 2 tree).
+  t1 = np.asarray([[enc(ex.key), enc("Z")] for ex in examples])
+  t2 = np.asarray([[enc(ex.value), enc("0" * len(ex.value)), enc(ex.value), enc(ex.value)]
+                   for ex in examples])
+  samples = SimpleNamespace(tokens=(t1, t2))
+  plain = tree_task.rewards_of(task, examples, samples, (2, 2))
+  expected = [[1.0, float(ex.value == "0" * len(ex.value)), 0.0, 0.0] for ex in examples]
+  np.testing.assert_array_equal(plain, np.asarray(expected, np.float32))
+  with rewards.time_limit(5.0):
+    np.testing.assert_array_equal(tree_task.rewards_of(task, examples, samples, (2, 2)), plain)
+
+  class Hangs(type(task)):
+    def reward(self, example, turn1, turn2):
+      if example is examples[1] and turn1 == "Z":
+        time.sleep(2.0)
+      return super().reward(example, turn1, turn2)
+
+  hangs = Hangs(task_cfg)
+  with rewards.time_limit(0.3):
+    with pytest.raises(rewards.RewardTimeout, match=r"task Hangs's reward on 8 leaves did not "
+                       r"return within train.reward_timeout_s=0.3 s; example 1 leaf 2 "):
+      tree_task.rewards_of(hangs, examples, samples, (2, 2))
