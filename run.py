@@ -9,7 +9,7 @@
                                                   # the packaged SmolLM2-135M-Instruct Q4_1
   python run.py --model_dir=PATH --set=lora.rank=16 --merge
                                                   # LoRA: WORKDIR/adapter (PEFT) + WORKDIR/merged
-  python run.py --mesh=data:2,fsdp:2,context:2    # sharded over 8 devices (branch_replay/sharding.py)
+  python run.py --mesh=data:2,fsdp:2,context:2    # sharded over 8 devices (branch_replay/core/sharding.py)
   python run.py --mesh=... --coordinator_address=HOST0:1234 --num_processes=N --process_id=I
                                                   # one per host, all with the same flags
 
@@ -114,7 +114,7 @@ def config_from(fv):
   base, init_params, tokenizer = module.get_config(), None, None
   if fv.model_dir:  # an imported Hugging Face checkpoint (models/hf.py) replaces the model
     import dataclasses
-    from branch_replay import tokenizer as tokenizer_lib
+    from branch_replay.data import tokenizer as tokenizer_lib
     from models import gguf  # an HF folder (models/hf.py) or a GGUF file (models/gguf.py)
     try:
       model_cfg, init_params = gguf.load_model(fv.model_dir, dtype=fv.model_dtype)
@@ -141,7 +141,9 @@ def main(argv):
     jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   cfg, init_params, tokenizer = config_from(FLAGS)
   init_adapters, merge_kwargs = lora_options(FLAGS, cfg)
-  from branch_replay import algorithms, checkpoint, preemption, rewards, trainer
+  from branch_replay import algorithms
+  from branch_replay.train import checkpoint, preemption, trainer
+  from branch_replay.data import rewards
   algorithm = algorithms.for_config(cfg)
   try:
     summary = trainer.run(cfg, FLAGS.workdir, algorithm, init_params=init_params,

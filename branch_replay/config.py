@@ -10,15 +10,15 @@ import re
 import typing
 from typing import Optional, Sequence
 
-from branch_replay import losses
+from branch_replay.core import losses
 from branch_replay.algorithms import options
 from branch_replay.algorithms.options import AlgoConfig
-from branch_replay.critic import CriticConfig
-from branch_replay.losses import LossConfig
-from branch_replay.sampler import SamplerConfig
-from branch_replay.tasks import TaskConfig
-from branch_replay.tokenizer import TOKENIZER
-from branch_replay.tree import TreeConfig
+from branch_replay.core.critic import CriticConfig
+from branch_replay.core.losses import LossConfig
+from branch_replay.core.sampler import SamplerConfig
+from branch_replay.data.tasks import TaskConfig
+from branch_replay.data.tokenizer import TOKENIZER
+from branch_replay.core.tree import TreeConfig
 from models import lora as lora_lib
 from models.lora import LoraConfig
 from models.transformer import ModelConfig

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from branch_replay import losses, policy, tree
+from branch_replay.core import losses, policy, tree
 from models import transformer as tfm
 
 

@@ -43,7 +43,7 @@ flags.DEFINE_string("out", "", "append JSON lines here")
 
 
 def step_times(asynchronous: bool, scratch: str) -> dict:
-  from branch_replay import checkpoint, metrics, trainer
+  from branch_replay.train import checkpoint, metrics, trainer
   from branch_replay.config import apply_overrides
   from experiments.configs import grpo_haystack
   cfg = apply_overrides(grpo_haystack.get_config(), [

@@ -134,7 +134,7 @@ def ours_step_fn(folder, batch, threads):
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from branch_replay import losses, policy, tree
+  from branch_replay.core import losses, policy, tree
   from models import hf
   cfg, params = hf.load(folder)
   B, R, T = batch["tails_BRT"].shape

@@ -52,7 +52,7 @@ flags.DEFINE_integer("block_q", 0, "attention query block (0 = the model default
 flags.DEFINE_integer("block_k", 0, "attention key block (0 = the model default)")
 flags.DEFINE_integer("logits_chunk", 1024, "tokens per logits chunk, both paths (0 = unchunked)")
 flags.DEFINE_bool("scan_layers", True, "lax.scan over layers (both paths)")
-flags.DEFINE_string("loss", "grpo", "objective (branch_replay.losses.OBJECTIVES; dpo needs "
+flags.DEFINE_string("loss", "grpo", "objective (branch_replay.core.losses.OBJECTIVES; dpo needs "
                     "--branches=2), or 'value': PPO's critic (value model + head, clipped "
                     "value loss on every scored token, critic.py)")
 flags.DEFINE_string("model_from", "", "take the model from this experiment's get_config() "
@@ -88,7 +88,7 @@ def run_worker(mode, P, T, R):
   import jax.numpy as jnp
   import numpy as np
   import psutil
-  from branch_replay import losses, policy, tree
+  from branch_replay.core import losses, policy, tree
   from models import transformer as tfm
   jnp.zeros(()).block_until_ready()  # the backend is up: count from here
   rss_after_imports = psutil.Process().memory_info().rss
@@ -114,7 +114,7 @@ def run_worker(mode, P, T, R):
   tree.validate(batch, cfg.vocab_size, chunk)
   step = jax.jit(lambda p, b: policy.loss_and_grad(p, b, cfg, loss_cfg, mode, chunk)[::2])
   if FLAGS.mesh:  # both paths on the mesh: params FSDP/tensor-sharded, batch by the RULES
-    from branch_replay import sharding
+    from branch_replay.core import sharding
     mesh = sharding.make_mesh(FLAGS.mesh)
     params = sharding.put(params, sharding.param_shardings(mesh, cfg))
     batch = sharding.put(batch, sharding.batch_shardings(mesh, batch))
@@ -130,7 +130,7 @@ def _value_step(cfg, mode, batch, rng):
   critic.loss_and_grad (replay: prefix once, folded tails; naive: B*R full sequences)."""
   import jax
   import jax.numpy as jnp
-  from branch_replay import critic
+  from branch_replay.core import critic
   if FLAGS.mesh or FLAGS.branch_chunk:
     raise ValueError("--loss=value: the critic runs unsharded and unchunked; expected "
                      f"--mesh='' and --branch_chunk=0, got {FLAGS.mesh!r}, {FLAGS.branch_chunk}")
@@ -163,7 +163,7 @@ def _measure(mode, step, params, batch, rss_after_imports):
                mem.output_size_in_bytes) / 2 ** 20
   result = dict(mode=mode, compiled_mb=None if need_mb is None else round(need_mb, 1))
   if FLAGS.mesh:  # what one device must hold, from the compiled SPMD executable
-    from branch_replay import sharding
+    from branch_replay.core import sharding
     report = sharding.memory_report(compiled)
     result["per_device_mb"] = round(report["total_bytes"] / 2 ** 20, 1)
     result["per_device_temp_mb"] = round(report["temp_bytes"] / 2 ** 20, 1)

@@ -77,7 +77,7 @@ def make_batches(cfg, B, P, fanouts, lengths):
   per leaf (inner nodes scored with their leaves' advantages, as flat replay must)."""
   import jax.numpy as jnp
   import numpy as np
-  from branch_replay.tree import TreeBatch, TreeLevel, flat, nodes
+  from branch_replay.core.tree import TreeBatch, TreeLevel, flat, nodes
   rng = np.random.default_rng(0)
   n = math.prod(fanouts)
   levels = []
@@ -100,7 +100,7 @@ def run_worker(mode):
   import jax.numpy as jnp
   import numpy as np
   import psutil
-  from branch_replay import engine, losses, policy, tree
+  from branch_replay.core import engine, losses, policy, tree
   from models import transformer as tfm
   jnp.zeros(()).block_until_ready()
   rss_after_imports = psutil.Process().memory_info().rss

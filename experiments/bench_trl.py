@@ -135,8 +135,9 @@ class Ours:
   """Our trainer's loop, one step at a time (trainer.run's body without checkpoints)."""
 
   def __init__(self, cfg, params, tok):
-    from branch_replay import algorithms, tasks
-    from branch_replay import state as train_state
+    from branch_replay import algorithms
+    from branch_replay.data import tasks
+    from branch_replay.train import state as train_state
     self.cfg = cfg
     self.task = tasks.make(cfg.task, tok)
     self.algo = algorithms.for_config(cfg)(cfg, self.task, tok)
@@ -145,7 +146,7 @@ class Ours:
 
   def prompts(self, n_steps: int) -> list:
     """The prompts our sampler draws at steps 0..n_steps-1 (so TRL is given the same)."""
-    from branch_replay.state import sample_examples
+    from branch_replay.train.state import sample_examples
     t = self.cfg.train
     return [e for s in range(n_steps) for e in sample_examples(self.task, t.seed, s,
                                                                t.batch_size)]
@@ -156,7 +157,8 @@ class Ours:
     their losses, the worst gradient leaf's relative gap and the useful-FLOP ratio."""
     import jax
     import numpy as np
-    from branch_replay import policy, steps
+    from branch_replay.core import policy
+    from branch_replay.train import steps
     from experiments import flops
     from models import lora as lora_lib
     cfg, loss_cfg = self.cfg, steps.rl_loss_config(self.cfg)
@@ -222,7 +224,7 @@ def main(argv):
   from datasets import Dataset
   from transformers import TrainerCallback
   from trl import GRPOConfig, GRPOTrainer
-  from branch_replay import rewards
+  from branch_replay.data import rewards
   from experiments.provenance import ResultsWriter
   torch.set_num_threads(FLAGS.threads)
   gguf = FLAGS.gguf or default_gguf()

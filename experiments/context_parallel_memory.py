@@ -45,7 +45,7 @@ flags.DEFINE_string("out", "", "append JSON lines here")
 def worker(preset, P, spec, scheme):
   import jax
   import numpy as np
-  from branch_replay import sharding
+  from branch_replay.core import sharding
   from experiments import measure
   from models import transformer as tfm
   cfg = tfm.preset(preset, dtype=FLAGS.dtype, param_dtype="float32", remat=FLAGS.remat,

@@ -63,7 +63,7 @@ ENV = "FAULT_CAMPAIGN_KILL"  # "kind:step_or_delay"
 
 def config():
   from branch_replay.config import Config, apply_overrides
-  from branch_replay.tokenizer import TOKENIZER
+  from branch_replay.data.tokenizer import TOKENIZER
   from models import transformer as tfm
   return apply_overrides(Config(model=tfm.preset("tiny", vocab_size=TOKENIZER.vocab_size)),
                          OVERRIDES)
@@ -82,7 +82,9 @@ def install(kind: str, value: float):
     timer.start()
     return
   step = int(value)
-  from branch_replay import algorithms, checkpoint, metrics, rewards
+  from branch_replay import algorithms
+  from branch_replay.train import checkpoint, metrics
+  from branch_replay.data import rewards
   if kind in ("sample", "update"):
     algo = algorithms.for_config(config())
     batch, update, compute = algo.batch, algo.update, rewards.compute
@@ -143,7 +145,7 @@ def worker(workdir: str):
     install(kind, float(value))
   from absl import logging
   logging.set_verbosity(logging.WARNING)
-  from branch_replay import metrics, trainer
+  from branch_replay.train import metrics, trainer
   first = []
   write = metrics.MetricsWriter.write
 

@@ -69,7 +69,7 @@ def step_check():
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from branch_replay import losses, policy, tree
+  from branch_replay.core import losses, policy, tree
   from models import config, transformer as tfm
   P, T, R = FLAGS.prefix_len, FLAGS.tail_len, FLAGS.branches
   cfgs = {impl: config.preset(FLAGS.preset, attention=impl) for impl in ("fused", "blockwise")}
@@ -93,7 +93,7 @@ def main(argv):
   del argv
   import jax
   from experiments import provenance
-  from models import attention_fused
+  from models.attention import fused as attention_fused
   if FLAGS.kernel == "reference":  # the dispatch and merge, on any backend
     attention_fused.unavailable_reason = lambda: None
     attention_fused.kernel = attention_fused.reference_kernel

@@ -28,8 +28,8 @@ def main(argv):
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from branch_replay import sampler
-  from branch_replay import tokenizer as tokenizer_lib
+  from branch_replay.core import sampler
+  from branch_replay.data import tokenizer as tokenizer_lib
   from experiments import provenance
   from models import gguf
   t_import = time.perf_counter() - t0

@@ -44,8 +44,8 @@ def _steps(cfg, lora_cfg, mode):
   """(jitted step, example args) of one AdamW step: full fine-tuning or LoRA."""
   import jax
   import optax
-  from branch_replay import losses, policy
-  from branch_replay import lora as lora_train
+  from branch_replay.core import losses, policy
+  from branch_replay.core import lora as lora_train
   tx = optax.adamw(1e-5)
   loss_cfg = losses.LossConfig(name="grpo")
   if lora_cfg is None:
@@ -78,7 +78,7 @@ def _batch(cfg, P, concrete=False):
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from branch_replay import tree
+  from branch_replay.core import tree
   rng = np.random.default_rng(0)
   b = tree.flat(prefix_BP=jnp.asarray(rng.integers(0, cfg.vocab_size, (1, P)), jnp.int32),
                 prefix_valid_BP=jnp.ones((1, P), bool),

@@ -102,7 +102,7 @@ def compile_replay_step(cfg, mesh, B: int, P: int, R: int, T: int):
   import jax
   import jax.numpy as jnp
   import optax
-  from branch_replay import losses, sharding, tree
+  from branch_replay.core import losses, sharding, tree
   from models import transformer as tfm
   sds = jax.ShapeDtypeStruct
   batch = tree.flat(prefix_BP=sds((B, P), jnp.int32), prefix_valid_BP=sds((B, P), bool),

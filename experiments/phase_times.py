@@ -64,7 +64,7 @@ def summarize(records) -> dict:
 def main(argv):
   del argv
   from branch_replay import config as config_lib
-  from branch_replay import metrics, trainer
+  from branch_replay.train import metrics, trainer
   from experiments import provenance
   from experiments.configs import grpo_haystack
   writer = provenance.ResultsWriter(FLAGS.out, experiment="phase_times")

@@ -6,7 +6,7 @@ blockwise attention kernel (on the GPU: blockwise or tokamax's fused kernel, --a
 the MLP in chunks of --mlp_chunk positions and the log-probs in chunks of 1,024 of the R*T
 scored tokens (model.mlp_chunk, model.logits_chunk_rows: engine options, tested against the
 unchunked step and the naive twin in tests/long_context_test.py and tests/lora_test.py).
-The step is the trainer's LoRA step: branch_replay.lora.loss_and_grad (the one engine) + AdamW.
+The step is the trainer's LoRA step: branch_replay.core.lora.loss_and_grad (the one engine) + AdamW.
 
   # compile only, one fake CPU device, one subprocess per row:
   python experiments/plan_1gpu.py --out=experiments/results/plan_1gpu_cpu_2026-12-03.jsonl
@@ -104,8 +104,8 @@ def lora_step(cfg, rank: int):
   state are donated; the bf16 base is a frozen argument."""
   import jax
   import optax
-  from branch_replay import losses
-  from branch_replay import lora as lora_train
+  from branch_replay.core import losses
+  from branch_replay.core import lora as lora_train
   from models import lora
   lora_cfg = lora.LoraConfig(rank=rank, alpha=2.0 * rank)
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-5))
@@ -123,7 +123,7 @@ def lora_step(cfg, rank: int):
 def abstract_args(cfg, lora_cfg, tx, B, P, R, T):
   import jax
   import jax.numpy as jnp
-  from branch_replay import tree
+  from branch_replay.core import tree
   from models import lora
   from models import transformer as tfm
   sds = jax.ShapeDtypeStruct
@@ -232,7 +232,7 @@ def run_row(model: str, P: int, emit=lambda row: None) -> dict:
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from branch_replay import tree
+  from branch_replay.core import tree
   from experiments import flops
   from models import lora
   from models import transformer as tfm

@@ -84,7 +84,7 @@ def model_config(name: str):
 
 def mesh_sizes(spec: str, n_devices: int = N_DEVICES) -> dict[str, int]:
   """The mesh's axis sizes; ValueError unless they use exactly n_devices."""
-  from branch_replay import sharding
+  from branch_replay.core import sharding
   return sharding.parse_mesh_spec(spec, n_devices)
 
 
@@ -170,7 +170,7 @@ def classify(op, cfg, B, P, sizes, p_shapes) -> str:
   arrays; other: the rest (the tails' partitioned attention statistics, loss sums, indices).
   Shapes are compared as sorted dimensions."""
   from experiments import hlo_collectives as hc
-  from models import context_parallel as cp
+  from models.attention import context_parallel as cp
   d, f, t, c = sizes["data"], sizes["fsdp"], sizes["tensor"], sizes["context"]
   Bl, K, H = B // (d * f), cfg.n_kv_heads // t, cfg.head_dim
   key = lambda s: tuple(sorted(s))
@@ -215,7 +215,7 @@ def worker(P: int, spec: str, params_rule: str, model: str = "llama3_8b", B: int
            R: int = 16, T: int = 512, hlo_dir: str = "", cache: str = "sharded") -> dict:
   """One row: compile the replay train step for abstract arguments on the mesh's first
   devices (the CLI passes 8-device meshes only; the test a smaller toy mesh)."""
-  from branch_replay import sharding
+  from branch_replay.core import sharding
   cfg = model_config(model)
   n = math.prod(int(s.split(":")[1]) for s in spec.split(","))
   sizes = check_row(P, spec, params_rule, B, n)
@@ -235,7 +235,7 @@ def worker(P: int, spec: str, params_rule: str, model: str = "llama3_8b", B: int
 
 def _compile_row(cfg, P, spec, params_rule, model, B, R, T, n, sizes, hlo_dir, cache):
   import jax
-  from branch_replay import sharding
+  from branch_replay.core import sharding
   from experiments import measure
   mesh = sharding.make_mesh(spec, jax.devices()[:n])
   t0 = time.time()

@@ -61,7 +61,7 @@ def make_inputs(P, T, R):
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from branch_replay import tree
+  from branch_replay.core import tree
   from models import config, transformer as tfm
   cfg = config.preset(FLAGS.preset)
   params = tfm.init_params(cfg, jax.random.key(0))
@@ -79,7 +79,7 @@ def stage_times(cfg, params, batch):
   import jax
   import jax.numpy as jnp
   import optax
-  from branch_replay import engine, losses, policy, replay
+  from branch_replay.core import engine, losses, policy, replay
   from models import transformer as tfm
   loss_cfg = losses.LossConfig("grpo")
   # The one engine's depth-1 functions: the root (prefix) and every leaf (tail) at once.

@@ -176,7 +176,7 @@ def metrics_to_results(workdir: str, out: str, run_command: str, experiment: str
   conversion's checkout and command) and `run_info` as `run` (a table credits the summary to
   the run's commit when it names one); the per-step lines do not repeat it."""
   from branch_replay import config as config_lib
-  from branch_replay import metrics
+  from branch_replay.train import metrics
   from branch_replay.algorithms import grpo
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   config_path = os.path.join(workdir, "config.json")

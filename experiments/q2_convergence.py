@@ -55,8 +55,8 @@ def define_flags():
 
 
 def curves(experiment, overrides, seeds, modes, rl_steps, root, writer) -> list[dict]:
-  from branch_replay import metrics
-  from branch_replay import trainer
+  from branch_replay.train import metrics
+  from branch_replay.train import trainer
   from experiments import rl_step
   rows = []
   for mode in modes:
@@ -74,8 +74,8 @@ def curves(experiment, overrides, seeds, modes, rl_steps, root, writer) -> list[
 
 
 def cosines(experiment, overrides, seed, steps, root, writer) -> list[dict]:
-  from branch_replay import state as train_state
-  from branch_replay import trainer
+  from branch_replay.train import state as train_state
+  from branch_replay.train import trainer
   from experiments import rl_step
   cfg = rl_step.config_for(experiment, overrides, mode="replay", seed=seed, rl_steps=0)
   cfg = rl_step.replace_train(cfg, progress=False, plot=False, eval_size=0)

@@ -43,7 +43,7 @@ def main():
   args = ap.parse_args()
   from branch_replay import config as config_lib
   from experiments import registry
-  from branch_replay import trainer
+  from branch_replay.train import trainer
   commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                           text=True).stdout.strip()
   for name in args.only.split(","):

@@ -17,9 +17,11 @@ import jax
 import numpy as np
 
 from branch_replay import config as config_lib
-from branch_replay import policy, steps, tasks
+from branch_replay.core import policy
+from branch_replay.train import steps
+from branch_replay.data import tasks
 from branch_replay.algorithms import grpo
-from branch_replay import state as train_state
+from branch_replay.train import state as train_state
 from experiments import registry
 
 

@@ -54,7 +54,7 @@ def responses_of(strategy, params, cfg, prompts, rng, tmp):
   """-> (responses per prompt, logprobs per prompt or None, where they came from)."""
   import jax
   import numpy as np
-  from branch_replay import sampler
+  from branch_replay.core import sampler
   R, T = FLAGS.n_branches, FLAGS.tail_len
   B, P = len(prompts), len(prompts[0])
   prompt_BP = np.stack(prompts).astype(np.int32)
@@ -95,8 +95,8 @@ def responses_of(strategy, params, cfg, prompts, rng, tmp):
     for i, line in enumerate(lines):
       line["rewards"] = rng.normal(size=R).tolist()
       f.write(json.dumps(line) + "\n")
-  from branch_replay import rollouts
-  from branch_replay.tokenizer import CharTokenizer
+  from branch_replay.data import rollouts
+  from branch_replay.data.tokenizer import CharTokenizer
   tok = CharTokenizer()
   tok_vocab = type("Vocab", (), {"vocab_size": cfg.vocab_size, "eos_id": tok.eos_id,
                                  "bos_id": tok.bos_id, "encode": tok.encode})()
@@ -128,7 +128,7 @@ def main(argv):
   del argv
   import jax
   import numpy as np
-  from branch_replay import engine, losses, policy, trie
+  from branch_replay.core import engine, losses, policy, trie
   from experiments import provenance
   from models import transformer as tfm
   cfg = tfm.preset(FLAGS.preset)

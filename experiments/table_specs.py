@@ -6,7 +6,27 @@ A cell is a `str.format` template over one results line's fields; `{x}` alone fo
 results_table.fmt does (3 significant digits, `-` for null).
 """
 
-from experiments.tables import Source, Table
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """Rows of one results file: those matching every `where` (`key=value`), each rendered as
+  one table row of `cells` templates. `count`: how many rows must match (None: any >= 1)."""
+  file: str                      # relative to experiments/results/
+  cells: tuple[str, ...]
+  where: tuple[str, ...] = ()
+  count: int | None = None
+  ratios: tuple[tuple, ...] = ()  # (name, numerator field, denominator field or number) added
+  optional: tuple[str, ...] = ()  # fields a row may lack (rendered as -, e.g. after an oom)
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+  header: tuple[str, ...]
+  sources: tuple[Source, ...]
+  note: str = ""                 # one line under the table, before the provenance line
+
 
 _BENCH_CPU = ("{prefix_len}", "{tail_len}", "{branches}", "{remat}", "{naive_s:.3g}",
               "{replay_s:.3g}", "{speedup:.2f}", "{flop_ratio:.2f}",

@@ -25,7 +25,6 @@ file and line (and the markdown file and line of the table).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import difflib
 import glob
 import os
@@ -33,30 +32,13 @@ import re
 import string
 import sys
 
+from experiments.table_specs import Source, Table  # noqa: F401 (the specs are written in them)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = "experiments/results"
 DOCS = ("README.md", "docs/*.md", "experiments/README.md")
 OPEN = re.compile(r"^<!-- table: ([\w.-]+) -->\s*$")
 CLOSE = "<!-- /table -->"
-
-
-@dataclasses.dataclass(frozen=True)
-class Source:
-  """Rows of one results file: those matching every `where` (`key=value`), each rendered as
-  one table row of `cells` templates. `count`: how many rows must match (None: any >= 1)."""
-  file: str                      # relative to experiments/results/
-  cells: tuple[str, ...]
-  where: tuple[str, ...] = ()
-  count: int | None = None
-  ratios: tuple[tuple, ...] = ()  # (name, numerator field, denominator field or number) added
-  optional: tuple[str, ...] = ()  # fields a row may lack (rendered as -, e.g. after an oom)
-
-
-@dataclasses.dataclass(frozen=True)
-class Table:
-  header: tuple[str, ...]
-  sources: tuple[Source, ...]
-  note: str = ""                 # one line under the table, before the provenance line
 
 
 class _Cells(string.Formatter):
@@ -73,7 +55,7 @@ def read_rows(path: str) -> list[tuple[int, dict]]:
   """(line number, row) of every JSON line of a results file; a line that is not a JSON
   object is a ValueError naming the file and line (tasks.jsonl_records, the task files'
   reader)."""
-  from branch_replay import tasks
+  from branch_replay.data import tasks
   return [(int(where.rsplit(":", 1)[1]), row) for where, row in tasks.jsonl_records(path, path)]
 
 

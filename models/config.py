@@ -12,7 +12,8 @@ from typing import Optional, Union
 import jax
 import jax.numpy as jnp
 
-from models import attention, context_parallel
+from models import attention
+from models.attention import context_parallel
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float64": jnp.float64}
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
@@ -67,14 +68,14 @@ class ModelConfig:
   remat: Union[bool, str] = "none"  # per layer: none | full | dots (save matmul outputs) |
   #   offload (dots saved to host memory; GPU/TPU only). True/False mean full/none.
   attention: str = "blockwise"  # blockwise (flash-style, custom VJP) | dense (the oracle) |
-  #   fused (tokamax's GPU kernel per segment; H100/H200/B200 only, models/attention_fused.py)
+  #   fused (tokamax's GPU kernel per segment; H100/H200/B200 only, models/attention/fused.py)
   attention_block_q: int = 128  # query rows per score tile (x G query heads per kv head)
   # keys per score tile: 512 (not 64) on the idle 2-core CPU makes a tile's matmuls big enough
   # for both cores: the small replay step's wall time -18% at +8% CPU time
   # (experiments/results/ab_tiles_scan_cpu_2026-12-02.md)
   attention_block_k: int = 512
   context_parallel: str = "all_gather"  # the prefix on a mesh whose `context` axis > 1:
-  #   all_gather (shard_map, K/V all-gathered, models/context_parallel.py) | gspmd (the
+  #   all_gather (shard_map, K/V all-gathered, models/attention/context_parallel.py) | gspmd (the
   #   partitioner splits the kernel from sharding constraints)
   logits_chunk: Optional[int] = 1024  # tokens per [chunk, V] logits block (None: all at once)
   # Chunk over every row's positions together (rows x positions flattened, chunks of

@@ -419,7 +419,7 @@ def token(path: str, key: str) -> str:
 def chat_template(path: str):
   """tokenizer.chat_template as a chat.ChatTemplate (bos/eos tokens from the token ids), as
   chat.load reads an HF folder's tokenizer_config.json; None when the file has none."""
-  from branch_replay import chat
+  from branch_replay.data import chat
   source = open_file(path).get("tokenizer.chat_template")
   if not source:
     return None

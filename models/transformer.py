@@ -14,7 +14,7 @@ The model knows nothing of RL. It exposes:
       prefix; tokens may hold g rows per prefix row: a prompt's branches, all in one call)
   forward(params, cfg, tokens_BS, valid_BS) -> h_BSD           (the naive full sequence)
   token_logps(params, cfg, h_BTD, targets_BT) -> (logp_BT, entropy_BT)  (chunked over T)
-Attention (models/attention.py) takes a list of K/V *segments* with one joint softmax, so a
+Attention (models/attention/__init__.py) takes a list of K/V *segments* with one joint softmax, so a
 tail (or a decode step) attends to the shared prefix cache without copying it per branch.
 The causal mask is built explicitly by index (never `is_causal`, which anchors top-left).
 Sliding-window layers mask keys by RoPE position (query position - key position < window)
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from models import attention
-from models import context_parallel
+from models.attention import context_parallel
 from models import deltanet  # hybrid: Gated DeltaNet layers (layer_types)
 from models.layers import RMSNorm, rope, rope_inv_freq  # noqa: F401
 from models.config import (ACTIVATIONS, DTYPES, PRESETS, REMAT_POLICIES,  # noqa: F401

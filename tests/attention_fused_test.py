@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import attention, attention_fused
+from models import attention
+from models.attention import fused as attention_fused
 from models import transformer as tfm
 from tests import attention_test as at
 
@@ -89,7 +90,7 @@ def test_fused_tail_merge_matches_dense_float64(reference, name):
 
 def test_fused_replay_gradient_matches_blockwise_float64(reference):
   """The whole replay step (prefix cache, folded tails) with the fused dispatch."""
-  from branch_replay import losses, policy, tree
+  from branch_replay.core import losses, policy, tree
   with jax.enable_x64(True):
     cfgs = {impl: tfm.preset("tiny", attention=impl, dtype="float64", param_dtype="float64")
             for impl in ("blockwise", "fused")}

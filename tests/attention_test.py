@@ -1,4 +1,4 @@
-"""Blockwise attention (models/attention.py) against the dense oracle.
+"""Blockwise attention (models/attention/__init__.py) against the dense oracle.
 
 Cases: prefix self-attention (one causal segment, left padding) and the tail merge (a shared
 prefix folded over g branch rows + the branch's own causal keys, right padding), with windows

@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from branch_replay import metrics, phases, steps, trainer, tree
+from branch_replay.train import metrics, phases, steps, trainer
+from branch_replay.core import tree
 from branch_replay.algorithms import grpo
-from branch_replay import state as train_state
+from branch_replay.train import state as train_state
 from branch_replay.algorithms import grpo
 from branch_replay.config import Config, apply_overrides
 from models import transformer as tfm

@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from branch_replay import chat, tasks
+from branch_replay.data import chat, tasks
 from branch_replay.algorithms import sft
-from branch_replay import tokenizer as tokenizer_lib
+from branch_replay.data import tokenizer as tokenizer_lib
 from branch_replay.config import Config, apply_overrides
 from models import hf
 

@@ -1,4 +1,4 @@
-"""Context-parallel prefix attention (models/context_parallel.py) on 8 fake CPU devices: replay
+"""Context-parallel prefix attention (models/attention/context_parallel.py) on 8 fake CPU devices: replay
 on a mesh == single-device replay == the naive twin (float64, 1e-10, loss and every gradient
 leaf), flat and depth-2 tree; the compiled prefix step moves only K/V (all-gather, and the
 reduce-scatter of dK/dV); bad input fails before compilation naming the field and sizes."""
@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from branch_replay import engine, losses, policy, sharding, tree
-from models import attention, context_parallel
+from branch_replay.core import engine, losses, policy, sharding, tree
+from models import attention
+from models.attention import context_parallel
 from models import transformer as tfm
 import attention_test
 from helpers import (assert_equal_f64, cache_per_x64, make_batch, make_tree, max_rel_err,

@@ -34,7 +34,7 @@ def worker():
       return await finalize(self, *a, **k)
 
     atomicity.AtomicRenameTemporaryPath.finalize = die_mid_save
-  from branch_replay import trainer
+  from branch_replay.train import trainer
   from run_test import tiny
   trainer.run(tiny("train.rl_steps=2"), args.workdir)  # 3 steps, a checkpoint after each
 
@@ -47,7 +47,7 @@ def _run(*args):
 
 @pytest.mark.slow  # two training subprocesses: ~1 min on an idle 2-core CPU, 7 under load
 def test_kill_9_during_checkpoint_save_then_resume(tmp_path):
-  from branch_replay import metrics, trainer
+  from branch_replay.train import metrics, trainer
   from run_test import tiny
 
   workdir = tmp_path / "w"

@@ -7,8 +7,10 @@ import jax
 import numpy as np
 import pytest
 
-from branch_replay import dpo, engine, metrics, sampler, tasks
-from branch_replay import trainer
+from branch_replay.data import dpo, tasks
+from branch_replay.core import engine, sampler
+from branch_replay.train import metrics
+from branch_replay.train import trainer
 from models import transformer as tfm
 from helpers import tiny_run, tiny_tree_run
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from branch_replay import engine, losses, policy, tree
+from branch_replay.core import engine, losses, policy, tree
 from helpers import assert_equal_f64, make_batch, make_tree, max_rel_err, tiny_model
 
 

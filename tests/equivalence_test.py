@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from branch_replay import critic, engine, losses, policy, tree
+from branch_replay.core import critic, engine, losses, policy, tree
 from helpers import assert_equal_f64, make_batch, make_tree, tiny_model
 
 # Tree shapes: every one ragged (nodes of 1..T tokens) with a left-padded prompt 1.

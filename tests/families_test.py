@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from branch_replay import losses, policy, tree
+from branch_replay.core import losses, policy, tree
 from models import transformer as tfm
 
 import helpers

@@ -15,7 +15,7 @@ import gguf as gguf_lib  # the `gguf` package
 from gguf import quants
 import tokenizers
 
-from branch_replay import tokenizer as tokenizer_lib
+from branch_replay.data import tokenizer as tokenizer_lib
 from models import gguf
 from models import hf
 from models import transformer as tfm
@@ -365,7 +365,7 @@ PROMPTS = ["What is 17 + 25? Answer with just the number.", "Name the capital of
 def test_smollm2_greedy_tokens_equal_transformers():
   """The packaged SmolLM2-135M-Instruct Q4_1: greedy tokens of three chat prompts through our
   sampler (32, no stop) equal transformers' generate on its GGUF load, up to its eos or 32."""
-  from branch_replay import sampler
+  from branch_replay.core import sampler
   try:
     path = gguf.smollm2_path()
   except FileNotFoundError as e:

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from branch_replay import engine, policy, tree
-from branch_replay.tree import TreeBatch, TreeLevel
+from branch_replay.core import engine, policy, tree
+from branch_replay.core.tree import TreeBatch, TreeLevel
 from models import transformer as tfm
 
 

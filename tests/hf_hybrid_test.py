@@ -104,7 +104,7 @@ def test_replay_grpo_gradient_matches_torch_autograd(checkpoint):
   states to the tails; left-padded prompts, ragged tails, a scored trunk) against torch
   autograd of the same GRPO loss over every full sequence (transformers' torch reference
   path, which runs its delta rule, norms and RoPE in float32 whatever the model dtype)."""
-  from branch_replay import losses, policy, tree
+  from branch_replay.core import losses, policy, tree
   from tests.hf_test import full_sequences, make_batch
   path, model = checkpoint
   batch = make_batch(B=2, R=3, P=9, T=5, W=2, vocab=TINY["vocab_size"])

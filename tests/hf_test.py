@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 import safetensors.numpy  # noqa: E402
 
-from branch_replay import losses, policy, tree  # noqa: E402
+from branch_replay.core import losses, policy, tree  # noqa: E402
 from models import hf  # noqa: E402
 from models import transformer as tfm  # noqa: E402
 

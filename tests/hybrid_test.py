@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from branch_replay import engine, losses
+from branch_replay.core import engine, losses
 from models import deltanet as dn
 from models import transformer as tfm
 from helpers import (assert_equal_f64, both_paths, cache_per_x64, make_batch, make_tree,
@@ -193,7 +193,7 @@ def test_bad_hybrid_configs_name_the_field(overrides, field):
 def test_hybrid_sampler_decodes_with_the_recurrent_state(trunk_len):
   """Greedy decoding (prefill once, then one token at a time through the linear layers'
   recurrent form) equals an argmax loop over the full forward."""
-  from branch_replay import sampler
+  from branch_replay.core import sampler
   cfg, params = hybrid("float32")
   rng = np.random.default_rng(2)
   prompt = jnp.asarray(rng.integers(3, 128, (2, 7)), jnp.int32)

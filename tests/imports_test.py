@@ -1,18 +1,19 @@
-"""The package's import graph (every import statement, top-level or inside a function): no
-circles, the config imports no algorithm, the trainer loop imports no algorithm, and no
-module imports another's private names."""
+"""The package's import graph (every import statement, top-level or inside a function): the
+rooms import downward only (models < core < data < config < train < rollout < algorithms <
+experiments), no circles (experiments/ included), the config imports no algorithm, the
+trainer loop imports no algorithm, and no module imports another's private names."""
 
 import ast
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ALGORITHM_MODULES = ("branch_replay.steps", "branch_replay.dpo",
-                     "branch_replay.trainer", "branch_replay.algorithms")
+ALGORITHM_MODULES = ("branch_replay.train.steps", "branch_replay.data.dpo",
+                     "branch_replay.train.trainer", "branch_replay.algorithms")
 
 
 def _modules():
   out = {}
-  for pkg in ("branch_replay", "models"):
+  for pkg in ("branch_replay", "models", "experiments"):
     for dirpath, _, files in os.walk(os.path.join(ROOT, pkg)):
       for f in files:
         if f.endswith(".py"):
@@ -68,14 +69,48 @@ def test_no_import_circles():
       visit(m, [])
 
 
+# The floors, bottom to top: a module imports only modules on its own floor or below.
+FLOORS = (("models",), ("branch_replay.core", "branch_replay.sections"), ("branch_replay.data",),
+          ("branch_replay.config",), ("branch_replay.train",), ("branch_replay.dapo",),
+          ("branch_replay.algorithms",), ("experiments",))
+# Known upward imports, each with the step of the redesign that removes it.
+UPWARD = {
+    # the config reads every algorithm's options (step 3: Options beside each algorithm)
+    ("branch_replay.config", "branch_replay.algorithms.options"),
+    # the trainer reaches an algorithm by name, through the registry (importlib) only
+    ("branch_replay.train.trainer", "branch_replay.algorithms"),
+    # a GGUF's chat template is read into data/chat.py's ChatTemplate
+    ("models.gguf", "branch_replay.data.chat"),
+}
+
+
+def floor(module: str) -> int:
+  if module == "branch_replay":
+    return 0
+  for i, prefixes in enumerate(FLOORS):
+    if any(module == p or module.startswith(p + ".") for p in prefixes):
+      return i
+  raise AssertionError(f"{module}: in no room of FLOORS (add it to one)")
+
+
+def test_rooms_import_downward():
+  graph = _graph()
+  up = sorted((m, d) for m, deps in graph.items() for d, _ in deps
+              if floor(d) > floor(m) and (m, d) not in UPWARD)
+  assert not up, "imports upward, against the rooms' order: " + ", ".join(
+      f"{m} -> {d}" for m, d in up)
+  stale = sorted(e for e in UPWARD if e[1] not in {d for d, _ in graph.get(e[0], ())})
+  assert not stale, f"UPWARD lists imports that no longer exist: {stale}"
+
+
 def test_config_and_trainer_import_no_algorithm():
   """The config reads the algorithms' options (algorithms/options.py: dataclasses, no
   algorithm) and the trainer the registry; neither imports an algorithm or its pieces."""
   graph = _graph()
   allowed = {"branch_replay.config": {"branch_replay.algorithms",
                                       "branch_replay.algorithms.options"},
-             "branch_replay.trainer": {"branch_replay.algorithms"}}
-  for m in ("branch_replay.config", "branch_replay.trainer"):
+             "branch_replay.train.trainer": {"branch_replay.algorithms"}}
+  for m in ("branch_replay.config", "branch_replay.train.trainer"):
     deps = {d for d, _ in graph[m]}
     bad = sorted(d for d in deps if d != m and d.startswith(ALGORITHM_MODULES)
                  and d not in allowed[m])

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 from branch_replay import config as config_lib
-from branch_replay import metrics, tasks
+from branch_replay.train import metrics
+from branch_replay.data import tasks
 from branch_replay.algorithms import sft
-from branch_replay import trainer
+from branch_replay.train import trainer
 from branch_replay.config import Config, apply_overrides
-from branch_replay.tokenizer import TOKENIZER
+from branch_replay.data.tokenizer import TOKENIZER
 from models import transformer as tfm
 
 

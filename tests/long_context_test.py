@@ -10,8 +10,9 @@ import optax
 import pytest
 
 from branch_replay import config as config_lib
-from branch_replay import losses, policy, steps
-from branch_replay import state as train_state
+from branch_replay.core import losses, policy
+from branch_replay.train import steps
+from branch_replay.train import state as train_state
 from models import transformer as tfm
 from helpers import assert_equal_f64, make_batch, max_rel_err
 

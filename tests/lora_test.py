@@ -13,8 +13,8 @@ import optax
 import pytest
 import safetensors.numpy
 
-from branch_replay import losses, policy, tree
-from branch_replay import lora as lora_train
+from branch_replay.core import losses, policy, tree
+from branch_replay.core import lora as lora_train
 from models import hf
 from models import lora
 from models import transformer as tfm

@@ -1,5 +1,5 @@
 """LoRA in the trainer (lora.rank > 0): the step's adapter gradients equal the naive twin
-(branch_replay/lora.py) in float64; a run trains the adapters alone (base bitwise unchanged,
+(branch_replay/core/lora.py) in float64; a run trains the adapters alone (base bitwise unchanged,
 optimizer state and checkpoints adapters-only), samples from the merged weights, scores the KL
 reference with the base, resumes bitwise, and exports a PEFT adapter that peft loads."""
 
@@ -14,12 +14,14 @@ import pytest
 from absl import app
 
 import run
-from branch_replay import losses, sampler, sharding, steps, tasks, trainer
+from branch_replay.core import losses, sampler, sharding
+from branch_replay.train import steps, trainer
+from branch_replay.data import tasks
 from branch_replay.algorithms import grpo
-from branch_replay import lora as lora_train
-from branch_replay import state as train_state
+from branch_replay.core import lora as lora_train
+from branch_replay.train import state as train_state
 from branch_replay.config import Config, apply_overrides
-from branch_replay.tokenizer import TOKENIZER
+from branch_replay.data.tokenizer import TOKENIZER
 from models import hf
 from models import lora as lora_lib
 from models import transformer as tfm

@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from branch_replay import engine, losses, sharding, steps, tree
-from branch_replay import lora as lora_train
+from branch_replay.core import engine, losses, sharding, tree
+from branch_replay.train import steps
+from branch_replay.core import lora as lora_train
 from branch_replay.config import Config, apply_overrides
 from models import lora
 from models import transformer as tfm
@@ -94,7 +95,7 @@ def test_tree_replay_equals_naive_and_the_projected_gradient_float64(model, fano
 
 def test_depth1_tree_equals_the_flat_oracle_float64(x64):
   """A flat batch with a trunk through the tree engine == the flat naive twin over the
-  adapters (branch_replay/lora.py: policy.naive_loss, every branch its own sequence)."""
+  adapters (branch_replay/core/lora.py: policy.naive_loss, every branch its own sequence)."""
   cfg, base = tiny_model()
   adapters = adapters_for(cfg, seed=3)
   batch = make_tree(8, (3,), B=2, P=7, T=(4,), W=2, logps=True)

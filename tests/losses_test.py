@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from branch_replay import losses, policy
+from branch_replay.core import losses, policy
 from models import transformer as tfm
 from helpers import make_batch, tiny_model
 

@@ -6,10 +6,11 @@ import json
 import numpy as np
 import pytest
 
-from branch_replay import rewards, tasks, trainer
-from branch_replay import tokenizer as tokenizer_lib
+from branch_replay.data import rewards, tasks
+from branch_replay.train import trainer
+from branch_replay.data import tokenizer as tokenizer_lib
 from branch_replay.config import apply_overrides
-from branch_replay.tasks import Example
+from branch_replay.data.tasks import Example
 from experiments.configs import math_jsonl
 from models import hf
 

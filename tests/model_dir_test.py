@@ -10,11 +10,11 @@ import jax
 import numpy as np
 import pytest
 
-from branch_replay import tasks
-from branch_replay import steps
-from branch_replay import trainer
-from branch_replay import state as train_state
-from branch_replay import tokenizer as tokenizer_lib
+from branch_replay.data import tasks
+from branch_replay.train import steps
+from branch_replay.train import trainer
+from branch_replay.train import state as train_state
+from branch_replay.data import tokenizer as tokenizer_lib
 from branch_replay.config import Config, apply_overrides
 from models import hf
 from models import transformer as tfm

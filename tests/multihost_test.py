@@ -23,7 +23,7 @@ def train_step_outputs(mesh_spec):
   import jax
   import optax
 
-  from branch_replay import sharding
+  from branch_replay.core import sharding
   from models import transformer as tfm
   from sharding_test import LOSS, make_batch
 

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from branch_replay import critic, engine, losses, metrics, sharding, tree, trainer
+from branch_replay.core import critic, engine, losses, sharding, tree
+from branch_replay.train import metrics, trainer
 from branch_replay.algorithms import ppo
 from trainer_test import tiny_tree  # the module pytest imports (it registers a task)
 from helpers import assert_equal_f64, make_tree, tiny_model

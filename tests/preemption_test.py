@@ -28,8 +28,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from branch_replay import checkpoint, metrics, preemption, rewards, tasks, trainer  # noqa: E402
-from branch_replay import state as train_state  # noqa: E402
+from branch_replay.train import checkpoint, metrics, preemption, trainer
+from branch_replay.data import rewards, tasks  # noqa: E402
+from branch_replay.train import state as train_state  # noqa: E402
 from trainer_test import _Counting, _loop_cfg  # noqa: E402
 
 
@@ -120,7 +121,7 @@ def test_every_process_stops_after_the_same_step(monkeypatch):
 def _guard_script(body):
   return subprocess.run(
       [sys.executable, "-c", "import os, signal, sys, time\n"
-       f"sys.path.insert(0, {ROOT!r})\nfrom branch_replay import preemption\n" + body],
+       f"sys.path.insert(0, {ROOT!r})\nfrom branch_replay.train import preemption\n" + body],
       capture_output=True, text=True, timeout=60)
 
 
@@ -374,7 +375,7 @@ def _grpo(*overrides):
 
 @pytest.mark.slow  # three tiny GRPO runs (compilation shared): ~1 min on an idle 2-core CPU
 def test_grpo_sigterm_then_the_same_call_resumes_bitwise(tmp_path):
-  from branch_replay import metrics as metrics_lib
+  from branch_replay.train import metrics as metrics_lib
   from branch_replay import algorithms
 
   algo = algorithms.for_config(_grpo())
@@ -441,8 +442,9 @@ def worker():
   args = parser.parse_args()
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(args.coordinator_address, 2, args.process_id)
-  from branch_replay import algorithms, config as config_lib, metrics as metrics_lib
-  from branch_replay import preemption as preemption_lib, trainer as trainer_lib
+  from branch_replay import algorithms, config as config_lib
+  from branch_replay.train import metrics as metrics_lib
+  from branch_replay.train import preemption as preemption_lib, trainer as trainer_lib
   cfg = config_lib.apply_overrides(config_lib.Config(), MESH_OVERRIDES)
   if args.term_at_step is not None and args.process_id == args.term_process:
     write = metrics_lib.MetricsWriter.write

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from experiments import table_specs, tables
-from experiments.tables import Source, Table
+from experiments.table_specs import Source, Table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from branch_replay import metrics, sampler
+from branch_replay.train import metrics
+from branch_replay.core import sampler
 from models import transformer as tfm
 
 CFG = tfm.preset("tiny")

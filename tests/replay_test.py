@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from branch_replay import engine, losses, policy, replay, tree
+from branch_replay.core import engine, losses, policy, replay, tree
 from helpers import assert_equal_f64, make_batch, max_rel_err, tiny_model
 from models import transformer as tfm
 

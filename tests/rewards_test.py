@@ -4,8 +4,8 @@ stop a run (a reward that raises, returns the wrong count or a non-finite value)
 import numpy as np
 import pytest
 
-from branch_replay import rewards
-from branch_replay.tasks import Example
+from branch_replay.data import rewards
+from branch_replay.data.tasks import Example
 
 CALLS = []
 

@@ -11,11 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from branch_replay import (advantages, checkpoint, critic, dapo, losses, metrics, policy,
-                           sampler)
-from branch_replay import trainer
+from branch_replay.core import advantages, critic, losses, policy, sampler
+from branch_replay.train import checkpoint, metrics
+from branch_replay import dapo
+from branch_replay.train import trainer
 from branch_replay.algorithms import ppo
-from branch_replay import state as train_state
+from branch_replay.train import state as train_state
 from branch_replay.config import Config, apply_overrides
 from models import transformer as tfm
 from helpers import assert_equal_f64, make_batch, max_rel_err, tiny_model, tiny_run
@@ -218,7 +219,7 @@ def test_critic_on_a_mesh_equals_one_device_float64(share):
   the loss, aux and every gradient leaf equal one device's replay (== naive above), the
   critic's transformer grads sharded like the policy's; `critic.values` from placed inputs
   equals one device's."""
-  from branch_replay import sharding
+  from branch_replay.core import sharding
   with jax.enable_x64(True):
     cfg, params = tiny_model(dtype="float64", perturb=0.0)
     ccfg = critic.CriticConfig(value_clip=0.5, share=share)

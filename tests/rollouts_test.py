@@ -9,10 +9,11 @@ import jax
 import numpy as np
 import pytest
 
-from branch_replay import metrics, rollouts, tasks, trainer
+from branch_replay.train import metrics, trainer
+from branch_replay.data import rollouts, tasks
 from branch_replay.config import Config, apply_overrides
-from branch_replay.tasks import TaskConfig
-from branch_replay.tokenizer import TOKENIZER
+from branch_replay.data.tasks import TaskConfig
+from branch_replay.data.tokenizer import TOKENIZER
 from models import transformer as tfm
 
 GOOD = {"prompt": "ab=", "responses": ["cba", "cbd", "xy", "cbaa"], "rewards": [1, 0, 0, 0.5]}

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from branch_replay import metrics, trainer
+from branch_replay.train import metrics, trainer
 from branch_replay.algorithms import grpo
 from branch_replay.config import apply_overrides
 from helpers import tiny_run

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from branch_replay import sampler
+from branch_replay.core import sampler
 from models import transformer as tfm
 
 CFG = tfm.preset("tiny")

@@ -12,7 +12,7 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from branch_replay import losses, policy, sharding, tree
+from branch_replay.core import losses, policy, sharding, tree
 from models import transformer as tfm
 
 import helpers
@@ -218,8 +218,8 @@ def tiny_config(tmp_path, mesh, *extra):
 def test_trainer_on_a_mesh_matches_one_device(tmp_path):
   """trainer.run with mesh=data:2,fsdp:2,tensor:2 (the place() / make_train_step path) takes
   the same SFT and RL steps as one device, leaves FSDP-sharded parameters and a checkpoint."""
-  from branch_replay import metrics
-  from branch_replay import trainer
+  from branch_replay.train import metrics
+  from branch_replay.train import trainer
   runs = {}
   for mesh in ("", "data:2,fsdp:2,tensor:2"):
     workdir = str(tmp_path / (mesh.replace(":", "").replace(",", "_") or "one"))

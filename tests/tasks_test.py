@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from branch_replay import config as config_lib
-from branch_replay import tasks
-from branch_replay.tokenizer import BOS, EOS, PAD, TOKENIZER
+from branch_replay.data import tasks
+from branch_replay.data.tokenizer import BOS, EOS, PAD, TOKENIZER
 
 
 def test_tokenizer_round_trip():

@@ -11,12 +11,15 @@ import jax
 import numpy as np
 import pytest
 
-from branch_replay import algorithms, dpo, engine, metrics, steps, tasks, tree_task
+from branch_replay import algorithms
+from branch_replay.data import dpo, tasks, tree_task
+from branch_replay.core import engine
+from branch_replay.train import metrics, steps
 from branch_replay.algorithms import grpo, sft
-from branch_replay import trainer
-from branch_replay import state as train_state
+from branch_replay.train import trainer
+from branch_replay.train import state as train_state
 from branch_replay.config import Config, apply_overrides
-from branch_replay.tokenizer import TOKENIZER, CharTokenizer
+from branch_replay.data.tokenizer import TOKENIZER, CharTokenizer
 from models import transformer as tfm
 from helpers import tiny_tree_run
 

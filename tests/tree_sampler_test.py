@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from branch_replay import engine, sampler, tree
-from branch_replay.sampler import SamplerConfig
+from branch_replay.core import engine, sampler, tree
+from branch_replay.core.sampler import SamplerConfig
 from models import transformer as tfm
 
 CFG = tfm.preset("tiny")

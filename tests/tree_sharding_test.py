@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from branch_replay import engine, losses, sharding, tree
+from branch_replay.core import engine, losses, sharding, tree
 from helpers import make_tree, max_rel_err, tiny_model
 
 LOSS = losses.LossConfig(kl_coef=0.05, epsilon=0.1)

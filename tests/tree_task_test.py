@@ -7,10 +7,12 @@ import os
 import numpy as np
 import pytest
 
-from branch_replay import dapo, tasks, tree
+from branch_replay import dapo
+from branch_replay.data import tasks
+from branch_replay.core import tree
 from branch_replay.algorithms import sft
 from branch_replay.config import Config, apply_overrides
-from branch_replay.tokenizer import TOKENIZER
+from branch_replay.data.tokenizer import TOKENIZER
 from models import transformer as tfm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,7 +47,7 @@ def test_tree_run_end_to_end(tmp_path):
       "task.sft_prompt_len=16", "tree.fanouts=2x2", "train.sft_steps=2", "train.rl_steps=2",
       "train.batch_size=2", "train.sft_batch_size=2", "train.eval_size=2",
       "train.progress=false", "train.plot=false", "train.checkpoint_every=2"])
-  from branch_replay import trainer
+  from branch_replay.train import trainer
   out = trainer.run(cfg, str(tmp_path / "run"))
   records = [json.loads(l) for l in open(out["metrics"])]
   train_recs = [r for r in records if r["kind"] == "train"]
@@ -65,7 +67,8 @@ def test_tree_run_end_to_end(tmp_path):
 
 def test_tree_overlong_shaping_counts_every_turn_of_the_path():
   """A leaf's length is its ancestors' valid tokens plus its own (a hand loop over paths)."""
-  from branch_replay import dapo, sampler
+  from branch_replay import dapo
+  from branch_replay.core import sampler
   rng = np.random.default_rng(0)
   B, fanouts, lengths = 2, (2, 3), (3, 4)
   valid = [np.arange(T)[None, None] < rng.integers(0, T + 1, (B, n, 1))
@@ -85,7 +88,8 @@ def test_tree_dynamic_sampling_and_overlong_shaping(tmp_path, monkeypatch):
   """DAPO on trees: prompts whose leaves' shaped rewards are all equal are replaced by fresh
   prompts' trees; the advantages are the tree-aware ones of the kept prompts' shaped rewards
   (raw reward + the path-length penalty)."""
-  from branch_replay import dapo, metrics, trainer
+  from branch_replay import dapo
+  from branch_replay.train import metrics, trainer
   seen = []
   dynamic_sample = dapo.dynamic_sample
   monkeypatch.setattr(dapo, "dynamic_sample", lambda *a: seen.append(dynamic_sample(*a))
@@ -117,7 +121,7 @@ def test_tree_dynamic_sampling_and_overlong_shaping(tmp_path, monkeypatch):
 def test_tree_rloo_is_leave_one_out_among_siblings():
   """algo.advantage=rloo on a tree: every node's value (its leaves' mean reward) minus the
   mean of its siblings' values, each sibling left out of its own baseline (a hand loop)."""
-  from branch_replay import advantages
+  from branch_replay.core import advantages
   rng = np.random.default_rng(1)
   B, fanouts = 2, (3, 2)
   rewards_BR = rng.normal(size=(B, 6))
@@ -140,7 +144,7 @@ def test_tree_reward_within_the_time_limit():
   import time
   from types import SimpleNamespace
 
-  from branch_replay import rewards, tree_task
+  from branch_replay.data import rewards, tree_task
   task_cfg = tasks.TaskConfig(name="tree_haystack", prompt_len=40, n_keys=3, sft_prompt_len=20)
   task = tasks.make(task_cfg)
   rng = np.random.default_rng(0)

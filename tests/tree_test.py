@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from branch_replay import engine, losses, tree
+from branch_replay.core import engine, losses, tree
 from helpers import assert_equal_f64, make_tree, tiny_model, tree_both
 from models import transformer as tfm
 

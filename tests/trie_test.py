@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from branch_replay import engine, losses, policy, tree, trie
+from branch_replay.core import engine, losses, policy, tree, trie
 from helpers import max_rel_err, tiny_model
 
 RESPONSES = [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6, 7], [8, 9]]

@@ -5,7 +5,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from branch_replay import losses, policy, verify
+from branch_replay.core import losses, policy
+from branch_replay.train import verify
 from models import transformer as tfm
 from helpers import make_batch, make_tree, tiny_model
 

@@ -1,4 +1,4 @@
-"""DPO on preference pairs that share a long prompt (branch_replay/dpo.py: pairs, batches,
+"""DPO on preference pairs that share a long prompt (branch_replay/data/dpo.py: pairs, batches,
 metrics): the supervised warm-up, then the policy as DPO begins is frozen as the reference;
 each step scores chosen and rejected under it (one shared-prefix forward) and takes the
 `dpo` objective's replay step."""
@@ -9,8 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from branch_replay import dpo, sharding, tree
-from branch_replay import state as train_state
+from branch_replay.data import dpo
+from branch_replay.core import sharding, tree
+from branch_replay.train import state as train_state
 from branch_replay.algorithms.grpo import GRPO
 
 KEYS = ("loss/policy", "grad/norm", "logp/mean", "entropy")  # of the replay step's metrics

@@ -13,13 +13,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from branch_replay import (advantages, algorithms, dapo, phases, sampler, sharding, steps, tasks,
-                           tree, tree_task, trie, verify)
-from branch_replay import metrics
-from branch_replay import state as train_state
+from branch_replay.core import advantages, sampler, sharding, tree, trie
+from branch_replay import algorithms, dapo
+from branch_replay.train import phases, steps, verify
+from branch_replay.data import tasks, tree_task
+from branch_replay.train import metrics
+from branch_replay.train import state as train_state
 from branch_replay.config import Config
-from branch_replay.state import TrainState, place, reference, sample_examples, weights
-from branch_replay.tokenizer import TOKENIZER
+from branch_replay.train.state import TrainState, place, reference, sample_examples, weights
+from branch_replay.data.tokenizer import TOKENIZER
 
 
 def auto_tree(batch, cfg, pad_id: int = 0):

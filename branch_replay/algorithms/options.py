@@ -10,7 +10,7 @@ import dataclasses
 import os
 from typing import Any
 
-from branch_replay import advantages
+from branch_replay.core import advantages
 from branch_replay.sections import NamedSection, NoOptions
 
 

@@ -23,9 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from branch_replay import algorithms, critic, sharding, steps, tree
+from branch_replay import algorithms
+from branch_replay.core import critic, sharding, tree
+from branch_replay.train import steps
 from branch_replay.algorithms import grpo
-from branch_replay import state as train_state
+from branch_replay.train import state as train_state
 from branch_replay.config import Config
 
 

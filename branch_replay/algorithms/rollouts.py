@@ -18,8 +18,10 @@ import os
 import jax
 import numpy as np
 
-from branch_replay import advantages, engine, phases, rollouts, steps, tree, trie, verify
-from branch_replay import state as train_state
+from branch_replay.core import advantages, engine, tree, trie
+from branch_replay.train import phases, steps, verify
+from branch_replay.data import rollouts
+from branch_replay.train import state as train_state
 
 
 class Recorded:

@@ -9,9 +9,11 @@ import chex
 import jax
 import numpy as np
 
-from branch_replay import metrics, sampler, sharding, steps, tasks, tree, tree_task
-from branch_replay import state as train_state
-from branch_replay.tokenizer import TOKENIZER
+from branch_replay.train import metrics, steps
+from branch_replay.core import sampler, sharding, tree
+from branch_replay.data import tasks, tree_task
+from branch_replay.train import state as train_state
+from branch_replay.data.tokenizer import TOKENIZER
 
 
 def _floats(out) -> dict:

@@ -5,9 +5,9 @@ folder is `base.config(task, ...)` with only what differs from here."""
 import dataclasses
 
 from branch_replay.config import Config, ReplayConfig, TrainConfig
-from branch_replay.losses import LossConfig
-from branch_replay.sampler import SamplerConfig
-from branch_replay.tokenizer import TOKENIZER
+from branch_replay.core.losses import LossConfig
+from branch_replay.core.sampler import SamplerConfig
+from branch_replay.data.tokenizer import TOKENIZER
 from models.transformer import ModelConfig
 
 # A 2-layer d=64 model over the character tokenizer (79 ids); WIDE doubles the width.

@@ -10,8 +10,8 @@ No results file records a run of it yet: convert a finished workdir with
 experiments/provenance.py --workdir=... before quoting a number of it.
 """
 
-from branch_replay.sampler import SamplerConfig
-from branch_replay.tasks import TaskConfig
+from branch_replay.core.sampler import SamplerConfig
+from branch_replay.data.tasks import TaskConfig
 from experiments.configs import base
 
 

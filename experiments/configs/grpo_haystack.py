@@ -12,8 +12,8 @@ Measured (seed 0): experiments/results/default_run_2026-12-04.jsonl (its
 `kind: summary` line; the table `default_run` in docs/training.md renders it).
 """
 
-from branch_replay.sampler import SamplerConfig
-from branch_replay.tasks import TaskConfig
+from branch_replay.core.sampler import SamplerConfig
+from branch_replay.data.tasks import TaskConfig
 from experiments.configs import base
 
 

@@ -13,8 +13,8 @@ Measured (seed 0): experiments/results/jsonl_reverse_2026-11-30.jsonl (read in
 docs/training.md).
 """
 
-from branch_replay.sampler import SamplerConfig
-from branch_replay.tasks import TaskConfig
+from branch_replay.core.sampler import SamplerConfig
+from branch_replay.data.tasks import TaskConfig
 from experiments.configs import base
 
 

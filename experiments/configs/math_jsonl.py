@@ -1,6 +1,6 @@
 """GRPO on GSM8K-layout math problems: k-shot prompts (a long prefix shared by every branch),
 the checkpoint's chat template, the `final_number` reward (the number after `####`, else the
-last number; branch_replay/rewards.py).
+last number; branch_replay/data/rewards.py).
 
 A local Qwen2.5-0.5B-Instruct folder on a GPU (GSM8K's train.jsonl, or the generated file):
   python run.py --experiment=math_jsonl --model_dir=/models/Qwen2.5-0.5B-Instruct \
@@ -33,8 +33,8 @@ sys.path.insert(0, ROOT)
 import dataclasses  # noqa: E402
 
 from branch_replay.config import TrainConfig  # noqa: E402
-from branch_replay.sampler import SamplerConfig  # noqa: E402
-from branch_replay.tasks import TaskConfig  # noqa: E402
+from branch_replay.core.sampler import SamplerConfig  # noqa: E402
+from branch_replay.data.tasks import TaskConfig  # noqa: E402
 from experiments.configs import base  # noqa: E402
 
 DATA = os.path.join(ROOT, "experiments", "data", "math.jsonl")

@@ -32,8 +32,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 from branch_replay.config import TrainConfig  # noqa: E402
-from branch_replay.sampler import SamplerConfig  # noqa: E402
-from branch_replay.tasks import TaskConfig  # noqa: E402
+from branch_replay.core.sampler import SamplerConfig  # noqa: E402
+from branch_replay.data.tasks import TaskConfig  # noqa: E402
 from experiments.configs import base  # noqa: E402
 from models.lora import LoraConfig  # noqa: E402
 

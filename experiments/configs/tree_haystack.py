@@ -1,4 +1,4 @@
-"""Tree GRPO on a two-turn lookup task whose turns branch (branch_replay/tree_task.py).
+"""Tree GRPO on a two-turn lookup task whose turns branch (branch_replay/data/tree_task.py).
 
   python run.py --experiment=tree_haystack --workdir=runs/tree
 
@@ -15,8 +15,8 @@ No results file records a run of it yet: convert a finished workdir with
 experiments/provenance.py --workdir=... before quoting a number of it.
 """
 
-from branch_replay.tasks import TaskConfig
-from branch_replay.tree import TreeConfig
+from branch_replay.data.tasks import TaskConfig
+from branch_replay.core.tree import TreeConfig
 from experiments.configs import base
 
 

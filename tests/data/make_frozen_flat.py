@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from branch_replay import losses, policy
+from branch_replay.core import losses, policy
 from models import transformer as tfm
 
 PATH = os.path.join(os.path.dirname(__file__), "frozen_flat.npz")

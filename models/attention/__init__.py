@@ -34,8 +34,9 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from models.segments import IMPLS, KeySegment  # noqa: F401 (attention.KeySegment, .IMPLS)
-from models.segments import acc_dtype as _acc_dtype, check, check_masks, merge, segment_mask
+from models.attention.segments import IMPLS, KeySegment  # noqa: F401 (attention.KeySegment, .IMPLS)
+from models.attention.segments import (acc_dtype as _acc_dtype, check, check_masks, merge,
+    segment_mask)
 
 Array = jax.Array
 
@@ -469,7 +470,7 @@ def attend(q_BTNH, q_pos_BT, q_valid_BT, segments: Sequence[KeySegment], *,
     return attend_dense(q_BTNH, q_pos_BT, q_valid_BT, segments, scale=scale, softcap=softcap,
                         window=window)
   if impl == "fused":  # refuses (ValueError) without tokamax and a supported GPU
-    from models import attention_fused
+    from models.attention import fused as attention_fused
     attention_fused.check_available()
   segments = [s for s in segments if s.k_BSKH.shape[1]]  # an empty segment adds no key
   if not segments or not q_BTNH.size:

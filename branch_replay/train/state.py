@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from branch_replay import checkpoint, critic, sharding
-from branch_replay.tree import TreeBatch
+from branch_replay.train import checkpoint
+from branch_replay.core import critic, sharding
+from branch_replay.core.tree import TreeBatch
 from branch_replay.config import Config
 from models import lora as lora_lib
 from models import transformer as tfm

@@ -19,11 +19,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from branch_replay import engine, losses, policy, sampler, sharding
+from branch_replay.core import engine, losses, policy, sampler, sharding
 from branch_replay.config import Config
-from branch_replay.state import TrainState, make_optimizer
-from branch_replay.tasks import TaskConfig
-from branch_replay.tokenizer import TOKENIZER
+from branch_replay.train.state import TrainState, make_optimizer
+from branch_replay.data.tasks import TaskConfig
+from branch_replay.data.tokenizer import TOKENIZER
 from models import lora as lora_lib
 
 SFT_LOSS = losses.LossConfig(name="pg", aggregation="token_mean")  # -mean log p(answer)

@@ -76,7 +76,7 @@ class HFTokenizer:
     self.bos_id, self.eos_id = int(bos_id), int(eos_id)
     self.pad_id = self.eos_id if pad_id is None else int(pad_id)
     self.stop_ids = tuple(dict.fromkeys([self.eos_id, *map(int, stop_ids)]))
-    self.chat_template = chat_template  # branch_replay.chat.ChatTemplate or None
+    self.chat_template = chat_template  # branch_replay.data.chat.ChatTemplate or None
 
   @property
   def vocab_size(self) -> int:
@@ -133,7 +133,7 @@ def from_model_dir(model_dir: str, hf_config: dict, *, char_tokenizer: bool = Fa
   if eos is None:
     raise ValueError(f"{model_dir}/config.json: eos_token_id is missing; the sampler needs a "
                      "stop token")
-  from branch_replay import chat
+  from branch_replay.data import chat
   bos = eos if bos is None else bos
   template = gguf.chat_template(gguf_path) if gguf_path else chat.load(model_dir)
   if template is not None and template.eos_token:  # a chat model's turns end with its EOS

@@ -54,7 +54,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from models import attention
-from models.segments import KeySegment
+from models.attention.segments import KeySegment
 
 Array = jax.Array
 SCHEMES = ("all_gather", "gspmd")  # model.context_parallel

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from branch_replay import engine, policy
+from branch_replay.core import engine, policy
 
 MODES = ("auto", "first", "off")  # auto: first for imported checkpoints (run.py --model_dir)
 

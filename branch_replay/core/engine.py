@@ -11,8 +11,8 @@ from typing import Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from branch_replay import losses, replay
-from branch_replay.tree import TreeBatch, leaf_weights
+from branch_replay.core import losses, replay
+from branch_replay.core.tree import TreeBatch, leaf_weights
 from models import transformer as tfm
 
 MODES = ("replay", "naive")

@@ -19,8 +19,9 @@ from typing import Optional
 
 import numpy as np
 
-from branch_replay import tasks, tree, tree_task
-from branch_replay.tokenizer import TOKENIZER
+from branch_replay.data import tasks, tree_task
+from branch_replay.core import tree
+from branch_replay.data.tokenizer import TOKENIZER
 
 FIELDS = ("prompt", "chosen", "rejected")
 

@@ -11,7 +11,7 @@ Layout of one replay step:
 
 Context parallelism is a per-layer all-gather of K/V: inside the prefix each device keeps
 its P/c queries and residual stream, and each layer all-gathers that layer's keys and
-values (exact: the softmax sees every key), under shard_map (models/context_parallel.py;
+values (exact: the softmax sees every key), under shard_map (models/attention/context_parallel.py;
 its transpose reduce-scatters the prefix attention's dK/dV). Per layer and per prompt a
 device receives (c-1)/c * 2*P*K*H elements in the forward (again in each tail layer: the
 cache crosses to the tails in its sequence shards, CACHE_AXES) and the K/V cotangents (summed over branch shards) go back by reduce-scatter (XLA on CPU
@@ -33,9 +33,9 @@ import numpy as np
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from branch_replay import engine, losses, policy, replay
-from branch_replay.tree import TreeBatch
-from models import context_parallel
+from branch_replay.core import engine, losses, policy, replay
+from branch_replay.core.tree import TreeBatch
+from models.attention import context_parallel
 from models import transformer as tfm
 
 # The mesh axes, declared once (role words; sizes come from a spec such as "fsdp:4,context:2").

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from branch_replay import losses
+from branch_replay.core import losses
 
 
 @flax.struct.dataclass

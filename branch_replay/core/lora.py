@@ -21,7 +21,7 @@ from typing import Optional
 import jax
 import optax
 
-from branch_replay import policy
+from branch_replay.core import policy
 from models import lora as lora_lib
 
 

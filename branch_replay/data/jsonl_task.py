@@ -1,5 +1,5 @@
 """Your own prompts: a JSON-lines file, one object per line, scored by a reward named in the
-config (branch_replay/rewards.py).
+config (branch_replay/data/rewards.py).
 
   {"prompt": "reverse: abc=", "answer": "cba"}
   {"prompt": "what is 0.1+0.2?", "answer": "0.3", "any_field": "the reward may read it"}
@@ -22,8 +22,8 @@ import json
 import numpy as np
 from absl import logging
 
-from branch_replay import rewards
-from branch_replay.tasks import Example, Task, jsonl_records, register
+from branch_replay.data import rewards
+from branch_replay.data.tasks import Example, Task, jsonl_records, register
 
 OVERLONG = ("truncate", "reject")
 CHAT_TEMPLATE = ("auto", "none")

@@ -14,10 +14,12 @@ import time
 import jax
 import numpy as np
 
-from branch_replay import checkpoint, metrics, preemption, rewards, sharding, tasks, verify
-from branch_replay import state as train_state
+from branch_replay.train import checkpoint, metrics, preemption, verify
+from branch_replay.data import rewards, tasks
+from branch_replay.core import sharding
+from branch_replay.train import state as train_state
 from branch_replay.config import Config
-from branch_replay.tokenizer import TOKENIZER
+from branch_replay.data.tokenizer import TOKENIZER
 from models import lora as lora_lib
 
 

@@ -52,7 +52,7 @@ class MetricsWriter:
         f.write(json.dumps(clean, sort_keys=True) + "\n")
         f.flush()
     except OSError as e:  # a full disk: say what was lost and what a resume does
-      from branch_replay import checkpoint
+      from branch_replay.train import checkpoint
       error = checkpoint.StorageError(
           f"{self.path}: appending the {record.get('kind', 'train')} record of step "
           f"{record.get('step')} failed: {checkpoint.describe_os_error(e)}; the checkpoints "
@@ -154,7 +154,7 @@ def plot(records: list[dict], path: str) -> str:
   ax_r.set_ylabel("reward")
   ax_r.legend(loc="lower right")
   ax_t.plot([r["step"] for r in train], [r.get("time/step_s") for r in train], label="train step")
-  from branch_replay import phases
+  from branch_replay.train import phases
   for phase in phases.PHASES:  # the RL step by phase (those that ran)
     seconds = [r.get(f"time/{phase}_s") or 0.0 for r in rl]
     if any(seconds):

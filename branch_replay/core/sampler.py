@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from branch_replay import engine, tree
-from branch_replay.tree import TreeBatch, TreeLevel
+from branch_replay.core import engine, tree
+from branch_replay.core.tree import TreeBatch, TreeLevel
 from models import transformer as tfm
 
 

@@ -5,10 +5,10 @@
               The answer depends only on tokens deep in the long shared prompt.
   arithmetic  short reasoning: `a+b=` with n-digit operands; the answer is the sum.
 
-  jsonl       your own prompts from a JSON-lines file (branch_replay/jsonl_task.py).
+  jsonl       your own prompts from a JSON-lines file (branch_replay/data/jsonl_task.py).
 
 A task draws `Example`s from a numpy Generator (deterministic per seed and step) and scores
-completion strings (decoded up to EOS) with `rewards` (branch_replay/rewards.py; the
+completion strings (decoded up to EOS) with `rewards` (branch_replay/data/rewards.py; the
 built-ins: 1.0 exact match, else 0.0). Tasks register by name (`@register`), each with its
 own `Options` dataclass, so a new task is one file.
 """
@@ -25,7 +25,7 @@ from typing import Any, Optional
 import numpy as np
 
 from branch_replay.sections import NamedSection, NoOptions
-from branch_replay.tokenizer import TOKENIZER
+from branch_replay.data.tokenizer import TOKENIZER
 
 
 def jsonl_records(path: str, what: str):
@@ -65,8 +65,8 @@ def register(name: str):
 
 
 # Built-in tasks in their own modules, imported when first named (they import this module).
-BUILTIN = {"jsonl": "branch_replay.jsonl_task", "tree_haystack": "branch_replay.tree_task",
-           "rollouts": "branch_replay.rollouts"}
+BUILTIN = {"jsonl": "branch_replay.data.jsonl_task", "tree_haystack": "branch_replay.data.tree_task",
+           "rollouts": "branch_replay.data.rollouts"}
 
 
 def task_class(name: str) -> type:
@@ -137,7 +137,7 @@ class Task:
     return ex, [ex.answer]
 
   def rewards(self, examples, completions_BR) -> np.ndarray:
-    from branch_replay import rewards
+    from branch_replay.data import rewards
     return rewards.compute(rewards.get(self.reward_name), examples, completions_BR,
                            **self.reward_options)
 

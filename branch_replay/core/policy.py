@@ -12,7 +12,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from branch_replay import engine, losses, tree
+from branch_replay.core import engine, losses, tree
 from models import transformer as tfm
 
 MODES = ("replay", "naive")

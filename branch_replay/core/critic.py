@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from branch_replay import engine, losses, sharding, tree
+from branch_replay.core import engine, losses, sharding, tree
 from models import transformer as tfm
 
 

@@ -29,8 +29,8 @@ from typing import Optional
 
 import numpy as np
 
-from branch_replay import trie
-from branch_replay.tasks import Task, jsonl_records, register
+from branch_replay.core import trie
+from branch_replay.data.tasks import Task, jsonl_records, register
 
 STOPS = ("eos", "none")
 

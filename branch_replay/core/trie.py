@@ -27,8 +27,8 @@ from typing import Optional, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from branch_replay import tree
-from branch_replay.tree import TreeBatch, TreeLevel
+from branch_replay.core import tree
+from branch_replay.core.tree import TreeBatch, TreeLevel
 
 
 @dataclasses.dataclass

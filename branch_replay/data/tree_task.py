@@ -17,8 +17,9 @@ from typing import Optional
 
 import numpy as np
 
-from branch_replay import rewards, tasks, tree
-from branch_replay.tokenizer import TOKENIZER
+from branch_replay.data import rewards, tasks
+from branch_replay.core import tree
+from branch_replay.data.tokenizer import TOKENIZER
 
 @dataclasses.dataclass(frozen=True)
 class TreeExample:

@@ -50,7 +50,7 @@ def grpo(rewards_BR, train_cfg):
   """(r - mean_R) / (std_R + 1e-6); with algo.advantage_std=false only centred (Dr. GRPO).
   In float32 through jax, exactly as the trainer always computed it (runs reproduce)."""
   import jax.numpy as jnp
-  from branch_replay import losses
+  from branch_replay.core import losses
   return np.asarray(losses.group_advantages(jnp.asarray(rewards_BR, jnp.float32),
                                             use_std=getattr(train_cfg, "advantage_std", True)))
 

@@ -26,7 +26,7 @@ from typing import Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from models import segments
+from models.attention import segments
 
 FALLBACK = "blockwise"
 SUPPORTED_DEVICE_KINDS = ("H100", "H200", "H800", "H20", "B200", "GB200")

@@ -1,0 +1,5 @@
+"""The loop around any algorithm: the trainer (`trainer.py`), the jitted step and its cache
+(`steps.py`), the train state and its placement (`state.py`), atomic checkpoints, append-only
+metrics, phase timers, the first-step self-check (`verify.py`) and preemption. Imports
+`core/`, `data/`, `config.py` and the algorithm registry (`algorithms.get`), never an
+algorithm."""
