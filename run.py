@@ -170,7 +170,6 @@ def main(argv):
                else ""))
 
 
-if __name__ == "__main__":
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+if __name__ == "__main__":  # (python run.py: the checkout is sys.path[0], no insert needed)
   define_flags(flags.FLAGS)
   app.run(main)

@@ -27,7 +27,6 @@ summary line (medians; ratios TRL / ours: > 1 means ours is faster).
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import os

@@ -5,7 +5,7 @@ adapters in fp32 with AdamW, compute in bf16, full remat per layer (scanned laye
 blockwise attention kernel (on the GPU: blockwise or tokamax's fused kernel, --attention),
 the MLP in chunks of --mlp_chunk positions and the log-probs in chunks of 1,024 of the R*T
 scored tokens (model.mlp_chunk, model.logits_chunk_rows: engine options, tested against the
-unchunked step and the naive twin in tests/long_context_test.py and tests/lora_test.py).
+unchunked step and the naive twin in tests/core/long_context_test.py and tests/core/lora_test.py).
 The step is the trainer's LoRA step: branch_replay.core.lora.loss_and_grad (the one engine) + AdamW.
 
   # compile only, one fake CPU device, one subprocess per row:

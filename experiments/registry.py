@@ -7,7 +7,7 @@ finds (an explicit table: no file is grepped).
   bench    one training step measured (time, memory, FLOPs; JSON lines with provenance)
   tools    results files, tables, shared measuring helpers
 
-A new script goes in exactly one kind (tests/experiments_test.py checks that every
+A new script goes in exactly one kind (tests/experiments/experiments_test.py checks that every
 experiments/*.py is listed); a new run config also becomes a valid --experiment name.
 """
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
-import logging
 import os
 from typing import Any, Callable, NamedTuple, Optional
 

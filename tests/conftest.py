@@ -1,11 +1,19 @@
-"""Fake 8 CPU devices before JAX starts."""
+"""Fake 8 CPU devices before JAX starts; the test rooms on the path of subprocesses too."""
 import os
-import sys
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# pyproject.toml's `pythonpath` (the checkout, tests/ and each room under it: test modules
+# import each other by basename, the name pytest imports them by) for the worker processes
+# the tests start (`python tests/system/crash_test.py ...`, run.py, notebooks), which
+# inherit the environment.
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [os.path.dirname(_TESTS), _TESTS]
+    + sorted(os.path.join(_TESTS, d) for d in os.listdir(_TESTS)
+             if os.path.isdir(os.path.join(_TESTS, d)) and not d.startswith(("_", ".")))
+    + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 
 # One persistent compilation cache per test session, shared by the xdist workers and the
 # subprocesses the tests start (they inherit the environment): many tests compile the same
@@ -22,7 +30,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # passes, the SPMD partitioner and buffer assignment run as always, so compiled memory, FLOPs and
 # collectives read the same): most tests are bound by compiling many small programs, not by
 # running them. Code generation differs in the last bits (fused multiply-adds, vector order),
-# so tests/frozen_flat_test.py, a bitwise guard, compiles with the production pipeline
+# so tests/core/frozen_flat_test.py, a bitwise guard, compiles with the production pipeline
 # (`production_compile` below). Subprocesses inherit it; export
 # JAX_DISABLE_MOST_OPTIMIZATIONS=false to test with the production pipeline throughout.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "true")

@@ -127,7 +127,7 @@ def param_rules(mesh: Mesh) -> tuple:
   (ZeRO-3 over every device of the mesh), since `context` alone splits no parameter and each
   of its devices would hold all parameters and their AdamW moments (Llama-3-8B at P=131K on
   context:8: 210.5 -> 50.6 GB per device, experiments/results/plan_8gpu_cpu_2026-12-02.md).
-  A sharding only: exact (tests/context_parallel_test.py, float64). Without one, RULES."""
+  A sharding only: exact (tests/models/context_parallel_test.py, float64). Without one, RULES."""
   if mesh.shape.get("context", 1) == 1:
     return RULES
   return tuple(("embed", ("fsdp", "context")) if name == "embed" else (name, axes)

@@ -1,0 +1,82 @@
+"""experiments/plan_1gpu.py: the plan's model options, its step-time arithmetic against a hand
+computation, bad input; and (slow) gpu_check.sh's one-GPU row with SMOKE=1 at tiny shapes, and
+a compile-only row in a subprocess."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from experiments import flops, plan_1gpu
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_the_plans_model_is_the_bf16_lora_step_with_chunks():
+  cfg = plan_1gpu.model_config("llama3_8b")
+  assert (cfg.n_layers, cfg.d_model, cfg.mlp_hidden, cfg.vocab_size) == (32, 4096, 14336, 128256)
+  assert cfg.dtype == cfg.param_dtype == "bfloat16" and cfg.remat == "full" and cfg.scan_layers
+  assert cfg.mlp_chunk == 8192 and cfg.logits_chunk_rows and cfg.logits_chunk == 1024
+  q = plan_1gpu.model_config("qwen3_8b", layers=2, mlp_chunk=0)
+  assert q.qk_norm and q.n_layers == 2 and q.mlp_chunk is None and q.vocab_size == 151936
+  with pytest.raises(ValueError, match="--model='llama'"):
+    plan_1gpu.model_config("llama")
+  with pytest.raises(ValueError, match="--branches=0"):
+    plan_1gpu.check_row(131072, 512, 0, 1, 16)
+
+
+def test_step_time_at_mfu_is_useful_flops_over_the_peak():
+  cfg = plan_1gpu.model_config("llama3_8b")
+  out = plan_1gpu.predict(cfg, 1, 131072, 16, 512)
+  # by hand: 3 passes x 2 FLOPs per MAC; per token the layers' and the head's MACs, per causal
+  # pair of the prefix (P(P+1)/2) and of the tails (R*T*P + R*T(T+1)/2) the attention's
+  L, D, N, K, H, F, V = 32, 4096, 32, 8, 128, 14336, 128256
+  per_token = L * (D * (N + 2 * K) * H + N * H * D + 3 * D * F)
+  pairs = 131072 * 131073 // 2 + 16 * (512 * 131072 + 512 * 513 // 2)
+  macs = per_token * (131072 + 16 * 512) + pairs * L * 2 * N * H + 16 * 512 * D * V
+  assert flops.step_flops(cfg, flops.flat(1, 16, 131072, 512, "replay")) == 6 * macs
+  assert out["useful_pflop"] == round(6 * macs / 1e15, 3)
+  assert out["step_s"]["H200"]["mfu_40"] == round(6 * macs / (0.4 * 989e12), 1)
+  assert out["step_s"]["H20"]["mfu_60"] == round(6 * macs / (0.6 * 148e12), 1)
+  assert out["step_s"]["H200"]["cost_model"] > out["step_s"]["H200"]["mfu_60"]  # remat, flash
+
+
+@pytest.mark.slow  # two subprocess compiles of the tiny step (~1-2 min on the loaded machine)
+def test_gpu_check_one_gpu_row_smoke_on_cpu(tmp_path):
+  """gpu_check.sh with SMOKE=1 ONE_GPU_ONLY=1: the fused check, then the one-GPU row at tiny
+  shapes writes the card's report and a run row with finite losses, step time and MFU
+  fields (memory_stats: None on the CPU)."""
+  out = subprocess.run(["bash", "experiments/gpu_check.sh"], cwd=ROOT, capture_output=True,
+                       text=True, env={**os.environ, "SMOKE": "1", "ONE_GPU_ONLY": "1",
+                                       "OUT": str(tmp_path), "JAX_PLATFORMS": "cpu"})
+  assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+  (check,) = [json.loads(l) for l in open(tmp_path / "fused_check.jsonl")]
+  assert check["passed"]
+  lines = [json.loads(l) for l in open(tmp_path / "one_gpu_8b.jsonl")]
+  assert [l["kind"] for l in lines] == ["compiled", "step", "step", "step", "run"]
+  assert lines[0]["compile_s"] > 0 and lines[0]["compiled_total_gb"] is not None
+  assert [l["step"] for l in lines[1:4]] == [0, 1, 2] and lines[1]["warm_up"]
+  row = lines[-1]
+  assert row["model"] == "tiny" and row["P"] == 64
+  assert row["step_times"] == [l["seconds"] for l in lines[2:4]]
+  assert row["finite"] and len(row["losses"]) == 3 and len(row["step_times"]) == 2
+  assert row["step_s"] > 0 and row["useful_pflop"] >= 0 and "mfu" in row and "peak_gb" in row
+  assert row["provenance"]["git_commit"]
+  assert (tmp_path / "nvidia_smi_q.txt").read_text()
+  assert not (tmp_path / "gpu_bench.jsonl").exists()  # ONE_GPU_ONLY stopped after the row
+
+
+@pytest.mark.slow
+def test_compile_row_in_a_subprocess(tmp_path):
+  path = tmp_path / "plan.jsonl"
+  out = subprocess.run([sys.executable, "experiments/plan_1gpu.py", "--model=tiny",
+                        "--prefix_len=64", "--tail_len=8", "--branches=4", "--rank=2",
+                        "--mlp_chunk=16", f"--out={path}"], cwd=ROOT, capture_output=True,
+                       text=True)
+  assert out.returncode == 0, out.stderr[-3000:]
+  (row,) = [json.loads(l) for l in open(path)]
+  assert "error" not in row, row
+  assert row["total_bytes"] > 0 and row["fits_with_headroom"]["H100"]
+  assert row["mlp_chunk"] == 16 and row["logits_chunk_rows"]
