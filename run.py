@@ -33,35 +33,66 @@ from absl import app, flags, logging
 if shutil.which("nvidia-smi") is None and not glob.glob("/dev/nvidia*"):
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # no GPU: skip the CUDA plugin's probe
 
+
 def define_flags(fv: flags.FlagValues) -> flags.FlagValues:
   """The command line's flags, on `fv` (the global FLAGS for a run; a fresh set for `parse`)."""
-  flags.DEFINE_string("experiment", "grpo_haystack", "A run config of experiments/registry.py (CONFIGS).",
-                      flag_values=fv)
-  flags.DEFINE_multi_string("set", [], "Config override section.field=value (repeatable).",
-                            flag_values=fv)
-  flags.DEFINE_string("workdir", "runs/default",
-                      "Checkpoints, metrics.jsonl and the plot go here.", flag_values=fv)
+  flags.DEFINE_string(
+    "experiment",
+    "grpo_haystack",
+    "A run config of experiments/registry.py (CONFIGS).",
+    flag_values=fv,
+  )
+  flags.DEFINE_multi_string(
+    "set", [], "Config override section.field=value (repeatable).", flag_values=fv
+  )
+  flags.DEFINE_string(
+    "workdir", "runs/default", "Checkpoints, metrics.jsonl and the plot go here.", flag_values=fv
+  )
   flags.DEFINE_enum("mode", None, ["replay", "naive"], "Override replay.mode.", flag_values=fv)
-  flags.DEFINE_string("mesh", None, "Device mesh, e.g. data:2,fsdp:2,context:2 (sets mesh=).",
-                      flag_values=fv)
-  flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0.",
-                      flag_values=fv)
+  flags.DEFINE_string(
+    "mesh", None, "Device mesh, e.g. data:2,fsdp:2,context:2 (sets mesh=).", flag_values=fv
+  )
+  flags.DEFINE_string(
+    "coordinator_address", None, "Multi-host: host:port of process 0.", flag_values=fv
+  )
   flags.DEFINE_integer("num_processes", None, "Multi-host: how many processes.", flag_values=fv)
   flags.DEFINE_integer("process_id", None, "Multi-host: this process's index.", flag_values=fv)
-  flags.DEFINE_string("model_dir", None, "A Hugging Face folder (config.json, *.safetensors, "
-                      "optional tokenizer.json), a .gguf file, or a folder holding one .gguf "
-                      "(and no config.json) to train from instead of the experiment's model.",
-                      flag_values=fv)
-  flags.DEFINE_bool("char_tokenizer", False, "With --model_dir: train on the shipped character "
-                    "tokenizer (only for a folder without tokenizer.json, or a GGUF without "
-                    "tokenizer metadata).", flag_values=fv)
-  flags.DEFINE_enum("model_dtype", "float32", ["float32", "bfloat16"],
-                    "compute dtype of --model_dir (parameters and AdamW state stay float32)",
-                    flag_values=fv)
-  flags.DEFINE_bool("merge", False, "LoRA (lora.rank > 0): also write base + adapters as "
-                    "full weights to WORKDIR/merged at the end", flag_values=fv)
-  flags.DEFINE_string("adapter_dir", None, "LoRA: a PEFT adapter folder (adapter_config.json, "
-                      "adapter_model.safetensors) to continue training from", flag_values=fv)
+  flags.DEFINE_string(
+    "model_dir",
+    None,
+    "A Hugging Face folder (config.json, *.safetensors, "
+    "optional tokenizer.json), a .gguf file, or a folder holding one .gguf "
+    "(and no config.json) to train from instead of the experiment's model.",
+    flag_values=fv,
+  )
+  flags.DEFINE_bool(
+    "char_tokenizer",
+    False,
+    "With --model_dir: train on the shipped character "
+    "tokenizer (only for a folder without tokenizer.json, or a GGUF without "
+    "tokenizer metadata).",
+    flag_values=fv,
+  )
+  flags.DEFINE_enum(
+    "model_dtype",
+    "float32",
+    ["float32", "bfloat16"],
+    "compute dtype of --model_dir (parameters and AdamW state stay float32)",
+    flag_values=fv,
+  )
+  flags.DEFINE_bool(
+    "merge",
+    False,
+    "LoRA (lora.rank > 0): also write base + adapters as full weights to WORKDIR/merged at the end",
+    flag_values=fv,
+  )
+  flags.DEFINE_string(
+    "adapter_dir",
+    None,
+    "LoRA: a PEFT adapter folder (adapter_config.json, "
+    "adapter_model.safetensors) to continue training from",
+    flag_values=fv,
+  )
   return fv
 
 
@@ -70,10 +101,12 @@ def lora_options(fv, cfg):
   compute (app.UsageError naming the flag or the file's field)."""
   if (fv.merge or fv.adapter_dir) and not cfg.lora.enabled:
     flag = "--merge" if fv.merge else "--adapter_dir"
-    raise app.UsageError(f"{flag}: lora.rank=0 (LoRA off); {flag} needs a LoRA run, e.g. "
-                         "--set=lora.rank=16")
+    raise app.UsageError(
+      f"{flag}: lora.rank=0 (LoRA off); {flag} needs a LoRA run, e.g. --set=lora.rank=16"
+    )
   from models import gguf, hf
   from models import lora as lora_lib
+
   family, extra = None, None
   if fv.model_dir:
     extra = gguf.read_model_config(fv.model_dir)  # an HF folder's config.json or a GGUF's
@@ -105,6 +138,7 @@ def config_from(fv):
   --mode, --mesh) applied; with --model_dir, the imported model, weights and tokenizer."""
   from branch_replay import config as config_lib
   from experiments import registry
+
   try:
     module = registry.config_module(fv.experiment)
   except ValueError as e:
@@ -116,10 +150,12 @@ def config_from(fv):
     import dataclasses
     from branch_replay.data import tokenizer as tokenizer_lib
     from models import gguf  # an HF folder (models/hf.py) or a GGUF file (models/gguf.py)
+
     try:
       model_cfg, init_params = gguf.load_model(fv.model_dir, dtype=fv.model_dtype)
-      tokenizer = tokenizer_lib.from_model_dir(fv.model_dir, gguf.read_model_config(fv.model_dir),
-                                               char_tokenizer=fv.char_tokenizer)
+      tokenizer = tokenizer_lib.from_model_dir(
+        fv.model_dir, gguf.read_model_config(fv.model_dir), char_tokenizer=fv.char_tokenizer
+      )
     except ValueError as e:
       raise app.UsageError(f"--model_dir={fv.model_dir}: {e}")
     base = dataclasses.replace(base, model=model_cfg)
@@ -137,6 +173,7 @@ def main(argv):
   FLAGS = flags.FLAGS
   if FLAGS.coordinator_address or FLAGS.num_processes:  # before JAX touches a device
     import jax
+
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU runs
     jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   cfg, init_params, tokenizer = config_from(FLAGS)
@@ -144,30 +181,42 @@ def main(argv):
   from branch_replay import algorithms
   from branch_replay.train import checkpoint, preemption, trainer
   from branch_replay.data import rewards
+
   algorithm = algorithms.for_config(cfg)
   try:
-    summary = trainer.run(cfg, FLAGS.workdir, algorithm, init_params=init_params,
-                          tokenizer=tokenizer, init_adapters=init_adapters)
+    summary = trainer.run(
+      cfg,
+      FLAGS.workdir,
+      algorithm,
+      init_params=init_params,
+      tokenizer=tokenizer,
+      init_adapters=init_adapters,
+    )
     if FLAGS.merge:
       from models import lora as lora_lib
+
       merged = os.path.join(FLAGS.workdir, "merged")
-      lora_lib.save_merged(merged, cfg.model, summary["base_params"], summary["final_params"],
-                           cfg.lora, **merge_kwargs)
+      lora_lib.save_merged(
+        merged, cfg.model, summary["base_params"], summary["final_params"], cfg.lora, **merge_kwargs
+      )
   except preemption.Preempted as e:  # SIGTERM/SIGINT: checkpointed; 128 + the signal
     print(f"preempted: {e}", file=sys.stderr, flush=True)
     sys.exit(preemption.exit_code(e.signum))
   except (ValueError, FloatingPointError, checkpoint.StorageError, rewards.RewardTimeout) as e:
     sys.exit(f"error: {e}")
   except KeyboardInterrupt:
-    sys.exit(f"interrupted: run again with --workdir={FLAGS.workdir} to resume from its "
-             "latest checkpoint")
+    sys.exit(
+      f"interrupted: run again with --workdir={FLAGS.workdir} to resume from its latest checkpoint"
+    )
   import jax
+
   if jax.process_index() == 0:  # multi-host: one summary
     print(algorithm.format_summary(summary))
     if summary.get("adapter"):
-      print(f"LoRA adapter (PEFT): {summary['adapter']}"
-            + (f"; merged weights: {os.path.join(FLAGS.workdir, 'merged')}" if FLAGS.merge
-               else ""))
+      print(
+        f"LoRA adapter (PEFT): {summary['adapter']}"
+        + (f"; merged weights: {os.path.join(FLAGS.workdir, 'merged')}" if FLAGS.merge else "")
+      )
 
 
 if __name__ == "__main__":  # (python run.py: the checkout is sys.path[0], no insert needed)

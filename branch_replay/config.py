@@ -42,8 +42,9 @@ class ReplayConfig:
       raise ValueError(f"replay.mode={self.mode!r}: expected one of {MODES}")
     if self.verify not in ("auto", "first", "off"):  # [rollouts]
       raise ValueError(f"replay.verify={self.verify!r}: expected one of auto, first, off")
-    if self.branch_chunk is not None and (not isinstance(self.branch_chunk, int)
-                                          or self.branch_chunk < 1):
+    if self.branch_chunk is not None and (
+      not isinstance(self.branch_chunk, int) or self.branch_chunk < 1
+    ):
       raise ValueError(f"replay.branch_chunk={self.branch_chunk!r}: expected None or an int >= 1")
 
 
@@ -85,8 +86,13 @@ class TrainConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or value < 0:
         raise ValueError(f"train.{name}={value!r}: expected an int >= 0")
-    for name in ("batch_size", "n_branches", "sft_batch_size", "checkpoint_every",
-                 "keep_checkpoints"):
+    for name in (
+      "batch_size",
+      "n_branches",
+      "sft_batch_size",
+      "checkpoint_every",
+      "keep_checkpoints",
+    ):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"train.{name}={value!r}: expected an int >= 1")
@@ -96,14 +102,21 @@ class TrainConfig:
         raise ValueError(f"train.{name}={value!r}: expected a finite number > 0")
     if not 0 <= self.weight_decay < float("inf"):
       raise ValueError(f"train.weight_decay={self.weight_decay!r}: expected >= 0")
-    if not (isinstance(self.preemption_grace_s, (int, float))
-            and 0 < self.preemption_grace_s < float("inf")):
-      raise ValueError(f"train.preemption_grace_s={self.preemption_grace_s!r}: expected a "
-                       "finite number of seconds > 0")
-    if not (isinstance(self.reward_timeout_s, (int, float))
-            and 0 <= self.reward_timeout_s < float("inf")):
-      raise ValueError(f"train.reward_timeout_s={self.reward_timeout_s!r}: expected a finite "
-                       "number of seconds >= 0 (0 = no limit)")
+    if not (
+      isinstance(self.preemption_grace_s, (int, float))
+      and 0 < self.preemption_grace_s < float("inf")
+    ):
+      raise ValueError(
+        f"train.preemption_grace_s={self.preemption_grace_s!r}: expected a "
+        "finite number of seconds > 0"
+      )
+    if not (
+      isinstance(self.reward_timeout_s, (int, float)) and 0 <= self.reward_timeout_s < float("inf")
+    ):
+      raise ValueError(
+        f"train.reward_timeout_s={self.reward_timeout_s!r}: expected a finite "
+        "number of seconds >= 0 (0 = no limit)"
+      )
 
   @property
   def total_steps(self) -> int:
@@ -129,84 +142,111 @@ class Config:
 
   def __post_init__(self):
     if self.model.vocab_size < TOKENIZER.vocab_size:
-      raise ValueError(f"model.vocab_size={self.model.vocab_size}: expected >= the "
-                       f"tokenizer's {TOKENIZER.vocab_size}")
+      raise ValueError(
+        f"model.vocab_size={self.model.vocab_size}: expected >= the "
+        f"tokenizer's {TOKENIZER.vocab_size}"
+      )
     self._check_algorithm()
     if self.loss.name == "dpo":  # pairs (dpo.py; on trees the last fan-out), not sampled groups
       if self.train.n_branches != 2 and not self.tree.fanouts:
-        raise ValueError(f"train.n_branches={self.train.n_branches}: DPO trains on (chosen, "
-                         "rejected) pairs, expected 2")
+        raise ValueError(
+          f"train.n_branches={self.train.n_branches}: DPO trains on (chosen, "
+          "rejected) pairs, expected 2"
+        )
     elif not self.loss.objective.trainable:
       trainable = sorted(n for n, o in losses.OBJECTIVES.items() if o.trainable)
-      raise ValueError(f"loss.name={self.loss.name!r}: the trainer samples groups; expected "
-                       f"one of {trainable} (DPO: algo.name=dpo, experiments/configs/dpo_haystack.py)")
+      raise ValueError(
+        f"loss.name={self.loss.name!r}: the trainer samples groups; expected "
+        f"one of {trainable} (DPO: algo.name=dpo, experiments/configs/dpo_haystack.py)"
+      )
     if self.tree.fanouts:
       self._check_tree()
     elif self.loss.name == "grpo" and self.train.n_branches < 2:
-      raise ValueError(f"train.n_branches={self.train.n_branches}: GRPO normalises over a "
-                       "group, expected >= 2")
+      raise ValueError(
+        f"train.n_branches={self.train.n_branches}: GRPO normalises over a group, expected >= 2"
+      )
     self._check_rl_algorithm()
     self._check_lora()
     if self.replay.auto_tree:
       self._check_auto_tree()
     chunk = self.replay.branch_chunk
     if chunk is not None and not self.tree.fanouts and self.train.n_branches % chunk:
-      raise ValueError(f"replay.branch_chunk={chunk}: expected a divisor of "
-                       f"train.n_branches={self.train.n_branches}")
+      raise ValueError(
+        f"replay.branch_chunk={chunk}: expected a divisor of "
+        f"train.n_branches={self.train.n_branches}"
+      )
     if self.mesh and not re.fullmatch(r"[a-z]+:\d+(,[a-z]+:\d+)*", self.mesh):
       raise ValueError(f"mesh={self.mesh!r}: expected '' or 'axis:size,...' e.g. 'data:2,fsdp:2'")
-
 
   def _check_algorithm(self):
     """What `algo.name` needs of the other sections, by field: its objective, its data, its
     step counts, and no options of another algorithm's value model."""
     name = self.algo.name
     paired = [  # (field, value, the value that belongs to algorithm `owner` alone, owner, what)
-        ("loss.name", self.loss.name, "dpo", "dpo", "its objective"),
-        ("task.name", self.task.name, "rollouts", "rollouts", "the completions file")]
+      ("loss.name", self.loss.name, "dpo", "dpo", "its objective"),
+      ("task.name", self.task.name, "rollouts", "rollouts", "the completions file"),
+    ]
     for field, value, own, owner, what in paired:
       if value == own and name != owner:
-        raise ValueError(f"{field}={value!r} with algo.name={name!r}: expected "
-                         f"algo.name={owner!r}")
+        raise ValueError(f"{field}={value!r} with algo.name={name!r}: expected algo.name={owner!r}")
       if name == owner and value != own:
-        raise ValueError(f"algo.name={owner!r} with {field}={value!r}: expected "
-                         f"{field}={own!r} ({what})")
+        raise ValueError(
+          f"algo.name={owner!r} with {field}={value!r}: expected {field}={own!r} ({what})"
+        )
     if name == "sft" and (self.train.rl_steps or not self.train.sft_steps):
-      raise ValueError(f"algo.name='sft' with train.sft_steps={self.train.sft_steps}, "
-                       f"train.rl_steps={self.train.rl_steps}: SFT trains train.sft_steps "
-                       "supervised steps; expected sft_steps >= 1 and rl_steps=0")
+      raise ValueError(
+        f"algo.name='sft' with train.sft_steps={self.train.sft_steps}, "
+        f"train.rl_steps={self.train.rl_steps}: SFT trains train.sft_steps "
+        "supervised steps; expected sft_steps >= 1 and rl_steps=0"
+      )
     if name != "ppo" and self.critic != CriticConfig():
-      changed = [f.name for f in dataclasses.fields(CriticConfig)
-                 if getattr(self.critic, f.name) != getattr(CriticConfig(), f.name)]
-      raise ValueError(f"critic.{changed[0]}={getattr(self.critic, changed[0])!r} with "
-                       f"algo.name={name!r}: the critic is PPO's value model; expected "
-                       "algo.name='ppo' or the critic's defaults")
+      changed = [
+        f.name
+        for f in dataclasses.fields(CriticConfig)
+        if getattr(self.critic, f.name) != getattr(CriticConfig(), f.name)
+      ]
+      raise ValueError(
+        f"critic.{changed[0]}={getattr(self.critic, changed[0])!r} with "
+        f"algo.name={name!r}: the critic is PPO's value model; expected "
+        "algo.name='ppo' or the critic's defaults"
+      )
     if self.replay.branch_chunk is not None and self.loss.objective.combine is not None:
-      raise ValueError(f"replay.branch_chunk={self.replay.branch_chunk} with loss.name="
-                       f"{self.loss.name!r}: streaming needs an objective that sums over "
-                       "branches (DPO combines each pair); expected replay.branch_chunk=None")
+      raise ValueError(
+        f"replay.branch_chunk={self.replay.branch_chunk} with loss.name="
+        f"{self.loss.name!r}: streaming needs an objective that sums over "
+        "branches (DPO combines each pair); expected replay.branch_chunk=None"
+      )
     minibatches = getattr(self.algo, "minibatches", 1)
     if self.train.batch_size % minibatches:
-      raise ValueError(f"algo.minibatches={minibatches}: expected a divisor of "
-                       f"train.batch_size={self.train.batch_size} (minibatches split the prompts)")
+      raise ValueError(
+        f"algo.minibatches={minibatches}: expected a divisor of "
+        f"train.batch_size={self.train.batch_size} (minibatches split the prompts)"
+      )
 
   def _check_rl_algorithm(self):
     if not self.train.rl_steps:
       return
     s = self.sampler
     if s.top_k or s.top_p < 1.0:
-      raise ValueError(f"sampler.top_k={s.top_k}, sampler.top_p={s.top_p}: RL trains "
-                       "against softmax(logits / temperature), not a filtered distribution; "
-                       "expected top_k=0 and top_p=1 (the ratio would be off-policy)")
+      raise ValueError(
+        f"sampler.top_k={s.top_k}, sampler.top_p={s.top_p}: RL trains "
+        "against softmax(logits / temperature), not a filtered distribution; "
+        "expected top_k=0 and top_p=1 (the ratio would be off-policy)"
+      )
     if s.temperature == 0:
-      raise ValueError("sampler.temperature=0: RL needs sampled branches (greedy gives R "
-                       "identical ones); expected > 0")
+      raise ValueError(
+        "sampler.temperature=0: RL needs sampled branches (greedy gives R "
+        "identical ones); expected > 0"
+      )
     if self.loss.temperature not in (1.0, s.temperature):
-      raise ValueError(f"loss.temperature={self.loss.temperature}: the trainer scores at "
-                       f"sampler.temperature={s.temperature}; leave loss.temperature at 1")
+      raise ValueError(
+        f"loss.temperature={self.loss.temperature}: the trainer scores at "
+        f"sampler.temperature={s.temperature}; leave loss.temperature at 1"
+      )
     if getattr(self.algo, "advantage", None) == "rloo" and self.train.n_branches < 2:
-      raise ValueError(f"train.n_branches={self.train.n_branches}: algo.advantage='rloo' "
-                       "expects >= 2")
+      raise ValueError(
+        f"train.n_branches={self.train.n_branches}: algo.advantage='rloo' expects >= 2"
+      )
 
   def _check_lora(self):
     """LoRA trains the policy of flat and tree GRPO-family runs (any mesh); what it does not
@@ -215,17 +255,26 @@ class Config:
       return
     lora_lib.adapter_shapes(self.model, self.lora)  # targets on no layer: ValueError
     refused = [  # (field, value, refused value, why)
-        ("loss.name", self.loss.name, "dpo", "DPO scores the policy and its reference with "
-         "full weights"),
-        ("algo.name", self.algo.name, "ppo", "PPO's critic is a full copy of the "
-         "model (critic.share included)"),
-        ("algo.name", self.algo.name, "rollouts", "the rollouts trainer scores with full "
-         "weights"),
+      (
+        "loss.name",
+        self.loss.name,
+        "dpo",
+        "DPO scores the policy and its reference with full weights",
+      ),
+      (
+        "algo.name",
+        self.algo.name,
+        "ppo",
+        "PPO's critic is a full copy of the model (critic.share included)",
+      ),
+      ("algo.name", self.algo.name, "rollouts", "the rollouts trainer scores with full weights"),
     ]
     for field, value, bad, why in refused:
       if value == bad:
-        raise ValueError(f"lora.rank={self.lora.rank} with {field}={value!r}: LoRA is not "
-                         f"supported there ({why}); expected lora.rank=0 or another {field}")
+        raise ValueError(
+          f"lora.rank={self.lora.rank} with {field}={value!r}: LoRA is not "
+          f"supported there ({why}); expected lora.rank=0 or another {field}"
+        )
 
   def _check_tree(self):
     """Tree rollouts (tree.fanouts): what the tree trainer cannot serve is refused here, by
@@ -233,53 +282,93 @@ class Config:
     fanouts = self.tree.fanout_tuple
     chunk = self.replay.branch_chunk
     if chunk is not None and fanouts[-1] % chunk:
-      raise ValueError(f"replay.branch_chunk={chunk}: expected a divisor of the last fan-out "
-                       f"{fanouts[-1]} (tree.fanouts={self.tree.fanouts!r}; chunks stream the "
-                       "leaves of each parent)")
+      raise ValueError(
+        f"replay.branch_chunk={chunk}: expected a divisor of the last fan-out "
+        f"{fanouts[-1]} (tree.fanouts={self.tree.fanouts!r}; chunks stream the "
+        "leaves of each parent)"
+      )
     t, default = self.train, TrainConfig()
     refused = [  # (field, value, expected, why)
-        ("algo.name", self.algo.name, ("grpo", "ppo", "sft", "dpo"),
-         "tree rollouts train GRPO's group estimators over each node's siblings "
-         "(tree.tree_advantages), PPO's per-path GAE, supervised or preference trees"),
-        ("algo.pairs_file", getattr(self.algo, "pairs_file", ""), ("",),
-         "a pairs file holds flat (prompt, chosen, rejected) pairs; DPO on trees pairs the "
-         "task's last turns"),
-        ("train.n_branches", t.n_branches, (default.n_branches,),
-         "a tree's branches are its fan-outs (tree.fanouts)"),
-        ("sampler.trunk_len", self.sampler.trunk_len, (0,),
-         "a tree samples its own levels (a trunk is a fan-out-1 level)"),
+      (
+        "algo.name",
+        self.algo.name,
+        ("grpo", "ppo", "sft", "dpo"),
+        "tree rollouts train GRPO's group estimators over each node's siblings "
+        "(tree.tree_advantages), PPO's per-path GAE, supervised or preference trees",
+      ),
+      (
+        "algo.pairs_file",
+        getattr(self.algo, "pairs_file", ""),
+        ("",),
+        "a pairs file holds flat (prompt, chosen, rejected) pairs; DPO on trees pairs the "
+        "task's last turns",
+      ),
+      (
+        "train.n_branches",
+        t.n_branches,
+        (default.n_branches,),
+        "a tree's branches are its fan-outs (tree.fanouts)",
+      ),
+      (
+        "sampler.trunk_len",
+        self.sampler.trunk_len,
+        (0,),
+        "a tree samples its own levels (a trunk is a fan-out-1 level)",
+      ),
     ]
     for field, value, expected, why in refused:
       if value not in expected:
-        raise ValueError(f"{field}={value!r} with tree.fanouts={self.tree.fanouts!r}: {why}; "
-                         f"expected {' or '.join(map(repr, expected))}")
+        raise ValueError(
+          f"{field}={value!r} with tree.fanouts={self.tree.fanouts!r}: {why}; "
+          f"expected {' or '.join(map(repr, expected))}"
+        )
     if self.algo.name == "dpo" and fanouts[-1] != 2:
-      raise ValueError(f"tree.fanouts={self.tree.fanouts!r} with algo.name='dpo': DPO pairs "
-                       "the last level's siblings (chosen, rejected); expected a last fan-out "
-                       "of 2")
+      raise ValueError(
+        f"tree.fanouts={self.tree.fanouts!r} with algo.name='dpo': DPO pairs "
+        "the last level's siblings (chosen, rejected); expected a last fan-out "
+        "of 2"
+      )
     if getattr(self.algo, "advantage", None) == "rloo" and min(fanouts) < 2:
-      raise ValueError(f"algo.advantage='rloo' with tree.fanouts={self.tree.fanouts!r}: "
-                       "leave-one-out needs >= 2 siblings at every level; expected every "
-                       "fan-out >= 2")
+      raise ValueError(
+        f"algo.advantage='rloo' with tree.fanouts={self.tree.fanouts!r}: "
+        "leave-one-out needs >= 2 siblings at every level; expected every "
+        "fan-out >= 2"
+      )
 
   def _check_auto_tree(self):  # [autotree]
     """replay.auto_tree: what the flat sampler's tree layout cannot serve, by field."""
     refused = [  # (field, value, allowed, expected, why)
-        ("tree.fanouts", self.tree.fanouts, ("",), "''", "sampled trees are trees already"),
-        ("task.name", self.task.name, None, "a sampled task (not 'rollouts')",
-         "a rollouts file has its own layout switch, task.auto_tree"),
-        ("loss.name", self.loss.name, tuple(n for n in losses.OBJECTIVES if n != "dpo"),
-         None, "preference pairs are not sampled groups"),
-        ("algo.name", self.algo.name, ("grpo",), None,
-         "per-token (GAE) advantages, the critic's batch, preference pairs and warm-up "
-         "batches are not laid out as a tree"),
+      ("tree.fanouts", self.tree.fanouts, ("",), "''", "sampled trees are trees already"),
+      (
+        "task.name",
+        self.task.name,
+        None,
+        "a sampled task (not 'rollouts')",
+        "a rollouts file has its own layout switch, task.auto_tree",
+      ),
+      (
+        "loss.name",
+        self.loss.name,
+        tuple(n for n in losses.OBJECTIVES if n != "dpo"),
+        None,
+        "preference pairs are not sampled groups",
+      ),
+      (
+        "algo.name",
+        self.algo.name,
+        ("grpo",),
+        None,
+        "per-token (GAE) advantages, the critic's batch, preference pairs and warm-up "
+        "batches are not laid out as a tree",
+      ),
     ]
     for field, value, allowed, expected, why in refused:
       bad = value == "rollouts" if allowed is None else value not in allowed
       if bad:
         expected = expected or " or ".join(map(repr, allowed))
-        raise ValueError(f"{field}={value!r} with replay.auto_tree=true: {why}; expected "
-                         f"{expected}")
+        raise ValueError(
+          f"{field}={value!r} with replay.auto_tree=true: {why}; expected {expected}"
+        )
 
   @property
   def uses_critic(self) -> bool:
@@ -311,8 +400,11 @@ def _parse(text: str, hint, where: str):
   if hint is str:
     return text
   if origin is tuple:  # e.g. lora.targets=q,k,v
-    return tuple(_parse(item.strip(), typing.get_args(hint)[0], where)
-                 for item in text.split(",") if item.strip())
+    return tuple(
+      _parse(item.strip(), typing.get_args(hint)[0], where)
+      for item in text.split(",")
+      if item.strip()
+    )
   raise ValueError(f"{where}: cannot be set from the command line (type {hint})")
 
 
@@ -330,14 +422,16 @@ def apply_overrides(cfg: Config, overrides: Sequence[str]) -> Config:
       raise ValueError(f"--set {item!r}: expected section.field=value")
     path, text = item.split("=", 1)
     if path.strip() in options.MOVED:
-      hint = (" (train.advantage=gae is algo.name=ppo)" if path.strip() == "train.advantage"
-              else "")
-      raise ValueError(f"--set {path.strip()!r}: moved to {options.MOVED[path.strip()]!r}, "
-                       f"an option of the algorithm (algo.name){hint}")
+      hint = " (train.advantage=gae is algo.name=ppo)" if path.strip() == "train.advantage" else ""
+      raise ValueError(
+        f"--set {path.strip()!r}: moved to {options.MOVED[path.strip()]!r}, "
+        f"an option of the algorithm (algo.name){hint}"
+      )
     parts = path.strip().split(".")
     if parts[0] not in top:
-      raise ValueError(f"--set {path!r}: unknown config section {parts[0]!r}; expected one "
-                       f"of {sorted(top)}")
+      raise ValueError(
+        f"--set {path!r}: unknown config section {parts[0]!r}; expected one of {sorted(top)}"
+      )
     if len(parts) == 1:
       if dataclasses.is_dataclass(fields[parts[0]]):
         raise ValueError(f"--set {path!r}: {parts[0]!r} is a section; set one of its fields")
@@ -349,14 +443,20 @@ def apply_overrides(cfg: Config, overrides: Sequence[str]) -> Config:
     section = fields[parts[0]]
     # A section may list its own settable fields (the task: its name + that task's options).
     settable = getattr(section, "settable", None)
-    hints = settable() if settable else {f.name: typing.get_type_hints(type(section))[f.name]
-                                         for f in dataclasses.fields(section)}
+    hints = (
+      settable()
+      if settable
+      else {
+        f.name: typing.get_type_hints(type(section))[f.name] for f in dataclasses.fields(section)
+      }
+    )
     names = list(hints)
     if parts[1] not in names:
       owners = getattr(section, "owners", lambda field: [])(parts[1])
       owned = f" (an option of {parts[0]}.name={' or '.join(map(repr, owners))})" if owners else ""
-      raise ValueError(f"--set {path!r}: unknown field {parts[1]!r} of {parts[0]}{owned}; "
-                       f"expected one of {names}")
+      raise ValueError(
+        f"--set {path!r}: unknown field {parts[1]!r} of {parts[0]}{owned}; expected one of {names}"
+      )
     hint = hints[parts[1]]
     fields[parts[0]] = dataclasses.replace(section, **{parts[1]: _parse(text, hint, path)})
   return dataclasses.replace(cfg, **fields)
@@ -378,26 +478,47 @@ def from_dict(d: dict) -> Config:
 
 # Fields a resumed run may change; any other difference means the checkpoint belongs to
 # another experiment.
-RESUMABLE = ("train.rl_steps", "train.checkpoint_every", "train.keep_checkpoints",
-             "train.eval_size", "train.eval_batch", "train.eval_shared_prefix",
-             "train.eval_before", "train.progress", "train.plot", "train.tensorboard",
-             "train.async_checkpoints", "train.preemption_grace_s", "train.reward_timeout_s",
-             "replay.mode", "replay.branch_chunk", "replay.auto_tree", "mesh", "algo.max_sample_rounds",
-             "algo.pairs_file")
+RESUMABLE = (
+  "train.rl_steps",
+  "train.checkpoint_every",
+  "train.keep_checkpoints",
+  "train.eval_size",
+  "train.eval_batch",
+  "train.eval_shared_prefix",
+  "train.eval_before",
+  "train.progress",
+  "train.plot",
+  "train.tensorboard",
+  "train.async_checkpoints",
+  "train.preemption_grace_s",
+  "train.reward_timeout_s",
+  "replay.mode",
+  "replay.branch_chunk",
+  "replay.auto_tree",
+  "mesh",
+  "algo.max_sample_rounds",
+  "algo.pairs_file",
+)
 
 
 def incompatible(saved: dict, cfg: Config) -> list[str]:
   """'field: saved X, now Y' for every difference that forbids resuming."""
   now = json.loads(json.dumps(to_dict(cfg)))
   # a config saved before a section existed had that section's defaults
-  saved = json.loads(json.dumps({"lora": dataclasses.asdict(LoraConfig()),
-                                 **options.migrate(saved)}))
-  flat = lambda d: {f"{s}.{k}" if isinstance(v, dict) else s: vv
-                    for s, v in d.items()
-                    for k, vv in (v.items() if isinstance(v, dict) else [(None, v)])}
+  saved = json.loads(
+    json.dumps({"lora": dataclasses.asdict(LoraConfig()), **options.migrate(saved)})
+  )
+  flat = lambda d: {
+    f"{s}.{k}" if isinstance(v, dict) else s: vv
+    for s, v in d.items()
+    for k, vv in (v.items() if isinstance(v, dict) else [(None, v)])
+  }
   a, b = flat(saved), flat(now)
   for section in ("task", "algo"):  # options another task or algorithm had are not ours
     if a.get(f"{section}.name") == b.get(f"{section}.name"):
       a = {k: v for k, v in a.items() if not k.startswith(f"{section}.") or k in b}
-  return [f"{k}: saved {a.get(k)!r}, now {b.get(k)!r}"
-          for k in sorted(set(a) | set(b)) if k not in RESUMABLE and a.get(k) != b.get(k)]
+  return [
+    f"{k}: saved {a.get(k)!r}, now {b.get(k)!r}"
+    for k in sorted(set(a) | set(b))
+    if k not in RESUMABLE and a.get(k) != b.get(k)
+  ]

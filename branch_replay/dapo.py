@@ -27,8 +27,9 @@ def overlong_penalty(lengths_BR, max_len: int, buffer: int, penalty: float = 1.0
   return -penalty * np.clip((lengths - start) / buffer, 0.0, 1.0)
 
 
-def dynamic_sample(draw: Callable[[int], tuple[dict, np.ndarray]], batch_size: int,
-                   max_rounds: int):
+def dynamic_sample(
+  draw: Callable[[int], tuple[dict, np.ndarray]], batch_size: int, max_rounds: int
+):
   """Draw rounds until `batch_size` informative groups are kept (or `max_rounds` are spent).
 
   draw(round) -> (rows, rewards_BR): rows a dict of arrays with a leading prompt axis. Kept
@@ -66,5 +67,4 @@ def path_overlong(samples, turn_lengths, buffer: int, penalty: float) -> np.ndar
   valid = [np.asarray(v) for v in samples.valid]
   leaves = valid[-1].shape[1]
   lengths_BR = sum(np.repeat(v.sum(-1), leaves // v.shape[1], axis=1) for v in valid)
-  return overlong_penalty(lengths_BR, sum(turn_lengths), buffer,
-                          penalty).astype(np.float32)
+  return overlong_penalty(lengths_BR, sum(turn_lengths), buffer, penalty).astype(np.float32)

@@ -34,14 +34,21 @@ class NamedSection:
       # entry also has, drop the rest.
       names = {f.name for f in dataclasses.fields(Options)}
       base = type(options)()
-      fields = {**{f.name: getattr(options, f.name) for f in dataclasses.fields(options)
-                   if f.name in names and getattr(options, f.name) != getattr(base, f.name)},
-                **fields}
+      fields = {
+        **{
+          f.name: getattr(options, f.name)
+          for f in dataclasses.fields(options)
+          if f.name in names and getattr(options, f.name) != getattr(base, f.name)
+        },
+        **fields,
+      }
       options = None
     unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(Options)})
     if unknown:
-      raise ValueError(f"{self.section}.{unknown[0]}: not an option of {self.section} {name!r}; "
-                       f"expected one of {['name'] + [f.name for f in dataclasses.fields(Options)]}")
+      raise ValueError(
+        f"{self.section}.{unknown[0]}: not an option of {self.section} {name!r}; "
+        f"expected one of {['name'] + [f.name for f in dataclasses.fields(Options)]}"
+      )
     options = Options() if options is None else options
     if fields:
       options = dataclasses.replace(options, **fields)

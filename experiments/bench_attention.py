@@ -38,14 +38,21 @@ from models import attention  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_multi_integer("prefix_len", [2048], "P: prefix tokens (repeatable)")
-flags.DEFINE_enum("mode", "prefix", ["prefix", "tail"],
-                  "prefix: causal self-attention over P; tail: R*T tail queries against the "
-                  "shared P-token prefix (folded) + their own keys causally")
+flags.DEFINE_enum(
+  "mode",
+  "prefix",
+  ["prefix", "tail"],
+  "prefix: causal self-attention over P; tail: R*T tail queries against the "
+  "shared P-token prefix (folded) + their own keys causally",
+)
 flags.DEFINE_integer("tail_len", 128, "T (tail mode)")
 flags.DEFINE_integer("branches", 16, "R (tail mode)")
 flags.DEFINE_multi_string("impl", ["dense", "blockwise"], "implementations (repeatable)")
-flags.DEFINE_multi_string("blocks", ["64x64", "64x128", "128x64", "128x128", "256x256",
-                                     "512x512"], "block_q x block_k for blockwise")
+flags.DEFINE_multi_string(
+  "blocks",
+  ["64x64", "64x128", "128x64", "128x128", "256x256", "512x512"],
+  "block_q x block_k for blockwise",
+)
 flags.DEFINE_integer("heads", 4, "N")
 flags.DEFINE_integer("kv_heads", 2, "K")
 flags.DEFINE_integer("head_dim", 64, "H")
@@ -74,14 +81,24 @@ def inputs(P):
   pos_BP = jnp.arange(P)[None]
   valid_BP = jnp.ones((1, P), bool)
   if FLAGS.mode == "prefix":
-    return new(1, P, N, H), pos_BP, valid_BP, [
-        attention.KeySegment(new(1, P, K, H), new(1, P, K, H), pos_BP, valid_BP, causal=True)]
+    return (
+      new(1, P, N, H),
+      pos_BP,
+      valid_BP,
+      [attention.KeySegment(new(1, P, K, H), new(1, P, K, H), pos_BP, valid_BP, causal=True)],
+    )
   R, T = FLAGS.branches, FLAGS.tail_len
   pos_BT = jnp.broadcast_to(P + jnp.arange(T)[None], (R, T))
   valid_BT = jnp.ones((R, T), bool)
-  return new(R, T, N, H), pos_BT, valid_BT, [
+  return (
+    new(R, T, N, H),
+    pos_BT,
+    valid_BT,
+    [
       attention.KeySegment(new(1, P, K, H), new(1, P, K, H), pos_BP, valid_BP),
-      attention.KeySegment(new(R, T, K, H), new(R, T, K, H), pos_BT, valid_BT, causal=True)]
+      attention.KeySegment(new(R, T, K, H), new(R, T, K, H), pos_BT, valid_BT, causal=True),
+    ],
+  )
 
 
 def useful_flops(P):
@@ -100,8 +117,9 @@ def bench(impl, P, block_q, block_k):
 
   def loss(q, kvs):
     s = [seg._replace(k_BSKH=k, v_BSKH=v) for seg, (k, v) in zip(segs, kvs)]
-    o = attention.attend(q, q_pos, q_valid, s, impl=impl, window=window, block_q=block_q,
-                         block_k=block_k)
+    o = attention.attend(
+      q, q_pos, q_valid, s, impl=impl, window=window, block_q=block_q, block_k=block_k
+    )
     return jnp.sum(o.astype(jnp.float32) * jnp.float32(0.01))
 
   kvs = [(s.k_BSKH, s.v_BSKH) for s in segs]
@@ -119,21 +137,32 @@ def bench(impl, P, block_q, block_k):
   ticks1 = thread_ticks()
   busiest = max(ticks1[t] - ticks0.get(t, 0) for t in ticks1) / os.sysconf("SC_CLK_TCK")
   sec = float(np.median(times))
-  return dict(impl=impl, mode=FLAGS.mode, P=P, T=FLAGS.tail_len if FLAGS.mode == "tail" else P,
-              R=FLAGS.branches if FLAGS.mode == "tail" else 1, block_q=block_q,
-              block_k=block_k, dtype=FLAGS.dtype, window=window, compile_s=round(compile_s, 2),
-              fwd_bwd_s=round(sec, 4), min_s=round(min(times), 4),
-              cpu_s=round(float(np.median(cpu)), 4),
-              busiest_thread_s=round(busiest / FLAGS.reps, 4),
-              useful_gflops=round(useful_flops(P) / sec / 1e9, 2))
+  return dict(
+    impl=impl,
+    mode=FLAGS.mode,
+    P=P,
+    T=FLAGS.tail_len if FLAGS.mode == "tail" else P,
+    R=FLAGS.branches if FLAGS.mode == "tail" else 1,
+    block_q=block_q,
+    block_k=block_k,
+    dtype=FLAGS.dtype,
+    window=window,
+    compile_s=round(compile_s, 2),
+    fwd_bwd_s=round(sec, 4),
+    min_s=round(min(times), 4),
+    cpu_s=round(float(np.median(cpu)), 4),
+    busiest_thread_s=round(busiest / FLAGS.reps, 4),
+    useful_gflops=round(useful_flops(P) / sec / 1e9, 2),
+  )
 
 
 def main(_):
   print(json.dumps(dict(matmul_gflops=round(matmul_gflops(n=1024), 1))), flush=True)
   for P in FLAGS.prefix_len:
     for impl in FLAGS.impl:
-      blocks = [(0, 0)] if impl == "dense" else [tuple(map(int, b.split("x")))
-                                                  for b in FLAGS.blocks]
+      blocks = (
+        [(0, 0)] if impl == "dense" else [tuple(map(int, b.split("x"))) for b in FLAGS.blocks]
+      )
       for bq, bk in blocks:
         print(json.dumps(bench(impl, P, bq or 512, bk or 512)), flush=True)
   print(json.dumps(dict(matmul_gflops=round(matmul_gflops(n=1024), 1))), flush=True)

@@ -36,8 +36,11 @@ from absl import app, flags  # noqa: E402
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("rl_steps", 12, "RL steps per run (the first two compile)")
 flags.DEFINE_integer("repeats", 2, "sync/async pairs of runs, alternated")
-flags.DEFINE_integer("large_copies", 1, "the large preset's parameters x this many (3: the "
-                     "whole AdamW train state); 0 skips part 2")
+flags.DEFINE_integer(
+  "large_copies",
+  1,
+  "the large preset's parameters x this many (3: the whole AdamW train state); 0 skips part 2",
+)
 flags.DEFINE_string("scratch", "", "where the checkpoints go (default: a temporary directory)")
 flags.DEFINE_string("out", "", "append JSON lines here")
 
@@ -46,10 +49,20 @@ def step_times(asynchronous: bool, scratch: str) -> dict:
   from branch_replay.train import checkpoint, metrics, trainer
   from branch_replay.config import apply_overrides
   from experiments.configs import grpo_haystack
-  cfg = apply_overrides(grpo_haystack.get_config(), [
-      "train.sft_steps=0", f"train.rl_steps={FLAGS.rl_steps}", "train.checkpoint_every=1",
-      "train.eval_size=0", "train.progress=false", "train.plot=false",
-      "train.tensorboard=false", f"train.async_checkpoints={str(asynchronous).lower()}"])
+
+  cfg = apply_overrides(
+    grpo_haystack.get_config(),
+    [
+      "train.sft_steps=0",
+      f"train.rl_steps={FLAGS.rl_steps}",
+      "train.checkpoint_every=1",
+      "train.eval_size=0",
+      "train.progress=false",
+      "train.plot=false",
+      "train.tensorboard=false",
+      f"train.async_checkpoints={str(asynchronous).lower()}",
+    ],
+  )
   stamps, blocked = [], []
   write, save = metrics.MetricsWriter.write, checkpoint.Checkpointer.save
 
@@ -72,8 +85,12 @@ def step_times(asynchronous: bool, scratch: str) -> dict:
     metrics.MetricsWriter.write, checkpoint.Checkpointer.save = write, save
     shutil.rmtree(workdir, ignore_errors=True)
   loop_s = [b - a for a, b in zip(stamps[1:], stamps[2:])]  # steps 2.. (after compiling)
-  return {"loop_step_s_median": statistics.median(loop_s), "loop_step_s": loop_s,
-          "save_blocks_s_median": statistics.median(blocked[2:]), "run_wall_s": wall}
+  return {
+    "loop_step_s_median": statistics.median(loop_s),
+    "loop_step_s": loop_s,
+    "save_blocks_s_median": statistics.median(blocked[2:]),
+    "run_wall_s": wall,
+  }
 
 
 def large_state(copies: int):
@@ -81,6 +98,7 @@ def large_state(copies: int):
   import jax.numpy as jnp
   from models import config as model_config
   from models import transformer as tfm
+
   cfg = model_config.preset("large")
   shapes = jax.eval_shape(lambda: tfm.init_params(cfg, jax.random.key(0)))
   leaves = jax.tree.leaves(shapes)
@@ -89,8 +107,7 @@ def large_state(copies: int):
   for c in range(copies):
     arrays = []
     for i, s in enumerate(leaves):
-      arrays.append(jax.random.normal(jax.random.fold_in(key, c * 1000 + i), s.shape,
-                                      jnp.float32))
+      arrays.append(jax.random.normal(jax.random.fold_in(key, c * 1000 + i), s.shape, jnp.float32))
     state[f"copy{c}"] = arrays
   jax.block_until_ready(state)
   n = sum(x.size for x in jax.tree.leaves(state))
@@ -99,9 +116,14 @@ def large_state(copies: int):
 
 def large_save(asynchronous: bool, state, scratch: str) -> dict:
   import orbax.checkpoint as ocp
+
   directory = tempfile.mkdtemp(dir=scratch)
-  manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
-      max_to_keep=1, create=True, enable_async_checkpointing=asynchronous))
+  manager = ocp.CheckpointManager(
+    directory,
+    options=ocp.CheckpointManagerOptions(
+      max_to_keep=1, create=True, enable_async_checkpointing=asynchronous
+    ),
+  )
   try:
     t0 = time.perf_counter()
     manager.save(1, args=ocp.args.StandardSave(state), force=True)
@@ -116,8 +138,10 @@ def large_save(asynchronous: bool, state, scratch: str) -> dict:
 
 def main(argv):
   from absl import logging
+
   logging.set_verbosity(logging.WARNING)
   from experiments import provenance
+
   writer = provenance.ResultsWriter(FLAGS.out, "checkpoint_async")
   scratch = FLAGS.scratch or tempfile.mkdtemp(prefix="bench_checkpoint_")
   os.makedirs(scratch, exist_ok=True)
@@ -127,20 +151,42 @@ def main(argv):
       for asynchronous in (False, True):
         row = step_times(asynchronous, scratch)
         rows[asynchronous].append(row)
-        writer.write({"kind": "default_run_step", "async": asynchronous, "repeat": repeat,
-                      "rl_steps": FLAGS.rl_steps, "checkpoint_every": 1, **row})
+        writer.write(
+          {
+            "kind": "default_run_step",
+            "async": asynchronous,
+            "repeat": repeat,
+            "rl_steps": FLAGS.rl_steps,
+            "checkpoint_every": 1,
+            **row,
+          }
+        )
     med = {a: statistics.median(r["loop_step_s_median"] for r in rows[a]) for a in rows}
     blocks = {a: statistics.median(r["save_blocks_s_median"] for r in rows[a]) for a in rows}
-    writer.write({"kind": "default_run_summary", "sync_loop_step_s": med[False],
-                  "async_loop_step_s": med[True], "sync_over_async": med[False] / med[True],
-                  "sync_save_blocks_s": blocks[False], "async_save_blocks_s": blocks[True]})
+    writer.write(
+      {
+        "kind": "default_run_summary",
+        "sync_loop_step_s": med[False],
+        "async_loop_step_s": med[True],
+        "sync_over_async": med[False] / med[True],
+        "sync_save_blocks_s": blocks[False],
+        "async_save_blocks_s": blocks[True],
+      }
+    )
     if FLAGS.large_copies:
       state, n = large_state(FLAGS.large_copies)
       for asynchronous in (False, True):
         row = large_save(asynchronous, state, scratch)
-        writer.write({"kind": "large_state_save", "async": asynchronous,
-                      "copies_of_large_params": FLAGS.large_copies, "elements": n,
-                      "bytes": 4 * n, **row})
+        writer.write(
+          {
+            "kind": "large_state_save",
+            "async": asynchronous,
+            "copies_of_large_params": FLAGS.large_copies,
+            "elements": n,
+            "bytes": 4 * n,
+            **row,
+          }
+        )
   finally:
     if not FLAGS.scratch:
       shutil.rmtree(scratch, ignore_errors=True)

@@ -37,6 +37,7 @@ flags.DEFINE_multi_string("modes", ["replay", "naive"], "paths to run (0 in --ti
 def main(argv):
   del argv
   from models import transformer as tfm
+
   T, R, B = FLAGS.tail_len[0], FLAGS.branches[0], FLAGS.prompts
   reps = FLAGS.reps
   for P in [p for p in (*FLAGS.timed, *FLAGS.compile_only) if p > 0]:
@@ -44,20 +45,36 @@ def main(argv):
       FLAGS.preset = preset
       FLAGS.reps = reps if P in FLAGS.timed else 0
       cfg = tfm.preset(preset)
-      runs = {m: bench_replay.spawn(m, P, T, R, "") if m in FLAGS.modes else {}
-              for m in ("replay", "naive")}
+      runs = {
+        m: bench_replay.spawn(m, P, T, R, "") if m in FLAGS.modes else {}
+        for m in ("replay", "naive")
+      }
       rep, nai = runs["replay"], runs["naive"]
-      flop_ratio = flops.useful_flop_ratio(cfg, flops.flat(B, R, P, T, "naive"),
-                                           flops.flat(B, R, P, T, "replay"))
-      row = dict(preset=preset, layer_types=list(cfg.layer_types or []), prefix_len=P,
-                 tail_len=T, branches=R, prompts=B, dtype=FLAGS.dtype, timed=FLAGS.reps > 0,
-                 reps=FLAGS.reps, flop_ratio=round(flop_ratio, 3),
-                 replay_compiled_mb=rep.get("compiled_mb"),
-                 naive_compiled_mb=nai.get("compiled_mb"),
-                 replay_s=rep.get("seconds"), naive_s=nai.get("seconds"),
-                 replay_cpu_s=rep.get("cpu_seconds"), naive_cpu_s=nai.get("cpu_seconds"),
-                 replay_peak_mb=rep.get("peak_mb"), naive_peak_mb=nai.get("peak_mb"),
-                 backend=rep.get("backend"), date=time.strftime("%Y-%m-%d"))
+      flop_ratio = flops.useful_flop_ratio(
+        cfg, flops.flat(B, R, P, T, "naive"), flops.flat(B, R, P, T, "replay")
+      )
+      row = dict(
+        preset=preset,
+        layer_types=list(cfg.layer_types or []),
+        prefix_len=P,
+        tail_len=T,
+        branches=R,
+        prompts=B,
+        dtype=FLAGS.dtype,
+        timed=FLAGS.reps > 0,
+        reps=FLAGS.reps,
+        flop_ratio=round(flop_ratio, 3),
+        replay_compiled_mb=rep.get("compiled_mb"),
+        naive_compiled_mb=nai.get("compiled_mb"),
+        replay_s=rep.get("seconds"),
+        naive_s=nai.get("seconds"),
+        replay_cpu_s=rep.get("cpu_seconds"),
+        naive_cpu_s=nai.get("cpu_seconds"),
+        replay_peak_mb=rep.get("peak_mb"),
+        naive_peak_mb=nai.get("peak_mb"),
+        backend=rep.get("backend"),
+        date=time.strftime("%Y-%m-%d"),
+      )
       if rep.get("cpu_seconds") and nai.get("cpu_seconds"):
         row["cpu_speedup"] = round(nai["cpu_seconds"] / rep["cpu_seconds"], 3)
         row["cpu_speedup_over_flop_ratio"] = round(row["cpu_speedup"] / flop_ratio, 3)

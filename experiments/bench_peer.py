@@ -53,12 +53,19 @@ flags.DEFINE_string("preset", "small", "model size preset (models.config.PRESETS
 flags.DEFINE_integer("reps", 6, "timed steps per framework (even: ABBA pairs)")
 flags.DEFINE_integer("threads", 2, "intra-op threads of both frameworks")
 flags.DEFINE_string("out", "", "also append the JSON line to this file")
-flags.DEFINE_float("max_load", 0.6, "wait until the 1-minute load average is below this "
-                   "before starting (0: do not wait)")
+flags.DEFINE_float(
+  "max_load",
+  0.6,
+  "wait until the 1-minute load average is below this before starting (0: do not wait)",
+)
 flags.DEFINE_integer("wait_timeout_s", 1800, "the most seconds to wait for --max_load")
 flags.DEFINE_integer("wait_poll_s", 10, "seconds between load readings while waiting")
-flags.DEFINE_enum("wait_timeout_action", "stop", ["stop", "run"], "past --wait_timeout_s: "
-                  "stop (exit naming the load) or run anyway (recorded as quiet=false)")
+flags.DEFINE_enum(
+  "wait_timeout_action",
+  "stop",
+  ["stop", "run"],
+  "past --wait_timeout_s: stop (exit naming the load) or run anyway (recorded as quiet=false)",
+)
 flags.DEFINE_string("worker", "", "internal: 'ours' or 'peer', driven over stdin")
 flags.DEFINE_string("data", "", "internal: the folder holding the checkpoint and the batch")
 PEER_NAME = "prefix_grouper(torch sdpa, bottom-right causal)"
@@ -67,8 +74,9 @@ PEER_NAME = "prefix_grouper(torch sdpa, bottom-right causal)"
 # ----------------------------------------------------------------------------- the peer
 
 
-def peer_attention(module, q_BNSH, k_BKSH, v_BKSH, attention_mask, *args, prefix_grouper,
-                   scaling=None, **kwargs):
+def peer_attention(
+  module, q_BNSH, k_BKSH, v_BKSH, attention_mask, *args, prefix_grouper, scaling=None, **kwargs
+):
   """transformers' attention interface -> PrefixGrouper.forward with an sdpa attention
   function. PrefixGrouper hands the function padding masks [b, S] (flash-attention-2's
   varlen convention): the causal part is bottom-right aligned, the prefix keys of a tail all
@@ -78,10 +86,9 @@ def peer_attention(module, q_BNSH, k_BKSH, v_BKSH, attention_mask, *args, prefix
 
   def attn(q, k, v, key_valid_bS):
     Tq, S = q.shape[2], k.shape[2]
-    causal = (torch.arange(S)[None, :] <= torch.arange(Tq)[:, None] + (S - Tq))
+    causal = torch.arange(S)[None, :] <= torch.arange(Tq)[:, None] + (S - Tq)
     mask = causal[None, None] & key_valid_bS.bool()[:, None, None, :]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
-                                         enable_gqa=True)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).contiguous()  # [b, S, N, H], as PrefixGrouper.group wants
 
   return prefix_grouper.forward(attn, q_BNSH, k_BKSH, v_BKSH), None
@@ -92,10 +99,12 @@ def peer_step_fn(folder, batch, threads):
   import torch
   import transformers
   from prefix_grouper import PrefixGrouper
+
   torch.set_num_threads(threads)
   transformers.AttentionInterface.register("prefix_grouper_sdpa", peer_attention)
   model = transformers.AutoModelForCausalLM.from_pretrained(
-      folder, attn_implementation="prefix_grouper_sdpa", dtype=torch.float32)
+    folder, attn_implementation="prefix_grouper_sdpa", dtype=torch.float32
+  )
   model.train()
   prefix_P, tails_RT, adv_R = batch["prefix_BP"][0], batch["tails_BRT"][0], batch["adv_BR"][0]
   P, (R, T) = prefix_P.shape[0], tails_RT.shape
@@ -112,8 +121,9 @@ def peer_step_fn(folder, batch, threads):
 
   def step():
     model.zero_grad(set_to_none=True)
-    h = model.model(input_ids=input_ids, position_ids=positions, prefix_grouper=grouper,
-                    use_cache=False).last_hidden_state[0]
+    h = model.model(
+      input_ids=input_ids, position_ids=positions, prefix_grouper=grouper, use_cache=False
+    ).last_hidden_state[0]
     logits = model.lm_head(h[pred])
     logp = torch.gather(torch.log_softmax(logits.float(), -1), -1, targets[:, None])[:, 0]
     loss = (-adv * torch.exp(logp - logp.detach())).mean()
@@ -136,16 +146,22 @@ def ours_step_fn(folder, batch, threads):
   import numpy as np
   from branch_replay.core import losses, policy, tree
   from models import hf
+
   cfg, params = hf.load(folder)
   B, R, T = batch["tails_BRT"].shape
-  rb = tree.flat(prefix_BP=jnp.asarray(batch["prefix_BP"], jnp.int32),
-                 prefix_valid_BP=jnp.ones(batch["prefix_BP"].shape, bool),
-                 tails_BRT=jnp.asarray(batch["tails_BRT"], jnp.int32),
-                 tail_valid_BRT=jnp.ones((B, R, T), bool),
-                 advantages_BR=jnp.asarray(batch["adv_BR"], jnp.float32))
+  rb = tree.flat(
+    prefix_BP=jnp.asarray(batch["prefix_BP"], jnp.int32),
+    prefix_valid_BP=jnp.ones(batch["prefix_BP"].shape, bool),
+    tails_BRT=jnp.asarray(batch["tails_BRT"], jnp.int32),
+    tail_valid_BRT=jnp.ones((B, R, T), bool),
+    advantages_BR=jnp.asarray(batch["adv_BR"], jnp.float32),
+  )
   loss_cfg = losses.LossConfig("grpo")
-  compiled = jax.jit(lambda p, b: policy.loss_and_grad(p, b, cfg, loss_cfg, "replay")[::2]
-                     ).lower(params, rb).compile()
+  compiled = (
+    jax.jit(lambda p, b: policy.loss_and_grad(p, b, cfg, loss_cfg, "replay")[::2])
+    .lower(params, rb)
+    .compile()
+  )
   out = {}
 
   def step():
@@ -163,8 +179,10 @@ def run_worker(kind, folder):
   import numpy as np
   import psutil
   from experiments.measure import PeakRSS, release_freed_heap
+
   if kind == "ours":
     import jax.numpy as jnp
+
     jnp.zeros(()).block_until_ready()
   else:
     import torch  # noqa: F401
@@ -183,13 +201,14 @@ def run_worker(kind, folder):
       if cmd[0] == "step":
         t0, c0 = time.perf_counter(), time.process_time()
         loss = step()
-        reply = dict(seconds=time.perf_counter() - t0, cpu_seconds=time.process_time() - c0,
-                     loss=loss)
+        reply = dict(
+          seconds=time.perf_counter() - t0, cpu_seconds=time.process_time() - c0, loss=loss
+        )
       elif cmd[0] == "grads":
         np.savez(cmd[1], **grads())
         reply = dict(saved=cmd[1])
       elif cmd[0] == "peak":
-        reply = dict(peak_mb=(rss.peak - rss0) / 2 ** 20)
+        reply = dict(peak_mb=(rss.peak - rss0) / 2**20)
       else:
         break
       print(json.dumps(reply), flush=True)
@@ -200,12 +219,18 @@ def run_worker(kind, folder):
 
 class Worker:
   def __init__(self, kind, folder):
-    argv = [sys.executable, os.path.abspath(__file__), f"--worker={kind}", f"--data={folder}",
-            f"--threads={FLAGS.threads}"]
+    argv = [
+      sys.executable,
+      os.path.abspath(__file__),
+      f"--worker={kind}",
+      f"--data={folder}",
+      f"--threads={FLAGS.threads}",
+    ]
     env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS=str(FLAGS.threads))
     self.kind = kind
-    self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                 env=env)
+    self.proc = subprocess.Popen(
+      argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    )
     self.ready = self._read()
 
   def _read(self):
@@ -229,13 +254,16 @@ def write_inputs(folder, P, T, R):
   import jax
   import numpy as np
   from models import config, hf, transformer as tfm
+
   cfg = config.preset(FLAGS.preset)
   hf.save(folder, cfg, tfm.init_params(cfg, jax.random.key(0)))
   rng = np.random.default_rng(0)
-  np.savez(os.path.join(folder, "batch.npz"),
-           prefix_BP=rng.integers(0, cfg.vocab_size, (1, P)),
-           tails_BRT=rng.integers(0, cfg.vocab_size, (1, R, T)),
-           adv_BR=rng.normal(size=(1, R)).astype(np.float32))
+  np.savez(
+    os.path.join(folder, "batch.npz"),
+    prefix_BP=rng.integers(0, cfg.vocab_size, (1, P)),
+    tails_BRT=rng.integers(0, cfg.vocab_size, (1, R, T)),
+    adv_BR=rng.normal(size=(1, R)).astype(np.float32),
+  )
   return cfg
 
 
@@ -243,16 +271,17 @@ def grad_agreement(path_ours, path_peer):
   """max over leaves of max|ours - peer| / max|peer| (and the worst leaf)."""
   import numpy as np
   from experiments import compare
+
   errs = compare.npz_rel_errs(path_ours, path_peer)
   worst = max(errs, key=errs.get)
   a, b = np.load(path_ours), np.load(path_peer)
-  close = all(np.allclose(a[k], b[k], rtol=1e-4, atol=1e-4 * np.max(np.abs(b[k])))
-              for k in b.files)
+  close = all(np.allclose(a[k], b[k], rtol=1e-4, atol=1e-4 * np.max(np.abs(b[k]))) for k in b.files)
   return errs[worst], worst, close
 
 
 def torch_matmul_gflops(threads, n=2048, reps=5):
   import torch
+
   torch.set_num_threads(threads)
   a = torch.randn(n, n)
   a @ a
@@ -261,7 +290,7 @@ def torch_matmul_gflops(threads, n=2048, reps=5):
     t0 = time.perf_counter()
     a @ a
     times.append(time.perf_counter() - t0)
-  return 2 * n ** 3 / sorted(times)[len(times) // 2] / 1e9
+  return 2 * n**3 / sorted(times)[len(times) // 2] / 1e9
 
 
 def main(argv):
@@ -270,22 +299,29 @@ def main(argv):
     run_worker(FLAGS.worker, FLAGS.data)
     return
   import importlib.util
-  missing = [m for m in ("torch", "transformers", "prefix_grouper")
-             if importlib.util.find_spec(m) is None]
+
+  missing = [
+    m for m in ("torch", "transformers", "prefix_grouper") if importlib.util.find_spec(m) is None
+  ]
   if missing:  # before any worker starts
-    raise SystemExit(f"bench_peer: the peer needs {', '.join(missing)} (not installed); run "
-                     "pip install -r requirements-peer.txt --extra-index-url "
-                     "https://download.pytorch.org/whl/cpu")
+    raise SystemExit(
+      f"bench_peer: the peer needs {', '.join(missing)} (not installed); run "
+      "pip install -r requirements-peer.txt --extra-index-url "
+      "https://download.pytorch.org/whl/cpu"
+    )
   import numpy as np
   from experiments import provenance
   from experiments import flops, measure
   from experiments.measure import matmul_gflops
+
   P, T, R = FLAGS.prefix_len, FLAGS.tail_len, FLAGS.branches
   wait = measure.wait_for_quiet(FLAGS.max_load, FLAGS.wait_timeout_s, FLAGS.wait_poll_s)
   if not wait["quiet"] and FLAGS.wait_timeout_action == "stop":
-    raise SystemExit(f"bench_peer: the 1-minute load average is {wait['load_at_start']} after "
-                     f"{wait['waited_s']} s, not below --max_load={FLAGS.max_load}: not a "
-                     "quiet machine (--wait_timeout_action=run measures anyway)")
+    raise SystemExit(
+      f"bench_peer: the 1-minute load average is {wait['load_at_start']} after "
+      f"{wait['waited_s']} s, not below --max_load={FLAGS.max_load}: not a "
+      "quiet machine (--wait_timeout_action=run measures anyway)"
+    )
   with tempfile.TemporaryDirectory() as folder:
     cfg = write_inputs(folder, P, T, R)
     workers = {k: Worker(k, folder) for k in ("ours", "peer")}
@@ -315,29 +351,47 @@ def main(argv):
     err, worst, close = grad_agreement(paths["ours"], paths["peer"])
   useful = flops.step_flops(cfg, flops.flat(1, R, P, T, "replay"))
   med = {k: float(np.median(v)) for k, v in times.items()}
-  row = dict(prefix_len=P, tail_len=T, branches=R, preset=FLAGS.preset, dtype="float32",
-             threads=FLAGS.threads, reps=FLAGS.reps, order="ABBA", peer=PEER_NAME,
-             ours_s=round(med["ours"], 4), ours_min_s=round(min(times["ours"]), 4),
-             peer_s=round(med["peer"], 4), peer_min_s=round(min(times["peer"]), 4),
-             ours_cpu_s=round(float(np.median(cpu["ours"])), 4),
-             peer_cpu_s=round(float(np.median(cpu["peer"])), 4),
-             ratio=round(med["peer"] / med["ours"], 3),
-             cpu_ratio=round(float(np.median(cpu["peer"]) / np.median(cpu["ours"])), 3),
-             ours_times=[round(t, 4) for t in times["ours"]],
-             peer_times=[round(t, 4) for t in times["peer"]],
-             wait=wait, load_during_steps=load, other_cores_during_steps=others,
-             max_other_cores=max(max(v) for v in others.values()),
-             ours_peak_mb=round(peaks["ours"], 1), peer_peak_mb=round(peaks["peer"], 1),
-             rss_note="peak RSS growth over the RSS after imports; both workers release "
-                      "freed heap (malloc_trim) after their warm-up step",
-             useful_gflop=round(useful / 1e9, 2),
-             ours_gflops=round(useful / med["ours"] / 1e9, 1),
-             peer_gflops=round(useful / med["peer"] / 1e9, 1),
-             xla_matmul_gflops=round(matmul_gflops(), 1),
-             torch_matmul_gflops=round(torch_matmul_gflops(FLAGS.threads), 1),
-             loss_ours=losses["ours"], loss_peer=losses["peer"],
-             grad_max_rel_err=err, grad_worst_leaf=worst, grads_agree=close, grad_rtol=1e-4,
-             date=time.strftime("%Y-%m-%d"))
+  row = dict(
+    prefix_len=P,
+    tail_len=T,
+    branches=R,
+    preset=FLAGS.preset,
+    dtype="float32",
+    threads=FLAGS.threads,
+    reps=FLAGS.reps,
+    order="ABBA",
+    peer=PEER_NAME,
+    ours_s=round(med["ours"], 4),
+    ours_min_s=round(min(times["ours"]), 4),
+    peer_s=round(med["peer"], 4),
+    peer_min_s=round(min(times["peer"]), 4),
+    ours_cpu_s=round(float(np.median(cpu["ours"])), 4),
+    peer_cpu_s=round(float(np.median(cpu["peer"])), 4),
+    ratio=round(med["peer"] / med["ours"], 3),
+    cpu_ratio=round(float(np.median(cpu["peer"]) / np.median(cpu["ours"])), 3),
+    ours_times=[round(t, 4) for t in times["ours"]],
+    peer_times=[round(t, 4) for t in times["peer"]],
+    wait=wait,
+    load_during_steps=load,
+    other_cores_during_steps=others,
+    max_other_cores=max(max(v) for v in others.values()),
+    ours_peak_mb=round(peaks["ours"], 1),
+    peer_peak_mb=round(peaks["peer"], 1),
+    rss_note="peak RSS growth over the RSS after imports; both workers release "
+    "freed heap (malloc_trim) after their warm-up step",
+    useful_gflop=round(useful / 1e9, 2),
+    ours_gflops=round(useful / med["ours"] / 1e9, 1),
+    peer_gflops=round(useful / med["peer"] / 1e9, 1),
+    xla_matmul_gflops=round(matmul_gflops(), 1),
+    torch_matmul_gflops=round(torch_matmul_gflops(FLAGS.threads), 1),
+    loss_ours=losses["ours"],
+    loss_peer=losses["peer"],
+    grad_max_rel_err=err,
+    grad_worst_leaf=worst,
+    grads_agree=close,
+    grad_rtol=1e-4,
+    date=time.strftime("%Y-%m-%d"),
+  )
   row["ours_matmul_frac"] = round(row["ours_gflops"] / row["xla_matmul_gflops"], 3)
   row["peer_matmul_frac"] = round(row["peer_gflops"] / row["torch_matmul_gflops"], 3)
   provenance.emit(row, FLAGS.out)

@@ -52,8 +52,12 @@ flags.DEFINE_string("fanouts", "4x4", "fan-out per level, e.g. 4x4 (R_1 openings
 flags.DEFINE_string("lengths", "256x128", "tokens per node at each level, e.g. 256x128")
 flags.DEFINE_integer("prompts", 1, "B: prompts per step")
 flags.DEFINE_integer("reps", 5, "timed repetitions after warm-up (median reported)")
-flags.DEFINE_integer("rounds", 1, "subprocesses per variant, alternating between variants; "
-                     "speedups are medians of the per-round ratios")
+flags.DEFINE_integer(
+  "rounds",
+  1,
+  "subprocesses per variant, alternating between variants; "
+  "speedups are medians of the per-round ratios",
+)
 flags.DEFINE_string("preset", "small", "model size preset (models.transformer.PRESETS)")
 flags.DEFINE_string("dtype", "float32", "compute and parameter dtype")
 flags.DEFINE_bool("check_grads", True, "compare flat's and tree's gradients with naive's")
@@ -69,6 +73,7 @@ def _ints(text):
 
 def model_config():
   from models import transformer as tfm
+
   return tfm.preset(FLAGS.preset, dtype=FLAGS.dtype, param_dtype=FLAGS.dtype)
 
 
@@ -78,21 +83,31 @@ def make_batches(cfg, B, P, fanouts, lengths):
   import jax.numpy as jnp
   import numpy as np
   from branch_replay.core.tree import TreeBatch, TreeLevel, flat, nodes
+
   rng = np.random.default_rng(0)
   n = math.prod(fanouts)
   levels = []
   for d, T in enumerate(lengths, start=1):
     R = nodes(fanouts, d)
     adv = jnp.asarray(rng.normal(size=(B, n)), cfg.compute_dtype) if d == len(fanouts) else None
-    levels.append(TreeLevel(jnp.asarray(rng.integers(0, cfg.vocab_size, (B, R, T)), jnp.int32),
-                            jnp.ones((B, R, T), bool), advantages_BR=adv))
+    levels.append(
+      TreeLevel(
+        jnp.asarray(rng.integers(0, cfg.vocab_size, (B, R, T)), jnp.int32),
+        jnp.ones((B, R, T), bool),
+        advantages_BR=adv,
+      )
+    )
   root_BP = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, P)), jnp.int32)
   tree_batch = TreeBatch(root_BP, jnp.ones((B, P), bool), tuple(levels), fanouts=tuple(fanouts))
   per_leaf = lambda x: jnp.repeat(x, n // x.shape[1], axis=1)
   tails_BRT = jnp.concatenate([per_leaf(l.tokens_BRT) for l in levels], axis=-1)
-  return tree_batch, flat(prefix_BP=root_BP, prefix_valid_BP=jnp.ones((B, P), bool),
-                          tails_BRT=tails_BRT, tail_valid_BRT=jnp.ones(tails_BRT.shape, bool),
-                          advantages_BR=levels[-1].advantages_BR)
+  return tree_batch, flat(
+    prefix_BP=root_BP,
+    prefix_valid_BP=jnp.ones((B, P), bool),
+    tails_BRT=tails_BRT,
+    tail_valid_BRT=jnp.ones(tails_BRT.shape, bool),
+    advantages_BR=levels[-1].advantages_BR,
+  )
 
 
 def run_worker(mode):
@@ -102,6 +117,7 @@ def run_worker(mode):
   import psutil
   from branch_replay.core import engine, losses, policy, tree
   from models import transformer as tfm
+
   jnp.zeros(()).block_until_ready()
   rss_after_imports = psutil.Process().memory_info().rss
   cfg = model_config()
@@ -115,8 +131,9 @@ def run_worker(mode):
     batch, fn = flat_batch, lambda p, b: policy.loss_and_grad(p, b, cfg, loss_cfg, "replay")
   else:
     batch = tree_batch
-    fn = lambda p, b: engine.loss_and_grad(p, b, cfg, loss_cfg,
-                                                "naive" if mode == "naive" else "replay")
+    fn = lambda p, b: engine.loss_and_grad(
+      p, b, cfg, loss_cfg, "naive" if mode == "naive" else "replay"
+    )
   compiled = jax.jit(lambda p, b: fn(p, b)[::2]).lower(params, batch).compile()
   jax.block_until_ready(compiled(params, batch))  # warm-up
   times, cpu_times = [], []
@@ -127,24 +144,40 @@ def run_worker(mode):
       jax.block_until_ready(grads)
       times.append(time.perf_counter() - t0)
       cpu_times.append(time.process_time() - c0)
-  result = dict(mode=mode, seconds=float(np.median(times)), times=[round(t, 4) for t in times],
-                cpu_seconds=float(np.median(cpu_times)),
-                peak_mb=round((rss.peak - rss_after_imports) / 2 ** 20, 1), loss=float(loss),
-                backend=jax.default_backend())
+  result = dict(
+    mode=mode,
+    seconds=float(np.median(times)),
+    times=[round(t, 4) for t in times],
+    cpu_seconds=float(np.median(cpu_times)),
+    peak_mb=round((rss.peak - rss_after_imports) / 2**20, 1),
+    loss=float(loss),
+    backend=jax.default_backend(),
+  )
   stats = jax.devices()[0].memory_stats() or {}
   if "peak_bytes_in_use" in stats:
-    result["device_peak_mb"] = round(stats["peak_bytes_in_use"] / 2 ** 20, 1)
+    result["device_peak_mb"] = round(stats["peak_bytes_in_use"] / 2**20, 1)
   if FLAGS.grads_out:
-    np.savez(FLAGS.grads_out, **{str(i): np.asarray(x, np.float64)
-                                 for i, x in enumerate(jax.tree.leaves(grads))})
+    np.savez(
+      FLAGS.grads_out,
+      **{str(i): np.asarray(x, np.float64) for i, x in enumerate(jax.tree.leaves(grads))},
+    )
   print(json.dumps(result), flush=True)
 
 
 def spawn(mode, grads_out):
-  argv = [sys.executable, os.path.abspath(__file__), f"--worker={mode}",
-          f"--prefix_len={FLAGS.prefix_len}", f"--fanouts={FLAGS.fanouts}",
-          f"--lengths={FLAGS.lengths}", f"--prompts={FLAGS.prompts}", f"--reps={FLAGS.reps}",
-          f"--preset={FLAGS.preset}", f"--dtype={FLAGS.dtype}", f"--grads_out={grads_out}"]
+  argv = [
+    sys.executable,
+    os.path.abspath(__file__),
+    f"--worker={mode}",
+    f"--prefix_len={FLAGS.prefix_len}",
+    f"--fanouts={FLAGS.fanouts}",
+    f"--lengths={FLAGS.lengths}",
+    f"--prompts={FLAGS.prompts}",
+    f"--reps={FLAGS.reps}",
+    f"--preset={FLAGS.preset}",
+    f"--dtype={FLAGS.dtype}",
+    f"--grads_out={grads_out}",
+  ]
   proc = subprocess.run(argv, capture_output=True, text=True)
   lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
   if proc.returncode or not lines:
@@ -163,18 +196,26 @@ def main(argv):
     raise app.UsageError(f"--lengths={FLAGS.lengths}: expected one per fan-out {fanouts}")
   B, P = FLAGS.prompts, FLAGS.prefix_len
   modes = FLAGS.modes.split(",")
-  row = dict(prefix_len=P, fanouts=FLAGS.fanouts, lengths=FLAGS.lengths, prompts=B,
-             preset=FLAGS.preset, dtype=FLAGS.dtype, matmul_gflops=round(matmul_gflops(), 1),
-             date=time.strftime("%Y-%m-%d"))
+  row = dict(
+    prefix_len=P,
+    fanouts=FLAGS.fanouts,
+    lengths=FLAGS.lengths,
+    prompts=B,
+    preset=FLAGS.preset,
+    dtype=FLAGS.dtype,
+    matmul_gflops=round(matmul_gflops(), 1),
+    date=time.strftime("%Y-%m-%d"),
+  )
   # FLOPs as executed (dense masked attention: every query x key score of a segment)
-  counts = {m: flops.step_flops(cfg, flops.tree(B, P, fanouts, lengths, m), dense=True)
-            for m in ("naive", "flat", "tree")}
+  counts = {
+    m: flops.step_flops(cfg, flops.tree(B, P, fanouts, lengths, m), dense=True)
+    for m in ("naive", "flat", "tree")
+  }
   for m, ratio in flops.tree_flop_ratios(cfg, B, P, fanouts, lengths).items():
     row[f"{m}_flop_ratio"] = round(ratio, 3)  # naive's FLOPs over flat's / tree's
   with tempfile.TemporaryDirectory() as tmp:
     paths = {m: os.path.join(tmp, f"{m}.npz") if FLAGS.check_grads else "" for m in modes}
-    rounds = [{m: spawn(m, paths[m] if k == 0 else "") for m in modes}
-              for k in range(FLAGS.rounds)]
+    rounds = [{m: spawn(m, paths[m] if k == 0 else "") for m in modes} for k in range(FLAGS.rounds)]
     runs = rounds[0]
     for m in modes:
       ok = [r[m] for r in rounds if r[m].get("seconds")]
@@ -191,27 +232,40 @@ def main(argv):
         row[f"{m}_device_peak_mb"] = max(r["device_peak_mb"] for r in ok)
       row[f"{m}_gflops"] = round(counts[m] / row[f"{m}_s"] / 1e9, 1)
     if FLAGS.rounds > 1:
-      row["rounds"] = [{f"{m}_{k}": r[m].get(key) for m in modes
-                        for k, key in (("s", "seconds"), ("cpu_s", "cpu_seconds"))}
-                       for r in rounds]
+      row["rounds"] = [
+        {
+          f"{m}_{k}": r[m].get(key)
+          for m in modes
+          for k, key in (("s", "seconds"), ("cpu_s", "cpu_seconds"))
+        }
+        for r in rounds
+      ]
     for m in ("flat", "tree"):
-      paired = [r for r in rounds if r.get(m, {}).get("seconds") and
-                r.get("naive", {}).get("seconds")]
+      paired = [
+        r for r in rounds if r.get(m, {}).get("seconds") and r.get("naive", {}).get("seconds")
+      ]
       if paired:
         for suffix, key in (("", "seconds"), ("_cpu", "cpu_seconds")):
           speedup = statistics.median([r["naive"][key] / r[m][key] for r in paired])
           row[f"{m}{suffix}_speedup"] = round(speedup, 3)
           row[f"{m}{suffix}_speedup_over_flop_ratio"] = round(speedup / row[f"{m}_flop_ratio"], 3)
-      if FLAGS.check_grads and "naive" in runs and os.path.exists(paths.get(m, "")) and \
-          os.path.exists(paths["naive"]):
+      if (
+        FLAGS.check_grads
+        and "naive" in runs
+        and os.path.exists(paths.get(m, ""))
+        and os.path.exists(paths["naive"])
+      ):
         row[f"{m}_grad_max_rel_err"] = compare.npz_max_rel_err(paths[m], paths["naive"])
         row[f"{m}_loss_abs_err"] = abs(runs[m]["loss"] - runs["naive"]["loss"])
-    paired = [r for r in rounds if r.get("flat", {}).get("seconds") and
-              r.get("tree", {}).get("seconds")]
+    paired = [
+      r for r in rounds if r.get("flat", {}).get("seconds") and r.get("tree", {}).get("seconds")
+    ]
     if paired:
       row["tree_over_flat_speedup"] = round(
-          statistics.median([r["flat"]["seconds"] / r["tree"]["seconds"] for r in paired]), 3)
+        statistics.median([r["flat"]["seconds"] / r["tree"]["seconds"] for r in paired]), 3
+      )
   from experiments import provenance  # commit, command, jax/devices, machine, date
+
   provenance.emit(row, FLAGS.out)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 def rel_err(a, b) -> float:
   """max|a - b| / max|b| of one leaf (0 for an empty leaf)."""
   import numpy as np
+
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
   if a.shape != b.shape:
     raise ValueError(f"leaf shapes {a.shape} and {b.shape}: expected equal shapes")
@@ -17,10 +18,12 @@ def rel_err(a, b) -> float:
 def npz_rel_errs(path_a, path_b) -> dict:
   """{leaf name: rel_err} of two .npz gradients saved with the same leaf names."""
   import numpy as np
+
   a, b = np.load(path_a), np.load(path_b)
   if set(a.files) != set(b.files):
-    raise ValueError(f"{path_a} vs {path_b}: gradient leaves differ: "
-                     f"{sorted(set(a.files) ^ set(b.files))[:5]}")
+    raise ValueError(
+      f"{path_a} vs {path_b}: gradient leaves differ: {sorted(set(a.files) ^ set(b.files))[:5]}"
+    )
   return {k: rel_err(a[k], b[k]) for k in b.files}
 
 
@@ -32,6 +35,7 @@ def tree_rel_errs(a_tree, b_tree, names=None) -> dict:
   """{name: rel_err} over the leaves of two pytrees of one structure (names: one per leaf;
   default: their key paths)."""
   import jax
+
   a_leaves, b_paths = jax.tree.leaves(a_tree), jax.tree_util.tree_leaves_with_path(b_tree)
   if names is None:
     names = [jax.tree_util.keystr(k) for k, _ in b_paths]

@@ -50,16 +50,29 @@ RESULTS = os.path.join(HERE, "results")
 # The blockwise engine's CPU sweep and long-context rows (CPU seconds of each step) and the
 # H200 rows (dense engine, wall time). The first round's CPU sweep (dense engine, wall time
 # on a loaded machine) can be added with --points.
-DEFAULT_POINTS = ("cpu_sweep_blockwise_2026-11-30.jsonl", "cpu_long_context_2026-11-30.jsonl",
-                  "gpu_h200_2026-11-30.jsonl")
+DEFAULT_POINTS = (
+  "cpu_sweep_blockwise_2026-11-30.jsonl",
+  "cpu_long_context_2026-11-30.jsonl",
+  "gpu_h200_2026-11-30.jsonl",
+)
 # What a results line does not say but its README section does: the last line of the H200
 # file repeats the first with JAX_DEFAULT_MATMUL_PRECISION=highest (full fp32 matmuls, not
 # TF32), so its matmul rate is a separate parameter.
 ANNOTATIONS = {("gpu_h200_2026-11-30.jsonl", 5): {"matmul_precision": "highest"}}
 
-LLAMA3_8B = tfm.ModelConfig(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32,
-                            n_kv_heads=8, head_dim=128, mlp_hidden=14336, rope_theta=500000.0,
-                            dtype="bfloat16", param_dtype="float32", remat=True)
+LLAMA3_8B = tfm.ModelConfig(
+  vocab_size=128256,
+  d_model=4096,
+  n_layers=32,
+  n_heads=32,
+  n_kv_heads=8,
+  head_dim=128,
+  mlp_hidden=14336,
+  rope_theta=500000.0,
+  dtype="bfloat16",
+  param_dtype="float32",
+  remat=True,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +84,11 @@ class GPU:
   link_gbps: float = 360.0  # achieved all-gather bus bandwidth per GPU (NVLink 4, 900 GB/s raw)
 
 
-GPUS = (GPU("8 x H20", 148.0, 96.0, 4.0), GPU("8 x H100 SXM", 989.0, 80.0, 3.35),
-        GPU("8 x H200", 989.0, 141.0, 4.8))
+GPUS = (
+  GPU("8 x H20", 148.0, 96.0, 4.0),
+  GPU("8 x H100 SXM", 989.0, 80.0, 3.35),
+  GPU("8 x H200", 989.0, 141.0, 4.8),
+)
 H200_BF16_TFLOPS = 989.0
 
 
@@ -99,7 +115,9 @@ class Execution:
   context: int = 1  # devices splitting the prefix sequence and the tail branches
   shard: int = 1  # devices sharding parameters, gradients, optimizer state (FSDP)
   naive_microbatch: int = 0  # naive sequences per pass (0: all B*R at once)
-  cache: str = "gathered"  # the prefix cache in the tails: gathered (whole on each device) | sharded
+  cache: str = (
+    "gathered"  # the prefix cache in the tails: gathered (whole on each device) | sharded
+  )
   logits_chunk: int = 0  # positions per log-prob chunk (0: all scored positions at once)
 
   def __post_init__(self):
@@ -114,8 +132,15 @@ class Execution:
 
 def param_count(cfg: tfm.ModelConfig) -> int:
   """Llama-family parameters (no biases/qk-norm): embeddings, L layers, final norm, head."""
-  D, N, K, H, F, V, L = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                         cfg.mlp_hidden, cfg.vocab_size, cfg.n_layers)
+  D, N, K, H, F, V, L = (
+    cfg.d_model,
+    cfg.n_heads,
+    cfg.n_kv_heads,
+    cfg.head_dim,
+    cfg.mlp_hidden,
+    cfg.vocab_size,
+    cfg.n_layers,
+  )
   layer = D * (N + 2 * K) * H + N * H * D + 3 * D * F + 2 * D
   return V * D * (1 if cfg.tie_embeddings else 2) + L * layer + D
 
@@ -138,8 +163,14 @@ def step_counts(cfg: tfm.ModelConfig, shape: Shape, mode: str, ex: Execution) ->
   fwd_passes = 2 if ex.remat else 1
   attn_bwd = 2.0 if ex.attention == "dense" else 2.5
   pos, pair, head_macs = flops.position_macs(cfg), flops.pair_macs(cfg), flops.head_macs(cfg)
-  out = dict(matmul_flops=0.0, attention_flops=0.0, useful_attention_flops=0.0,
-             head_flops=0.0, tokens=0, per_segment={})
+  out = dict(
+    matmul_flops=0.0,
+    attention_flops=0.0,
+    useful_attention_flops=0.0,
+    head_flops=0.0,
+    tokens=0,
+    per_segment={},
+  )
   for seg in segments(shape, mode):
     n, tok = seg.n, seg.tokens
     pairs = seg.pairs(dense=ex.attention == "dense")
@@ -151,8 +182,9 @@ def step_counts(cfg: tfm.ModelConfig, shape: Shape, mode: str, ex: Execution) ->
     out["attention_flops"] += attn
     out["useful_attention_flops"] += 2 * n * seg.pairs() * pair * 3
     out["tokens"] += n * tok
-    out["per_segment"][seg.name] = dict(matmul_flops=layers_mm + head, attention_flops=attn,
-                                        tokens=n * tok, pairs=n * pairs)
+    out["per_segment"][seg.name] = dict(
+      matmul_flops=layers_mm + head, attention_flops=attn, tokens=n * tok, pairs=n * pairs
+    )
   out["total_flops"] = out["matmul_flops"] + out["attention_flops"]
   return out
 
@@ -169,9 +201,12 @@ def layer_table(cfg: tfm.ModelConfig, shape: Shape, mode: str, ex: Execution) ->
   ew = c["tokens"] * per_token_fwd * (fwd_passes + 2)
   if ex.attention == "dense":  # fp32 scores: written, masked, max, exp, summed, read by PV,
     ew += sum(s["pairs"] for s in c["per_segment"].values()) * N * 4 * 10  # and the backward
-  return dict(matmul_flops=c["matmul_flops"] - c["head_flops"],
-              attention_flops=c["attention_flops"], elementwise_bytes=ew,
-              saved_bytes=_saved_per_layer(cfg, shape, mode, ex, per_device=False))
+  return dict(
+    matmul_flops=c["matmul_flops"] - c["head_flops"],
+    attention_flops=c["attention_flops"],
+    elementwise_bytes=ew,
+    saved_bytes=_saved_per_layer(cfg, shape, mode, ex, per_device=False),
+  )
 
 
 # ----------------------------------------------------------------------------- memory
@@ -206,8 +241,15 @@ def _saved_per_layer(cfg, shape, mode, ex, per_device=True) -> float:
 def memory(cfg: tfm.ModelConfig, shape: Shape, mode: str, ex: Execution) -> dict:
   """Peak bytes on one device, by part (an estimate: what is alive at the prefix backward
   for replay, at the first layer's backward for naive)."""
-  D, N, K, H, F, V, L = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                         cfg.mlp_hidden, cfg.vocab_size, cfg.n_layers)
+  D, N, K, H, F, V, L = (
+    cfg.d_model,
+    cfg.n_heads,
+    cfg.n_kv_heads,
+    cfg.head_dim,
+    cfg.mlp_hidden,
+    cfg.vocab_size,
+    cfg.n_layers,
+  )
   b = ex.compute_bytes
   n_params = param_count(cfg)
   parts = {}
@@ -219,8 +261,9 @@ def memory(cfg: tfm.ModelConfig, shape: Shape, mode: str, ex: Execution) -> dict
   kv_bytes = lambda seqs, length: seqs * L * 2 * length * K * H * b
   if mode == "replay":
     cache = kv_bytes(B, P) / (ex.context if ex.cache == "sharded" else 1)
-    parts["prefix_cache"] = cache + (kv_bytes(B, P) / ex.context if ex.cache == "gathered"
-                                     and ex.context > 1 else 0.0)  # + its sequence shards
+    parts["prefix_cache"] = cache + (
+      kv_bytes(B, P) / ex.context if ex.cache == "gathered" and ex.context > 1 else 0.0
+    )  # + its sequence shards
     parts["prefix_cache_cotangent"] = cache
     work_tokens, work_keys, n_scored = B * P / ex.context, P, B * math.ceil(R / ex.context) * T
     kv_seqs = B
@@ -248,8 +291,13 @@ def memory(cfg: tfm.ModelConfig, shape: Shape, mode: str, ex: Execution) -> dict
 
 def machine_of(row: dict) -> str:
   prov = row.get("provenance") or {}
-  device = str(row.get("device") or row.get("backend") or prov.get("device_kind")
-               or prov.get("backend") or "unknown").lower()
+  device = str(
+    row.get("device")
+    or row.get("backend")
+    or prov.get("device_kind")
+    or prov.get("backend")
+    or "unknown"
+  ).lower()
   return "h200" if "h200" in device else ("cpu" if device == "cpu" else device.replace(" ", "_"))
 
 
@@ -265,8 +313,7 @@ def _row_model(row: dict):
   read (another experiment's model, the critic's step, not a bench row)."""
   if not row.get("preset") or "prefix_len" not in row or row.get("loss", "grpo") == "value":
     return None
-  cfg = tfm.preset(row["preset"], dtype=row["dtype"], param_dtype=row["dtype"],
-                   remat=_remat(row))
+  cfg = tfm.preset(row["preset"], dtype=row["dtype"], param_dtype=row["dtype"], remat=_remat(row))
   shape = Shape(row.get("prompts", 1), row["branches"], row["prefix_len"], row["tail_len"])
   # The blockwise kernel computes causal pairs once and saves only the LSE (flash); rows
   # without the field ran the first round's dense engine.
@@ -308,10 +355,24 @@ def load_points(paths, cpu_time: bool = True) -> list[dict]:
       if t is None:
         continue
       c = step_counts(cfg, shape, mode, ex)
-      points.append(dict(file=name, line=i + 1, mode=mode, machine=machine, regime=regime,
-                         attention=attention, preset=row["preset"], P=shape.P, T=shape.T,
-                         R=shape.R, B=shape.B, measured_s=t,
-                         matmul_flops=c["matmul_flops"], attention_flops=c["attention_flops"]))
+      points.append(
+        dict(
+          file=name,
+          line=i + 1,
+          mode=mode,
+          machine=machine,
+          regime=regime,
+          attention=attention,
+          preset=row["preset"],
+          P=shape.P,
+          T=shape.T,
+          R=shape.R,
+          B=shape.B,
+          measured_s=t,
+          matmul_flops=c["matmul_flops"],
+          attention_flops=c["attention_flops"],
+        )
+      )
   return points
 
 
@@ -327,17 +388,30 @@ def memory_points(paths) -> list[dict]:
       continue
     cfg, shape, attention = model
     b = 2 if row["dtype"] == "bfloat16" else 4
-    ex = Execution(attention=attention, remat=_remat(row), compute_bytes=b, master_bytes=b,
-                   optimizer_bytes=0)
+    ex = Execution(
+      attention=attention, remat=_remat(row), compute_bytes=b, master_bytes=b, optimizer_bytes=0
+    )
     for mode in ("naive", "replay"):
       measured = row.get(f"{mode}_compiled_mb")
       if not isinstance(measured, (int, float)):
         continue
-      est = memory(cfg, shape, mode, ex)["total"] / 2 ** 20
-      out.append(dict(file=name, line=i + 1, mode=mode, machine=machine_of(row),
-                      attention=attention, preset=row["preset"], P=shape.P, T=shape.T,
-                      R=shape.R, measured_mb=float(measured), model_mb=est,
-                      rel_err=(est - measured) / measured))
+      est = memory(cfg, shape, mode, ex)["total"] / 2**20
+      out.append(
+        dict(
+          file=name,
+          line=i + 1,
+          mode=mode,
+          machine=machine_of(row),
+          attention=attention,
+          preset=row["preset"],
+          P=shape.P,
+          T=shape.T,
+          R=shape.R,
+          measured_mb=float(measured),
+          model_mb=est,
+          rel_err=(est - measured) / measured,
+        )
+      )
   return out
 
 
@@ -352,6 +426,7 @@ def _design(points, names):
 
 def _nnls_rel(X, y):
   from scipy.optimize import nnls
+
   scale = X.max(axis=0)
   scale[scale == 0] = 1.0
   theta, _ = nnls((X / scale) / y[:, None], np.ones_like(y))  # minimise relative errors
@@ -375,28 +450,48 @@ def fit(points: list[dict]) -> dict:
         continue  # without this point a parameter is undetermined
       loo[i] = X[i] @ _nnls_rel(X[keep], y[keep])
     for p, pr, lo in zip(pts, pred, loo):
-      p.update(predicted_s=float(pr), rel_err=float((pr - p["measured_s"]) / p["measured_s"]),
-               loo_rel_err=None if np.isnan(lo) else float((lo - p["measured_s"]) / p["measured_s"]))
+      p.update(
+        predicted_s=float(pr),
+        rel_err=float((pr - p["measured_s"]) / p["measured_s"]),
+        loo_rel_err=None if np.isnan(lo) else float((lo - p["measured_s"]) / p["measured_s"]),
+      )
     errs = np.abs([p["rel_err"] for p in pts])
     params = dict(zip(names, map(float, theta)))
-    rates = {k[2:] + "_gflops": 1e-9 / v for k, v in params.items()
-             if k.startswith("s_") and v > 0}  # s_mm[float32] -> mm[float32]_gflops
-    machines[machine] = dict(params=params, rates_gflops=rates, n_points=len(pts),
-                             max_abs_rel_err=float(errs.max()),
-                             median_abs_rel_err=float(np.median(errs)),
-                             within_30pct=int((errs <= 0.3).sum()))
+    rates = {
+      k[2:] + "_gflops": 1e-9 / v for k, v in params.items() if k.startswith("s_") and v > 0
+    }  # s_mm[float32] -> mm[float32]_gflops
+    machines[machine] = dict(
+      params=params,
+      rates_gflops=rates,
+      n_points=len(pts),
+      max_abs_rel_err=float(errs.max()),
+      median_abs_rel_err=float(np.median(errs)),
+      within_30pct=int((errs <= 0.3).sum()),
+    )
   return machines
 
 
-def predict_time(counts: dict, mm_eff: float, attn_eff: float, gpu: GPU, n_dev: int,
-                 ew_bytes: float, comm_bytes: float) -> dict:
+def predict_time(
+  counts: dict,
+  mm_eff: float,
+  attn_eff: float,
+  gpu: GPU,
+  n_dev: int,
+  ew_bytes: float,
+  comm_bytes: float,
+) -> dict:
   peak = gpu.bf16_tflops * 1e12 * n_dev
   t_mm = counts["matmul_flops"] / (mm_eff * peak)
   t_attn = counts["attention_flops"] / (attn_eff * peak)
   t_ew = ew_bytes / (0.7 * gpu.hbm_tbps * 1e12 * n_dev)  # 70% of HBM bandwidth
   t_comm = comm_bytes / (gpu.link_gbps * 1e9)
-  return dict(matmul_s=t_mm, attention_s=t_attn, elementwise_s=t_ew, comm_s=t_comm,
-              step_s=t_mm + t_attn + t_ew + t_comm)
+  return dict(
+    matmul_s=t_mm,
+    attention_s=t_attn,
+    elementwise_s=t_ew,
+    comm_s=t_comm,
+    step_s=t_mm + t_attn + t_ew + t_comm,
+  )
 
 
 def comm_bytes_per_device(cfg, shape, mode, ex) -> float:
@@ -406,28 +501,40 @@ def comm_bytes_per_device(cfg, shape, mode, ex) -> float:
   c = ex.context
   frac = (c - 1) / c
   n = param_count(cfg)
-  passes = 2 if mode == "replay" else (shape.B * shape.R // max(ex.naive_microbatch, 1)
-                                       if ex.naive_microbatch else 1)
-  weights = passes * 3 * n * ex.compute_bytes * (ex.shard - 1) / ex.shard + n * 4 * (
-      ex.shard - 1) / ex.shard
+  passes = (
+    2
+    if mode == "replay"
+    else (shape.B * shape.R // max(ex.naive_microbatch, 1) if ex.naive_microbatch else 1)
+  )
+  weights = (
+    passes * 3 * n * ex.compute_bytes * (ex.shard - 1) / ex.shard
+    + n * 4 * (ex.shard - 1) / ex.shard
+  )
   kv_layer = lambda seqs, length: seqs * 2 * length * cfg.n_kv_heads * cfg.head_dim
   if mode == "replay":
     kv = kv_layer(shape.B, shape.P) * cfg.n_layers * frac * (2 * ex.compute_bytes + 4)
   else:
-    kv = kv_layer(shape.B * shape.R, shape.P + shape.T) * cfg.n_layers * frac * (
-        2 * ex.compute_bytes + 4)
+    kv = (
+      kv_layer(shape.B * shape.R, shape.P + shape.T)
+      * cfg.n_layers
+      * frac
+      * (2 * ex.compute_bytes + 4)
+    )
   return weights + kv
 
 
-def predictions(fits: dict, T_list, flash_eff: float, flash_range,
-                mm_eff: float | None = None) -> list[dict]:
+def predictions(
+  fits: dict, T_list, flash_eff: float, flash_range, mm_eff: float | None = None
+) -> list[dict]:
   """Llama-3-8B on each of GPUS. mm_eff: achieved fraction of bf16 peak of the matmuls
   (default: the H200 bf16 fit's)."""
   if mm_eff is None:
     h200 = fits.get("h200")
     if h200 is None or h200["params"].get("s_mm[bfloat16]", 0) <= 0:
-      raise ValueError("the fit has no H200 bfloat16 matmul rate: expected H200 bfloat16 rows "
-                       "in the calibration points, or pass --matmul_efficiency")
+      raise ValueError(
+        "the fit has no H200 bfloat16 matmul rate: expected H200 bfloat16 rows "
+        "in the calibration points, or pass --matmul_efficiency"
+      )
     mm_eff = 1.0 / h200["params"]["s_mm[bfloat16]"] / (H200_BF16_TFLOPS * 1e12)
   cfg = LLAMA3_8B
   rows = []
@@ -435,8 +542,15 @@ def predictions(fits: dict, T_list, flash_eff: float, flash_range,
     for T in T_list:
       shape = Shape(1, 16, 131072, T)
       for mode in ("replay", "naive"):
-        ex = Execution(attention="flash", remat=True, compute_bytes=2, context=8, shard=8,
-                       naive_microbatch=1 if mode == "naive" else 0, logits_chunk=0)
+        ex = Execution(
+          attention="flash",
+          remat=True,
+          compute_bytes=2,
+          context=8,
+          shard=8,
+          naive_microbatch=1 if mode == "naive" else 0,
+          logits_chunk=0,
+        )
         counts = step_counts(cfg, shape, mode, ex)
         per_layer = layer_table(cfg, shape, mode, ex)
         ew = per_layer["elementwise_bytes"] * cfg.n_layers
@@ -445,17 +559,32 @@ def predictions(fits: dict, T_list, flash_eff: float, flash_range,
         lo = predict_time(counts, mm_eff, flash_range[1], gpu, 8, ew, comm)["step_s"]
         hi = predict_time(counts, mm_eff, flash_range[0], gpu, 8, ew, comm)["step_s"]
         mem = memory(cfg, shape, mode, ex)
-        row = dict(kind="prediction", gpus=gpu.name, model="Llama-3-8B", mode=mode, B=1, R=16,
-                   P=shape.P, T=T, positions=shape.R * (shape.P + T), mesh="context:8 + FSDP 8",
-                   matmul_efficiency=round(mm_eff, 4), flash_efficiency=flash_eff,
-                   total_pflop=counts["total_flops"] / 1e15, **{k: v for k, v in t.items()},
-                   step_s_range=[lo, hi], memory_gb=mem["total"] / 1e9,
-                   memory_parts_gb={k: v / 1e9 for k, v in mem.items() if k != "total"},
-                   per_layer=dict(matmul_tflop=per_layer["matmul_flops"] / 1e12,
-                                  attention_tflop=per_layer["attention_flops"] / 1e12,
-                                  elementwise_gb=per_layer["elementwise_bytes"] / 1e9,
-                                  saved_gb_per_device=_saved_per_layer(cfg, shape, mode, ex) / 1e9),
-                   fits=mem["total"] / 1e9 <= gpu.memory_gb * 0.92)  # ~8% runtime/fragmentation
+        row = dict(
+          kind="prediction",
+          gpus=gpu.name,
+          model="Llama-3-8B",
+          mode=mode,
+          B=1,
+          R=16,
+          P=shape.P,
+          T=T,
+          positions=shape.R * (shape.P + T),
+          mesh="context:8 + FSDP 8",
+          matmul_efficiency=round(mm_eff, 4),
+          flash_efficiency=flash_eff,
+          total_pflop=counts["total_flops"] / 1e15,
+          **{k: v for k, v in t.items()},
+          step_s_range=[lo, hi],
+          memory_gb=mem["total"] / 1e9,
+          memory_parts_gb={k: v / 1e9 for k, v in mem.items() if k != "total"},
+          per_layer=dict(
+            matmul_tflop=per_layer["matmul_flops"] / 1e12,
+            attention_tflop=per_layer["attention_flops"] / 1e12,
+            elementwise_gb=per_layer["elementwise_bytes"] / 1e9,
+            saved_gb_per_device=_saved_per_layer(cfg, shape, mode, ex) / 1e9,
+          ),
+          fits=mem["total"] / 1e9 <= gpu.memory_gb * 0.92,
+        )  # ~8% runtime/fragmentation
         if mode == "naive":
           all_at_once = memory(cfg, shape, mode, dataclasses.replace(ex, naive_microbatch=0))
           row["naive_all_at_once_gb"] = all_at_once["total"] / 1e9
@@ -468,58 +597,91 @@ def predictions(fits: dict, T_list, flash_eff: float, flash_range,
 
 
 def markdown(fits: dict, points: list[dict], preds: list[dict], mem_points=()) -> str:
-  out = ["### Fit (per machine; s = seconds per FLOP, rates = 1/s)", "",
-         "| machine | points | parameters | max abs err | median abs err | within 30% |",
-         "|---|---|---|---|---|---|"]
+  out = [
+    "### Fit (per machine; s = seconds per FLOP, rates = 1/s)",
+    "",
+    "| machine | points | parameters | max abs err | median abs err | within 30% |",
+    "|---|---|---|---|---|---|",
+  ]
   for m, f in fits.items():
-    params = ", ".join(f"{k} = {1e-9 / v:.3g} GFLOP/s" if k != "overhead_s" and v > 0 else
-                       f"{k} = {v:.3g}" for k, v in f["params"].items())
-    out.append(f"| {m} | {f['n_points']} | {params} | {f['max_abs_rel_err']:.0%} | "
-               f"{f['median_abs_rel_err']:.0%} | {f['within_30pct']}/{f['n_points']} |")
-  out += ["", "### Every measured point", "",
-          "| file:line | machine | regime | mode | P | T | R | measured s | model s | error | "
-          "leave-one-out error |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    params = ", ".join(
+      f"{k} = {1e-9 / v:.3g} GFLOP/s" if k != "overhead_s" and v > 0 else f"{k} = {v:.3g}"
+      for k, v in f["params"].items()
+    )
+    out.append(
+      f"| {m} | {f['n_points']} | {params} | {f['max_abs_rel_err']:.0%} | "
+      f"{f['median_abs_rel_err']:.0%} | {f['within_30pct']}/{f['n_points']} |"
+    )
+  out += [
+    "",
+    "### Every measured point",
+    "",
+    "| file:line | machine | regime | mode | P | T | R | measured s | model s | error | "
+    "leave-one-out error |",
+    "|---|---|---|---|---|---|---|---|---|---|---|",
+  ]
   pct = lambda x: "-" if x is None else f"{x:+.0%}"
   for p in points:
-    out.append(f"| {p['file']}:{p['line']} | {p['machine']} | {p['regime']} | {p['mode']} | "
-               f"{p['P']} | {p['T']} | {p['R']} | {p['measured_s']:.3g} | "
-               f"{p['predicted_s']:.3g} | {pct(p['rel_err'])} | {pct(p['loo_rel_err'])} |")
+    out.append(
+      f"| {p['file']}:{p['line']} | {p['machine']} | {p['regime']} | {p['mode']} | "
+      f"{p['P']} | {p['T']} | {p['R']} | {p['measured_s']:.3g} | "
+      f"{p['predicted_s']:.3g} | {pct(p['rel_err'])} | {pct(p['loo_rel_err'])} |"
+    )
   if mem_points:
     errs = [abs(m["rel_err"]) for m in mem_points]
-    out += ["", f"### Memory model vs compiled footprint (not fitted): max abs error "
-            f"{max(errs):.0%}, median {float(np.median(errs)):.0%}, {len(errs)} points", "",
-            "| file:line | mode | preset | P | T | R | compiled MB | model MB | error |",
-            "|---|---|---|---|---|---|---|---|---|"]
-    out += [f"| {m['file']}:{m['line']} | {m['mode']} | {m['preset']} | {m['P']} | {m['T']} | "
-            f"{m['R']} | {m['measured_mb']:.0f} | {m['model_mb']:.0f} | {m['rel_err']:+.0%} |"
-            for m in mem_points]
-  out += ["", "### Predictions: Llama-3-8B, B=1, R=16, P=131,072, context:8 + FSDP, flash, "
-          "remat, bf16 (not measured)", "",
-          "| GPUs | T | mode | PFLOP | step s (range) | matmul s | attention s | comm s | "
-          "memory GB/device | fits | replay speedup |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    out += [
+      "",
+      f"### Memory model vs compiled footprint (not fitted): max abs error "
+      f"{max(errs):.0%}, median {float(np.median(errs)):.0%}, {len(errs)} points",
+      "",
+      "| file:line | mode | preset | P | T | R | compiled MB | model MB | error |",
+      "|---|---|---|---|---|---|---|---|---|",
+    ]
+    out += [
+      f"| {m['file']}:{m['line']} | {m['mode']} | {m['preset']} | {m['P']} | {m['T']} | "
+      f"{m['R']} | {m['measured_mb']:.0f} | {m['model_mb']:.0f} | {m['rel_err']:+.0%} |"
+      for m in mem_points
+    ]
+  out += [
+    "",
+    "### Predictions: Llama-3-8B, B=1, R=16, P=131,072, context:8 + FSDP, flash, "
+    "remat, bf16 (not measured)",
+    "",
+    "| GPUs | T | mode | PFLOP | step s (range) | matmul s | attention s | comm s | "
+    "memory GB/device | fits | replay speedup |",
+    "|---|---|---|---|---|---|---|---|---|---|---|",
+  ]
   for r in preds:
     rng = f"{r['step_s']:.3g} ({r['step_s_range'][0]:.3g}-{r['step_s_range'][1]:.3g})"
     mem = f"{r['memory_gb']:.1f}"
     if r["mode"] == "naive":
       mem += f" (all {r['R']} at once: {r['naive_all_at_once_gb']:.0f})"
-    out.append(f"| {r['gpus']} | {r['T']} | {r['mode']} | {r['total_pflop']:.1f} | {rng} | "
-               f"{r['matmul_s']:.3g} | {r['attention_s']:.3g} | {r['comm_s']:.2g} | {mem} | "
-               f"{'yes' if r['fits'] else 'no'} | "
-               f"{r.get('speedup_vs_naive', float('nan')):.1f} |".replace("| nan |", "| - |"))
+    out.append(
+      f"| {r['gpus']} | {r['T']} | {r['mode']} | {r['total_pflop']:.1f} | {rng} | "
+      f"{r['matmul_s']:.3g} | {r['attention_s']:.3g} | {r['comm_s']:.2g} | {mem} | "
+      f"{'yes' if r['fits'] else 'no'} | "
+      f"{r.get('speedup_vs_naive', float('nan')):.1f} |".replace("| nan |", "| - |")
+    )
   return "\n".join(out)
 
 
 def main(argv):
   from absl import flags
+
   FLAGS = flags.FLAGS
   from experiments import provenance
+
   paths = FLAGS.points or [os.path.join(RESULTS, p) for p in DEFAULT_POINTS]
   points = load_points(paths)
   fits = fit(points)
   mem_points = memory_points(paths)
-  preds = predictions(fits, FLAGS.tail_len, FLAGS.flash_efficiency,
-                      (FLAGS.flash_efficiency_low, FLAGS.flash_efficiency_high),
-                      FLAGS.matmul_efficiency or None)
+  preds = predictions(
+    fits,
+    FLAGS.tail_len,
+    FLAGS.flash_efficiency,
+    (FLAGS.flash_efficiency_low, FLAGS.flash_efficiency_high),
+    FLAGS.matmul_efficiency or None,
+  )
   writer = provenance.ResultsWriter(FLAGS.out, "cost_model", with_jax=False, echo=False)
   for m, f in fits.items():
     writer.write({"kind": "fit", "machine": m, **f})
@@ -538,15 +700,25 @@ def main(argv):
 
 if __name__ == "__main__":
   from absl import app, flags
-  flags.DEFINE_multi_string("points", [], "bench_replay results files to calibrate on "
-                            "(default: the CPU sweep and the H200 rows)")
+
+  flags.DEFINE_multi_string(
+    "points",
+    [],
+    "bench_replay results files to calibrate on (default: the CPU sweep and the H200 rows)",
+  )
   flags.DEFINE_multi_integer("tail_len", [512, 4096], "T of the predictions (repeatable)")
-  flags.DEFINE_float("flash_efficiency", 0.35, "assumed achieved fraction of bf16 peak of "
-                     "flash attention (forward + backward)")
+  flags.DEFINE_float(
+    "flash_efficiency",
+    0.35,
+    "assumed achieved fraction of bf16 peak of flash attention (forward + backward)",
+  )
   flags.DEFINE_float("flash_efficiency_low", 0.2, "the range's pessimistic end")
   flags.DEFINE_float("flash_efficiency_high", 0.55, "the range's optimistic end")
-  flags.DEFINE_float("matmul_efficiency", 0.0, "achieved fraction of bf16 peak of the "
-                     "matmuls (0: the H200 bf16 fit's)")
+  flags.DEFINE_float(
+    "matmul_efficiency",
+    0.0,
+    "achieved fraction of bf16 peak of the matmuls (0: the H200 bf16 fit's)",
+  )
   flags.DEFINE_string("out", "", "append the JSON lines here")
   flags.DEFINE_string("markdown", "", "write the markdown tables here")
   app.run(main)

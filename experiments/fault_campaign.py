@@ -49,15 +49,31 @@ import tempfile  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-OVERRIDES = ["task.prompt_len=20", "task.n_keys=2", "train.eval_size=0", "train.progress=false",
-             "train.plot=false", "train.tensorboard=false", "train.sft_steps=1",
-             "train.rl_steps=4", "train.batch_size=2", "train.n_branches=4",
-             "train.sft_batch_size=2", "sampler.max_new_tokens=2", "train.checkpoint_every=2",
-             "train.learning_rate=3e-3"]
+OVERRIDES = [
+  "task.prompt_len=20",
+  "task.n_keys=2",
+  "train.eval_size=0",
+  "train.progress=false",
+  "train.plot=false",
+  "train.tensorboard=false",
+  "train.sft_steps=1",
+  "train.rl_steps=4",
+  "train.batch_size=2",
+  "train.n_branches=4",
+  "train.sft_batch_size=2",
+  "sampler.max_new_tokens=2",
+  "train.checkpoint_every=2",
+  "train.learning_rate=3e-3",
+]
 TOTAL = 5  # steps: 1 warm-up + 4 RL; checkpoints 2, 4, 5
 KINDS = ("anytime", "compile", "sample", "update", "save", "finalize", "metrics")
-STEPS = {"sample": (1, 2, 3, 4), "update": (1, 2, 3, 4), "save": (2, 4, 5),
-         "finalize": (2, 4, 5), "metrics": (0, 1, 2, 3, 4)}
+STEPS = {
+  "sample": (1, 2, 3, 4),
+  "update": (1, 2, 3, 4),
+  "save": (2, 4, 5),
+  "finalize": (2, 4, 5),
+  "metrics": (0, 1, 2, 3, 4),
+}
 ENV = "FAULT_CAMPAIGN_KILL"  # "kind:step_or_delay"
 
 
@@ -65,8 +81,10 @@ def config():
   from branch_replay.config import Config, apply_overrides
   from branch_replay.data.tokenizer import TOKENIZER
   from models import transformer as tfm
-  return apply_overrides(Config(model=tfm.preset("tiny", vocab_size=TOKENIZER.vocab_size)),
-                         OVERRIDES)
+
+  return apply_overrides(
+    Config(model=tfm.preset("tiny", vocab_size=TOKENIZER.vocab_size)), OVERRIDES
+  )
 
 
 def die():
@@ -76,6 +94,7 @@ def die():
 def install(kind: str, value: float):
   """Arm the kill of the first launch (the worker's process only)."""
   import threading
+
   if kind in ("anytime", "compile"):
     timer = threading.Timer(value, die)
     timer.daemon = True
@@ -85,6 +104,7 @@ def install(kind: str, value: float):
   from branch_replay import algorithms
   from branch_replay.train import checkpoint, metrics
   from branch_replay.data import rewards
+
   if kind in ("sample", "update"):
     algo = algorithms.for_config(config())
     batch, update, compute = algo.batch, algo.update, rewards.compute
@@ -104,6 +124,7 @@ def install(kind: str, value: float):
       if s == step and kind == "update":
         die()
       return out
+
     algo.batch, algo.update, rewards.compute = batch_k, update_k, compute_k
   elif kind == "save":
     save = checkpoint.Checkpointer.save
@@ -112,15 +133,18 @@ def install(kind: str, value: float):
       save(self, s, state)
       if s == step:
         die()
+
     checkpoint.Checkpointer.save = save_k
   elif kind == "finalize":
     from orbax.checkpoint._src.path import atomicity
+
     finalize = atomicity.AtomicRenameTemporaryPath.finalize
 
     async def finalize_k(self, *a, **k):
       if self._final_path.name == str(step):
         die()
       return await finalize(self, *a, **k)
+
     atomicity.AtomicRenameTemporaryPath.finalize = finalize_k
   elif kind == "metrics":
     write = metrics.MetricsWriter.write
@@ -129,10 +153,11 @@ def install(kind: str, value: float):
       if record.get("step") == step and record.get("kind") == "train":
         line = json.dumps(record, sort_keys=True)
         with open(self.path, "a") as f:
-          f.write(line[:len(line) // 2])
+          f.write(line[: len(line) // 2])
           f.flush()
         die()
       return write(self, record)
+
     metrics.MetricsWriter.write = write_k
   else:
     raise ValueError(f"{ENV}={kind}:{value}: unknown kind; expected one of {KINDS}")
@@ -144,14 +169,17 @@ def worker(workdir: str):
     kind, value = fault.split(":")
     install(kind, float(value))
   from absl import logging
+
   logging.set_verbosity(logging.WARNING)
   from branch_replay.train import metrics, trainer
+
   first = []
   write = metrics.MetricsWriter.write
 
   def stamped(self, record):
     write(self, record)
     first.append(time.time() - T0)
+
   metrics.MetricsWriter.write = stamped
   trainer.run(config(), workdir)
   print(json.dumps({"process_s": time.time() - T0, "first_line_s": first[0] if first else None}))
@@ -161,15 +189,23 @@ def launch(workdir: str, fault: str | None = None, timeout: float = 900, cache: 
   env = {k: v for k, v in os.environ.items() if k != ENV}
   env["JAX_PLATFORMS"] = "cpu"
   if cache:  # as the test suite compiles (tests/conftest.py): fast XLA, a shared cache
-    env.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_DISABLE_MOST_OPTIMIZATIONS="true",
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    env.update(
+      JAX_COMPILATION_CACHE_DIR=cache,
+      JAX_DISABLE_MOST_OPTIMIZATIONS="true",
+      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
   if fault:
     env[ENV] = fault
   t0 = time.time()
-  out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker",
-                        f"--workdir={workdir}"], env=env, cwd=ROOT, capture_output=True,
-                       text=True, timeout=timeout)
+  out = subprocess.run(
+    [sys.executable, os.path.abspath(__file__), "--worker", f"--workdir={workdir}"],
+    env=env,
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
   return out, time.time() - t0
 
 
@@ -195,8 +231,9 @@ def check(workdir: str, reference: list[dict]) -> list[str]:
   if got != want:
     steps = [r.get("step") for r in records]
     differ = [w.get("step") for g, w in zip(got, want) if g != w]
-    problems.append(f"metrics differ from the uninterrupted run (steps {steps}; "
-                    f"differing at {differ[:5]})")
+    problems.append(
+      f"metrics differ from the uninterrupted run (steps {steps}; differing at {differ[:5]})"
+    )
   directory = os.path.join(workdir, "checkpoints")
   names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
   tmp = [n for n in names if "tmp" in n]
@@ -210,10 +247,12 @@ def check(workdir: str, reference: list[dict]) -> list[str]:
 
 def campaign(args):
   from experiments import provenance
+
   rng = random.Random(args.seed)
   scratch = tempfile.mkdtemp(prefix="fault_campaign_")
-  writer = provenance.ResultsWriter(args.out, "fault_campaign", with_jax=False,
-                                    config=OVERRIDES, trials=args.trials, seed=args.seed)
+  writer = provenance.ResultsWriter(
+    args.out, "fault_campaign", with_jax=False, config=OVERRIDES, trials=args.trials, seed=args.seed
+  )
   try:
     cache = "" if args.no_cache else os.path.join(scratch, "jax_cache")
     reference = None
@@ -229,8 +268,15 @@ def campaign(args):
         raise SystemExit(f"the uninterrupted run, twice: {problems}")
       reference = records
       times = json.loads(out.stdout.strip().splitlines()[-1])
-      writer.write({"kind": "reference", "attempt": attempt, "wall_s": round(ref_s, 2),
-                    **times, "steps": [r["step"] for r in reference]})
+      writer.write(
+        {
+          "kind": "reference",
+          "attempt": attempt,
+          "wall_s": round(ref_s, 2),
+          **times,
+          "steps": [r["step"] for r in reference],
+        }
+      )
     startup_s = times["first_line_s"]  # imports, compilation, init: before step 0's line
     counts = {"survived": 0, "lost": 0, "not_killed": 0}
     for trial in range(args.trials):
@@ -245,28 +291,46 @@ def campaign(args):
       fault = f"{kind}:{value}"
       first, first_s = launch(workdir, fault, cache=cache)
       killed = first.returncode == -signal.SIGKILL
-      left = sorted(os.listdir(os.path.join(workdir, "checkpoints"))) if os.path.isdir(
-          os.path.join(workdir, "checkpoints")) else []
+      left = (
+        sorted(os.listdir(os.path.join(workdir, "checkpoints")))
+        if os.path.isdir(os.path.join(workdir, "checkpoints"))
+        else []
+      )
       torn = _torn_lines(os.path.join(workdir, "metrics.jsonl"))
       second, second_s = launch(workdir, cache=cache)  # the same command, no fault
-      problems = [] if second.returncode == 0 else [
-          f"resume exited {second.returncode}: {second.stderr[-800:]}"]
+      problems = (
+        []
+        if second.returncode == 0
+        else [f"resume exited {second.returncode}: {second.stderr[-800:]}"]
+      )
       if not problems:
         problems = check(workdir, reference)
       if first.returncode not in (0, -signal.SIGKILL):
         problems.append(f"the faulted launch exited {first.returncode}: {first.stderr[-800:]}")
       outcome = "lost" if problems else ("survived" if killed else "not_killed")
       counts[outcome] += 1
-      repaired = [line for line in second.stderr.splitlines()
-                  if "repaired" in line or "does not restore" in line]
-      writer.write({"kind": "trial", "trial": trial, "fault": fault, "killed": killed,
-                    "first_returncode": first.returncode, "first_s": round(first_s, 2),
-                    "left_after_kill": {"checkpoints": left, "torn_metrics_lines": torn},
-                    "resume_s": round(second_s, 2), "resume_log": repaired,
-                    "outcome": outcome, "problems": problems})
+      repaired = [
+        line
+        for line in second.stderr.splitlines()
+        if "repaired" in line or "does not restore" in line
+      ]
+      writer.write(
+        {
+          "kind": "trial",
+          "trial": trial,
+          "fault": fault,
+          "killed": killed,
+          "first_returncode": first.returncode,
+          "first_s": round(first_s, 2),
+          "left_after_kill": {"checkpoints": left, "torn_metrics_lines": torn},
+          "resume_s": round(second_s, 2),
+          "resume_log": repaired,
+          "outcome": outcome,
+          "problems": problems,
+        }
+      )
       shutil.rmtree(workdir, ignore_errors=True)
-    writer.write({"kind": "summary", **counts, "trials": args.trials,
-                  "kinds": sorted(set(KINDS))})
+    writer.write({"kind": "summary", **counts, "trials": args.trials, "kinds": sorted(set(KINDS))})
     return counts
   finally:
     shutil.rmtree(scratch, ignore_errors=True)
@@ -290,8 +354,11 @@ def main(argv=None):
   parser.add_argument("--worker", action="store_true", help="(internal) one training process")
   parser.add_argument("--workdir")
   parser.add_argument("--trials", type=int, default=21)
-  parser.add_argument("--no_cache", action="store_true", help="compile every launch with "
-                      "XLA's full pipeline and no persistent cache (slower)")
+  parser.add_argument(
+    "--no_cache",
+    action="store_true",
+    help="compile every launch with XLA's full pipeline and no persistent cache (slower)",
+  )
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--out", default="", help="append JSON lines here")
   args = parser.parse_args(argv)

@@ -41,8 +41,10 @@ class Segment:
       if not isinstance(v, int) or isinstance(v, bool) or v < 0:
         raise ValueError(f"Segment {self.name!r}: {name}={v!r}, expected an int >= 0")
     if self.scored > self.tokens:
-      raise ValueError(f"Segment {self.name!r}: scored={self.scored} > tokens={self.tokens}, "
-                       "expected scored <= tokens")
+      raise ValueError(
+        f"Segment {self.name!r}: scored={self.scored} > tokens={self.tokens}, "
+        "expected scored <= tokens"
+      )
 
   def pairs(self, dense: bool = False) -> int:
     """Query x key pairs of one sequence: causal (each allowed pair once) or dense."""
@@ -65,8 +67,7 @@ def layer_macs(cfg, kind: str = "full_attention") -> int:
     Kl, Nl = cfg.linear_key_heads, cfg.linear_value_heads
     Hl, J, Wc = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel
     C = 2 * Kl * Hl + Nl * J
-    return (D * C + D * Nl * J + 2 * D * Nl + Nl * J * D + C * Wc + 3 * Nl * Hl * J
-            + 3 * D * F)
+    return D * C + D * Nl * J + 2 * D * Nl + Nl * J * D + C * Wc + 3 * Nl * Hl * J + 3 * D * F
   raise ValueError(f"kind={kind!r}: expected 'full_attention' or 'linear_attention'")
 
 
@@ -77,8 +78,7 @@ def _kinds(cfg) -> list:
 def position_macs(cfg) -> int:
   """MACs of every layer for one position (the per-pair attention excluded)."""
   kinds = _kinds(cfg)
-  return sum(kinds.count(k) * layer_macs(cfg, k) for k in ("full_attention",
-                                                           "linear_attention"))
+  return sum(kinds.count(k) * layer_macs(cfg, k) for k in ("full_attention", "linear_attention"))
 
 
 def pair_macs(cfg) -> int:
@@ -96,8 +96,7 @@ def head_macs(cfg, value_head: bool = False) -> int:
 
 def forward_macs(cfg, segments, dense: bool = False, value_head: bool = False) -> int:
   pos, pair, head = position_macs(cfg), pair_macs(cfg), head_macs(cfg, value_head)
-  return sum(s.n * (s.tokens * pos + s.pairs(dense) * pair + s.scored * head)
-             for s in segments)
+  return sum(s.n * (s.tokens * pos + s.pairs(dense) * pair + s.scored * head) for s in segments)
 
 
 def step_flops(cfg, segments, dense: bool = False, value_head: bool = False) -> int:
@@ -139,8 +138,9 @@ def tree(B: int, P: int, fanouts, lengths, mode: str) -> tuple:
   naive: every root-to-leaf path as its own sequence; flat: the prompt once, each leaf's
   whole response (its ancestors' tokens re-run) as one tail; tree: every node once."""
   if len(fanouts) != len(lengths):
-    raise ValueError(f"fanouts={tuple(fanouts)} and lengths={tuple(lengths)}: expected one "
-                     "length per level")
+    raise ValueError(
+      f"fanouts={tuple(fanouts)} and lengths={tuple(lengths)}: expected one length per level"
+    )
   leaves, response = math.prod(fanouts), sum(lengths)
   if mode == "naive":
     return (Segment("paths", B * leaves, P + response, 0, response),)
@@ -155,5 +155,7 @@ def tree_flop_ratios(cfg, B: int, P: int, fanouts, lengths, dense: bool = True) 
   """{"flat": naive over flat replay, "tree": naive over tree replay} of tree(...) layouts
   (bench_tree.py's flat_flop_ratio and tree_flop_ratio; dense: as executed)."""
   naive = tree(B, P, fanouts, lengths, "naive")
-  return {m: useful_flop_ratio(cfg, naive, tree(B, P, fanouts, lengths, m), dense)
-          for m in ("flat", "tree")}
+  return {
+    m: useful_flop_ratio(cfg, naive, tree(B, P, fanouts, lengths, m), dense)
+    for m in ("flat", "tree")
+  }

@@ -22,8 +22,12 @@ from absl import app, flags  # noqa: E402
 from experiments import compare  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("kernel", "tokamax", ["tokamax", "reference"], "reference: tokamax's "
-                  "contract in plain jax (checks the dispatch and merge on a CPU)")
+flags.DEFINE_enum(
+  "kernel",
+  "tokamax",
+  ["tokamax", "reference"],
+  "reference: tokamax's contract in plain jax (checks the dispatch and merge on a CPU)",
+)
 flags.DEFINE_string("preset", "small", "model preset of the step check")
 flags.DEFINE_integer("prefix_len", 512, "P")
 flags.DEFINE_integer("tail_len", 64, "T")
@@ -37,6 +41,7 @@ def attention_check():
   import jax.numpy as jnp
   import numpy as np
   from models import attention
+
   rng = np.random.default_rng(0)
   B, R, T, P, N, K, H = 2, FLAGS.branches, FLAGS.tail_len, FLAGS.prefix_len, 8, 4, 128
   valid_BP = np.arange(P)[None] >= np.array([[P // 3], [0]])
@@ -45,10 +50,14 @@ def attention_check():
   tvalid = np.arange(T)[None] < lens[:, None]
   tpos = np.cumsum(tvalid, 1) - tvalid + np.repeat(valid_BP.sum(1), R)[:, None]
   new = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
-  segs = [attention.KeySegment(new(B, P, K, H), new(B, P, K, H), jnp.asarray(pos_BP),
-                               jnp.asarray(valid_BP)),
-          attention.KeySegment(new(B * R, T, K, H), new(B * R, T, K, H), jnp.asarray(tpos),
-                               jnp.asarray(tvalid), causal=True)]
+  segs = [
+    attention.KeySegment(
+      new(B, P, K, H), new(B, P, K, H), jnp.asarray(pos_BP), jnp.asarray(valid_BP)
+    ),
+    attention.KeySegment(
+      new(B * R, T, K, H), new(B * R, T, K, H), jnp.asarray(tpos), jnp.asarray(tvalid), causal=True
+    ),
+  ]
   q = new(B * R, T, N, H)
   w = new(B * R, T, N, H)
 
@@ -57,6 +66,7 @@ def attention_check():
       ss = [s._replace(k_BSKH=k, v_BSKH=v) for s, (k, v) in zip(segs, kvs)]
       o = attention.attend(q, jnp.asarray(tpos), jnp.asarray(tvalid), ss, impl=impl)
       return jnp.sum(o * w), o
+
     kvs = [(s.k_BSKH, s.v_BSKH) for s in segs]
     (_, o), g = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(q, kvs)
     return o, g
@@ -71,21 +81,28 @@ def step_check():
   import numpy as np
   from branch_replay.core import losses, policy, tree
   from models import config, transformer as tfm
+
   P, T, R = FLAGS.prefix_len, FLAGS.tail_len, FLAGS.branches
   cfgs = {impl: config.preset(FLAGS.preset, attention=impl) for impl in ("fused", "blockwise")}
   params = tfm.init_params(cfgs["blockwise"], jax.random.key(0))
   rng = np.random.default_rng(0)
   V = cfgs["blockwise"].vocab_size
-  batch = tree.flat(prefix_BP=jnp.asarray(rng.integers(0, V, (1, P)), jnp.int32),
-                    prefix_valid_BP=jnp.ones((1, P), bool),
-                    tails_BRT=jnp.asarray(rng.integers(0, V, (1, R, T)), jnp.int32),
-                    tail_valid_BRT=jnp.ones((1, R, T), bool),
-                    advantages_BR=jnp.asarray(rng.normal(size=(1, R)), jnp.float32))
-  out = {impl: jax.jit(lambda p, b, c=c: policy.loss_and_grad(
-      p, b, c, losses.LossConfig("grpo"), "replay")[::2])(params, batch)
-      for impl, c in cfgs.items()}
-  names = ["loss"] + [jax.tree_util.keystr(k) for k, _ in
-                      jax.tree_util.tree_leaves_with_path(params)]
+  batch = tree.flat(
+    prefix_BP=jnp.asarray(rng.integers(0, V, (1, P)), jnp.int32),
+    prefix_valid_BP=jnp.ones((1, P), bool),
+    tails_BRT=jnp.asarray(rng.integers(0, V, (1, R, T)), jnp.int32),
+    tail_valid_BRT=jnp.ones((1, R, T), bool),
+    advantages_BR=jnp.asarray(rng.normal(size=(1, R)), jnp.float32),
+  )
+  out = {
+    impl: jax.jit(
+      lambda p, b, c=c: policy.loss_and_grad(p, b, c, losses.LossConfig("grpo"), "replay")[::2]
+    )(params, batch)
+    for impl, c in cfgs.items()
+  }
+  names = ["loss"] + [
+    jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)
+  ]
   return compare.tree_rel_errs(out["fused"], out["blockwise"], names)
 
 
@@ -94,17 +111,29 @@ def main(argv):
   import jax
   from experiments import provenance
   from models.attention import fused as attention_fused
+
   if FLAGS.kernel == "reference":  # the dispatch and merge, on any backend
     attention_fused.unavailable_reason = lambda: None
     attention_fused.kernel = attention_fused.reference_kernel
   with jax.default_matmul_precision("highest"):
     errs = {"attention": attention_check(), "step": step_check()}
   worst = max((e, f"{part}:{name}") for part, d in errs.items() for name, e in d.items())
-  row = dict(check="fused_vs_blockwise", kernel=FLAGS.kernel, preset=FLAGS.preset,
-             prefix_len=FLAGS.prefix_len, tail_len=FLAGS.tail_len, branches=FLAGS.branches,
-             dtype="float32", rtol=FLAGS.rtol, max_rel_err=worst[0], worst_leaf=worst[1],
-             passed=worst[0] <= FLAGS.rtol, errors=errs, device=attention_fused.device_found(),
-             provenance=provenance.provenance())
+  row = dict(
+    check="fused_vs_blockwise",
+    kernel=FLAGS.kernel,
+    preset=FLAGS.preset,
+    prefix_len=FLAGS.prefix_len,
+    tail_len=FLAGS.tail_len,
+    branches=FLAGS.branches,
+    dtype="float32",
+    rtol=FLAGS.rtol,
+    max_rel_err=worst[0],
+    worst_leaf=worst[1],
+    passed=worst[0] <= FLAGS.rtol,
+    errors=errs,
+    device=attention_fused.device_found(),
+    provenance=provenance.provenance(),
+  )
   provenance.emit(row, FLAGS.out)
   sys.exit(0 if row["passed"] else 1)
 

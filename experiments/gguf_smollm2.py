@@ -16,8 +16,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from absl import app, flags
 
 flags.DEFINE_string("out", "", "Append the JSON lines here ('' prints only).")
-flags.DEFINE_multi_string("prompt", ["What is 17 + 25? Answer with just the number."],
-                          "User turns (repeatable).")
+flags.DEFINE_multi_string(
+  "prompt", ["What is 17 + 25? Answer with just the number."], "User turns (repeatable)."
+)
 flags.DEFINE_integer("max_new_tokens", 32, "Greedy tokens per answer (stops at <|im_end|>).")
 FLAGS = flags.FLAGS
 
@@ -32,6 +33,7 @@ def main(argv):
   from branch_replay.data import tokenizer as tokenizer_lib
   from experiments import provenance
   from models import gguf
+
   t_import = time.perf_counter() - t0
   path = gguf.smollm2_path()
   t = time.perf_counter()
@@ -45,26 +47,53 @@ def main(argv):
   tok = tokenizer_lib.from_model_dir(path, gguf.read_config(path))
   t_tokenizer = time.perf_counter() - t
   writer = provenance.ResultsWriter(FLAGS.out, "gguf_smollm2")
-  writer.write(dict(what="load", file=os.path.basename(path), bytes=os.path.getsize(path),
-                    import_s=round(t_import, 2), metadata_s=round(t_metadata, 2),
-                    weights_s=round(t_weights, 2), tokenizer_s=round(t_tokenizer, 2),
-                    load_total_s=round(t_metadata + t_weights + t_tokenizer, 2),
-                    n_params=int(sum(x.size for x in jax.tree.leaves(params))),
-                    model=dict(d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
-                               n_kv_heads=cfg.n_kv_heads, vocab=cfg.vocab_size,
-                               tie=cfg.tie_embeddings, rope_theta=cfg.rope_theta)))
+  writer.write(
+    dict(
+      what="load",
+      file=os.path.basename(path),
+      bytes=os.path.getsize(path),
+      import_s=round(t_import, 2),
+      metadata_s=round(t_metadata, 2),
+      weights_s=round(t_weights, 2),
+      tokenizer_s=round(t_tokenizer, 2),
+      load_total_s=round(t_metadata + t_weights + t_tokenizer, 2),
+      n_params=int(sum(x.size for x in jax.tree.leaves(params))),
+      model=dict(
+        d_model=cfg.d_model,
+        n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads,
+        n_kv_heads=cfg.n_kv_heads,
+        vocab=cfg.vocab_size,
+        tie=cfg.tie_embeddings,
+        rope_theta=cfg.rope_theta,
+      ),
+    )
+  )
   for prompt in FLAGS.prompt:
     text, bos = tok.chat_template.render(prompt)
     ids = tok.encode(text, bos=bos)
     t = time.perf_counter()
-    s = sampler.sample(params, cfg, sampler.SamplerConfig(max_new_tokens=FLAGS.max_new_tokens,
-                                                          temperature=0.0),
-                       jnp.asarray([ids], jnp.int32), jnp.ones((1, len(ids)), bool),
-                       jax.random.key(0), 1, stop_tokens=tok.stop_ids)
+    s = sampler.sample(
+      params,
+      cfg,
+      sampler.SamplerConfig(max_new_tokens=FLAGS.max_new_tokens, temperature=0.0),
+      jnp.asarray([ids], jnp.int32),
+      jnp.ones((1, len(ids)), bool),
+      jax.random.key(0),
+      1,
+      stop_tokens=tok.stop_ids,
+    )
     out = np.asarray(s.tokens_BRT)[0, 0][np.asarray(s.valid_BRT)[0, 0]]
-    writer.write(dict(what="greedy", prompt=prompt, prompt_tokens=len(ids),
-                      answer=tok.decode(out), answer_ids=out.tolist(),
-                      sample_s=round(time.perf_counter() - t, 2)))
+    writer.write(
+      dict(
+        what="greedy",
+        prompt=prompt,
+        prompt_tokens=len(ids),
+        answer=tok.decode(out),
+        answer_ids=out.tolist(),
+        sample_s=round(time.perf_counter() - t, 2),
+      )
+    )
 
 
 if __name__ == "__main__":

@@ -17,15 +17,31 @@ import math
 import re
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4,
-               "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+DTYPE_BYTES = {
+  "pred": 1,
+  "s8": 1,
+  "u8": 1,
+  "s16": 2,
+  "u16": 2,
+  "bf16": 2,
+  "f16": 2,
+  "s32": 4,
+  "u32": 4,
+  "f32": 4,
+  "s64": 8,
+  "u64": 8,
+  "f64": 8,
+}
 
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+(" + "|".join(KINDS) +
-                 r")(?:-start)?\(")
+_OP = re.compile(
+  r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+(" + "|".join(KINDS) + r")(?:-start)?\("
+)
 _ARRAY = re.compile(r"\b(\w+)\[([\d,]*)\]")
-_CALLEE = re.compile(r"\b(?:body|condition|calls|to_apply|true_computation|"
-                     r"false_computation)=%?([\w.\-]+)")
+_CALLEE = re.compile(
+  r"\b(?:body|condition|calls|to_apply|true_computation|"
+  r"false_computation)=%?([\w.\-]+)"
+)
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _BODY = re.compile(r"\bbody=%?([\w.\-]+)")
@@ -52,8 +68,10 @@ class Collective:
 def _group_size(line: str) -> int:
   m = _GROUPS_MESH.search(line)
   if m:
-    sizes = {k.strip("' "): int(v) for k, v in
-             (item.split("=") for item in m.group(1).split(",") if item.strip())}
+    sizes = {
+      k.strip("' "): int(v)
+      for k, v in (item.split("=") for item in m.group(1).split(",") if item.strip())
+    }
     return math.prod(sizes[a.strip("' ")] for a in m.group(2).split(",") if a.strip())
   m = _GROUPS_IOTA.search(line)
   if m:
@@ -108,11 +126,13 @@ def collectives(hlo_text: str) -> list[Collective]:
       m = _OP.match(line)
       if not m:
         continue
-      arrays = tuple((d, tuple(int(x) for x in dims.split(",") if x))
-                     for d, dims in _ARRAY.findall(m.group(1)))
+      arrays = tuple(
+        (d, tuple(int(x) for x in dims.split(",") if x)) for d, dims in _ARRAY.findall(m.group(1))
+      )
       name = _OP_NAME.search(line)
-      out.append(Collective(m.group(2), arrays, _group_size(line), times,
-                            name.group(1) if name else ""))
+      out.append(
+        Collective(m.group(2), arrays, _group_size(line), times, name.group(1) if name else "")
+      )
   return out
 
 

@@ -12,6 +12,7 @@ import time
 def matmul_gflops(n=2048, reps=5):
   import jax
   import jax.numpy as jnp
+
   a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
   f = jax.jit(lambda x: x @ x)
   f(a).block_until_ready()
@@ -20,7 +21,7 @@ def matmul_gflops(n=2048, reps=5):
     t0 = time.perf_counter()
     f(a).block_until_ready()
     times.append(time.perf_counter() - t0)
-  return 2 * n ** 3 / sorted(times)[len(times) // 2] / 1e9
+  return 2 * n**3 / sorted(times)[len(times) // 2] / 1e9
 
 
 def release_freed_heap() -> bool:
@@ -30,6 +31,7 @@ def release_freed_heap() -> bool:
   step uses. The benchmarks call it for every side alike before their timed steps."""
   import ctypes
   import ctypes.util
+
   name = ctypes.util.find_library("c")
   if not name:
     return False
@@ -45,6 +47,7 @@ class PeakRSS:
 
   def __init__(self, interval=0.002):
     import psutil
+
     self._proc, self._interval, self.peak, self._stop = psutil.Process(), interval, 0, False
 
   def __enter__(self):
@@ -63,8 +66,9 @@ class PeakRSS:
     self._thread.join()
 
 
-def wait_for_quiet(max_load: float, timeout_s: float, poll_s: float, load_fn=None, sleep=None,
-                   clock=None) -> dict:
+def wait_for_quiet(
+  max_load: float, timeout_s: float, poll_s: float, load_fn=None, sleep=None, clock=None
+) -> dict:
   """Poll the 1-minute load average until it is below max_load (max_load <= 0: no wait).
   Returns dict(quiet, waited_s, load_at_start, loads: the readings); quiet=False when
   timeout_s passed first. load_fn, sleep and clock are injectable (tests)."""
@@ -77,13 +81,19 @@ def wait_for_quiet(max_load: float, timeout_s: float, poll_s: float, load_fn=Non
   while loads[-1] >= max_load and clock() - t0 < timeout_s:
     sleep(min(poll_s, max(timeout_s - (clock() - t0), 0.0)))
     loads.append(round(load_fn(), 2))
-  return dict(quiet=loads[-1] < max_load, waited_s=round(clock() - t0, 1),
-              load_at_start=loads[-1], loads=loads[-20:], max_load=max_load)
+  return dict(
+    quiet=loads[-1] < max_load,
+    waited_s=round(clock() - t0, 1),
+    load_at_start=loads[-1],
+    loads=loads[-20:],
+    max_load=max_load,
+  )
 
 
 def busy_cpu_seconds() -> float:
   """The machine's non-idle CPU seconds so far, summed over cores (psutil)."""
   import psutil
+
   t = psutil.cpu_times()
   return sum(t) - t.idle - getattr(t, "iowait", 0.0)
 
@@ -104,10 +114,15 @@ def compile_replay_step(cfg, mesh, B: int, P: int, R: int, T: int):
   import optax
   from branch_replay.core import losses, sharding, tree
   from models import transformer as tfm
+
   sds = jax.ShapeDtypeStruct
-  batch = tree.flat(prefix_BP=sds((B, P), jnp.int32), prefix_valid_BP=sds((B, P), bool),
-                    tails_BRT=sds((B, R, T), jnp.int32), tail_valid_BRT=sds((B, R, T), bool),
-                    advantages_BR=sds((B, R), jnp.float32))
+  batch = tree.flat(
+    prefix_BP=sds((B, P), jnp.int32),
+    prefix_valid_BP=sds((B, P), bool),
+    tails_BRT=sds((B, R, T), jnp.int32),
+    tail_valid_BRT=sds((B, R, T), bool),
+    advantages_BR=sds((B, R), jnp.float32),
+  )
   loss_cfg = losses.LossConfig(name="grpo")
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-6))
   params = jax.eval_shape(lambda: tfm.init_params(cfg, jax.random.key(0)))
@@ -123,6 +138,9 @@ def compile_replay_step(cfg, mesh, B: int, P: int, R: int, T: int):
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
-  compiled = jax.jit(step, donate_argnums=(0, 1), out_shardings=(p_sh, o_sh, None)).lower(
-      params, opt_state, batch).compile()
+  compiled = (
+    jax.jit(step, donate_argnums=(0, 1), out_shardings=(p_sh, o_sh, None))
+    .lower(params, opt_state, batch)
+    .compile()
+  )
   return compiled, (params, opt_state)

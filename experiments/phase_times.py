@@ -29,8 +29,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("sft_steps", 100, "warm-up steps (the default run: 600; the policy "
-                     "then answers more alike, as in the default run)")
+flags.DEFINE_integer(
+  "sft_steps",
+  100,
+  "warm-up steps (the default run: 600; the policy then answers more alike, as in the default run)",
+)
 flags.DEFINE_integer("rl_steps", 20, "RL steps per mode (the default run: 150)")
 flags.DEFINE_list("modes", ["replay", "naive", "auto_tree"], "replay | naive | auto_tree")
 flags.DEFINE_multi_string("set", [], "extra config overrides, as run.py's --set")
@@ -48,8 +51,9 @@ def summarize(records) -> dict:
   row = {f"{p}_s": round(median(f"time/{p}_s"), 5) for p in PHASES}
   row["step_s"] = round(median("time/step_s"), 5)
   row["other_s"] = round(row["step_s"] - sum(row[f"{p}_s"] for p in PHASES), 5)
-  row.update({f"total_{p}_s": round(sum(r.get(f"time/{p}_s") or 0.0 for r in rl), 3)
-              for p in PHASES})
+  row.update(
+    {f"total_{p}_s": round(sum(r.get(f"time/{p}_s") or 0.0 for r in rl), 3) for p in PHASES}
+  )
   row["total_rl_step_s"] = round(sum(r["time/step_s"] for r in rl), 3)
   row["rl_computed_tokens"] = int(sum(r["replay/computed_tokens"] for r in rl))
   row["reward_mean"] = round(statistics.mean(r["reward/mean"] for r in rl), 4)
@@ -67,10 +71,17 @@ def main(argv):
   from branch_replay.train import metrics, trainer
   from experiments import provenance
   from experiments.configs import grpo_haystack
+
   writer = provenance.ResultsWriter(FLAGS.out, experiment="phase_times")
-  base = [f"train.sft_steps={FLAGS.sft_steps}", f"train.rl_steps={FLAGS.rl_steps}",
-          "train.eval_size=0", "train.progress=false", "train.plot=false",
-          f"train.checkpoint_every={FLAGS.sft_steps + FLAGS.rl_steps}", *FLAGS.set]
+  base = [
+    f"train.sft_steps={FLAGS.sft_steps}",
+    f"train.rl_steps={FLAGS.rl_steps}",
+    "train.eval_size=0",
+    "train.progress=false",
+    "train.plot=false",
+    f"train.checkpoint_every={FLAGS.sft_steps + FLAGS.rl_steps}",
+    *FLAGS.set,
+  ]
   with tempfile.TemporaryDirectory() as tmp:
     for mode in FLAGS.modes:
       if mode not in OVERRIDES:
@@ -79,10 +90,16 @@ def main(argv):
       t0, c0 = time.perf_counter(), time.process_time()
       summary = trainer.run(cfg, os.path.join(tmp, mode))
       wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-      row = dict(mode=mode, sft_steps=FLAGS.sft_steps, rl_steps=FLAGS.rl_steps,
-                 overrides=base + OVERRIDES[mode], **summarize(metrics.read(summary["metrics"])),
-                 run_wall_s=round(wall, 2), run_cpu_s=round(cpu, 2),
-                 load_avg_1m=round(os.getloadavg()[0], 2))
+      row = dict(
+        mode=mode,
+        sft_steps=FLAGS.sft_steps,
+        rl_steps=FLAGS.rl_steps,
+        overrides=base + OVERRIDES[mode],
+        **summarize(metrics.read(summary["metrics"])),
+        run_wall_s=round(wall, 2),
+        run_cpu_s=round(cpu, 2),
+        load_avg_1m=round(os.getloadavg()[0], 2),
+      )
       writer.write(row)
 
 

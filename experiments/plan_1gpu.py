@@ -69,15 +69,30 @@ def define_flags():
   flags.DEFINE_string("out", "", "append JSON lines here")
 
 
-QWEN3_8B = dict(vocab_size=151936, d_model=4096, n_layers=36, n_heads=32, n_kv_heads=8,
-                head_dim=128, mlp_hidden=12288, rope_theta=1000000.0, qk_norm=True)
+QWEN3_8B = dict(
+  vocab_size=151936,
+  d_model=4096,
+  n_layers=36,
+  n_heads=32,
+  n_kv_heads=8,
+  head_dim=128,
+  mlp_hidden=12288,
+  rope_theta=1000000.0,
+  qk_norm=True,
+)
 
 
-def model_config(name: str, layers: int = 0, mlp_chunk: int = 8192,
-                 logits_chunk_rows: bool = True, attention: str = "blockwise"):
+def model_config(
+  name: str,
+  layers: int = 0,
+  mlp_chunk: int = 8192,
+  logits_chunk_rows: bool = True,
+  attention: str = "blockwise",
+):
   """The plan's model: bf16 weights and compute, full remat, scanned layers, chunks."""
   from experiments import cost_model
   from models import transformer as tfm
+
   if name == "llama3_8b":
     base = cost_model.LLAMA3_8B
   elif name == "qwen3_8b":
@@ -86,15 +101,27 @@ def model_config(name: str, layers: int = 0, mlp_chunk: int = 8192,
     base = tfm.preset("tiny", attention_block_q=16, attention_block_k=16, logits_chunk=16)
   else:
     raise ValueError(f"--model={name!r}: expected 'llama3_8b', 'qwen3_8b' or 'tiny'")
-  cfg = dataclasses.replace(base, dtype="bfloat16", param_dtype="bfloat16", remat="full",
-                            scan_layers=True, attention=attention,
-                            mlp_chunk=mlp_chunk or None, logits_chunk_rows=logits_chunk_rows)
+  cfg = dataclasses.replace(
+    base,
+    dtype="bfloat16",
+    param_dtype="bfloat16",
+    remat="full",
+    scan_layers=True,
+    attention=attention,
+    mlp_chunk=mlp_chunk or None,
+    logits_chunk_rows=logits_chunk_rows,
+  )
   return dataclasses.replace(cfg, n_layers=layers) if layers else cfg
 
 
 def check_row(P: int, T: int, R: int, B: int, rank: int) -> None:
-  for name, v in (("prefix_len", P), ("tail_len", T), ("branches", R), ("prompts", B),
-                  ("rank", rank)):
+  for name, v in (
+    ("prefix_len", P),
+    ("tail_len", T),
+    ("branches", R),
+    ("prompts", B),
+    ("rank", rank),
+  ):
     if not isinstance(v, int) or v < 1:
       raise ValueError(f"--{name}={v!r}: expected an int >= 1")
 
@@ -107,13 +134,15 @@ def lora_step(cfg, rank: int):
   from branch_replay.core import losses
   from branch_replay.core import lora as lora_train
   from models import lora
+
   lora_cfg = lora.LoraConfig(rank=rank, alpha=2.0 * rank)
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-5))
   loss_cfg = losses.LossConfig(name="grpo")
 
   def step(base, adapters, opt_state, batch):
-    loss, _, grads = lora_train.loss_and_grad(base, adapters, batch, cfg, loss_cfg, lora_cfg,
-                                              "replay")
+    loss, _, grads = lora_train.loss_and_grad(
+      base, adapters, batch, cfg, loss_cfg, lora_cfg, "replay"
+    )
     updates, opt_state = tx.update(grads, opt_state, adapters)
     return optax.apply_updates(adapters, updates), opt_state, loss
 
@@ -126,19 +155,25 @@ def abstract_args(cfg, lora_cfg, tx, B, P, R, T):
   from branch_replay.core import tree
   from models import lora
   from models import transformer as tfm
+
   sds = jax.ShapeDtypeStruct
   base = jax.eval_shape(lambda: tfm.init_params(cfg, jax.random.key(0)))
   adapter_cfg = dataclasses.replace(cfg, param_dtype="float32")  # fp32 adapter masters
   adapters = jax.eval_shape(lambda: lora.init_adapters(adapter_cfg, lora_cfg, jax.random.key(1)))
   opt_state = jax.eval_shape(tx.init, adapters)
-  batch = tree.flat(prefix_BP=sds((B, P), jnp.int32), prefix_valid_BP=sds((B, P), bool),
-                    tails_BRT=sds((B, R, T), jnp.int32), tail_valid_BRT=sds((B, R, T), bool),
-                    advantages_BR=sds((B, R), jnp.float32))
+  batch = tree.flat(
+    prefix_BP=sds((B, P), jnp.int32),
+    prefix_valid_BP=sds((B, P), bool),
+    tails_BRT=sds((B, R, T), jnp.int32),
+    tail_valid_BRT=sds((B, R, T), bool),
+    advantages_BR=sds((B, R), jnp.float32),
+  )
   return base, adapters, opt_state, batch
 
 
 def nbytes(tree) -> int:
   import jax
+
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
@@ -148,6 +183,7 @@ def gpu_estimate(cfg, B, P, R, T, adapter_params: int) -> dict:
   moments (16 B/param), plus one stacked bf16 copy of the layers' weights (the scan's); the
   logits block at 1,024 tokens, the MLP's working set chunked."""
   from experiments import cost_model, flops
+
   shape = cost_model.Shape(B, R, P, T)
   ex = cost_model.Execution(attention="flash", remat=True, compute_bytes=2, logits_chunk=1024)
   parts = cost_model.memory(cfg, shape, "replay", ex)
@@ -170,22 +206,31 @@ def predict(cfg, B, P, R, T) -> dict:
   at 40% / 60% MFU, and cost_model's prediction (remat's extra forward, flash attention)."""
   from experiments import cost_model, flops
   from experiments.plan_8gpu import FLASH_EFFICIENCY, FLASH_RANGE, MATMUL_EFFICIENCY
+
   useful = flops.step_flops(cfg, flops.flat(B, R, P, T, "replay"))
   shape = cost_model.Shape(B, R, P, T)
   ex = cost_model.Execution(attention="flash", remat=True, compute_bytes=2)
   counts = cost_model.step_counts(cfg, shape, "replay", ex)
   ew = cost_model.layer_table(cfg, shape, "replay", ex)["elementwise_bytes"] * cfg.n_layers
-  out = dict(useful_pflop=round(useful / 1e15, 3),
-             executed_pflop=round(counts["total_flops"] / 1e15, 3), step_s={})
+  out = dict(
+    useful_pflop=round(useful / 1e15, 3),
+    executed_pflop=round(counts["total_flops"] / 1e15, 3),
+    step_s={},
+  )
   for gpu in cost_model.GPUS:
     name = next(n for n in ("H200", "H100", "H20") if n in gpu.name)
     one = dataclasses.replace(gpu, name=name)
     t = cost_model.predict_time(counts, MATMUL_EFFICIENCY, FLASH_EFFICIENCY, one, 1, ew, 0.0)
-    lo, hi = (cost_model.predict_time(counts, MATMUL_EFFICIENCY, e, one, 1, ew, 0.0)["step_s"]
-              for e in FLASH_RANGE[::-1])
+    lo, hi = (
+      cost_model.predict_time(counts, MATMUL_EFFICIENCY, e, one, 1, ew, 0.0)["step_s"]
+      for e in FLASH_RANGE[::-1]
+    )
     row = {f"mfu_{int(m * 100)}": round(useful / (m * gpu.bf16_tflops * 1e12), 1) for m in MFUS}
-    row.update(cost_model=round(t["step_s"], 1), cost_model_range=[round(lo, 1), round(hi, 1)],
-               cost_model_mfu=round(useful / (t["step_s"] * gpu.bf16_tflops * 1e12), 3))
+    row.update(
+      cost_model=round(t["step_s"], 1),
+      cost_model_range=[round(lo, 1), round(hi, 1)],
+      cost_model_mfu=round(useful / (t["step_s"] * gpu.bf16_tflops * 1e12), 3),
+    )
     out["step_s"][name] = row
   return out
 
@@ -200,26 +245,50 @@ def compile_row(model: str, P: int, layers: int) -> dict:
   t0 = time.time()
   mem = step.lower(*args).compile().memory_analysis()
   compile_s = time.time() - t0
-  total = (mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
-           - mem.alias_size_in_bytes)
+  total = (
+    mem.argument_size_in_bytes
+    + mem.temp_size_in_bytes
+    + mem.output_size_in_bytes
+    - mem.alias_size_in_bytes
+  )
   gb = lambda b: round(b / 1e9, 3)
   base, adapters, opt_state, _ = args
-  row = dict(model=model, n_layers=cfg.n_layers, full_model=not layers, P=P, T=T, R=R, B=B,
-             rank=FLAGS.rank, targets="q,k,v,o,gate,up,down", base_dtype="bfloat16",
-             adapter_dtype="float32", compute_dtype="bfloat16", remat="full",
-             attention=cfg.attention, mlp_chunk=cfg.mlp_chunk,
-             logits_chunk=cfg.logits_chunk, logits_chunk_rows=cfg.logits_chunk_rows,
-             compile_s=round(compile_s, 1), argument_gb=gb(mem.argument_size_in_bytes),
-             temp_gb=gb(mem.temp_size_in_bytes), output_gb=gb(mem.output_size_in_bytes),
-             alias_gb=gb(mem.alias_size_in_bytes), total_gb=gb(total), total_bytes=total,
-             base_gb=gb(nbytes(base)), adapter_params=nbytes(adapters) // 4,
-             adapter_state_gb=gb(2 * nbytes(adapters) + nbytes(opt_state)),
-             fits={g: total / 1e9 <= cap for g, cap in GPU_GB.items()},
-             fits_with_headroom={g: total / 1e9 <= HEADROOM * cap for g, cap in GPU_GB.items()},
-             memory_backend="cpu (proxy: bf16 intermediates stored as f32)")
+  row = dict(
+    model=model,
+    n_layers=cfg.n_layers,
+    full_model=not layers,
+    P=P,
+    T=T,
+    R=R,
+    B=B,
+    rank=FLAGS.rank,
+    targets="q,k,v,o,gate,up,down",
+    base_dtype="bfloat16",
+    adapter_dtype="float32",
+    compute_dtype="bfloat16",
+    remat="full",
+    attention=cfg.attention,
+    mlp_chunk=cfg.mlp_chunk,
+    logits_chunk=cfg.logits_chunk,
+    logits_chunk_rows=cfg.logits_chunk_rows,
+    compile_s=round(compile_s, 1),
+    argument_gb=gb(mem.argument_size_in_bytes),
+    temp_gb=gb(mem.temp_size_in_bytes),
+    output_gb=gb(mem.output_size_in_bytes),
+    alias_gb=gb(mem.alias_size_in_bytes),
+    total_gb=gb(total),
+    total_bytes=total,
+    base_gb=gb(nbytes(base)),
+    adapter_params=nbytes(adapters) // 4,
+    adapter_state_gb=gb(2 * nbytes(adapters) + nbytes(opt_state)),
+    fits={g: total / 1e9 <= cap for g, cap in GPU_GB.items()},
+    fits_with_headroom={g: total / 1e9 <= HEADROOM * cap for g, cap in GPU_GB.items()},
+    memory_backend="cpu (proxy: bf16 intermediates stored as f32)",
+  )
   row["gpu_estimate_gb"] = gpu_estimate(cfg, B, P, R, T, row["adapter_params"])
   row["gpu_estimate_fits_with_headroom"] = {
-      g: row["gpu_estimate_gb"]["total"] <= HEADROOM * cap for g, cap in GPU_GB.items()}
+    g: row["gpu_estimate_gb"]["total"] <= HEADROOM * cap for g, cap in GPU_GB.items()
+  }
   row["prediction"] = predict(cfg, B, P, R, T)
   return row
 
@@ -236,6 +305,7 @@ def run_row(model: str, P: int, emit=lambda row: None) -> dict:
   from experiments import flops
   from models import lora
   from models import transformer as tfm
+
   cfg = model_config(model, 0, FLAGS.mlp_chunk, FLAGS.logits_chunk_rows, FLAGS.attention)
   B, R, T = FLAGS.prompts, FLAGS.branches, FLAGS.tail_len
   check_row(P, T, R, B, FLAGS.rank)
@@ -247,11 +317,13 @@ def run_row(model: str, P: int, emit=lambda row: None) -> dict:
   adapters = jax.tree.map(lambda x: x + 1e-3, adapters)  # B != 0: both adapter halves move
   opt_state = tx.init(adapters)
   rng = np.random.default_rng(0)
-  batch = tree.flat(prefix_BP=jnp.asarray(rng.integers(0, cfg.vocab_size, (B, P)), jnp.int32),
-                    prefix_valid_BP=jnp.ones((B, P), bool),
-                    tails_BRT=jnp.asarray(rng.integers(0, cfg.vocab_size, (B, R, T)), jnp.int32),
-                    tail_valid_BRT=jnp.ones((B, R, T), bool),
-                    advantages_BR=jnp.asarray(rng.normal(size=(B, R)), jnp.float32))
+  batch = tree.flat(
+    prefix_BP=jnp.asarray(rng.integers(0, cfg.vocab_size, (B, P)), jnp.int32),
+    prefix_valid_BP=jnp.ones((B, P), bool),
+    tails_BRT=jnp.asarray(rng.integers(0, cfg.vocab_size, (B, R, T)), jnp.int32),
+    tail_valid_BRT=jnp.ones((B, R, T), bool),
+    advantages_BR=jnp.asarray(rng.normal(size=(B, R)), jnp.float32),
+  )
   jax.block_until_ready((base, adapters, opt_state, batch))
   init_s = time.time() - t0
   t0 = time.time()
@@ -261,12 +333,28 @@ def run_row(model: str, P: int, emit=lambda row: None) -> dict:
   dev = jax.devices()[0]
   gb = lambda b: None if b is None else round(b / 1e9, 3)
   peak_gb = lambda: gb((dev.memory_stats() or {}).get("peak_bytes_in_use"))
-  compiled_gb = None if mem is None else gb(
-      mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
-      - mem.alias_size_in_bytes)
-  emit(dict(kind="compiled", model=model, P=P, device_kind=dev.device_kind,
-            init_s=round(init_s, 1), compile_s=round(compile_s, 1),
-            compiled_total_gb=compiled_gb, peak_gb=peak_gb()))
+  compiled_gb = (
+    None
+    if mem is None
+    else gb(
+      mem.argument_size_in_bytes
+      + mem.temp_size_in_bytes
+      + mem.output_size_in_bytes
+      - mem.alias_size_in_bytes
+    )
+  )
+  emit(
+    dict(
+      kind="compiled",
+      model=model,
+      P=P,
+      device_kind=dev.device_kind,
+      init_s=round(init_s, 1),
+      compile_s=round(compile_s, 1),
+      compiled_total_gb=compiled_gb,
+      peak_gb=peak_gb(),
+    )
+  )
   times, losses_ = [], []
   for i in range(FLAGS.reps + 1):
     t0 = time.perf_counter()
@@ -275,23 +363,48 @@ def run_row(model: str, P: int, emit=lambda row: None) -> dict:
     if i:
       times.append(seconds)
     losses_.append(float(loss))
-    emit(dict(kind="step", model=model, P=P, step=i, warm_up=i == 0,
-              seconds=round(seconds, 3), loss=float(loss), peak_gb=peak_gb()))
+    emit(
+      dict(
+        kind="step",
+        model=model,
+        P=P,
+        step=i,
+        warm_up=i == 0,
+        seconds=round(seconds, 3),
+        loss=float(loss),
+        peak_gb=peak_gb(),
+      )
+    )
   stats = dev.memory_stats() or {}
   useful = flops.step_flops(cfg, flops.flat(B, R, P, T, "replay"))
   step_s = float(np.median(times))
   kind = dev.device_kind
   peak = next((v for k, v in PEAK_TFLOPS.items() if k in kind), None)
-  return dict(model=model, n_layers=cfg.n_layers, P=P, T=T, R=R, B=B, rank=FLAGS.rank,
-              attention=cfg.attention, mlp_chunk=cfg.mlp_chunk, device=str(dev),
-              device_kind=kind, init_s=round(init_s, 1), compile_s=round(compile_s, 1),
-              step_s=round(step_s, 3), step_times=[round(t, 3) for t in times],
-              losses=losses_, finite=bool(np.all(np.isfinite(losses_))),
-              useful_pflop=round(useful / 1e15, 3),
-              mfu=None if peak is None else round(useful / (step_s * peak * 1e12), 4),
-              mfu_peak_tflops=peak,
-              peak_gb=gb(stats.get("peak_bytes_in_use")),
-              bytes_limit_gb=gb(stats.get("bytes_limit")), compiled_total_gb=compiled_gb)
+  return dict(
+    model=model,
+    n_layers=cfg.n_layers,
+    P=P,
+    T=T,
+    R=R,
+    B=B,
+    rank=FLAGS.rank,
+    attention=cfg.attention,
+    mlp_chunk=cfg.mlp_chunk,
+    device=str(dev),
+    device_kind=kind,
+    init_s=round(init_s, 1),
+    compile_s=round(compile_s, 1),
+    step_s=round(step_s, 3),
+    step_times=[round(t, 3) for t in times],
+    losses=losses_,
+    finite=bool(np.all(np.isfinite(losses_))),
+    useful_pflop=round(useful / 1e15, 3),
+    mfu=None if peak is None else round(useful / (step_s * peak * 1e12), 4),
+    mfu_peak_tflops=peak,
+    peak_gb=gb(stats.get("peak_bytes_in_use")),
+    bytes_limit_gb=gb(stats.get("bytes_limit")),
+    compiled_total_gb=compiled_gb,
+  )
 
 
 def run_subprocess(model: str, P: int, layers: int, passed, env) -> dict:
@@ -303,8 +416,9 @@ def run_subprocess(model: str, P: int, layers: int, passed, env) -> dict:
   lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
   if lines:
     return json.loads(lines[-1])
-  return dict(model=model, P=P, n_layers=layers, error=f"exit {proc.returncode}: "
-              f"{proc.stderr[-600:]}")
+  return dict(
+    model=model, P=P, n_layers=layers, error=f"exit {proc.returncode}: {proc.stderr[-600:]}"
+  )
 
 
 def main(argv):
@@ -318,16 +432,19 @@ def main(argv):
     for P in FLAGS.prefix_len:
       check_row(P, FLAGS.tail_len, FLAGS.branches, FLAGS.prompts, FLAGS.rank)
   from experiments import provenance
-  writer = provenance.ResultsWriter(FLAGS.out, "plan_1gpu_run" if FLAGS.run else "plan_1gpu",
-                                    with_jax=FLAGS.run)
+
+  writer = provenance.ResultsWriter(
+    FLAGS.out, "plan_1gpu_run" if FLAGS.run else "plan_1gpu", with_jax=FLAGS.run
+  )
   if FLAGS.run:  # in this process, on its device
     for model in FLAGS.model:
       for P in FLAGS.prefix_len:
         writer.write({"kind": "run", **run_row(model, P, writer.write)})
     return
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
-  passed = [a for a in sys.argv[1:] if not a.startswith(("--out", "--prefix_len", "--model",
-                                                         "--layers"))]
+  passed = [
+    a for a in sys.argv[1:] if not a.startswith(("--out", "--prefix_len", "--model", "--layers"))
+  ]
   for model in FLAGS.model:
     for layers in FLAGS.layers:
       for P in FLAGS.prefix_len:

@@ -46,8 +46,12 @@ def define_flags():
   flags.DEFINE_multi_integer("prefix_len", [131072], "P values")
   flags.DEFINE_multi_string("mesh", ["context:8"], "8-device mesh specs")
   flags.DEFINE_multi_string("params", ["fsdp_context"], "fsdp | fsdp_context (see docstring)")
-  flags.DEFINE_string("cache", "sharded", "sharded (the code: the prefix cache crosses to the "
-                      "tails split over the sequence) | gathered (whole on every device)")
+  flags.DEFINE_string(
+    "cache",
+    "sharded",
+    "sharded (the code: the prefix cache crosses to the "
+    "tails split over the sequence) | gathered (whole on every device)",
+  )
   flags.DEFINE_integer("tail_len", 512, "T")
   flags.DEFINE_integer("branches", 16, "R")
   flags.DEFINE_integer("prompts", 1, "B")
@@ -70,6 +74,7 @@ MATMUL_EFFICIENCY, FLASH_EFFICIENCY, FLASH_RANGE = 0.7617, 0.35, (0.2, 0.55)
 def model_config(name: str):
   from experiments import cost_model
   from models import transformer as tfm
+
   if name == "llama3_8b":
     base = cost_model.LLAMA3_8B
   elif name == "small":  # as experiments/context_parallel_memory.py compiles it
@@ -78,13 +83,13 @@ def model_config(name: str):
     base = tfm.preset("tiny", dtype="float32", attention_block_q=16, attention_block_k=16)
   else:
     raise ValueError(f"--model={name!r}: expected 'llama3_8b', 'small' or 'tiny'")
-  return dataclasses.replace(base, remat="full", scan_layers=True,
-                             context_parallel="all_gather")
+  return dataclasses.replace(base, remat="full", scan_layers=True, context_parallel="all_gather")
 
 
 def mesh_sizes(spec: str, n_devices: int = N_DEVICES) -> dict[str, int]:
   """The mesh's axis sizes; ValueError unless they use exactly n_devices."""
   from branch_replay.core import sharding
+
   return sharding.parse_mesh_spec(spec, n_devices)
 
 
@@ -93,20 +98,25 @@ def check_row(P: int, spec: str, params: str, B: int, n_devices: int = N_DEVICES
   `context`, B over data*fsdp, and --params must be one of PARAM_RULES."""
   sizes = mesh_sizes(spec, n_devices)
   if P % sizes["context"]:
-    raise ValueError(f"prefix_len P={P} is not divisible by the mesh's context axis of size "
-                     f"{sizes['context']} (mesh {spec!r}): expected a multiple of "
-                     f"{sizes['context']}")
+    raise ValueError(
+      f"prefix_len P={P} is not divisible by the mesh's context axis of size "
+      f"{sizes['context']} (mesh {spec!r}): expected a multiple of "
+      f"{sizes['context']}"
+    )
   if B % (sizes["data"] * sizes["fsdp"]):
-    raise ValueError(f"prompts B={B} is not divisible by data*fsdp="
-                     f"{sizes['data'] * sizes['fsdp']} (mesh {spec!r}): the batch axis maps "
-                     "to (data, fsdp)")
+    raise ValueError(
+      f"prompts B={B} is not divisible by data*fsdp="
+      f"{sizes['data'] * sizes['fsdp']} (mesh {spec!r}): the batch axis maps "
+      "to (data, fsdp)"
+    )
   if params not in PARAM_RULES:
     raise ValueError(f"params={params!r}: expected one of {PARAM_RULES}")
   return sizes
 
 
-def comm_formula(cfg, B, P, R, T, sizes, params, kv_bytes, weight_bytes, grad_bytes=4,
-                 cache="sharded"):
+def comm_formula(
+  cfg, B, P, R, T, sizes, params, kv_bytes, weight_bytes, grad_bytes=4, cache="sharded"
+):
   """Bytes one device sends per step (ring model), from the shapes, by category.
 
   kv_prefix: the prefix attention's K/V all-gather over `context`, per layer for K and V,
@@ -124,6 +134,7 @@ def comm_formula(cfg, B, P, R, T, sizes, params, kv_bytes, weight_bytes, grad_by
     the branch shards each hold a partial gradient).
   """
   from experiments import cost_model
+
   d, f, t, c = sizes["data"], sizes["fsdp"], sizes["tensor"], sizes["context"]
   L, K, H = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
   kv_elems = B // (d * f) * P * (K // t) * H  # one layer's K (or V), gathered
@@ -137,8 +148,13 @@ def comm_formula(cfg, B, P, R, T, sizes, params, kv_bytes, weight_bytes, grad_by
   else:  # reduce-scatter over fsdp, then an all-reduce of the 1/f shard over context
     grads = n_params * grad_bytes * frac + 2 * n_params / f * grad_bytes * (c - 1) / c
   kv_tails = kv if cache == "sharded" else kv * 2 / 3
-  return dict(kv_prefix=kv, kv_tails=kv_tails, weights=weights, grads=grads,
-              total=kv + kv_tails + weights + grads)
+  return dict(
+    kv_prefix=kv,
+    kv_tails=kv_tails,
+    weights=weights,
+    grads=grads,
+    total=kv + kv_tails + weights + grads,
+  )
 
 
 def param_shapes(cfg, sizes) -> set:
@@ -147,15 +163,23 @@ def param_shapes(cfg, sizes) -> set:
   (a gathered or scattered shard)."""
   import jax
   from models import transformer as tfm
+
   leaves = jax.tree.leaves(jax.eval_shape(lambda: tfm.init_params(cfg, jax.random.key(0))))
-  divisors = {n for n in (sizes["fsdp"], sizes["context"], sizes["tensor"],
-                          sizes["fsdp"] * sizes["context"]) if n > 1}
+  divisors = {
+    n
+    for n in (sizes["fsdp"], sizes["context"], sizes["tensor"], sizes["fsdp"] * sizes["context"])
+    if n > 1
+  }
   out = set()
   for leaf in leaves:
     for s in (tuple(leaf.shape), tuple(leaf.shape[1:])):
       out.add(tuple(sorted(s)))
-      out.update(tuple(sorted(s[:i] + (s[i] // n,) + s[i + 1:])) for i in range(len(s))
-                 for n in divisors if s[i] % n == 0)
+      out.update(
+        tuple(sorted(s[:i] + (s[i] // n,) + s[i + 1 :]))
+        for i in range(len(s))
+        for n in divisors
+        if s[i] % n == 0
+      )
   return out
 
 
@@ -171,6 +195,7 @@ def classify(op, cfg, B, P, sizes, p_shapes) -> str:
   Shapes are compared as sorted dimensions."""
   from experiments import hlo_collectives as hc
   from models.attention import context_parallel as cp
+
   d, f, t, c = sizes["data"], sizes["fsdp"], sizes["tensor"], sizes["context"]
   Bl, K, H = B // (d * f), cfg.n_kv_heads // t, cfg.head_dim
   key = lambda s: tuple(sorted(s))
@@ -184,10 +209,10 @@ def classify(op, cfg, B, P, sizes, p_shapes) -> str:
     return "kv_prefix" if any(s == (Bl, P, K, H) for s, _ in arrays) else "kv_tails"
   if op.kind == "reduce-scatter" and any(s == (Bl, P // c, K, H) for s, _ in arrays):
     return "kv_prefix"
-  param_b = sum(b for s, b in arrays if key(s) in p_shapes and key(s) not in (kv_full,
-                                                                                 kv_shard))
+  param_b = sum(b for s, b in arrays if key(s) in p_shapes and key(s) not in (kv_full, kv_shard))
   if op.kind in ("all-gather", "reduce-scatter", "all-reduce") and param_b * 2 > sum(
-      b for _, b in arrays):
+    b for _, b in arrays
+  ):
     return "weights" if op.kind == "all-gather" else "grads"
   return "other"
 
@@ -198,6 +223,7 @@ FORMULA_CATEGORIES = CATEGORIES[:-1]
 
 def hlo_comm(hlo_text, cfg, B, P, sizes) -> dict:
   from experiments import hlo_collectives as hc
+
   out = {k: 0.0 for k in CATEGORIES}
   n_ops = {k: 0 for k in CATEGORIES}
   p_shapes = param_shapes(cfg, sizes)
@@ -211,11 +237,21 @@ def hlo_comm(hlo_text, cfg, B, P, sizes) -> dict:
   return dict(bytes=out, ops=n_ops)
 
 
-def worker(P: int, spec: str, params_rule: str, model: str = "llama3_8b", B: int = 1,
-           R: int = 16, T: int = 512, hlo_dir: str = "", cache: str = "sharded") -> dict:
+def worker(
+  P: int,
+  spec: str,
+  params_rule: str,
+  model: str = "llama3_8b",
+  B: int = 1,
+  R: int = 16,
+  T: int = 512,
+  hlo_dir: str = "",
+  cache: str = "sharded",
+) -> dict:
   """One row: compile the replay train step for abstract arguments on the mesh's first
   devices (the CLI passes 8-device meshes only; the test a smaller toy mesh)."""
   from branch_replay.core import sharding
+
   cfg = model_config(model)
   n = math.prod(int(s.split(":")[1]) for s in spec.split(","))
   sizes = check_row(P, spec, params_rule, B, n)
@@ -227,8 +263,9 @@ def worker(P: int, spec: str, params_rule: str, model: str = "llama3_8b", B: int
   elif cache != "sharded":
     raise ValueError(f"cache={cache!r}: expected 'sharded' or 'gathered'")
   try:
-    return dict(_compile_row(cfg, P, spec, params_rule, model, B, R, T, n, sizes, hlo_dir,
-                             cache), cache=cache)
+    return dict(
+      _compile_row(cfg, P, spec, params_rule, model, B, R, T, n, sizes, hlo_dir, cache), cache=cache
+    )
   finally:
     sharding.param_rules, sharding.CACHE_AXES = param_rules, cache_axes
 
@@ -237,6 +274,7 @@ def _compile_row(cfg, P, spec, params_rule, model, B, R, T, n, sizes, hlo_dir, c
   import jax
   from branch_replay.core import sharding
   from experiments import measure
+
   mesh = sharding.make_mesh(spec, jax.devices()[:n])
   t0 = time.time()
   compiled, (params, opt_state) = measure.compile_replay_step(cfg, mesh, B, P, R, T)
@@ -255,14 +293,26 @@ def _compile_row(cfg, P, spec, params_rule, model, B, R, T, n, sizes, hlo_dir, c
   gb = lambda b: round(b / 1e9, 3)
   rnd = lambda d: {k: round(v) for k, v in d.items()}
   per_device_gb = gb(report["total_bytes"])
-  return dict(model=model, P=P, T=T, R=R, B=B, mesh=spec, params=params_rule,
-              compile_s=round(compile_s, 1), per_device_gb=per_device_gb,
-              argument_gb=gb(report["argument_bytes"]), output_gb=gb(report["output_bytes"]),
-              temp_gb=gb(report["temp_bytes"]), alias_gb=gb(report["alias_bytes"]),
-              param_opt_gb=gb(sharding.per_device_bytes((params, opt_state))),
-              fits={g: per_device_gb <= cap for g, cap in GPU_GB.items()},
-              hlo_comm_bytes=rnd(hlo["bytes"]), hlo_comm_ops=hlo["ops"],
-              formula_comm_bytes_cpu_dtypes=rnd(formula_cpu))
+  return dict(
+    model=model,
+    P=P,
+    T=T,
+    R=R,
+    B=B,
+    mesh=spec,
+    params=params_rule,
+    compile_s=round(compile_s, 1),
+    per_device_gb=per_device_gb,
+    argument_gb=gb(report["argument_bytes"]),
+    output_gb=gb(report["output_bytes"]),
+    temp_gb=gb(report["temp_bytes"]),
+    alias_gb=gb(report["alias_bytes"]),
+    param_opt_gb=gb(sharding.per_device_bytes((params, opt_state))),
+    fits={g: per_device_gb <= cap for g, cap in GPU_GB.items()},
+    hlo_comm_bytes=rnd(hlo["bytes"]),
+    hlo_comm_ops=hlo["ops"],
+    formula_comm_bytes_cpu_dtypes=rnd(formula_cpu),
+  )
 
 
 def predict(row: dict) -> dict:
@@ -272,54 +322,81 @@ def predict(row: dict) -> dict:
   same with the compiled step's collectives instead (step_s_compiled_comm: CPU dtypes,
   f32, so an upper bound for the bf16 traffic)."""
   from experiments import cost_model
+
   cfg = model_config(row["model"])
   sizes = mesh_sizes(row["mesh"], math.prod(int(s.split(":")[1]) for s in row["mesh"].split(",")))
   shape = cost_model.Shape(row["B"], row["R"], row["P"], row["T"])
-  ex = cost_model.Execution(attention="flash", remat=True, compute_bytes=2,
-                            context=sizes["context"], shard=sizes["fsdp"] * sizes["context"])
+  ex = cost_model.Execution(
+    attention="flash",
+    remat=True,
+    compute_bytes=2,
+    context=sizes["context"],
+    shard=sizes["fsdp"] * sizes["context"],
+  )
   counts = cost_model.step_counts(cfg, shape, "replay", ex)
   ew = cost_model.layer_table(cfg, shape, "replay", ex)["elementwise_bytes"] * cfg.n_layers
-  comm = comm_formula(cfg, row["B"], row["P"], row["R"], row["T"], sizes, row["params"], 2, 2,
-                      cache=row.get("cache", "sharded"))
+  comm = comm_formula(
+    cfg,
+    row["B"],
+    row["P"],
+    row["R"],
+    row["T"],
+    sizes,
+    row["params"],
+    2,
+    2,
+    cache=row.get("cache", "sharded"),
+  )
   hlo_bytes = row["hlo_comm_bytes"]["total"]
   out = {}
   for gpu in cost_model.GPUS:
-    t = cost_model.predict_time(counts, MATMUL_EFFICIENCY, FLASH_EFFICIENCY, gpu, N_DEVICES,
-                                ew, comm["total"])
-    lo, hi = (cost_model.predict_time(counts, MATMUL_EFFICIENCY, e, gpu, N_DEVICES, ew,
-                                      comm["total"])["step_s"] for e in FLASH_RANGE[::-1])
+    t = cost_model.predict_time(
+      counts, MATMUL_EFFICIENCY, FLASH_EFFICIENCY, gpu, N_DEVICES, ew, comm["total"]
+    )
+    lo, hi = (
+      cost_model.predict_time(counts, MATMUL_EFFICIENCY, e, gpu, N_DEVICES, ew, comm["total"])[
+        "step_s"
+      ]
+      for e in FLASH_RANGE[::-1]
+    )
     compiled_comm_s = hlo_bytes / (gpu.link_gbps * 1e9)
-    out[gpu.name] = dict({k: round(v, 2) for k, v in t.items()}, step_s_range=[round(lo, 1),
-                                                                              round(hi, 1)],
-                         compiled_comm_s=round(compiled_comm_s, 2),
-                         step_s_compiled_comm=round(t["step_s"] - t["comm_s"] +
-                                                    compiled_comm_s, 2))
-  return dict(total_pflop=round(counts["total_flops"] / 1e15, 2),
-              comm_gb_gpu={k: round(v / 1e9, 2) for k, v in comm.items()},
-              link_gbps=cost_model.GPUS[0].link_gbps, step_time=out)
+    out[gpu.name] = dict(
+      {k: round(v, 2) for k, v in t.items()},
+      step_s_range=[round(lo, 1), round(hi, 1)],
+      compiled_comm_s=round(compiled_comm_s, 2),
+      step_s_compiled_comm=round(t["step_s"] - t["comm_s"] + compiled_comm_s, 2),
+    )
+  return dict(
+    total_pflop=round(counts["total_flops"] / 1e15, 2),
+    comm_gb_gpu={k: round(v / 1e9, 2) for k, v in comm.items()},
+    link_gbps=cost_model.GPUS[0].link_gbps,
+    step_time=out,
+  )
 
 
 def run_row(P: int, spec: str, params: str, passed, env) -> dict:
   argv = [sys.executable, os.path.abspath(__file__), *passed, f"--worker={P};{spec};{params}"]
   try:
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env,
-                          timeout=FLAGS.timeout_s)
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=FLAGS.timeout_s)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
     if lines:
       return json.loads(lines[-1])
-    return dict(P=P, mesh=spec, params=params, error=f"exit {proc.returncode}: "
-                f"{proc.stderr[-600:]}")
+    return dict(
+      P=P, mesh=spec, params=params, error=f"exit {proc.returncode}: {proc.stderr[-600:]}"
+    )
   except subprocess.TimeoutExpired:
     return dict(P=P, mesh=spec, params=params, error=f"compile over {FLAGS.timeout_s} s")
 
 
 def markdown(rows) -> str:
   """The results file's rows as a table (GB = 1e9 bytes, per device, per step)."""
-  head = ("| P | mesh | params | compile s | per-device GB (args / temp) | fits H20 96 / H100 80 "
-          "/ H200 141 | comm GB formula, CPU f32 dtypes (kv_prefix, kv_tails, weights, grads) | "
-          "comm GB compiled (kv_prefix, kv_tails, weights, grads, other) | step s H20 / H100 / "
-          "H200 (formula comm) | "
-          "same, compiled comm |")
+  head = (
+    "| P | mesh | params | compile s | per-device GB (args / temp) | fits H20 96 / H100 80 "
+    "/ H200 141 | comm GB formula, CPU f32 dtypes (kv_prefix, kv_tails, weights, grads) | "
+    "comm GB compiled (kv_prefix, kv_tails, weights, grads, other) | step s H20 / H100 / "
+    "H200 (formula comm) | "
+    "same, compiled comm |"
+  )
   out = [head, "|" + "---|" * 10]
   for r in rows:
     if r.get("kind") != "row":
@@ -332,13 +409,14 @@ def markdown(rows) -> str:
     st = r["prediction"]["step_time"]
     yes = lambda ok: "yes" if ok else "no"
     out.append(
-        f"| {r['P']} | {r['mesh']} | {r['params']} | {r['compile_s']:.0f} | "
-        f"{r['per_device_gb']:.1f} ({r['argument_gb']:.1f} / {r['temp_gb']:.1f}) | "
-        f"{' / '.join(yes(r['fits'][k]) for k in GPU_GB)} | "
-        f"{g(f['total'])} ({', '.join(g(f.get(k, 0.0)) for k in FORMULA_CATEGORIES)}) | "
-        f"{g(h['total'])} ({', '.join(g(h[k]) for k in CATEGORIES)}) | "
-        f"{' / '.join(str(v['step_s']) for v in st.values())} | "
-        f"{' / '.join(str(v['step_s_compiled_comm']) for v in st.values())} |")
+      f"| {r['P']} | {r['mesh']} | {r['params']} | {r['compile_s']:.0f} | "
+      f"{r['per_device_gb']:.1f} ({r['argument_gb']:.1f} / {r['temp_gb']:.1f}) | "
+      f"{' / '.join(yes(r['fits'][k]) for k in GPU_GB)} | "
+      f"{g(f['total'])} ({', '.join(g(f.get(k, 0.0)) for k in FORMULA_CATEGORIES)}) | "
+      f"{g(h['total'])} ({', '.join(g(h[k]) for k in CATEGORIES)}) | "
+      f"{' / '.join(str(v['step_s']) for v in st.values())} | "
+      f"{' / '.join(str(v['step_s_compiled_comm']) for v in st.values())} |"
+    )
   return "\n".join(out) + "\n"
 
 
@@ -346,24 +424,42 @@ def main(argv):
   del argv
   if FLAGS.markdown:
     from experiments import provenance
+
     with open(FLAGS.markdown, "w") as f:
       f.write(markdown(provenance.read(FLAGS.out)))
     return
   if FLAGS.worker:
     P, spec, params = FLAGS.worker.split(";")
-    print(json.dumps(worker(int(P), spec, params, FLAGS.model, FLAGS.prompts, FLAGS.branches,
-                            FLAGS.tail_len, FLAGS.hlo_dir, FLAGS.cache)), flush=True)
+    print(
+      json.dumps(
+        worker(
+          int(P),
+          spec,
+          params,
+          FLAGS.model,
+          FLAGS.prompts,
+          FLAGS.branches,
+          FLAGS.tail_len,
+          FLAGS.hlo_dir,
+          FLAGS.cache,
+        )
+      ),
+      flush=True,
+    )
     return
   for P in FLAGS.prefix_len:  # bad input before any subprocess starts
     for spec in FLAGS.mesh:
       for params in FLAGS.params:
         check_row(P, spec, params, FLAGS.prompts)
   from experiments import provenance
+
   writer = provenance.ResultsWriter(FLAGS.out, "plan_8gpu", with_jax=False)
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={N_DEVICES}")
-  passed = [a for a in sys.argv[1:] if not a.startswith(("--out", "--prefix_len", "--mesh",
-                                                         "--params"))]
+  env = dict(
+    os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={N_DEVICES}"
+  )
+  passed = [
+    a for a in sys.argv[1:] if not a.startswith(("--out", "--prefix_len", "--mesh", "--params"))
+  ]
   for P in FLAGS.prefix_len:
     for spec in FLAGS.mesh:
       for params in FLAGS.params:

@@ -47,6 +47,7 @@ flags.DEFINE_string("md", "", "write the markdown table here")
 def timed(fn, *args, reps):
   import jax
   import numpy as np
+
   out = jax.block_until_ready(fn(*args))  # compile + warm-up
   walls, cpus = [], []
   for _ in range(reps):
@@ -63,15 +64,17 @@ def make_inputs(P, T, R):
   import numpy as np
   from branch_replay.core import tree
   from models import config, transformer as tfm
+
   cfg = config.preset(FLAGS.preset)
   params = tfm.init_params(cfg, jax.random.key(0))
   rng = np.random.default_rng(0)
   batch = tree.flat(
-      prefix_BP=jnp.asarray(rng.integers(0, cfg.vocab_size, (1, P)), jnp.int32),
-      prefix_valid_BP=jnp.ones((1, P), bool),
-      tails_BRT=jnp.asarray(rng.integers(0, cfg.vocab_size, (1, R, T)), jnp.int32),
-      tail_valid_BRT=jnp.ones((1, R, T), bool),
-      advantages_BR=jnp.asarray(rng.normal(size=(1, R)), jnp.float32))
+    prefix_BP=jnp.asarray(rng.integers(0, cfg.vocab_size, (1, P)), jnp.int32),
+    prefix_valid_BP=jnp.ones((1, P), bool),
+    tails_BRT=jnp.asarray(rng.integers(0, cfg.vocab_size, (1, R, T)), jnp.int32),
+    tail_valid_BRT=jnp.ones((1, R, T), bool),
+    advantages_BR=jnp.asarray(rng.normal(size=(1, R)), jnp.float32),
+  )
   return cfg, params, batch
 
 
@@ -81,18 +84,24 @@ def stage_times(cfg, params, batch):
   import optax
   from branch_replay.core import engine, losses, policy, replay
   from models import transformer as tfm
+
   loss_cfg = losses.LossConfig("grpo")
   # The one engine's depth-1 functions: the root (prefix) and every leaf (tail) at once.
   root_fn, _, leaf_loss_fn, branches_R = engine.replay_fns(
-      batch, cfg, engine.policy_head(batch, cfg, loss_cfg))
+    batch, cfg, engine.policy_head(batch, cfg, loss_cfg)
+  )
   reps = FLAGS.reps
   rows = {}
   # The tails' inputs are arguments; the prefix tokens are constants of root_fn.
-  (cache, prefix_vjp), *t = timed(jax.jit(
-      lambda p: replay.prefix_forward(lambda q, _: root_fn(q), p, None)), params, reps=reps)
+  (cache, prefix_vjp), *t = timed(
+    jax.jit(lambda p: replay.prefix_forward(lambda q, _: root_fn(q), p, None)), params, reps=reps
+  )
   rows["prefix_fwd"] = t
-  tails = jax.jit(lambda p, c, b: replay.tails_value_and_grad(
-      leaf_loss_fn, p, (c,), b, combine=engine.combine_fn(loss_cfg), batched=True))
+  tails = jax.jit(
+    lambda p, c, b: replay.tails_value_and_grad(
+      leaf_loss_fn, p, (c,), b, combine=engine.combine_fn(loss_cfg), batched=True
+    )
+  )
   (_, _, dparams_tail, (dcache,)), *t = timed(tails, params, cache, branches_R, reps=reps)
   rows["tails"] = t
   B, R, T = batch.leaves.tokens_BRT.shape
@@ -103,6 +112,7 @@ def stage_times(cfg, params, batch):
   def logp_loss(p, h):
     logp, entropy = tfm.token_logps(p, cfg, h, tokens_NT)
     return logp.sum() + 0.0 * entropy.sum()
+
   _, *t = timed(jax.jit(jax.value_and_grad(logp_loss, (0, 1))), params, h_NTD, reps=reps)
   rows["logprobs"] = t
   dcache = jax.tree.map(lambda d, c: d.astype(c.dtype), dcache, cache)
@@ -115,13 +125,16 @@ def stage_times(cfg, params, batch):
   def opt_step(p, s, g):
     updates, s = opt.update(g, s, p)
     return optax.apply_updates(p, updates), s
+
   _, *t = timed(jax.jit(opt_step), params, opt_state, grads, reps=reps)
   rows["optimizer"] = t
   step = jax.jit(lambda p, b: policy.loss_and_grad(p, b, cfg, loss_cfg, "replay")[::2])
   _, *t = timed(step, params, batch, reps=reps)
   rows["step"] = t
-  rows["tails_body"] = [rows["tails"][0] - rows["logprobs"][0],
-                        rows["tails"][1] - rows["logprobs"][1]]
+  rows["tails_body"] = [
+    rows["tails"][0] - rows["logprobs"][0],
+    rows["tails"][1] - rows["logprobs"][1],
+  ]
   return rows, step
 
 
@@ -143,6 +156,7 @@ def hlo_index(hlo_text):
 def top_ops(step, params, batch):
   """Self time per HLO instruction over FLAGS.trace_reps traced steps."""
   import jax
+
   compiled = step.lower(params, batch).compile()
   index = hlo_index(compiled.as_text())
   jax.block_until_ready(compiled(params, batch))
@@ -162,12 +176,14 @@ def top_ops(step, params, batch):
           events.append((e.start_ns, e.end_ns, stats["hlo_op"]))
       events.sort(key=lambda x: (x[0], -x[1]))
       stack = []  # [start, end, name, child_ns]
+
       def pop():
         s, e, name, child = stack.pop()
         self_ns[name] += (e - s) - child
         calls[name] += 1
         if stack:
           stack[-1][3] += e - s
+
       for s, e, name in events:
         while stack and stack[-1][1] <= s:
           pop()
@@ -178,9 +194,16 @@ def top_ops(step, params, batch):
   rows = []
   for name, ns in self_ns.most_common(FLAGS.top):
     opcode, op_name = index.get(name, ("?", ""))
-    rows.append(dict(hlo=name, opcode=opcode, op_name=op_name[-160:],
-                     ms_per_step=round(ns / 1e6 / FLAGS.trace_reps, 2),
-                     share=round(ns / total, 4), calls_per_step=calls[name] // FLAGS.trace_reps))
+    rows.append(
+      dict(
+        hlo=name,
+        opcode=opcode,
+        op_name=op_name[-160:],
+        ms_per_step=round(ns / 1e6 / FLAGS.trace_reps, 2),
+        share=round(ns / total, 4),
+        calls_per_step=calls[name] // FLAGS.trace_reps,
+      )
+    )
   return rows, total / 1e9 / FLAGS.trace_reps
 
 
@@ -189,6 +212,7 @@ def main(argv):
   from experiments import provenance
   from experiments import flops
   from experiments.measure import matmul_gflops
+
   P, T, R = FLAGS.prefix_len, FLAGS.tail_len, FLAGS.branches
   cfg, params, batch = make_inputs(P, T, R)
   stages, step = stage_times(cfg, params, batch)
@@ -198,16 +222,29 @@ def main(argv):
   prov = provenance.provenance()
   shape = dict(prefix_len=P, tail_len=T, branches=R, preset=FLAGS.preset, dtype="float32")
   lines = []
-  for name in ("prefix_fwd", "tails", "logprobs", "tails_body", "prefix_bwd", "optimizer",
-               "step"):
+  for name in ("prefix_fwd", "tails", "logprobs", "tails_body", "prefix_bwd", "optimizer", "step"):
     wall, cpu = stages[name]
-    lines.append(dict(kind="stage", stage=name, seconds=round(wall, 4), cpu_seconds=round(cpu, 4),
-                      share_of_step=round(wall / stages["step"][0], 3), **shape))
-  lines.append(dict(kind="summary", useful_gflop=round(useful / 1e9, 2),
-                    step_gflops=round(useful / stages["step"][0] / 1e9, 1),
-                    matmul_gflops=round(rate, 1),
-                    matmul_frac=round(useful / stages["step"][0] / 1e9 / rate, 3),
-                    traced_thunk_s_per_step=round(traced_s, 4), **shape))
+    lines.append(
+      dict(
+        kind="stage",
+        stage=name,
+        seconds=round(wall, 4),
+        cpu_seconds=round(cpu, 4),
+        share_of_step=round(wall / stages["step"][0], 3),
+        **shape,
+      )
+    )
+  lines.append(
+    dict(
+      kind="summary",
+      useful_gflop=round(useful / 1e9, 2),
+      step_gflops=round(useful / stages["step"][0] / 1e9, 1),
+      matmul_gflops=round(rate, 1),
+      matmul_frac=round(useful / stages["step"][0] / 1e9 / rate, 3),
+      traced_thunk_s_per_step=round(traced_s, 4),
+      **shape,
+    )
+  )
   lines += [dict(kind="op", rank=i + 1, **op, **shape) for i, op in enumerate(ops)]
   lines = [dict(line, provenance=prov) for line in lines]
   text = "\n".join(json.dumps(line) for line in lines)
@@ -222,23 +259,35 @@ def main(argv):
 
 def markdown(lines, prov):
   s = lines[0]
-  out = [f"# Replay step profile: P={s['prefix_len']} T={s['tail_len']} R={s['branches']}, "
-         f"{s['preset']} preset, float32, CPU", "",
-         f"commit {prov.get('git_commit')} (dirty={prov.get('git_dirty')}), {prov.get('date')}, "
-         f"{prov.get('hostname')} ({prov.get('cpu_count')} cores, load {prov.get('load_avg_1m')})",
-         f"command: `{prov.get('command')}`", "",
-         "| stage | wall s | cpu s | share of step |", "|---|---|---|---|"]
+  out = [
+    f"# Replay step profile: P={s['prefix_len']} T={s['tail_len']} R={s['branches']}, "
+    f"{s['preset']} preset, float32, CPU",
+    "",
+    f"commit {prov.get('git_commit')} (dirty={prov.get('git_dirty')}), {prov.get('date')}, "
+    f"{prov.get('hostname')} ({prov.get('cpu_count')} cores, load {prov.get('load_avg_1m')})",
+    f"command: `{prov.get('command')}`",
+    "",
+    "| stage | wall s | cpu s | share of step |",
+    "|---|---|---|---|",
+  ]
   for l in lines:
     if l["kind"] == "stage":
       out.append(f"| {l['stage']} | {l['seconds']} | {l['cpu_seconds']} | {l['share_of_step']} |")
   (summary,) = [l for l in lines if l["kind"] == "summary"]
-  out += ["", f"useful {summary['useful_gflop']} GFLOP per step: {summary['step_gflops']} GFLOP/s "
-          f"= {summary['matmul_frac']} of the {summary['matmul_gflops']} GFLOP/s matmul rate", "",
-          "| # | HLO | opcode | ms/step | share | calls/step | jax op |", "|---|---|---|---|---|---|---|"]
+  out += [
+    "",
+    f"useful {summary['useful_gflop']} GFLOP per step: {summary['step_gflops']} GFLOP/s "
+    f"= {summary['matmul_frac']} of the {summary['matmul_gflops']} GFLOP/s matmul rate",
+    "",
+    "| # | HLO | opcode | ms/step | share | calls/step | jax op |",
+    "|---|---|---|---|---|---|---|",
+  ]
   for l in lines:
     if l["kind"] == "op":
-      out.append(f"| {l['rank']} | {l['hlo']} | {l['opcode']} | {l['ms_per_step']} | {l['share']} "
-                 f"| {l['calls_per_step']} | `{l['op_name'][-90:]}` |")
+      out.append(
+        f"| {l['rank']} | {l['hlo']} | {l['opcode']} | {l['ms_per_step']} | {l['share']} "
+        f"| {l['calls_per_step']} | `{l['op_name'][-90:]}` |"
+      )
   return "\n".join(out) + "\n"
 
 

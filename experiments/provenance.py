@@ -36,9 +36,11 @@ def _git(*args: str) -> str | None:
 def git_info() -> dict:
   """Commit and dirty flag of the checkout this code runs from (None outside git)."""
   status = _git("status", "--porcelain", "--untracked-files=no")
-  return {"git_commit": _git("rev-parse", "HEAD"), "git_branch": _git("rev-parse",
-                                                                       "--abbrev-ref", "HEAD"),
-          "git_dirty": None if status is None else bool(status)}
+  return {
+    "git_commit": _git("rev-parse", "HEAD"),
+    "git_branch": _git("rev-parse", "--abbrev-ref", "HEAD"),
+    "git_dirty": None if status is None else bool(status),
+  }
 
 
 def cpu_info() -> dict:
@@ -50,21 +52,31 @@ def cpu_info() -> dict:
       text = f.read()
   except OSError:
     return {}
-  model = next((line.split(":", 1)[1].strip() for line in text.splitlines()
-                if line.startswith("model name")), None)
-  flags = next((set(line.split(":", 1)[1].split()) for line in text.splitlines()
-                if line.startswith("flags")), set())
+  model = next(
+    (line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")),
+    None,
+  )
+  flags = next(
+    (set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")),
+    set(),
+  )
   isa = next((name for name in ("avx512f", "avx2", "avx", "sse4_2") if name in flags), None)
   return {"cpu_model": model, "cpu_isa": isa}
 
 
 def machine_info() -> dict:
-  info = {"hostname": platform.node(), "platform": platform.platform(),
-          "processor": platform.machine(), "cpu_count": os.cpu_count(),
-          "python": platform.python_version(), **cpu_info()}
+  info = {
+    "hostname": platform.node(),
+    "platform": platform.platform(),
+    "processor": platform.machine(),
+    "cpu_count": os.cpu_count(),
+    "python": platform.python_version(),
+    **cpu_info(),
+  }
   try:
     import psutil
-    info["memory_gb"] = round(psutil.virtual_memory().total / 2 ** 30, 1)
+
+    info["memory_gb"] = round(psutil.virtual_memory().total / 2**30, 1)
     info["load_avg_1m"] = round(os.getloadavg()[0], 2)
   except (ImportError, OSError):
     pass
@@ -74,17 +86,24 @@ def machine_info() -> dict:
 def jax_info() -> dict:
   """jax/jaxlib/flax versions and the devices (imports jax: call after flags set the platform)."""
   import jax
+
   devices = jax.devices()
-  info = {"jax": jax.__version__, "backend": jax.default_backend(),
-          "device_kind": devices[0].device_kind, "device_count": len(devices),
-          "process_count": jax.process_count()}
+  info = {
+    "jax": jax.__version__,
+    "backend": jax.default_backend(),
+    "device_kind": devices[0].device_kind,
+    "device_count": len(devices),
+    "process_count": jax.process_count(),
+  }
   try:
     import jaxlib
+
     info["jaxlib"] = jaxlib.__version__
   except (ImportError, AttributeError):
     pass
   try:
     import flax
+
     info["flax"] = flax.__version__
   except ImportError:
     pass
@@ -125,8 +144,9 @@ class ResultsWriter:
   """Appends JSON lines, each with a `provenance` dict (computed once per writer) and
   `experiment`. path '' prints only."""
 
-  def __init__(self, path: str, experiment: str, argv=None, with_jax: bool = True,
-               echo: bool = True, **extra):
+  def __init__(
+    self, path: str, experiment: str, argv=None, with_jax: bool = True, echo: bool = True, **extra
+  ):
     self.path, self.experiment, self.echo = path, experiment, echo
     self._prov = provenance(argv, with_jax, **extra)
     if path:
@@ -152,6 +172,7 @@ class ResultsWriter:
 def _jsonable(x):
   try:
     import numpy as np
+
     if isinstance(x, np.generic):
       return x.item()
     if isinstance(x, np.ndarray):
@@ -167,8 +188,14 @@ def read(path: str) -> list[dict]:
     return [json.loads(line) for line in f if line.strip()]
 
 
-def metrics_to_results(workdir: str, out: str, run_command: str, experiment: str = "run",
-                       argv=None, run_info: dict | None = None) -> list[dict]:
+def metrics_to_results(
+  workdir: str,
+  out: str,
+  run_command: str,
+  experiment: str = "run",
+  argv=None,
+  run_info: dict | None = None,
+) -> list[dict]:
   """A finished run's workdir as a results file: a `kind: header` line (the run's command,
   config.json, what is known of the run in `run_info`: its commit, dates, wall time), one
   line per metrics record (kind train or eval, as written by the run), and a last
@@ -178,12 +205,14 @@ def metrics_to_results(workdir: str, out: str, run_command: str, experiment: str
   from branch_replay import config as config_lib
   from branch_replay.train import metrics
   from branch_replay.algorithms import grpo
+
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   config_path = os.path.join(workdir, "config.json")
   missing = [os.path.basename(p) for p in (metrics_path, config_path) if not os.path.exists(p)]
   if missing:
-    raise ValueError(f"workdir={workdir!r}: expected {' and '.join(missing)} in it (a finished "
-                     "run.py workdir)")
+    raise ValueError(
+      f"workdir={workdir!r}: expected {' and '.join(missing)} in it (a finished run.py workdir)"
+    )
   records = metrics.read(metrics_path)
   if not records:
     raise ValueError(f"workdir={workdir!r}: metrics.jsonl has no records")
@@ -193,31 +222,48 @@ def metrics_to_results(workdir: str, out: str, run_command: str, experiment: str
   summary = grpo.summarize(records, cfg)
   if cfg.uses_critic:  # PPO's summary adds its critic's explained variance
     from branch_replay.algorithms import ppo
+
     summary.update(ppo.value_summary(records, summary["reward_window"]))
   if os.path.exists(out):
     os.remove(out)  # a results file describes one run
   writer = ResultsWriter(out, experiment, argv, with_jax=False, echo=False)
-  rows = [writer.write({"kind": "header", "run_command": run_command, "run": run_info or {},
-                        "config": cfg_dict})]
+  rows = [
+    writer.write(
+      {"kind": "header", "run_command": run_command, "run": run_info or {}, "config": cfg_dict}
+    )
+  ]
   rows += [writer.write_plain(rec) for rec in records]
-  rows.append(writer.write({"kind": "summary", **summary, "run_command": run_command,
-                            **({"run": run_info} if run_info else {})}))
+  rows.append(
+    writer.write(
+      {
+        "kind": "summary",
+        **summary,
+        "run_command": run_command,
+        **({"run": run_info} if run_info else {}),
+      }
+    )
+  )
   return rows
 
 
 def main(argv):
   import argparse
+
   parser = argparse.ArgumentParser(description="workdir metrics -> results file")
   parser.add_argument("--workdir", required=True)
   parser.add_argument("--out", required=True)
   parser.add_argument("--command", required=True, help="the command that produced the workdir")
   parser.add_argument("--experiment", default="run")
-  parser.add_argument("--run_info", default="{}",
-                      help='JSON of what is known of the run, e.g. {"git_commit": ..., '
-                      '"start": ..., "end": ..., "wall_s": ...}')
+  parser.add_argument(
+    "--run_info",
+    default="{}",
+    help='JSON of what is known of the run, e.g. {"git_commit": ..., '
+    '"start": ..., "end": ..., "wall_s": ...}',
+  )
   args = parser.parse_args(argv[1:])
-  rows = metrics_to_results(args.workdir, args.out, args.command, args.experiment, argv,
-                            json.loads(args.run_info))
+  rows = metrics_to_results(
+    args.workdir, args.out, args.command, args.experiment, argv, json.loads(args.run_info)
+  )
   print(f"{len(rows)} lines -> {args.out}")
 
 

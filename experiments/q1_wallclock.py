@@ -42,20 +42,28 @@ def define_flags():
 def run(prefix_lens, modes, steps, experiment, overrides, writer) -> list[dict]:
   import numpy as np
   from experiments import rl_step
+
   rows = {}
   for P in prefix_lens:
     for mode in modes:
-      cfg = rl_step.config_for(experiment, list(overrides) + [f"task.prompt_len={P}"],
-                               mode=mode)
+      cfg = rl_step.config_for(experiment, list(overrides) + [f"task.prompt_len={P}"], mode=mode)
       cfg = rl_step.replace_train(cfg, sft_steps=0)
       stepper = rl_step.Stepper(cfg)
       stepper.step(0)  # compiles
       timed = [stepper.step(k)[0] for k in range(1, steps + 1)]
       phases = {k: float(np.median([t[k] for t in timed])) for k in timed[0]}
       B, R = cfg.train.batch_size, cfg.train.n_branches
-      row = dict(P=P, mode=mode, B=B, R=R, T=cfg.sampler.max_new_tokens, steps=steps,
-                 **phases, update_share=phases["update_s"] / phases["step_s"],
-                 model=dict(d_model=cfg.model.d_model, n_layers=cfg.model.n_layers))
+      row = dict(
+        P=P,
+        mode=mode,
+        B=B,
+        R=R,
+        T=cfg.sampler.max_new_tokens,
+        steps=steps,
+        **phases,
+        update_share=phases["update_s"] / phases["step_s"],
+        model=dict(d_model=cfg.model.d_model, n_layers=cfg.model.n_layers),
+      )
       rows[(P, mode)] = row
       if mode == "naive" and (P, "replay") in rows:
         rep = rows[(P, "replay")]
@@ -68,8 +76,15 @@ def run(prefix_lens, modes, steps, experiment, overrides, writer) -> list[dict]:
 def main(argv):
   del argv
   from experiments import provenance
-  run(FLAGS.prefix_len, FLAGS.mode, FLAGS.steps, FLAGS.experiment, FLAGS.set,
-      provenance.ResultsWriter(FLAGS.out, "q1_wallclock"))
+
+  run(
+    FLAGS.prefix_len,
+    FLAGS.mode,
+    FLAGS.steps,
+    FLAGS.experiment,
+    FLAGS.set,
+    provenance.ResultsWriter(FLAGS.out, "q1_wallclock"),
+  )
 
 
 if __name__ == "__main__":

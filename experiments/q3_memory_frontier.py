@@ -45,10 +45,15 @@ def define_flags():
   flags.DEFINE_integer("max_prefix_len", 1 << 20, "stop growing here")
   flags.DEFINE_integer("granularity", 256, "bisect down to this many positions")
   flags.DEFINE_integer("timeout_s", 1800, "a trial running longer counts as not fitting")
-  flags.DEFINE_bool("compiled_only", False, "a trial fits iff XLA's compiled footprint of the "
-                    "step (temp + arguments + outputs) is under the cap; no step is run (fast, "
-                    "deterministic; the measured peaks of real steps are in bench_replay's rows)")
+  flags.DEFINE_bool(
+    "compiled_only",
+    False,
+    "a trial fits iff XLA's compiled footprint of the "
+    "step (temp + arguments + outputs) is under the cap; no step is run (fast, "
+    "deterministic; the measured peaks of real steps are in bench_replay's rows)",
+  )
   flags.DEFINE_string("out", "", "append JSON lines here")
+
 
 BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_replay.py")
 
@@ -56,12 +61,21 @@ BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_replay.p
 def trial(mode, P, R, opts) -> dict:
   """One step of `mode` at prefix P in a fresh process; fits iff it compiled under the cap,
   ran, and its measured peak stayed under the cap."""
-  argv = [sys.executable, BENCH, f"--worker={mode}", f"--prefix_len={P}",
-          f"--tail_len={opts['tail_len']}", f"--branches={R}", f"--prompts={opts['prompts']}",
-          f"--reps={0 if opts.get('compiled_only') else 1}", f"--preset={opts['preset']}",
-          f"--dtype={opts['dtype']}",
-          f"--remat={opts['remat']}", f"--branch_chunk={opts['branch_chunk']}",
-          f"--memory_cap_mb={opts['cap_mb']}"]
+  argv = [
+    sys.executable,
+    BENCH,
+    f"--worker={mode}",
+    f"--prefix_len={P}",
+    f"--tail_len={opts['tail_len']}",
+    f"--branches={R}",
+    f"--prompts={opts['prompts']}",
+    f"--reps={0 if opts.get('compiled_only') else 1}",
+    f"--preset={opts['preset']}",
+    f"--dtype={opts['dtype']}",
+    f"--remat={opts['remat']}",
+    f"--branch_chunk={opts['branch_chunk']}",
+    f"--memory_cap_mb={opts['cap_mb']}",
+  ]
   try:
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=opts["timeout_s"])
   except subprocess.TimeoutExpired:
@@ -109,22 +123,45 @@ def frontier(mode, R, opts, writer, trial_fn=trial) -> dict:
       else:
         bad = mid
   best = results.get(good, {})
-  return writer.write({"kind": "frontier", "mode": mode, "R": R, "T": opts["tail_len"],
-                       "longest_prefix": good, "first_failing": bad,
-                       "capped_by_max": bad is None, "cap_mb": opts["cap_mb"],
-                       "peak_mb_at_longest": best.get("peak_mb"),
-                       "compiled_mb_at_longest": best.get("compiled_mb"),
-                       **{k: opts.get(k) for k in ("preset", "dtype", "remat", "prompts",
-                                                   "compiled_only")}})
+  return writer.write(
+    {
+      "kind": "frontier",
+      "mode": mode,
+      "R": R,
+      "T": opts["tail_len"],
+      "longest_prefix": good,
+      "first_failing": bad,
+      "capped_by_max": bad is None,
+      "cap_mb": opts["cap_mb"],
+      "peak_mb_at_longest": best.get("peak_mb"),
+      "compiled_mb_at_longest": best.get("compiled_mb"),
+      **{k: opts.get(k) for k in ("preset", "dtype", "remat", "prompts", "compiled_only")},
+    }
+  )
 
 
 def main(argv):
   del argv
   from experiments import provenance
+
   writer = provenance.ResultsWriter(FLAGS.out, "q3_memory_frontier", with_jax=False)
-  opts = {k: getattr(FLAGS, k) for k in ("tail_len", "prompts", "preset", "dtype", "remat",
-                                        "branch_chunk", "cap_mb", "start", "max_prefix_len",
-                                        "granularity", "timeout_s", "compiled_only")}
+  opts = {
+    k: getattr(FLAGS, k)
+    for k in (
+      "tail_len",
+      "prompts",
+      "preset",
+      "dtype",
+      "remat",
+      "branch_chunk",
+      "cap_mb",
+      "start",
+      "max_prefix_len",
+      "granularity",
+      "timeout_s",
+      "compiled_only",
+    )
+  }
   for R in FLAGS.branches:
     for mode in FLAGS.mode:
       frontier(mode, R, opts, writer)

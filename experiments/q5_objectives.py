@@ -33,10 +33,14 @@ FLAGS = flags.FLAGS
 def define_flags():
   """Flags of the command line (defined only when run as a script, so the tests can
   import several experiments)."""
-  flags.DEFINE_multi_string("objective", ["grpo", "gspo", "ppo", "value", "dpo"],
-                            "objectives (losses.OBJECTIVES, or 'value': PPO's critic step)")
-  flags.DEFINE_string("model_from", "", "the model of this experiment (e.g. grpo_haystack) "
-                      "instead of --preset")
+  flags.DEFINE_multi_string(
+    "objective",
+    ["grpo", "gspo", "ppo", "value", "dpo"],
+    "objectives (losses.OBJECTIVES, or 'value': PPO's critic step)",
+  )
+  flags.DEFINE_string(
+    "model_from", "", "the model of this experiment (e.g. grpo_haystack) instead of --preset"
+  )
   flags.DEFINE_multi_integer("prefix_len", [2048], "P")
   flags.DEFINE_integer("tail_len", 128, "T")
   flags.DEFINE_integer("branches", 16, "R for the group objectives (DPO always 2)")
@@ -47,6 +51,7 @@ def define_flags():
   flags.DEFINE_float("memory_cap_mb", 16000, "see bench_replay.py")
   flags.DEFINE_string("out", "", "append JSON lines here")
 
+
 BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_replay.py")
 
 
@@ -54,11 +59,21 @@ def measure(objective, P, opts) -> list[dict]:
   R = 2 if objective == "dpo" else opts["branches"]
   with tempfile.TemporaryDirectory() as tmp:
     out = os.path.join(tmp, "rows.jsonl")
-    argv = [sys.executable, BENCH, f"--loss={objective}", f"--prefix_len={P}",
-            f"--tail_len={opts['tail_len']}", f"--branches={R}", f"--prompts={opts['prompts']}",
-            f"--reps={opts['reps']}", f"--preset={opts['preset']}", f"--dtype={opts['dtype']}",
-            f"--memory_cap_mb={opts['memory_cap_mb']}", f"--out={out}",
-            f"--model_from={opts.get('model_from', '')}"]
+    argv = [
+      sys.executable,
+      BENCH,
+      f"--loss={objective}",
+      f"--prefix_len={P}",
+      f"--tail_len={opts['tail_len']}",
+      f"--branches={R}",
+      f"--prompts={opts['prompts']}",
+      f"--reps={opts['reps']}",
+      f"--preset={opts['preset']}",
+      f"--dtype={opts['dtype']}",
+      f"--memory_cap_mb={opts['memory_cap_mb']}",
+      f"--out={out}",
+      f"--model_from={opts.get('model_from', '')}",
+    ]
     proc = subprocess.run(argv, capture_output=True, text=True)
     if proc.returncode or not os.path.exists(out):
       return [dict(objective=objective, P=P, R=R, error=(proc.stderr or proc.stdout)[-1500:])]
@@ -69,9 +84,21 @@ def measure(objective, P, opts) -> list[dict]:
 def main(argv):
   del argv
   from experiments import provenance
+
   writer = provenance.ResultsWriter(FLAGS.out, "q5_objectives", with_jax=False)
-  opts = {k: getattr(FLAGS, k) for k in ("tail_len", "branches", "prompts", "reps", "preset",
-                                        "dtype", "memory_cap_mb", "model_from")}
+  opts = {
+    k: getattr(FLAGS, k)
+    for k in (
+      "tail_len",
+      "branches",
+      "prompts",
+      "reps",
+      "preset",
+      "dtype",
+      "memory_cap_mb",
+      "model_from",
+    )
+  }
   for P in FLAGS.prefix_len:
     for objective in FLAGS.objective:
       for row in measure(objective, P, opts):

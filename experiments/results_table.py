@@ -15,12 +15,23 @@ import argparse
 import json
 import sys
 
-BENCH_COLUMNS = [("P", "prefix_len"), ("T", "tail_len"), ("R", "branches"),
-                 ("preset", "preset"), ("dtype", "dtype"), ("naive s", "naive_s"),
-                 ("replay s", "replay_s"), ("speedup", "speedup"), ("flop ratio", "flop_ratio"),
-                 ("token ratio", "token_ratio"), ("naive peak MB", "naive_peak_mb"),
-                 ("replay peak MB", "replay_peak_mb"), ("grad rel err", "grad_max_rel_err"),
-                 ("replay GFLOP/s", "replay_gflops"), ("matmul GFLOP/s", "matmul_gflops")]
+BENCH_COLUMNS = [
+  ("P", "prefix_len"),
+  ("T", "tail_len"),
+  ("R", "branches"),
+  ("preset", "preset"),
+  ("dtype", "dtype"),
+  ("naive s", "naive_s"),
+  ("replay s", "replay_s"),
+  ("speedup", "speedup"),
+  ("flop ratio", "flop_ratio"),
+  ("token ratio", "token_ratio"),
+  ("naive peak MB", "naive_peak_mb"),
+  ("replay peak MB", "replay_peak_mb"),
+  ("grad rel err", "grad_max_rel_err"),
+  ("replay GFLOP/s", "replay_gflops"),
+  ("matmul GFLOP/s", "matmul_gflops"),
+]
 COLUMNS = BENCH_COLUMNS  # the name older callers import
 SKIP = ("provenance", "config", "run", "run_command", "experiment", "times")
 
@@ -76,8 +87,11 @@ def table(rows: list[dict], columns: list[str] | None = None) -> str:
     if columns is None:
       columns = []
       for r in rows:
-        columns += [k for k, v in r.items() if k not in SKIP and k not in columns
-                    and not isinstance(v, (dict, list))]
+        columns += [
+          k
+          for k, v in r.items()
+          if k not in SKIP and k not in columns and not isinstance(v, (dict, list))
+        ]
     header = keys = columns
   lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   lines += ["| " + " | ".join(fmt(r.get(k)) for k in keys) + " |" for r in rows]
@@ -93,8 +107,13 @@ def provenance_lines(rows: list[dict]) -> str:
     key = (p.get("git_commit"), p.get("git_dirty"), p.get("command"), p.get("date"))
     if key not in seen:
       seen.append(key)
-  return "\n".join(f"- commit {str(c)[:10]}{' (dirty)' if d else ''}, {date}: `{cmd}`"
-                   for c, d, cmd, date in seen) or "- (no provenance recorded in these lines)"
+  return (
+    "\n".join(
+      f"- commit {str(c)[:10]}{' (dirty)' if d else ''}, {date}: `{cmd}`"
+      for c, d, cmd, date in seen
+    )
+    or "- (no provenance recorded in these lines)"
+  )
 
 
 def load(paths: list[str], where: list[str] = ()) -> list[dict]:

@@ -22,15 +22,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 RUNS = {
-    "grpo": ("grpo_haystack", []),
-    "dr_grpo": ("grpo_haystack", ["algo.advantage=dr_grpo", "loss.aggregation=sum"]),
-    "gspo": ("grpo_haystack", ["loss.name=gspo", "loss.aggregation=seq_mean",
-                               "loss.epsilon=3e-3", "loss.epsilon_high=4e-3"]),
-    "rloo": ("grpo_haystack", ["algo.advantage=rloo", "loss.name=pg"]),
-    "dapo": ("grpo_haystack", ["algo.dynamic_sampling=true", "loss.epsilon_high=0.28"]),
-    "ppo": ("ppo_haystack", []),
-    "ppo_share": ("ppo_haystack", ["critic.share=true"]),  # a value head on the policy
-    "dpo": ("dpo_haystack", []),
+  "grpo": ("grpo_haystack", []),
+  "dr_grpo": ("grpo_haystack", ["algo.advantage=dr_grpo", "loss.aggregation=sum"]),
+  "gspo": (
+    "grpo_haystack",
+    ["loss.name=gspo", "loss.aggregation=seq_mean", "loss.epsilon=3e-3", "loss.epsilon_high=4e-3"],
+  ),
+  "rloo": ("grpo_haystack", ["algo.advantage=rloo", "loss.name=pg"]),
+  "dapo": ("grpo_haystack", ["algo.dynamic_sampling=true", "loss.epsilon_high=0.28"]),
+  "ppo": ("ppo_haystack", []),
+  "ppo_share": ("ppo_haystack", ["critic.share=true"]),  # a value head on the policy
+  "dpo": ("dpo_haystack", []),
 }
 
 
@@ -44,25 +46,34 @@ def main():
   from branch_replay import config as config_lib
   from experiments import registry
   from branch_replay.train import trainer
-  commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                          text=True).stdout.strip()
+
+  commit = subprocess.run(
+    ["git", "rev-parse", "HEAD"], capture_output=True, text=True
+  ).stdout.strip()
   for name in args.only.split(","):
     experiment, overrides = RUNS[name]
-    overrides = overrides + [f"train.rl_steps={args.steps}", "train.progress=false",
-                             "train.plot=false"]
+    overrides = overrides + [
+      f"train.rl_steps={args.steps}",
+      "train.progress=false",
+      "train.plot=false",
+    ]
     cfg = config_lib.apply_overrides(registry.get_config(experiment), overrides)
     workdir = os.path.join(args.workdir, name)
     t0 = time.time()
     s = trainer.run(cfg, workdir)
     s.pop("final_params", None)
-    row = {"algorithm": name, "git_commit": commit,
-           "command": f"python run.py --experiment={experiment} "
-                      + " ".join(f"--set={o}" for o in overrides) + f" --workdir={workdir}",
-           "date": datetime.datetime.utcnow().isoformat(timespec="seconds") + "Z",
-           "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, "
-                      f"load {os.getloadavg()[0]:.1f}",
-           "wall_s": time.time() - t0, **{k: v for k, v in s.items()
-                                           if isinstance(v, (int, float, str, type(None)))}}
+    row = {
+      "algorithm": name,
+      "git_commit": commit,
+      "command": f"python run.py --experiment={experiment} "
+      + " ".join(f"--set={o}" for o in overrides)
+      + f" --workdir={workdir}",
+      "date": datetime.datetime.utcnow().isoformat(timespec="seconds") + "Z",
+      "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, "
+      f"load {os.getloadavg()[0]:.1f}",
+      "wall_s": time.time() - t0,
+      **{k: v for k, v in s.items() if isinstance(v, (int, float, str, type(None)))},
+    }
     with open(args.out, "a") as f:
       f.write(json.dumps(row) + "\n")
     print(json.dumps(row), flush=True)

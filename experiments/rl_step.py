@@ -25,8 +25,13 @@ from branch_replay.train import state as train_state
 from experiments import registry
 
 
-def config_for(experiment: str, overrides=(), mode: str | None = None, seed: int | None = None,
-               rl_steps: int | None = None):
+def config_for(
+  experiment: str,
+  overrides=(),
+  mode: str | None = None,
+  seed: int | None = None,
+  rl_steps: int | None = None,
+):
   """An experiment's get_config() with --set style overrides (the same parser as run.py)."""
   cfg = registry.get_config(experiment)
   extra = [f"replay.mode={mode}"] if mode else []
@@ -82,8 +87,10 @@ def grads_both_modes(params, batch, cfg):
   out = {}
   for mode in ("replay", "naive"):
     loss, _, grads = _loss_and_grad(cfg, mode)(params, batch)
-    out[mode] = (float(loss), np.concatenate([np.asarray(g, np.float64).ravel()
-                                              for g in jax.tree.leaves(grads)]))
+    out[mode] = (
+      float(loss),
+      np.concatenate([np.asarray(g, np.float64).ravel() for g in jax.tree.leaves(grads)]),
+    )
   return out
 
 
@@ -93,9 +100,14 @@ def compare_grads(both) -> dict:
   (lr, gr), (ln, gn) = both["replay"], both["naive"]
   nr, nn_ = float(np.linalg.norm(gr)), float(np.linalg.norm(gn))
   zero = nr == 0.0 or nn_ == 0.0
-  return {"grad_cosine": None if zero else float(gr @ gn / (nr * nn_)),
-          "grad_rel_diff": None if nn_ == 0.0 else float(np.linalg.norm(gr - gn) / nn_),
-          "grad_norm_replay": nr, "grad_norm_naive": nn_, "loss_replay": lr, "loss_naive": ln}
+  return {
+    "grad_cosine": None if zero else float(gr @ gn / (nr * nn_)),
+    "grad_rel_diff": None if nn_ == 0.0 else float(np.linalg.norm(gr - gn) / nn_),
+    "grad_norm_replay": nr,
+    "grad_norm_naive": nn_,
+    "loss_replay": lr,
+    "loss_naive": ln,
+  }
 
 
 def replace_train(cfg, **kw):

@@ -13,7 +13,8 @@ import dataclasses
 class Source:
   """Rows of one results file: those matching every `where` (`key=value`), each rendered as
   one table row of `cells` templates. `count`: how many rows must match (None: any >= 1)."""
-  file: str                      # relative to experiments/results/
+
+  file: str  # relative to experiments/results/
   cells: tuple[str, ...]
   where: tuple[str, ...] = ()
   count: int | None = None
@@ -25,324 +26,941 @@ class Source:
 class Table:
   header: tuple[str, ...]
   sources: tuple[Source, ...]
-  note: str = ""                 # one line under the table, before the provenance line
+  note: str = ""  # one line under the table, before the provenance line
 
 
-_BENCH_CPU = ("{prefix_len}", "{tail_len}", "{branches}", "{remat}", "{naive_s:.3g}",
-              "{replay_s:.3g}", "{speedup:.2f}", "{flop_ratio:.2f}",
-              "{speedup_over_flop_ratio:.2f}", "{naive_cpu_s:.3g}", "{replay_cpu_s:.3g}",
-              "{naive_peak_mb:.0f}", "{replay_peak_mb:.0f}", "{grad_max_rel_err:.1e}",
-              "{replay_gflops}", "{matmul_gflops}")
+_BENCH_CPU = (
+  "{prefix_len}",
+  "{tail_len}",
+  "{branches}",
+  "{remat}",
+  "{naive_s:.3g}",
+  "{replay_s:.3g}",
+  "{speedup:.2f}",
+  "{flop_ratio:.2f}",
+  "{speedup_over_flop_ratio:.2f}",
+  "{naive_cpu_s:.3g}",
+  "{replay_cpu_s:.3g}",
+  "{naive_peak_mb:.0f}",
+  "{replay_peak_mb:.0f}",
+  "{grad_max_rel_err:.1e}",
+  "{replay_gflops}",
+  "{matmul_gflops}",
+)
 
-_MB = (("state_mb", "trainable_state_bytes", 2 ** 20), ("total_mb", "compiled_total_bytes", 2 ** 20),
-       ("temp_mb", "temp_bytes", 2 ** 20))
+_MB = (
+  ("state_mb", "trainable_state_bytes", 2**20),
+  ("total_mb", "compiled_total_bytes", 2**20),
+  ("temp_mb", "temp_bytes", 2**20),
+)
+
 
 def _cp_memory(file: str) -> Table:
   """A context-parallel memory table (experiments/context_parallel_memory.py rows)."""
   return Table(
     ("preset", "P", "mesh", "per-device MB", "temporaries MB", "parameters + AdamW MB"),
-    (Source(file, ("{preset}", "{P:,}", "{mesh}", "{per_device_mb:,.1f}", "{temp_mb:,.1f}",
-                   "{param_opt_mb:,.1f}"), ("kind=row",)),))
+    (
+      Source(
+        file,
+        (
+          "{preset}",
+          "{P:,}",
+          "{mesh}",
+          "{per_device_mb:,.1f}",
+          "{temp_mb:,.1f}",
+          "{param_opt_mb:,.1f}",
+        ),
+        ("kind=row",),
+      ),
+    ),
+  )
 
 
 TABLES = {
   # ---- README ----
   "headline": Table(
     ("claim", "measured", "results file"),
-    (Source("default_run_2026-12-04.jsonl", (
-      "the default run (`python run.py`) learns the task: sampled reward, greedy reward",
-      "{reward_before:.3f} -> {reward_after:.3f}; {eval_before:.3f} -> {eval_after:.3f}",
-      "`{_file}`"), ("kind=summary",), 1),
-     Source("default_run_2026-12-04.jsonl", (
-       "token positions the default run computes vs its naive twin",
-       "{computed_tokens:,} vs {naive_equiv_tokens:,}",
-       "`{_file}`"), ("kind=summary",), 1),
-     Source("math_smollm2_temp1_2026-12-03.jsonl", (
-       "a real model, SmolLM2-135M-Instruct (GGUF Q4_1), 8-shot math: greedy accuracy on "
-       "{eval_before_n} held-out problems before RL (95% Wilson interval)",
-       "{eval_before_correct}/{eval_before_n} = {eval_before:.3f} "
-       "[{eval_before_ci95[0]:.3f}, {eval_before_ci95[1]:.3f}]", "`{_file}`"),
-       ("kind=summary",), 1),
-     Source("math_smollm2_2026-12-03.jsonl", (
-       "... after {rl_steps} GRPO steps with LoRA r16 (`--experiment=math_smollm2`, B=2 x R=8)",
-       "{eval_after_correct}/{eval_after_n} = {eval_after:.3f} "
-       "[{eval_after_ci95[0]:.3f}, {eval_after_ci95[1]:.3f}]", "`{_file}`"),
-       ("kind=summary",), 1),
-     Source("cpu_long_context_2026-11-30.jsonl", (
-       "one loss+gradient step, P={prefix_len}, R={branches}, T={tail_len}, CPU: replay vs naive",
-       "{speedup:.2f}x faster ({speedup_over_flop_ratio:.2f} x the useful-FLOP ratio "
-       "{flop_ratio:.2f}); peak {replay_peak_mb:,.0f} vs {naive_peak_mb:,.0f} MB",
-       "`{_file}`"), ("prefix_len=8192", "remat=full"), 1),
-     Source("peer_cpu_after_2026-12-02.jsonl", (
-       "against PrefixGrouper (torch), P={prefix_len}, R={branches}, T={tail_len}, CPU",
-       "{ratio:.2f}x faster ({ours_s:.2f} vs {peer_s:.2f} s)",
-       "`{_file}`"), ("prefix_len=8192",), 1),
-     Source("q1_cpu_2026-11-30.jsonl", (
-       "the whole RL step (sampling included), P={P}, R={R}",
-       "{step_speedup_of_replay:.1f}x faster (update alone {update_speedup_of_replay:.1f}x)",
-       "`{_file}`"), ("mode=naive", "P=1024"), 1),
-     Source("q3_cpu_2026-11-30.jsonl", (
-       "longest prefix in 20 GB (compiled), R={R}, T={T}: {mode}",
-       "{longest_prefix:,} positions", "`{_file}`"),
-       ("kind=frontier", "R=16"), 2),
-     Source("q2_cpu_5seeds_2026-11-30.jsonl", (
-       "training converges the same (5 seeds per mode): steps with replay's mean inside "
-       "naive's band",
-       "{replay_mean_inside_naive_band:.0%}; final reward {final_reward_replay:.3f} vs "
-       "{final_reward_naive:.3f}", "`{_file}`"), ("kind=verdict",), 1),
-     Source("tree_cpu_2026-12-03.jsonl", (
-       "a 4x4 tree of rollouts, P={prefix_len}: tree replay vs naive",
-       "{tree_speedup:.2f}x faster ({tree_cpu_speedup:.2f}x CPU time); peak "
-       "{tree_peak_mb:,.0f} vs {naive_peak_mb:,.0f} MB",
-       "`{_file}`"), (), 1),
-     Source("q5_cpu_2026-11-30.jsonl", (
-       "PPO's policy step through replay, P={prefix_len}, R={branches}: CPU-time speedup",
-       "{cpu_speedup:.2f}x (grad rel err {grad_max_rel_err:.1e})", "`{_file}`"),
-       ("objective=ppo",), 1),
-     )),
-
+    (
+      Source(
+        "default_run_2026-12-04.jsonl",
+        (
+          "the default run (`python run.py`) learns the task: sampled reward, greedy reward",
+          "{reward_before:.3f} -> {reward_after:.3f}; {eval_before:.3f} -> {eval_after:.3f}",
+          "`{_file}`",
+        ),
+        ("kind=summary",),
+        1,
+      ),
+      Source(
+        "default_run_2026-12-04.jsonl",
+        (
+          "token positions the default run computes vs its naive twin",
+          "{computed_tokens:,} vs {naive_equiv_tokens:,}",
+          "`{_file}`",
+        ),
+        ("kind=summary",),
+        1,
+      ),
+      Source(
+        "math_smollm2_temp1_2026-12-03.jsonl",
+        (
+          "a real model, SmolLM2-135M-Instruct (GGUF Q4_1), 8-shot math: greedy accuracy on "
+          "{eval_before_n} held-out problems before RL (95% Wilson interval)",
+          "{eval_before_correct}/{eval_before_n} = {eval_before:.3f} "
+          "[{eval_before_ci95[0]:.3f}, {eval_before_ci95[1]:.3f}]",
+          "`{_file}`",
+        ),
+        ("kind=summary",),
+        1,
+      ),
+      Source(
+        "math_smollm2_2026-12-03.jsonl",
+        (
+          "... after {rl_steps} GRPO steps with LoRA r16 (`--experiment=math_smollm2`, B=2 x R=8)",
+          "{eval_after_correct}/{eval_after_n} = {eval_after:.3f} "
+          "[{eval_after_ci95[0]:.3f}, {eval_after_ci95[1]:.3f}]",
+          "`{_file}`",
+        ),
+        ("kind=summary",),
+        1,
+      ),
+      Source(
+        "cpu_long_context_2026-11-30.jsonl",
+        (
+          "one loss+gradient step, P={prefix_len}, R={branches}, T={tail_len}, CPU: replay vs naive",
+          "{speedup:.2f}x faster ({speedup_over_flop_ratio:.2f} x the useful-FLOP ratio "
+          "{flop_ratio:.2f}); peak {replay_peak_mb:,.0f} vs {naive_peak_mb:,.0f} MB",
+          "`{_file}`",
+        ),
+        ("prefix_len=8192", "remat=full"),
+        1,
+      ),
+      Source(
+        "peer_cpu_after_2026-12-02.jsonl",
+        (
+          "against PrefixGrouper (torch), P={prefix_len}, R={branches}, T={tail_len}, CPU",
+          "{ratio:.2f}x faster ({ours_s:.2f} vs {peer_s:.2f} s)",
+          "`{_file}`",
+        ),
+        ("prefix_len=8192",),
+        1,
+      ),
+      Source(
+        "q1_cpu_2026-11-30.jsonl",
+        (
+          "the whole RL step (sampling included), P={P}, R={R}",
+          "{step_speedup_of_replay:.1f}x faster (update alone {update_speedup_of_replay:.1f}x)",
+          "`{_file}`",
+        ),
+        ("mode=naive", "P=1024"),
+        1,
+      ),
+      Source(
+        "q3_cpu_2026-11-30.jsonl",
+        (
+          "longest prefix in 20 GB (compiled), R={R}, T={T}: {mode}",
+          "{longest_prefix:,} positions",
+          "`{_file}`",
+        ),
+        ("kind=frontier", "R=16"),
+        2,
+      ),
+      Source(
+        "q2_cpu_5seeds_2026-11-30.jsonl",
+        (
+          "training converges the same (5 seeds per mode): steps with replay's mean inside "
+          "naive's band",
+          "{replay_mean_inside_naive_band:.0%}; final reward {final_reward_replay:.3f} vs "
+          "{final_reward_naive:.3f}",
+          "`{_file}`",
+        ),
+        ("kind=verdict",),
+        1,
+      ),
+      Source(
+        "tree_cpu_2026-12-03.jsonl",
+        (
+          "a 4x4 tree of rollouts, P={prefix_len}: tree replay vs naive",
+          "{tree_speedup:.2f}x faster ({tree_cpu_speedup:.2f}x CPU time); peak "
+          "{tree_peak_mb:,.0f} vs {naive_peak_mb:,.0f} MB",
+          "`{_file}`",
+        ),
+        (),
+        1,
+      ),
+      Source(
+        "q5_cpu_2026-11-30.jsonl",
+        (
+          "PPO's policy step through replay, P={prefix_len}, R={branches}: CPU-time speedup",
+          "{cpu_speedup:.2f}x (grad rel err {grad_max_rel_err:.1e})",
+          "`{_file}`",
+        ),
+        ("objective=ppo",),
+        1,
+      ),
+    ),
+  ),
   "recipe": Table(
-    ("run", "sampling temperature", "RL steps", "sampled reward, first -> last window",
-     "greedy accuracy, 200 held out: before [95%]", "after [95%]", "token positions: "
-     "replay vs naive", "RL step s (median)"),
-    (Source("math_smollm2_temp1_2026-12-03.jsonl", (
-      "first try (stopped)", "1.0", "{steps}", "{reward_before:.3f} -> {reward_after:.3f}",
-      "{eval_before:.3f} [{eval_before_ci95[0]:.3f}, {eval_before_ci95[1]:.3f}]", "-",
-      "{rl_computed_tokens:,} vs {rl_naive_equiv_tokens:,}", "-"), ("kind=summary",), 1),
-     Source("math_smollm2_2026-12-03.jsonl", (
-      "the recipe", "0.6", "{rl_steps}", "{reward_before:.3f} -> {reward_after:.3f}",
-      "(the first try's)", "{eval_after:.3f} [{eval_after_ci95[0]:.3f}, "
-      "{eval_after_ci95[1]:.3f}]", "{rl_computed_tokens:,} vs {rl_naive_equiv_tokens:,}",
-      "{median_rl_step_s:.0f}"), ("kind=summary",), 1))),
+    (
+      "run",
+      "sampling temperature",
+      "RL steps",
+      "sampled reward, first -> last window",
+      "greedy accuracy, 200 held out: before [95%]",
+      "after [95%]",
+      "token positions: replay vs naive",
+      "RL step s (median)",
+    ),
+    (
+      Source(
+        "math_smollm2_temp1_2026-12-03.jsonl",
+        (
+          "first try (stopped)",
+          "1.0",
+          "{steps}",
+          "{reward_before:.3f} -> {reward_after:.3f}",
+          "{eval_before:.3f} [{eval_before_ci95[0]:.3f}, {eval_before_ci95[1]:.3f}]",
+          "-",
+          "{rl_computed_tokens:,} vs {rl_naive_equiv_tokens:,}",
+          "-",
+        ),
+        ("kind=summary",),
+        1,
+      ),
+      Source(
+        "math_smollm2_2026-12-03.jsonl",
+        (
+          "the recipe",
+          "0.6",
+          "{rl_steps}",
+          "{reward_before:.3f} -> {reward_after:.3f}",
+          "(the first try's)",
+          "{eval_after:.3f} [{eval_after_ci95[0]:.3f}, {eval_after_ci95[1]:.3f}]",
+          "{rl_computed_tokens:,} vs {rl_naive_equiv_tokens:,}",
+          "{median_rl_step_s:.0f}",
+        ),
+        ("kind=summary",),
+        1,
+      ),
+    ),
+  ),
   "jsonl_reverse": Table(
-    ("warm-up steps", "warm-up answer loss: first -> step 450", "RL steps",
-     "sampled reward (training prompts), first -> last 10", "greedy exact match held out: "
-     "after warm-up -> after RL", "wall s"),
-    (Source("jsonl_reverse_2026-11-30.jsonl", (
-      "{sft_steps}", "{sft_loss_first:.2f} -> {sft_loss_step_450:.4f}", "{rl_steps}",
-      "{sampled_reward_first10_rl:.3f} -> {sampled_reward_last10_rl:.3f}",
-      "{eval_greedy_heldout_before_rl:.3f} -> {eval_greedy_heldout_after_rl:.3f}",
-      "{wall_s:.0f}"), (), 1),)),
-
+    (
+      "warm-up steps",
+      "warm-up answer loss: first -> step 450",
+      "RL steps",
+      "sampled reward (training prompts), first -> last 10",
+      "greedy exact match held out: after warm-up -> after RL",
+      "wall s",
+    ),
+    (
+      Source(
+        "jsonl_reverse_2026-11-30.jsonl",
+        (
+          "{sft_steps}",
+          "{sft_loss_first:.2f} -> {sft_loss_step_450:.4f}",
+          "{rl_steps}",
+          "{sampled_reward_first10_rl:.3f} -> {sampled_reward_last10_rl:.3f}",
+          "{eval_greedy_heldout_before_rl:.3f} -> {eval_greedy_heldout_after_rl:.3f}",
+          "{wall_s:.0f}",
+        ),
+        (),
+        1,
+      ),
+    ),
+  ),
   # ---- docs/reproduction.md ----
   "default_run": Table(
     ("", "before RL", "after RL"),
-    (Source("default_run_2026-12-04.jsonl", (
-      "sampled `reward/mean` (mean of first / last 10 RL steps)", "{reward_before:.3f}",
-      "{reward_after:.3f}"), ("kind=summary",), 1),
-     Source("default_run_2026-12-04.jsonl", (
-       "greedy reward on 128 held-out 256-token prompts", "{eval_before:.3f}",
-       "{eval_after:.3f}"), ("kind=summary",), 1))),
+    (
+      Source(
+        "default_run_2026-12-04.jsonl",
+        (
+          "sampled `reward/mean` (mean of first / last 10 RL steps)",
+          "{reward_before:.3f}",
+          "{reward_after:.3f}",
+        ),
+        ("kind=summary",),
+        1,
+      ),
+      Source(
+        "default_run_2026-12-04.jsonl",
+        (
+          "greedy reward on 128 held-out 256-token prompts",
+          "{eval_before:.3f}",
+          "{eval_after:.3f}",
+        ),
+        ("kind=summary",),
+        1,
+      ),
+    ),
+  ),
   "phase_times": Table(
-    ("mode", "sample s", "reward s", "old_logp s", "ref_logp s", "update s", "step s",
-     "RL total s (update)", "token positions"),
-    (Source("phase_times_cpu_2026-12-01.jsonl", (
-      "{mode}", "{sample_s:.3g}", "{reward_s:.2g}", "{old_logp_s}", "{ref_logp_s}",
-      "{update_s:.3g}", "{step_s:.3g}", "{total_rl_step_s:.1f} ({total_update_s:.1f})",
-      "{rl_computed_tokens:,}")),)),
+    (
+      "mode",
+      "sample s",
+      "reward s",
+      "old_logp s",
+      "ref_logp s",
+      "update s",
+      "step s",
+      "RL total s (update)",
+      "token positions",
+    ),
+    (
+      Source(
+        "phase_times_cpu_2026-12-01.jsonl",
+        (
+          "{mode}",
+          "{sample_s:.3g}",
+          "{reward_s:.2g}",
+          "{old_logp_s}",
+          "{ref_logp_s}",
+          "{update_s:.3g}",
+          "{step_s:.3g}",
+          "{total_rl_step_s:.1f} ({total_update_s:.1f})",
+          "{rl_computed_tokens:,}",
+        ),
+      ),
+    ),
+  ),
   "q1": Table(
-    ("P", "mode", "step s", "update s", "sample s", "update share of step",
-     "step speedup of replay", "update speedup of replay"),
-    (Source("q1_cpu_2026-11-30.jsonl", (
-      "{P:,}", "{mode}", "{step_s:.3g}", "{update_s:.3g}", "{sample_s:.3g}",
-      "{update_share:.0%}", "", ""), ("mode=replay",)),
-     Source("q1_cpu_2026-11-30.jsonl", (
-       "{P:,}", "{mode}", "{step_s:.3g}", "{update_s:.3g}", "{sample_s:.3g}",
-       "{update_share:.0%}", "{step_speedup_of_replay:.1f}", "{update_speedup_of_replay:.1f}"),
-      ("mode=naive",)))),
+    (
+      "P",
+      "mode",
+      "step s",
+      "update s",
+      "sample s",
+      "update share of step",
+      "step speedup of replay",
+      "update speedup of replay",
+    ),
+    (
+      Source(
+        "q1_cpu_2026-11-30.jsonl",
+        (
+          "{P:,}",
+          "{mode}",
+          "{step_s:.3g}",
+          "{update_s:.3g}",
+          "{sample_s:.3g}",
+          "{update_share:.0%}",
+          "",
+          "",
+        ),
+        ("mode=replay",),
+      ),
+      Source(
+        "q1_cpu_2026-11-30.jsonl",
+        (
+          "{P:,}",
+          "{mode}",
+          "{step_s:.3g}",
+          "{update_s:.3g}",
+          "{sample_s:.3g}",
+          "{update_share:.0%}",
+          "{step_speedup_of_replay:.1f}",
+          "{update_speedup_of_replay:.1f}",
+        ),
+        ("mode=naive",),
+      ),
+    ),
+  ),
   "q2_verdict": Table(
-    ("runs", "replay's mean inside naive's band", "naive's mean inside replay's band",
-     "final smoothed reward replay / naive"),
-    (Source("q2_cpu_5seeds_2026-11-30.jsonl", (
-      "5 seeds per mode, {steps_compared} RL steps, {smooth}-step running mean",
-      "{replay_mean_inside_naive_band:.0%}", "{naive_mean_inside_replay_band:.0%}",
-      "{final_reward_replay:.3f} / {final_reward_naive:.3f}"), ("kind=verdict",), 1),)),
+    (
+      "runs",
+      "replay's mean inside naive's band",
+      "naive's mean inside replay's band",
+      "final smoothed reward replay / naive",
+    ),
+    (
+      Source(
+        "q2_cpu_5seeds_2026-11-30.jsonl",
+        (
+          "5 seeds per mode, {steps_compared} RL steps, {smooth}-step running mean",
+          "{replay_mean_inside_naive_band:.0%}",
+          "{naive_mean_inside_replay_band:.0%}",
+          "{final_reward_replay:.3f} / {final_reward_naive:.3f}",
+        ),
+        ("kind=verdict",),
+        1,
+      ),
+    ),
+  ),
   "q2_cosine": Table(
     ("RL step", "1 - cosine(replay grad, naive grad)", "relative difference"),
-    (Source("q2_cpu_2026-11-30.jsonl", ("{step}", "{one_minus_cosine:.1e}",
-                                        "{grad_rel_diff:.1e}"), ("kind=cosine",)),)),
+    (
+      Source(
+        "q2_cpu_2026-11-30.jsonl",
+        ("{step}", "{one_minus_cosine:.1e}", "{grad_rel_diff:.1e}"),
+        ("kind=cosine",),
+      ),
+    ),
+  ),
   "q3": Table(
     ("mode", "R", "T", "longest P", "compiled MB there", "first failing P", "cap MB"),
-    (Source("q3_cpu_2026-11-30.jsonl", (
-      "{mode}", "{R}", "{T}", "{longest_prefix:,}", "{compiled_mb_at_longest:,.0f}",
-      "{first_failing:,}", "{cap_mb:,.0f}"), ("kind=frontier",)),)),
+    (
+      Source(
+        "q3_cpu_2026-11-30.jsonl",
+        (
+          "{mode}",
+          "{R}",
+          "{T}",
+          "{longest_prefix:,}",
+          "{compiled_mb_at_longest:,.0f}",
+          "{first_failing:,}",
+          "{cap_mb:,.0f}",
+        ),
+        ("kind=frontier",),
+      ),
+    ),
+  ),
   "cost_model_fit": Table(
     ("machine", "points", "median error", "max error", "within 30%"),
-    (Source("cost_model_blockwise_2026-11-30.jsonl", (
-      "{machine}", "{n_points}", "{median_abs_rel_err:.0%}", "{max_abs_rel_err:.0%}",
-      "{within_30pct}/{n_points}"), ("kind=fit",)),)),
+    (
+      Source(
+        "cost_model_blockwise_2026-11-30.jsonl",
+        (
+          "{machine}",
+          "{n_points}",
+          "{median_abs_rel_err:.0%}",
+          "{max_abs_rel_err:.0%}",
+          "{within_30pct}/{n_points}",
+        ),
+        ("kind=fit",),
+      ),
+    ),
+  ),
   "cost_model_prediction": Table(
     ("GPUs", "T", "mode", "s/step (range)", "PFLOP", "GB/device (model)", "fits"),
-    (Source("cost_model_blockwise_2026-11-30.jsonl", (
-      "{gpus}", "{T}", "{mode}", "{step_s:.4g} ({step_s_range[0]:.4g}-{step_s_range[1]:.4g})",
-      "{total_pflop:.1f}", "{memory_gb:.1f}", "{fits}"), ("kind=prediction",)),)),
+    (
+      Source(
+        "cost_model_blockwise_2026-11-30.jsonl",
+        (
+          "{gpus}",
+          "{T}",
+          "{mode}",
+          "{step_s:.4g} ({step_s_range[0]:.4g}-{step_s_range[1]:.4g})",
+          "{total_pflop:.1f}",
+          "{memory_gb:.1f}",
+          "{fits}",
+        ),
+        ("kind=prediction",),
+      ),
+    ),
+  ),
   "q5": Table(
-    ("objective", "R", "replay CPU s", "naive CPU s", "CPU speedup", "wall speedup",
-     "useful-FLOP ratio", "grad max rel err", "compiled MB replay / naive"),
-    (Source("q5_cpu_2026-11-30.jsonl", (
-      "{objective}", "{branches}", "{replay_cpu_s:.3g}", "{naive_cpu_s:.3g}",
-      "{cpu_speedup:.2f}", "{speedup:.2f}", "{flop_ratio:.2f}", "{grad_max_rel_err:.1e}",
-      "{replay_compiled_mb:,.0f} / {naive_compiled_mb:,.0f}")),)),
-
+    (
+      "objective",
+      "R",
+      "replay CPU s",
+      "naive CPU s",
+      "CPU speedup",
+      "wall speedup",
+      "useful-FLOP ratio",
+      "grad max rel err",
+      "compiled MB replay / naive",
+    ),
+    (
+      Source(
+        "q5_cpu_2026-11-30.jsonl",
+        (
+          "{objective}",
+          "{branches}",
+          "{replay_cpu_s:.3g}",
+          "{naive_cpu_s:.3g}",
+          "{cpu_speedup:.2f}",
+          "{speedup:.2f}",
+          "{flop_ratio:.2f}",
+          "{grad_max_rel_err:.1e}",
+          "{replay_compiled_mb:,.0f} / {naive_compiled_mb:,.0f}",
+        ),
+      ),
+    ),
+  ),
   # ---- docs/performance.md ----
   "peer": Table(
-    ("P", "T", "R", "ours s (min)", "PrefixGrouper s (min)", "ratio (PG / ours)", "ours cpu s",
-     "PG cpu s", "ours peak MB", "PG peak MB", "ours GFLOP/s", "share of XLA matmul",
-     "PG share of torch matmul", "grad rel err"),
-    (Source("peer_cpu_after_2026-12-02.jsonl", (
-      "{prefix_len}", "{tail_len}", "{branches}", "{ours_s:.2f} ({ours_min_s:.2f})",
-      "{peer_s:.2f} ({peer_min_s:.2f})", "{ratio:.2f}", "{ours_cpu_s:.2f}", "{peer_cpu_s:.2f}",
-      "{ours_peak_mb:.0f}", "{peer_peak_mb:.0f}", "{ours_gflops}",
-      "{ours_matmul_frac:.0%} of {xla_matmul_gflops}",
-      "{peer_matmul_frac:.0%} of {torch_matmul_gflops}", "{grad_max_rel_err:.1e}")),)),
+    (
+      "P",
+      "T",
+      "R",
+      "ours s (min)",
+      "PrefixGrouper s (min)",
+      "ratio (PG / ours)",
+      "ours cpu s",
+      "PG cpu s",
+      "ours peak MB",
+      "PG peak MB",
+      "ours GFLOP/s",
+      "share of XLA matmul",
+      "PG share of torch matmul",
+      "grad rel err",
+    ),
+    (
+      Source(
+        "peer_cpu_after_2026-12-02.jsonl",
+        (
+          "{prefix_len}",
+          "{tail_len}",
+          "{branches}",
+          "{ours_s:.2f} ({ours_min_s:.2f})",
+          "{peer_s:.2f} ({peer_min_s:.2f})",
+          "{ratio:.2f}",
+          "{ours_cpu_s:.2f}",
+          "{peer_cpu_s:.2f}",
+          "{ours_peak_mb:.0f}",
+          "{peer_peak_mb:.0f}",
+          "{ours_gflops}",
+          "{ours_matmul_frac:.0%} of {xla_matmul_gflops}",
+          "{peer_matmul_frac:.0%} of {torch_matmul_gflops}",
+          "{grad_max_rel_err:.1e}",
+        ),
+      ),
+    ),
+  ),
   "long_context": Table(
-    ("P", "T", "R", "remat", "naive s", "replay s", "speedup", "useful-FLOP ratio",
-     "speedup / FLOP ratio", "naive cpu s", "replay cpu s", "naive peak MB", "replay peak MB",
-     "grad rel err", "replay GFLOP/s", "matmul GFLOP/s"),
-    (Source("cpu_long_context_2026-11-30.jsonl", _BENCH_CPU, ("kind=-",),
-                    optional=("speedup_over_flop_ratio",)),)),
+    (
+      "P",
+      "T",
+      "R",
+      "remat",
+      "naive s",
+      "replay s",
+      "speedup",
+      "useful-FLOP ratio",
+      "speedup / FLOP ratio",
+      "naive cpu s",
+      "replay cpu s",
+      "naive peak MB",
+      "replay peak MB",
+      "grad rel err",
+      "replay GFLOP/s",
+      "matmul GFLOP/s",
+    ),
+    (
+      Source(
+        "cpu_long_context_2026-11-30.jsonl",
+        _BENCH_CPU,
+        ("kind=-",),
+        optional=("speedup_over_flop_ratio",),
+      ),
+    ),
+  ),
   "idle_step": Table(
-    ("P", "T", "R", "replay s (median of 5)", "replay cpu s", "peak MB", "useful GFLOP/s",
-     "matmul GFLOP/s (right after)"),
-    (Source("cpu_long_context_2026-11-30.jsonl", (
-      "{prefix_len}", "{tail_len}", "{branches}", "{replay_s:.2f}", "{replay_cpu_s:.2f}",
-      "{replay_peak_mb:.0f}", "{replay_gflops}", "{matmul_gflops}"),
-      ("kind=idle_replay_step",), 1),)),
+    (
+      "P",
+      "T",
+      "R",
+      "replay s (median of 5)",
+      "replay cpu s",
+      "peak MB",
+      "useful GFLOP/s",
+      "matmul GFLOP/s (right after)",
+    ),
+    (
+      Source(
+        "cpu_long_context_2026-11-30.jsonl",
+        (
+          "{prefix_len}",
+          "{tail_len}",
+          "{branches}",
+          "{replay_s:.2f}",
+          "{replay_cpu_s:.2f}",
+          "{replay_peak_mb:.0f}",
+          "{replay_gflops}",
+          "{matmul_gflops}",
+        ),
+        ("kind=idle_replay_step",),
+        1,
+      ),
+    ),
+  ),
   "sweep": Table(
-    ("P", "T", "R", "naive cpu s", "replay cpu s", "cpu speedup", "useful-FLOP ratio",
-     "cpu speedup / FLOP ratio", "naive wall s", "replay wall s",
-     "naive / replay compiled MB", "grad rel err"),
-    (Source("cpu_sweep_blockwise_2026-11-30.jsonl", (
-      "{prefix_len}", "{tail_len}", "{branches}", "{naive_cpu_s:.2f}", "{replay_cpu_s:.2f}",
-      "{cpu_speedup:.2f}", "{flop_ratio:.2f}", "{cpu_ratio_over_flop:.2f}", "{naive_s:.2f}",
-      "{replay_s:.2f}", "{naive_compiled_mb:.0f} / {replay_compiled_mb:.0f}",
-      "{grad_max_rel_err:.1e}"), ratios=(("cpu_ratio_over_flop", "cpu_speedup", "flop_ratio"),)),)),
+    (
+      "P",
+      "T",
+      "R",
+      "naive cpu s",
+      "replay cpu s",
+      "cpu speedup",
+      "useful-FLOP ratio",
+      "cpu speedup / FLOP ratio",
+      "naive wall s",
+      "replay wall s",
+      "naive / replay compiled MB",
+      "grad rel err",
+    ),
+    (
+      Source(
+        "cpu_sweep_blockwise_2026-11-30.jsonl",
+        (
+          "{prefix_len}",
+          "{tail_len}",
+          "{branches}",
+          "{naive_cpu_s:.2f}",
+          "{replay_cpu_s:.2f}",
+          "{cpu_speedup:.2f}",
+          "{flop_ratio:.2f}",
+          "{cpu_ratio_over_flop:.2f}",
+          "{naive_s:.2f}",
+          "{replay_s:.2f}",
+          "{naive_compiled_mb:.0f} / {replay_compiled_mb:.0f}",
+          "{grad_max_rel_err:.1e}",
+        ),
+        ratios=(("cpu_ratio_over_flop", "cpu_speedup", "flop_ratio"),),
+      ),
+    ),
+  ),
   "q5_haystack": Table(
-    ("objective", "replay CPU s", "naive CPU s", "CPU speedup", "wall speedup",
-     "useful-FLOP ratio", "grad max rel err", "compiled MB replay / naive"),
-    (Source("q5_haystack_cpu_2026-11-30.jsonl", (
-      "{objective}", "{replay_cpu_s:.3f}", "{naive_cpu_s:.3f}", "{cpu_speedup:.2f}",
-      "{speedup:.2f}", "{flop_ratio:.2f}", "{grad_max_rel_err:.1e}",
-      "{replay_compiled_mb:.0f} / {naive_compiled_mb:.0f}")),)),
-
+    (
+      "objective",
+      "replay CPU s",
+      "naive CPU s",
+      "CPU speedup",
+      "wall speedup",
+      "useful-FLOP ratio",
+      "grad max rel err",
+      "compiled MB replay / naive",
+    ),
+    (
+      Source(
+        "q5_haystack_cpu_2026-11-30.jsonl",
+        (
+          "{objective}",
+          "{replay_cpu_s:.3f}",
+          "{naive_cpu_s:.3f}",
+          "{cpu_speedup:.2f}",
+          "{speedup:.2f}",
+          "{flop_ratio:.2f}",
+          "{grad_max_rel_err:.1e}",
+          "{replay_compiled_mb:.0f} / {naive_compiled_mb:.0f}",
+        ),
+      ),
+    ),
+  ),
   # ---- docs/algorithms.md ----
   "rl_compare": Table(
-    ("run", "RL steps", "sampled reward, first -> last 10 steps", "greedy eval before -> after",
-     "wall s"),
-    (Source("rl_compare_2026-11-30.jsonl", (
-      "{algorithm}", "100", "{reward_before:.3f} -> {reward_after:.3f}",
-      "{eval_before:.3f} -> {eval_after:.3f}", "{wall_s:.0f}"), ("reward_window=10",)),
-     Source("rl_compare_ppo_2026-11-30.jsonl", (
-       "{algorithm}", "100", "{reward_before:.3f} -> {reward_after:.3f}",
-       "{eval_before:.3f} -> {eval_after:.3f}", "{wall_s:.0f}")),
-     Source("rl_compare_2026-11-30.jsonl", (
-       "{algorithm} (accuracy, margin)", "{dpo_steps}",
-       "{accuracy_first10:.3f} -> {accuracy_last10:.3f} (margin {margin_first10:.2f} -> "
-       "{margin_last10:.2f})", "-", "{wall_s:.0f}"), ("algorithm=dpo",), 1))),
+    (
+      "run",
+      "RL steps",
+      "sampled reward, first -> last 10 steps",
+      "greedy eval before -> after",
+      "wall s",
+    ),
+    (
+      Source(
+        "rl_compare_2026-11-30.jsonl",
+        (
+          "{algorithm}",
+          "100",
+          "{reward_before:.3f} -> {reward_after:.3f}",
+          "{eval_before:.3f} -> {eval_after:.3f}",
+          "{wall_s:.0f}",
+        ),
+        ("reward_window=10",),
+      ),
+      Source(
+        "rl_compare_ppo_2026-11-30.jsonl",
+        (
+          "{algorithm}",
+          "100",
+          "{reward_before:.3f} -> {reward_after:.3f}",
+          "{eval_before:.3f} -> {eval_after:.3f}",
+          "{wall_s:.0f}",
+        ),
+      ),
+      Source(
+        "rl_compare_2026-11-30.jsonl",
+        (
+          "{algorithm} (accuracy, margin)",
+          "{dpo_steps}",
+          "{accuracy_first10:.3f} -> {accuracy_last10:.3f} (margin {margin_first10:.2f} -> "
+          "{margin_last10:.2f})",
+          "-",
+          "{wall_s:.0f}",
+        ),
+        ("algorithm=dpo",),
+        1,
+      ),
+    ),
+  ),
   "ppo_haystack": Table(
-    ("reward first -> last 10", "greedy eval", "clip_frac first -> last 10",
-     "approx_kl last 10", "ratio/max last 10", "pooled explained variance first -> last 10",
-     "wall s"),
-    (Source("ppo_haystack_2026-11-30.jsonl", (
-      "{reward_first10:.3f} -> {reward_last10:.3f}", "{eval_before:.3f} -> {eval_after:.3f}",
-      "{clip_frac_first10:.3f} -> {clip_frac_last10:.3f}", "{approx_kl_last10:.3f}",
-      "{ratio_max_last10:.2f}",
-      "{explained_variance_pooled_first10:.2f} -> {explained_variance_pooled_last10:.2f}",
-      "{wall_s:.0f}"), (), 1),)),
-
+    (
+      "reward first -> last 10",
+      "greedy eval",
+      "clip_frac first -> last 10",
+      "approx_kl last 10",
+      "ratio/max last 10",
+      "pooled explained variance first -> last 10",
+      "wall s",
+    ),
+    (
+      Source(
+        "ppo_haystack_2026-11-30.jsonl",
+        (
+          "{reward_first10:.3f} -> {reward_last10:.3f}",
+          "{eval_before:.3f} -> {eval_after:.3f}",
+          "{clip_frac_first10:.3f} -> {clip_frac_last10:.3f}",
+          "{approx_kl_last10:.3f}",
+          "{ratio_max_last10:.2f}",
+          "{explained_variance_pooled_first10:.2f} -> {explained_variance_pooled_last10:.2f}",
+          "{wall_s:.0f}",
+        ),
+        (),
+        1,
+      ),
+    ),
+  ),
   # ---- docs/architectures.md (LoRA) ----
   "lora_memory": Table(
     ("P", "method", "mode", "trainable state MB", "compiled total MB", "temporaries MB"),
-    tuple(Source(f, ("{P:,}", "{method}", "{mode}", "{state_mb:,.0f}", "{total_mb:,.0f}",
-                     "{temp_mb:,.0f}"), where, ratios=_MB) for f, where in (
-      ("lora_memory_large_cpu_2026-12-01.jsonl", ("P=8192",)),
-      ("lora_memory_large32k_cpu_2026-12-01.jsonl", ())))),
+    tuple(
+      Source(
+        f,
+        ("{P:,}", "{method}", "{mode}", "{state_mb:,.0f}", "{total_mb:,.0f}", "{temp_mb:,.0f}"),
+        where,
+        ratios=_MB,
+      )
+      for f, where in (
+        ("lora_memory_large_cpu_2026-12-01.jsonl", ("P=8192",)),
+        ("lora_memory_large32k_cpu_2026-12-01.jsonl", ()),
+      )
+    ),
+  ),
   "lora_speed": Table(
     ("preset", "P", "R", "T", "method", "mode", "CPU s", "wall s"),
-    (Source("lora_speed4_cpu_2026-12-01.jsonl", (
-      "{preset}", "{P}", "{R}", "{T}", "{method}", "{mode}", "{cpu_s:.2f}", "{wall_s:.1f}")),)),
-
+    (
+      Source(
+        "lora_speed4_cpu_2026-12-01.jsonl",
+        ("{preset}", "{P}", "{R}", "{T}", "{method}", "{mode}", "{cpu_s:.2f}", "{wall_s:.1f}"),
+      ),
+    ),
+  ),
   # ---- docs/trees.md ----
   "tree_bench": Table(
-    ("P", "fan-out", "lengths", "naive s (CPU s)", "tree s (CPU s)", "tree speedup wall / CPU",
-     "tree FLOP ratio", "speedup / FLOP ratio wall / CPU", "peak MB naive / tree",
-     "grad rel err"),
-    (Source("tree_cpu_2026-12-03.jsonl", (
-      "{prefix_len}", "{fanouts}", "{lengths}", "{naive_s:.1f} ({naive_cpu_s:.1f})",
-      "{tree_s:.2f} ({tree_cpu_s:.2f})", "{tree_speedup:.2f} / {tree_cpu_speedup:.2f}",
-      "{tree_flop_ratio:.2f}",
-      "{tree_speedup_over_flop_ratio:.3f} / {tree_cpu_speedup_over_flop_ratio:.3f}",
-      "{naive_peak_mb:,.0f} / {tree_peak_mb:,.0f}", "{tree_grad_max_rel_err:.1e}"), (), 1),)),
+    (
+      "P",
+      "fan-out",
+      "lengths",
+      "naive s (CPU s)",
+      "tree s (CPU s)",
+      "tree speedup wall / CPU",
+      "tree FLOP ratio",
+      "speedup / FLOP ratio wall / CPU",
+      "peak MB naive / tree",
+      "grad rel err",
+    ),
+    (
+      Source(
+        "tree_cpu_2026-12-03.jsonl",
+        (
+          "{prefix_len}",
+          "{fanouts}",
+          "{lengths}",
+          "{naive_s:.1f} ({naive_cpu_s:.1f})",
+          "{tree_s:.2f} ({tree_cpu_s:.2f})",
+          "{tree_speedup:.2f} / {tree_cpu_speedup:.2f}",
+          "{tree_flop_ratio:.2f}",
+          "{tree_speedup_over_flop_ratio:.3f} / {tree_cpu_speedup_over_flop_ratio:.3f}",
+          "{naive_peak_mb:,.0f} / {tree_peak_mb:,.0f}",
+          "{tree_grad_max_rel_err:.1e}",
+        ),
+        (),
+        1,
+      ),
+    ),
+  ),
   "auto_tree": Table(
-    ("strategy", "P", "R", "T", "trunk", "flat replay s (cpu)", "tree s (cpu)",
-     "speedup wall / cpu", "useful-FLOP ratio", "speedup / FLOP ratio wall / cpu",
-     "grad rel err"),
-    (Source("rollout_strategies_target_cpu_2026-12-01.jsonl", (
-      "{strategy}", "{P}", "{R}", "{T}", "{trunk_len}",
-      "{flat_replay_s:.2f} ({flat_replay_cpu_s:.2f})", "{tree_s:.2f} ({tree_cpu_s:.2f})",
-      "{speedup:.2f} / {speedup_cpu:.2f}", "{flop_ratio:.2f}",
-      "{speedup_over_flop_ratio:.2f} / {speedup_cpu_over_flop_ratio:.2f}",
-      "{grad_max_rel_err:.1e}"), (), 1),)),
-
+    (
+      "strategy",
+      "P",
+      "R",
+      "T",
+      "trunk",
+      "flat replay s (cpu)",
+      "tree s (cpu)",
+      "speedup wall / cpu",
+      "useful-FLOP ratio",
+      "speedup / FLOP ratio wall / cpu",
+      "grad rel err",
+    ),
+    (
+      Source(
+        "rollout_strategies_target_cpu_2026-12-01.jsonl",
+        (
+          "{strategy}",
+          "{P}",
+          "{R}",
+          "{T}",
+          "{trunk_len}",
+          "{flat_replay_s:.2f} ({flat_replay_cpu_s:.2f})",
+          "{tree_s:.2f} ({tree_cpu_s:.2f})",
+          "{speedup:.2f} / {speedup_cpu:.2f}",
+          "{flop_ratio:.2f}",
+          "{speedup_over_flop_ratio:.2f} / {speedup_cpu_over_flop_ratio:.2f}",
+          "{grad_max_rel_err:.1e}",
+        ),
+        (),
+        1,
+      ),
+    ),
+  ),
   # ---- docs/architectures.md ----
   "hybrid_memory": Table(
     ("preset", "P", "replay compiled MB", "naive compiled MB", "useful-FLOP ratio"),
-    (Source("hybrid_remat_cpu_2026-12-01.jsonl", (
-      "{preset}", "{prefix_len:,}", "{replay_compiled_mb:,.0f}", "{naive_compiled_mb:,.0f}",
-      "{flop_ratio:.2f}")),)),
+    (
+      Source(
+        "hybrid_remat_cpu_2026-12-01.jsonl",
+        (
+          "{preset}",
+          "{prefix_len:,}",
+          "{replay_compiled_mb:,.0f}",
+          "{naive_compiled_mb:,.0f}",
+          "{flop_ratio:.2f}",
+        ),
+      ),
+    ),
+  ),
   "hybrid_speed": Table(
-    ("preset", "P", "R", "T", "replay cpu s", "naive cpu s", "cpu speedup",
-     "useful-FLOP ratio", "cpu speedup / FLOP ratio", "wall s replay / naive"),
-    (Source("hybrid_speed_cpu_2026-12-01.jsonl", (
-      "{preset}", "{prefix_len}", "{branches}", "{tail_len}", "{replay_cpu_s:.2f}",
-      "{naive_cpu_s:.2f}", "{cpu_speedup:.2f}", "{flop_ratio:.2f}",
-      "{cpu_speedup_over_flop_ratio:.2f}", "{replay_s:.2f} / {naive_s:.1f}")),)),
-
+    (
+      "preset",
+      "P",
+      "R",
+      "T",
+      "replay cpu s",
+      "naive cpu s",
+      "cpu speedup",
+      "useful-FLOP ratio",
+      "cpu speedup / FLOP ratio",
+      "wall s replay / naive",
+    ),
+    (
+      Source(
+        "hybrid_speed_cpu_2026-12-01.jsonl",
+        (
+          "{preset}",
+          "{prefix_len}",
+          "{branches}",
+          "{tail_len}",
+          "{replay_cpu_s:.2f}",
+          "{naive_cpu_s:.2f}",
+          "{cpu_speedup:.2f}",
+          "{flop_ratio:.2f}",
+          "{cpu_speedup_over_flop_ratio:.2f}",
+          "{replay_s:.2f} / {naive_s:.1f}",
+        ),
+      ),
+    ),
+  ),
   # ---- docs/sharding.md ----
   "cp_memory": Table(
     ("preset", "P", "mesh", "prefix attention", "per-device MB", "temporaries MB"),
-    (Source("context_parallel_memory_cpu.jsonl", (
-      "{preset}", "{P:,}", "{mesh}", "{scheme}", "{per_device_mb:,.1f}", "{temp_mb:,.1f}"),
-      ("kind=row",)),)),
+    (
+      Source(
+        "context_parallel_memory_cpu.jsonl",
+        ("{preset}", "{P:,}", "{mesh}", "{scheme}", "{per_device_mb:,.1f}", "{temp_mb:,.1f}"),
+        ("kind=row",),
+      ),
+    ),
+  ),
   "plan_8gpu": Table(
-    ("mesh", "P", "T", "parameters over", "prefix cache in the tails",
-     "per device GB (arguments / temporaries)", "fits H20 96 GB / H100 80 GB / H200 141 GB"),
-    (Source("plan_8gpu_cpu_2026-12-02.jsonl", (
-      "{mesh}", "{P:,}", "{T}", "{params}", "{cache}", "{per_device_gb:.1f} ({argument_gb:.1f} / "
-      "{temp_gb:.1f})", "{fits[H20]} / {fits[H100]} / {fits[H200]}"), ("kind=row",),
-      optional=("cache",)),)),
+    (
+      "mesh",
+      "P",
+      "T",
+      "parameters over",
+      "prefix cache in the tails",
+      "per device GB (arguments / temporaries)",
+      "fits H20 96 GB / H100 80 GB / H200 141 GB",
+    ),
+    (
+      Source(
+        "plan_8gpu_cpu_2026-12-02.jsonl",
+        (
+          "{mesh}",
+          "{P:,}",
+          "{T}",
+          "{params}",
+          "{cache}",
+          "{per_device_gb:.1f} ({argument_gb:.1f} / {temp_gb:.1f})",
+          "{fits[H20]} / {fits[H100]} / {fits[H200]}",
+        ),
+        ("kind=row",),
+        optional=("cache",),
+      ),
+    ),
+  ),
   "cp_cache_sharded": _cp_memory("context_parallel_memory_cache_sharded_cpu_2026-12-02.jsonl"),
   "cp_key_major": _cp_memory("context_parallel_memory_key_major_cpu_2026-12-02.jsonl"),
   "plan_8gpu_now": Table(
-    ("mesh", "P", "per device GB (arguments / temporaries)", "fits H20 / H100 / H200",
-     "compiled comm GB: total (K/V prefix, K/V tails, weights, grads)",
-     "step s H20 / H100 / H200 (compiled comm)"),
-    (Source("plan_8gpu_key_major_cpu_2026-12-02.jsonl", (
-      "{mesh}", "{P:,}", "{per_device_gb:.1f} ({argument_gb:.1f} / {temp_gb:.1f})",
-      "{fits[H20]} / {fits[H100]} / {fits[H200]}",
-      "{total_gb:,.1f} ({kv_prefix_gb:.1f}, {kv_tails_gb:.1f}, {weights_gb:.1f}, {grads_gb:.1f})",
-      "{prediction[step_time][8 x H20][step_s_compiled_comm]:.1f} / "
-      "{prediction[step_time][8 x H100 SXM][step_s_compiled_comm]:.1f} / "
-      "{prediction[step_time][8 x H200][step_s_compiled_comm]:.1f}"), ("kind=row",),
-      ratios=(("kv_prefix_gb", "hlo_comm_bytes.kv_prefix", 1e9), ("kv_tails_gb", "hlo_comm_bytes.kv_tails", 1e9), ("weights_gb", "hlo_comm_bytes.weights", 1e9), ("grads_gb", "hlo_comm_bytes.grads", 1e9), ("total_gb", "hlo_comm_bytes.total", 1e9))),)),
+    (
+      "mesh",
+      "P",
+      "per device GB (arguments / temporaries)",
+      "fits H20 / H100 / H200",
+      "compiled comm GB: total (K/V prefix, K/V tails, weights, grads)",
+      "step s H20 / H100 / H200 (compiled comm)",
+    ),
+    (
+      Source(
+        "plan_8gpu_key_major_cpu_2026-12-02.jsonl",
+        (
+          "{mesh}",
+          "{P:,}",
+          "{per_device_gb:.1f} ({argument_gb:.1f} / {temp_gb:.1f})",
+          "{fits[H20]} / {fits[H100]} / {fits[H200]}",
+          "{total_gb:,.1f} ({kv_prefix_gb:.1f}, {kv_tails_gb:.1f}, {weights_gb:.1f}, {grads_gb:.1f})",
+          "{prediction[step_time][8 x H20][step_s_compiled_comm]:.1f} / "
+          "{prediction[step_time][8 x H100 SXM][step_s_compiled_comm]:.1f} / "
+          "{prediction[step_time][8 x H200][step_s_compiled_comm]:.1f}",
+        ),
+        ("kind=row",),
+        ratios=(
+          ("kv_prefix_gb", "hlo_comm_bytes.kv_prefix", 1e9),
+          ("kv_tails_gb", "hlo_comm_bytes.kv_tails", 1e9),
+          ("weights_gb", "hlo_comm_bytes.weights", 1e9),
+          ("grads_gb", "hlo_comm_bytes.grads", 1e9),
+          ("total_gb", "hlo_comm_bytes.total", 1e9),
+        ),
+      ),
+    ),
+  ),
   "plan_1gpu": Table(
-    ("model", "P", "compiled GB, CPU proxy: total (arguments / temporaries)",
-     "CPU proxy within 90% of H200 / H20 / H100", "GPU estimate GB (bf16, analytic)",
-     "step s on one H200: 40% / 60% MFU / cost model"),
-    (Source("plan_1gpu_cpu_2026-12-03.jsonl", (
-      "{model}", "{P:,}", "{total_gb:.1f} ({argument_gb:.1f} / {temp_gb:.1f})",
-      "{fits_with_headroom[H200]} / {fits_with_headroom[H20]} / {fits_with_headroom[H100]}",
-      "{gpu_estimate_gb[total]:.1f}",
-      "{prediction[step_s][H200][mfu_40]:.1f} / {prediction[step_s][H200][mfu_60]:.1f} / "
-      "{prediction[step_s][H200][cost_model]:.1f}"), ("kind=row",)),)),
+    (
+      "model",
+      "P",
+      "compiled GB, CPU proxy: total (arguments / temporaries)",
+      "CPU proxy within 90% of H200 / H20 / H100",
+      "GPU estimate GB (bf16, analytic)",
+      "step s on one H200: 40% / 60% MFU / cost model",
+    ),
+    (
+      Source(
+        "plan_1gpu_cpu_2026-12-03.jsonl",
+        (
+          "{model}",
+          "{P:,}",
+          "{total_gb:.1f} ({argument_gb:.1f} / {temp_gb:.1f})",
+          "{fits_with_headroom[H200]} / {fits_with_headroom[H20]} / {fits_with_headroom[H100]}",
+          "{gpu_estimate_gb[total]:.1f}",
+          "{prediction[step_s][H200][mfu_40]:.1f} / {prediction[step_s][H200][mfu_60]:.1f} / "
+          "{prediction[step_s][H200][cost_model]:.1f}",
+        ),
+        ("kind=row",),
+      ),
+    ),
+  ),
 }
 
 # INDEX.md: which engine produced a file where it matters (the dense engine's rows predate
 # the blockwise attention) and which file replaces a superseded one.
 ENGINE = {
-  "cpu_sweep_2026-11-30.jsonl": "dense attention", "cost_model_2026-11-30.jsonl": "dense",
-  "cost_model_2026-11-30.md": "dense", "default_run_2026-11-30.jsonl": "dense",
-  "default_run_2026-11-30.png": "dense", "gpu_h200_2026-11-30.jsonl": "dense (H200)",
+  "cpu_sweep_2026-11-30.jsonl": "dense attention",
+  "cost_model_2026-11-30.jsonl": "dense",
+  "cost_model_2026-11-30.md": "dense",
+  "default_run_2026-11-30.jsonl": "dense",
+  "default_run_2026-11-30.png": "dense",
+  "gpu_h200_2026-11-30.jsonl": "dense (H200)",
   "tree_cpu_2026-11-30.jsonl": "before the one engine",
   "default_run_d1fa8e0_rerun_2026-12-03.jsonl": "before the one batch type (rerun)",
   "default_run_2026-12-03.jsonl": "another machine (its float32 paths: first loss differs in the last bit)",
@@ -397,7 +1015,7 @@ CLAIMS = {
   "default_run": "the default run learns the task: sampled and greedy reward before -> after RL",
   "jsonl_reverse": "your own prompts from a file: the warm-up fits them, RL keeps them",
   "recipe": "a real pretrained model (SmolLM2-135M-Instruct) trained with LoRA on k-shot math: "
-            "greedy held-out accuracy before -> after RL",
+  "greedy held-out accuracy before -> after RL",
   "lora_memory": "LoRA on the large preset: ~1% of the trainable state, replay's memory saving kept",
   "lora_speed": "LoRA keeps replay's speedup (within a few percent of full fine-tuning's)",
   "phase_times": "the RL step by phase: replay's update is ~8x cheaper; sampling is the rest",
@@ -423,17 +1041,22 @@ CLAIMS = {
   "plan_8gpu": "the 8-GPU plan: Llama-3-8B at P=131K fits 8 GPUs with parameters over context",
   "cp_cache_sharded": "context parallelism with the cache kept in sequence shards in the tails",
   "cp_key_major": "context parallelism after the tails' per-layer gather, parameters over "
-                  "fsdp x context and the key-major backward: both memory targets met",
+  "fsdp x context and the key-major backward: both memory targets met",
   "plan_8gpu_now": "the 8-GPU plan after the tails' per-layer gather: compiled traffic near "
-                   "the formula, 131K fits H20/H100/H200",
+  "the formula, 131K fits H20/H100/H200",
   "plan_1gpu": "the one-GPU LoRA plan: 8B at 16 x 131,072, compiled on one CPU device (a "
-               "proxy that misses 141 GB) and estimated in bf16",
+  "proxy that misses 141 GB) and estimated in bf16",
 }
 # Figures the docs show: (claim, the image under experiments/results/, the lines it plots).
 FIGURES = {
-  "q2_curves": ("Q2: reward and loss with 5-seed bands; gradient agreement",
-                "q2_cpu_5seeds_2026-11-30.png", "q2_cpu_5seeds_2026-11-30.jsonl"),
-  "default_run_curve": ("the default run's reward and step time",
-                        "default_run_2026-12-04.png",
-                        "default_run_2026-12-04.jsonl"),
+  "q2_curves": (
+    "Q2: reward and loss with 5-seed bands; gradient agreement",
+    "q2_cpu_5seeds_2026-11-30.png",
+    "q2_cpu_5seeds_2026-11-30.jsonl",
+  ),
+  "default_run_curve": (
+    "the default run's reward and step time",
+    "default_run_2026-12-04.png",
+    "default_run_2026-12-04.jsonl",
+  ),
 }

@@ -44,6 +44,7 @@ CLOSE = "<!-- /table -->"
 class _Cells(string.Formatter):
   def format_field(self, value, spec):
     from experiments import results_table
+
     if not spec:
       return results_table.fmt(value)
     if value is None or isinstance(value, str):  # "oom", null: as is, whatever the spec
@@ -56,6 +57,7 @@ def read_rows(path: str) -> list[tuple[int, dict]]:
   object is a ValueError naming the file and line (tasks.jsonl_records, the task files'
   reader)."""
   from branch_replay.data import tasks
+
   return [(int(where.rsplit(":", 1)[1]), row) for where, row in tasks.jsonl_records(path, path)]
 
 
@@ -70,8 +72,12 @@ def provenance_of(row: dict) -> dict | None:
   machine = p.get("hostname") or p.get("machine") or p.get("platform")
   if not (commit and command and machine):
     return None
-  return {"commit": str(commit), "command": command, "machine": machine,
-          "date": str(p.get("date") or row.get("date") or "")}
+  return {
+    "commit": str(commit),
+    "command": command,
+    "machine": machine,
+    "date": str(p.get("date") or row.get("date") or ""),
+  }
 
 
 def _lookup(row: dict, field: str):
@@ -84,6 +90,7 @@ def _lookup(row: dict, field: str):
 
 def _matches(row: dict, where: tuple[str, ...]) -> bool:
   from experiments import results_table
+
   return results_table.matches(row, list(where))
 
 
@@ -95,16 +102,20 @@ def render(name: str, table: Table, root: str = ROOT, at: str = "") -> str:
   cited = {}
   for src in table.sources:
     if len(src.cells) != len(table.header):
-      raise ValueError(f"{where_md}: a source of {src.file} has {len(src.cells)} cells for "
-                       f"{len(table.header)} columns")
+      raise ValueError(
+        f"{where_md}: a source of {src.file} has {len(src.cells)} cells for "
+        f"{len(table.header)} columns"
+      )
     path = os.path.join(root, RESULTS, src.file)
     if not os.path.exists(path):
       raise ValueError(f"{where_md}: results file {RESULTS}/{src.file} does not exist")
     rows = [(n, r) for n, r in read_rows(path) if _matches(r, src.where)]
     rel = f"{RESULTS}/{src.file}"
     if not rows or (src.count is not None and len(rows) != src.count):
-      raise ValueError(f"{where_md}: {rel}: {len(rows)} rows match {list(src.where)}, "
-                       f"expected {src.count or 'at least 1'}")
+      raise ValueError(
+        f"{where_md}: {rel}: {len(rows)} rows match {list(src.where)}, "
+        f"expected {src.count or 'at least 1'}"
+      )
     for n, row in rows:
       row = dict({k: None for k in src.optional}, **row, _file=src.file)
       for name, a, b in src.ratios:  # b: a field, or a number (e.g. 2**20 for bytes -> MB)
@@ -114,15 +125,19 @@ def render(name: str, table: Table, root: str = ROOT, at: str = "") -> str:
           row[name] = num / den
       prov = provenance_of(row)
       if prov is None:
-        raise ValueError(f"{rel}:{n}: no provenance (expected git commit, command and machine "
-                         f"in its 'provenance' or at its top level), cited by {where_md}")
+        raise ValueError(
+          f"{rel}:{n}: no provenance (expected git commit, command and machine "
+          f"in its 'provenance' or at its top level), cited by {where_md}"
+        )
       cells = []
       for header, template in zip(table.header, src.cells):
         try:
           cells.append(_Cells().format(template, **row))
         except (KeyError, IndexError) as e:
-          raise ValueError(f"{where_md}: column {header!r} reads field {e.args[0]!r}, which "
-                           f"{rel}:{n} does not have") from None
+          raise ValueError(
+            f"{where_md}: column {header!r} reads field {e.args[0]!r}, which "
+            f"{rel}:{n} does not have"
+          ) from None
       lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
       cited.setdefault(rel, [])
       if prov["commit"][:7] not in cited[rel]:
@@ -130,8 +145,12 @@ def render(name: str, table: Table, root: str = ROOT, at: str = "") -> str:
   out = "\n".join(lines) + "\n"
   if table.note:
     out += "\n" + table.note + "\n"
-  return out + "\nResults: " + "; ".join(f"`{f}` (commit {', '.join(c)})"
-                                          for f, c in cited.items()) + "\n"
+  return (
+    out
+    + "\nResults: "
+    + "; ".join(f"`{f}` (commit {', '.join(c)})" for f, c in cited.items())
+    + "\n"
+  )
 
 
 def documents(root: str = ROOT) -> list[str]:
@@ -162,11 +181,15 @@ def rewrite(path: str, tables: dict, root: str = ROOT) -> tuple[str, str]:
         break
       j += 1
     if j == len(lines) or lines[j].strip() != CLOSE:
-      raise ValueError(f"{rel}:{start}: table {name!r}: no closing {CLOSE} before the next "
-                       "table or the end of the file")
+      raise ValueError(
+        f"{rel}:{start}: table {name!r}: no closing {CLOSE} before the next "
+        "table or the end of the file"
+      )
     if name not in tables:
-      raise ValueError(f"{rel}:{start}: table {name!r} is not in experiments/table_specs.py "
-                       f"(known: {sorted(tables)})")
+      raise ValueError(
+        f"{rel}:{start}: table {name!r} is not in experiments/table_specs.py "
+        f"(known: {sorted(tables)})"
+      )
     out += render(name, tables[name], root, f"{rel}:{start}").rstrip("\n").split("\n")
     out.append(lines[j])
     i = j + 1
@@ -182,10 +205,15 @@ def check(root: str = ROOT, tables: dict | None = None) -> list[str]:
     old, new = rewrite(path, tables, root)
     if old != new:
       rel = os.path.relpath(path, root)
-      diff = "".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True), rel,
-                                          rel + " (rendered)", n=1))
-      problems.append(f"{rel}: a table differs from its rendering (python -m "
-                      f"experiments.tables rewrites it):\n{diff}")
+      diff = "".join(
+        difflib.unified_diff(
+          old.splitlines(True), new.splitlines(True), rel, rel + " (rendered)", n=1
+        )
+      )
+      problems.append(
+        f"{rel}: a table differs from its rendering (python -m "
+        f"experiments.tables rewrites it):\n{diff}"
+      )
   return problems
 
 
@@ -203,21 +231,24 @@ def used_tables(root: str = ROOT) -> dict[str, list[str]]:
 
 def _tables() -> dict:
   from experiments import table_specs
+
   return table_specs.TABLES
 
 
 # ---- experiments/results/INDEX.md ----
+
 
 def index_rows(root: str = ROOT) -> list[dict]:
   """One row per file under experiments/results/ (and results/superseded/): the experiment,
   command, commit, engine and date of its first line with provenance, and whether it is
   current or superseded (table_specs.SUPERSEDED, table_specs.ENGINE)."""
   from experiments import table_specs
+
   base = os.path.join(root, RESULTS)
   rows = []
-  for path in sorted(glob.glob(os.path.join(base, "*")) + glob.glob(os.path.join(base,
-                                                                                  "superseded",
-                                                                                  "*"))):
+  for path in sorted(
+    glob.glob(os.path.join(base, "*")) + glob.glob(os.path.join(base, "superseded", "*"))
+  ):
     name = os.path.relpath(path, base)
     if os.path.isdir(path) or name == "INDEX.md":
       continue
@@ -229,11 +260,15 @@ def index_rows(root: str = ROOT) -> list[dict]:
           command = r.get("run_command") or prov["command"]
           run = r.get("run") if isinstance(r.get("run"), dict) else {}  # a run.py workdir
           script = re.search(r"experiments/(\w+)\.py", command)
-          row.update(experiment=r.get("experiment") if r.get("experiment") not in (None, "run")
-                     else r.get("algorithm") or (script.group(1) if script else "run"),
-                     command=command, date=prov["date"][:10] or "-",
-                     commit=str(run.get("git_commit") or prov["commit"])[:7],
-                     engine=r.get("attention") or "-")
+          row.update(
+            experiment=r.get("experiment")
+            if r.get("experiment") not in (None, "run")
+            else r.get("algorithm") or (script.group(1) if script else "run"),
+            command=command,
+            date=prov["date"][:10] or "-",
+            commit=str(run.get("git_commit") or prov["commit"])[:7],
+            engine=r.get("attention") or "-",
+          )
           break
       else:
         row["commit"] = "(no provenance recorded)"
@@ -248,23 +283,31 @@ def index_rows(root: str = ROOT) -> list[dict]:
 
 
 def index_markdown(root: str = ROOT) -> str:
-  lines = ["# experiments/results: every results file", "",
-           "Generated by `python -m experiments.tables --index` (do not edit; "
-           "`tests/experiments/readme_tables_test.py` checks it is current). Which table or figure cites "
-           "each file: `experiments/README.md`. Superseded files live under `superseded/`.", "",
-           "| file | experiment | command | commit | engine | date | status |",
-           "|---|---|---|---|---|---|---|"]
+  lines = [
+    "# experiments/results: every results file",
+    "",
+    "Generated by `python -m experiments.tables --index` (do not edit; "
+    "`tests/experiments/readme_tables_test.py` checks it is current). Which table or figure cites "
+    "each file: `experiments/README.md`. Superseded files live under `superseded/`.",
+    "",
+    "| file | experiment | command | commit | engine | date | status |",
+    "|---|---|---|---|---|---|---|",
+  ]
   for r in index_rows(root):
     cmd = r["command"] if r["command"] == "-" else "`" + r["command"].replace("|", "\\|") + "`"
-    lines.append(f"| `{r['file']}` | {r['experiment']} | {cmd} | {r['commit']} | "
-                 f"{r['engine']} | {r['date']} | {r['status']} |")
+    lines.append(
+      f"| `{r['file']}` | {r['experiment']} | {cmd} | {r['commit']} | "
+      f"{r['engine']} | {r['date']} | {r['status']} |"
+    )
   return "\n".join(lines) + "\n"
 
 
 # ---- experiments/README.md: one row per published table or figure ----
 
-PUBLISHED = ("<!-- published: generated by python -m experiments.tables --index -->",
-             "<!-- /published -->")
+PUBLISHED = (
+  "<!-- published: generated by python -m experiments.tables --index -->",
+  "<!-- /published -->",
+)
 
 
 def published_markdown(root: str = ROOT) -> str:
@@ -272,15 +315,20 @@ def published_markdown(root: str = ROOT) -> str:
   claim it supports, where it is shown, its results files with their commands, and the
   notebook cell that renders and plots it."""
   from experiments import table_specs
+
   commands = {r["file"]: r["command"] for r in index_rows(root)}
   cell = "`notebooks/results_browser.ipynb`: `show({!r})`"
   lines = ["| claim | shown in | results file: command | notebook cell |", "|---|---|---|---|"]
+
   def files_cell(files):
     return "<br>".join(f"`{f}`: `{commands.get(f, '-')}`".replace("|", "\\|") for f in files)
+
   for name, docs in used_tables(root).items():
     files = list(dict.fromkeys(src.file for src in table_specs.TABLES[name].sources))
-    lines.append(f"| {table_specs.CLAIMS[name]} | table `{name}` in {', '.join(docs)} | "
-                 f"{files_cell(files)} | {cell.format(name)} |")
+    lines.append(
+      f"| {table_specs.CLAIMS[name]} | table `{name}` in {', '.join(docs)} | "
+      f"{files_cell(files)} | {cell.format(name)} |"
+    )
   for name, (claim, image, data) in table_specs.FIGURES.items():
     lines.append(f"| {claim} | figure `{image}` | {files_cell([data])} | {cell.format(name)} |")
   return "\n".join(lines)
@@ -290,7 +338,7 @@ def rewrite_published(path: str, root: str = ROOT) -> tuple[str, str]:
   with open(path) as f:
     text = f.read()
   start, end = text.index(PUBLISHED[0]), text.index(PUBLISHED[1])
-  new = text[:start + len(PUBLISHED[0])] + "\n" + published_markdown(root) + "\n" + text[end:]
+  new = text[: start + len(PUBLISHED[0])] + "\n" + published_markdown(root) + "\n" + text[end:]
   return text, new
 
 

@@ -35,16 +35,21 @@ class RopeScaling:
 
   def __post_init__(self):
     if self.type not in ROPE_SCALING_TYPES:
-      raise ValueError(f"model.rope_scaling.type={self.type!r}: unsupported RoPE scaling; "
-                       f"expected one of {ROPE_SCALING_TYPES}")
+      raise ValueError(
+        f"model.rope_scaling.type={self.type!r}: unsupported RoPE scaling; "
+        f"expected one of {ROPE_SCALING_TYPES}"
+      )
     if not self.factor > 0:
       raise ValueError(f"model.rope_scaling.factor={self.factor}: expected > 0")
     if self.type == "llama3" and not (0 < self.low_freq_factor < self.high_freq_factor):
-      raise ValueError(f"model.rope_scaling: low_freq_factor={self.low_freq_factor}, "
-                       f"high_freq_factor={self.high_freq_factor}: expected 0 < low < high")
+      raise ValueError(
+        f"model.rope_scaling: low_freq_factor={self.low_freq_factor}, "
+        f"high_freq_factor={self.high_freq_factor}: expected 0 < low < high"
+      )
     if self.type == "llama3" and not self.original_max_positions > 0:
-      raise ValueError(f"model.rope_scaling.original_max_positions="
-                       f"{self.original_max_positions}: expected > 0")
+      raise ValueError(
+        f"model.rope_scaling.original_max_positions={self.original_max_positions}: expected > 0"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,18 +138,22 @@ class ModelConfig:
     if self.attention not in attention.IMPLS:
       raise ValueError(f"model.attention={self.attention!r}: expected one of {attention.IMPLS}")
     if self.context_parallel not in context_parallel.SCHEMES:
-      raise ValueError(f"model.context_parallel={self.context_parallel!r}: expected one of "
-                       f"{context_parallel.SCHEMES} (a ring of ppermute steps and zig-zag "
-                       "load balancing are not built)")
+      raise ValueError(
+        f"model.context_parallel={self.context_parallel!r}: expected one of "
+        f"{context_parallel.SCHEMES} (a ring of ppermute steps and zig-zag "
+        "load balancing are not built)"
+      )
     for name in ("attention_block_q", "attention_block_k"):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"model.{name}={value!r}: expected a positive int")
-    if self.logits_chunk is not None and (not isinstance(self.logits_chunk, int)
-                                          or self.logits_chunk < 1):
+    if self.logits_chunk is not None and (
+      not isinstance(self.logits_chunk, int) or self.logits_chunk < 1
+    ):
       raise ValueError(f"model.logits_chunk={self.logits_chunk!r}: expected None or an int >= 1")
-    if self.mlp_chunk is not None and (not isinstance(self.mlp_chunk, int)
-                                       or isinstance(self.mlp_chunk, bool) or self.mlp_chunk < 1):
+    if self.mlp_chunk is not None and (
+      not isinstance(self.mlp_chunk, int) or isinstance(self.mlp_chunk, bool) or self.mlp_chunk < 1
+    ):
       raise ValueError(f"model.mlp_chunk={self.mlp_chunk!r}: expected None or an int >= 1")
     if not isinstance(self.logits_chunk_rows, bool):
       raise ValueError(f"model.logits_chunk_rows={self.logits_chunk_rows!r}: expected a bool")
@@ -152,41 +161,59 @@ class ModelConfig:
       object.__setattr__(self, "local_layers", tuple(self.local_layers))
     if isinstance(self.rope_scaling, dict):
       object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
-    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                 "mlp_hidden"):
+    for name in (
+      "vocab_size",
+      "d_model",
+      "n_layers",
+      "n_heads",
+      "n_kv_heads",
+      "head_dim",
+      "mlp_hidden",
+    ):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"model.{name}: expected a positive int, got {value!r}")
     if self.n_heads % self.n_kv_heads:
-      raise ValueError(f"model.n_heads={self.n_heads}: expected a multiple of "
-                       f"model.n_kv_heads={self.n_kv_heads}")
+      raise ValueError(
+        f"model.n_heads={self.n_heads}: expected a multiple of model.n_kv_heads={self.n_kv_heads}"
+      )
     if self.head_dim % 2:
       raise ValueError(f"model.head_dim={self.head_dim}: expected an even number (RoPE)")
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in DTYPES:
         raise ValueError(f"model.{name}={getattr(self, name)!r}: expected one of {sorted(DTYPES)}")
-    if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
-                                            or self.sliding_window < 1):
-      raise ValueError(f"model.sliding_window={self.sliding_window!r}: expected None or a "
-                       "positive int")
+    if self.sliding_window is not None and (
+      not isinstance(self.sliding_window, int) or self.sliding_window < 1
+    ):
+      raise ValueError(
+        f"model.sliding_window={self.sliding_window!r}: expected None or a positive int"
+      )
     if self.local_layers is not None:
       if self.sliding_window is None:
-        raise ValueError(f"model.local_layers={self.local_layers}: given without "
-                         "model.sliding_window")
+        raise ValueError(
+          f"model.local_layers={self.local_layers}: given without model.sliding_window"
+        )
       bad = [i for i in self.local_layers if not isinstance(i, int) or not 0 <= i < self.n_layers]
       if bad or len(set(self.local_layers)) != len(self.local_layers):
-        raise ValueError(f"model.local_layers={self.local_layers}: expected distinct layer "
-                         f"indices in [0, n_layers={self.n_layers})")
+        raise ValueError(
+          f"model.local_layers={self.local_layers}: expected distinct layer "
+          f"indices in [0, n_layers={self.n_layers})"
+        )
     if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
       raise ValueError(f"model.rope_scaling={self.rope_scaling!r}: expected None or RopeScaling")
-    for name in ("local_rope_theta", "attn_logit_softcap", "final_logit_softcap",
-                 "query_pre_attn_scalar"):
+    for name in (
+      "local_rope_theta",
+      "attn_logit_softcap",
+      "final_logit_softcap",
+      "query_pre_attn_scalar",
+    ):
       value = getattr(self, name)
       if value is not None and not value > 0:
         raise ValueError(f"model.{name}={value!r}: expected None or > 0")
     if self.activation not in ACTIVATIONS:
-      raise ValueError(f"model.activation={self.activation!r}: expected one of "
-                       f"{sorted(ACTIVATIONS)}")
+      raise ValueError(
+        f"model.activation={self.activation!r}: expected one of {sorted(ACTIVATIONS)}"
+      )
     self._check_hybrid()
 
   def _check_hybrid(self):
@@ -194,22 +221,32 @@ class ModelConfig:
     if isinstance(self.layer_types, list):
       object.__setattr__(self, "layer_types", tuple(self.layer_types))
     if not 0 < self.rotary_fraction <= 1 or int(self.head_dim * self.rotary_fraction) % 2:
-      raise ValueError(f"model.rotary_fraction={self.rotary_fraction!r}: expected in (0, 1] "
-                       f"with head_dim={self.head_dim} * fraction an even int")
+      raise ValueError(
+        f"model.rotary_fraction={self.rotary_fraction!r}: expected in (0, 1] "
+        f"with head_dim={self.head_dim} * fraction an even int"
+      )
     if self.layer_types is None:
       return
     if len(self.layer_types) != self.n_layers:
-      raise ValueError(f"model.layer_types: {len(self.layer_types)} entries, expected "
-                       f"n_layers={self.n_layers}")
+      raise ValueError(
+        f"model.layer_types: {len(self.layer_types)} entries, expected n_layers={self.n_layers}"
+      )
     bad = [t for t in self.layer_types if t not in LAYER_TYPES]
     if bad:
-      raise ValueError(f"model.layer_types: unsupported layer type {bad[0]!r}; expected one "
-                       f"of {LAYER_TYPES}")
+      raise ValueError(
+        f"model.layer_types: unsupported layer type {bad[0]!r}; expected one of {LAYER_TYPES}"
+      )
     linear = [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
     if not linear:
       return
-    for name in ("linear_key_heads", "linear_value_heads", "linear_key_head_dim",
-                 "linear_value_head_dim", "linear_conv_kernel", "linear_chunk"):
+    for name in (
+      "linear_key_heads",
+      "linear_value_heads",
+      "linear_key_head_dim",
+      "linear_value_head_dim",
+      "linear_conv_kernel",
+      "linear_chunk",
+    ):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"model.{name}={value!r}: expected a positive int")
@@ -217,19 +254,26 @@ class ModelConfig:
       raise ValueError(f"model.linear_conv_kernel={self.linear_conv_kernel}: expected >= 2")
     for name in ("linear_key_heads", "linear_value_heads"):
       if self.d_model % getattr(self, name):
-        raise ValueError(f"model.{name}={getattr(self, name)}: expected a divisor of "
-                         f"d_model={self.d_model}")
+        raise ValueError(
+          f"model.{name}={getattr(self, name)}: expected a divisor of d_model={self.d_model}"
+        )
     if self.linear_value_heads % self.linear_key_heads:
-      raise ValueError(f"model.linear_value_heads={self.linear_value_heads}: expected a "
-                       f"multiple of model.linear_key_heads={self.linear_key_heads}")
+      raise ValueError(
+        f"model.linear_value_heads={self.linear_value_heads}: expected a "
+        f"multiple of model.linear_key_heads={self.linear_key_heads}"
+      )
     windowed = [i for i in linear if self.layer_window(i) is not None]
     if windowed:
-      raise ValueError(f"model.sliding_window={self.sliding_window} applies to linear layers "
-                       f"{windowed} (model.local_layers={self.local_layers}): expected no "
-                       "window on a linear_attention layer")
+      raise ValueError(
+        f"model.sliding_window={self.sliding_window} applies to linear layers "
+        f"{windowed} (model.local_layers={self.local_layers}): expected no "
+        "window on a linear_attention layer"
+      )
     if self.attn_logit_softcap is not None:
-      raise ValueError(f"model.attn_logit_softcap={self.attn_logit_softcap}: a soft-cap on "
-                       f"linear_attention layers {linear}; expected None in a hybrid model")
+      raise ValueError(
+        f"model.attn_logit_softcap={self.attn_logit_softcap}: a soft-cap on "
+        f"linear_attention layers {linear}; expected None in a hybrid model"
+      )
 
   def layer_type(self, layer: int) -> str:
     """'full_attention' or 'linear_attention' (a Gated DeltaNet layer)."""
@@ -278,24 +322,52 @@ class ModelConfig:
 
 
 PRESETS = {
-    "tiny": dict(vocab_size=128, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-                 mlp_hidden=64),
-    "small": dict(),  # the defaults above
-    "medium": dict(d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=64,
-                   mlp_hidden=1408, vocab_size=4096),
-    "large": dict(d_model=2048, n_layers=16, n_heads=16, n_kv_heads=8, head_dim=128,
-                  mlp_hidden=5632, vocab_size=32000, scan_layers=True),
-    # Hybrids (Qwen3.5's layout: 3 Gated DeltaNet layers, then one gated full attention).
-    "hybrid_tiny": dict(vocab_size=128, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2,
-                        head_dim=8, mlp_hidden=64, linear_key_heads=2, linear_value_heads=4,
-                        linear_key_head_dim=8, linear_value_head_dim=8, linear_chunk=4,
-                        layer_types=("linear_attention",) * 3 + ("full_attention",),
-                        attn_output_gate=True, rotary_fraction=0.5, qk_norm=True,
-                        norm_offset=1.0),
-    "hybrid_small": dict(linear_key_heads=2, linear_value_heads=4,
-                         layer_types=("linear_attention",) * 3 + ("full_attention",),
-                         attn_output_gate=True, rotary_fraction=0.25, qk_norm=True,
-                         norm_offset=1.0),
+  "tiny": dict(
+    vocab_size=128, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_hidden=64
+  ),
+  "small": dict(),  # the defaults above
+  "medium": dict(
+    d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=64, mlp_hidden=1408, vocab_size=4096
+  ),
+  "large": dict(
+    d_model=2048,
+    n_layers=16,
+    n_heads=16,
+    n_kv_heads=8,
+    head_dim=128,
+    mlp_hidden=5632,
+    vocab_size=32000,
+    scan_layers=True,
+  ),
+  # Hybrids (Qwen3.5's layout: 3 Gated DeltaNet layers, then one gated full attention).
+  "hybrid_tiny": dict(
+    vocab_size=128,
+    d_model=32,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    mlp_hidden=64,
+    linear_key_heads=2,
+    linear_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_chunk=4,
+    layer_types=("linear_attention",) * 3 + ("full_attention",),
+    attn_output_gate=True,
+    rotary_fraction=0.5,
+    qk_norm=True,
+    norm_offset=1.0,
+  ),
+  "hybrid_small": dict(
+    linear_key_heads=2,
+    linear_value_heads=4,
+    layer_types=("linear_attention",) * 3 + ("full_attention",),
+    attn_output_gate=True,
+    rotary_fraction=0.25,
+    qk_norm=True,
+    norm_offset=1.0,
+  ),
 }
 
 

@@ -32,6 +32,7 @@ Array = jax.Array
 
 class LinearState(NamedTuple):
   """What a linear layer passes on: the recurrent state and the last W conv inputs."""
+
   state_BNHJ: Array
   conv_BWC: Array
 
@@ -53,6 +54,7 @@ def recurrent_delta_rule(q_BTNH, k_BTNH, v_BTNJ, g_BTN, beta_BTN, state_BNHJ):
 
   S <- S * exp(g);  S <- S + k (beta (v - S^T k))^T;  o = S^T q.  Queries come scaled and
   q, k normalised. Returns (o_BTNJ, final state)."""
+
   def step(S_BNHJ, xs):
     q_BNH, k_BNH, v_BNJ, g_BN, beta_BN = xs
     S_BNHJ = S_BNHJ * jnp.exp(g_BN)[..., None, None]
@@ -108,8 +110,9 @@ def delta_chunk(S_BNHJ, xs):
   diff_BNcc = gamma_BNc[..., :, None] - gamma_BNc[..., None, :]
   decay_BNcc = jnp.exp(jnp.where(lower_cc, diff_BNcc, -jnp.inf))  # 0 above the diagonal
   kb_BcNH = k_BcNH * beta_BcN[..., None]
-  A_BNcc = jnp.where(strict_cc, jnp.einsum("BiNh,BjNh->BNij", kb_BcNH, k_BcNH) * decay_BNcc,
-                     0.0) + jnp.eye(c, dtype=decay_BNcc.dtype)
+  A_BNcc = jnp.where(
+    strict_cc, jnp.einsum("BiNh,BjNh->BNij", kb_BcNH, k_BcNH) * decay_BNcc, 0.0
+  ) + jnp.eye(c, dtype=decay_BNcc.dtype)
   inv_BNcc = unit_lower_inverse(A_BNcc)
   solve = lambda rhs_BNcX: jnp.einsum("BNij,BNjX->BNiX", inv_BNcc, rhs_BNcX)
   u_BNcJ = solve(jnp.einsum("BcNJ,BcN->BNcJ", v_BcNJ, beta_BcN))
@@ -117,11 +120,13 @@ def delta_chunk(S_BNHJ, xs):
   new_BNcJ = u_BNcJ - jnp.einsum("BNch,BNhJ->BNcJ", w_BNcH, S_BNHJ)
   attn_BNcc = jnp.einsum("BiNh,BjNh->BNij", q_BcNH, k_BcNH) * decay_BNcc
   qd_BNcH = jnp.swapaxes(q_BcNH, 1, 2) * jnp.exp(gamma_BNc)[..., None]
-  o_BNcJ = (jnp.einsum("BNch,BNhJ->BNcJ", qd_BNcH, S_BNHJ)
-            + jnp.einsum("BNij,BNjJ->BNiJ", attn_BNcc, new_BNcJ))
+  o_BNcJ = jnp.einsum("BNch,BNhJ->BNcJ", qd_BNcH, S_BNHJ) + jnp.einsum(
+    "BNij,BNjJ->BNiJ", attn_BNcc, new_BNcJ
+  )
   kd_BNcH = jnp.swapaxes(k_BcNH, 1, 2) * jnp.exp(gamma_BNc[..., -1:] - gamma_BNc)[..., None]
-  S_BNHJ = (S_BNHJ * jnp.exp(gamma_BNc[..., -1])[..., None, None]
-            + jnp.einsum("BNch,BNcJ->BNhJ", kd_BNcH, new_BNcJ))
+  S_BNHJ = S_BNHJ * jnp.exp(gamma_BNc[..., -1])[..., None, None] + jnp.einsum(
+    "BNch,BNcJ->BNhJ", kd_BNcH, new_BNcJ
+  )
   return S_BNHJ, jnp.swapaxes(o_BNcJ, 1, 2)
 
 
@@ -136,7 +141,8 @@ def unit_lower_inverse(L_Xcc):
   batch = L_Xcc.shape[:-2]
   eye = jnp.eye(m, dtype=L_Xcc.dtype)
   L_Xmm = eye.at[:c, :c].set(0).astype(L_Xcc.dtype) + jnp.pad(
-      L_Xcc, [(0, 0)] * len(batch) + [(0, m - c), (0, m - c)])
+    L_Xcc, [(0, 0)] * len(batch) + [(0, m - c), (0, m - c)]
+  )
   inv_Xbss = jnp.ones(batch + (m, 1, 1), L_Xcc.dtype)  # 1 x 1 diagonal blocks: unit
   s = 1
   while s < m:
@@ -163,7 +169,7 @@ def causal_conv(x_BTC, w_KC, conv_BWC, valid_BT):
   W = w_KC.shape[0] - 1
   T = x_BTC.shape[1]
   ext_BSC = jnp.concatenate([conv_BWC.astype(x_BTC.dtype), x_BTC], axis=1)
-  y_BTC = sum(ext_BSC[:, i:i + T] * w_KC[i] for i in range(W + 1))
+  y_BTC = sum(ext_BSC[:, i : i + T] * w_KC[i] for i in range(W + 1))
   # The index after the last valid token (0: no valid token, the old state is kept).
   end_B = jnp.max(jnp.where(valid_BT, jnp.arange(1, T + 1), 0), axis=1)
   idx_BW = end_B[:, None] + jnp.arange(W)
@@ -171,8 +177,22 @@ def causal_conv(x_BTC, w_KC, conv_BWC, valid_BT):
   return jax.nn.silu(y_BTC), conv_BWC
 
 
-def token_mix(cfg: ModelConfig, valid_BT, h_BTD, state_BNHJ, conv_BWC, w_qkv_DC, w_conv_KC,
-              w_b_DN, w_a_DN, A_log_N, dt_bias_N, w_z_DNJ, norm_scale_J, w_out_NJD):
+def token_mix(
+  cfg: ModelConfig,
+  valid_BT,
+  h_BTD,
+  state_BNHJ,
+  conv_BWC,
+  w_qkv_DC,
+  w_conv_KC,
+  w_b_DN,
+  w_a_DN,
+  A_log_N,
+  dt_bias_N,
+  w_z_DNJ,
+  norm_scale_J,
+  w_out_NJD,
+):
   """A linear layer's token mixer, from its normed input h to its output a (added to the
   residual stream): projections, causal conv, head split, l2norm, beta and decay, the delta
   rule, the gated norm and the output projection. Returns (a_BTD, the new recurrent state,
@@ -184,13 +204,26 @@ def token_mix(cfg: ModelConfig, valid_BT, h_BTD, state_BNHJ, conv_BWC, w_qkv_DC,
   `linear_remat` each chunk is rematerialised in the backward, so what the gradient keeps
   per token is h alone and the mixer's temporaries live one chunk at a time (cost: the
   mixer's forward once more in the backward)."""
-  weights = (w_qkv_DC, w_conv_KC, w_b_DN, w_a_DN, A_log_N, dt_bias_N, w_z_DNJ, norm_scale_J,
-             w_out_NJD)
+  weights = (
+    w_qkv_DC,
+    w_conv_KC,
+    w_b_DN,
+    w_a_DN,
+    A_log_N,
+    dt_bias_N,
+    w_z_DNJ,
+    norm_scale_J,
+    w_out_NJD,
+  )
   T = h_BTD.shape[1]
   if T == 1:
-    a_BTD, state_BNHJ, _, conv_BWC = _mix_chunk(cfg, weights, recurrent_delta_rule, (
-        state_BNHJ, conv_BWC.astype(h_BTD.dtype), conv_BWC.astype(h_BTD.dtype)),
-        (h_BTD, valid_BT))
+    a_BTD, state_BNHJ, _, conv_BWC = _mix_chunk(
+      cfg,
+      weights,
+      recurrent_delta_rule,
+      (state_BNHJ, conv_BWC.astype(h_BTD.dtype), conv_BWC.astype(h_BTD.dtype)),
+      (h_BTD, valid_BT),
+    )
     return a_BTD, state_BNHJ, conv_BWC
   c = min(cfg.linear_chunk, T)  # padding positions: h = 0, not valid (decay 1, rate 0)
   rule = lambda *xs: delta_chunk(xs[-1], xs[:-1])[::-1]  # (o, S) as recurrent_delta_rule
@@ -200,15 +233,17 @@ def token_mix(cfg: ModelConfig, valid_BT, h_BTD, state_BNHJ, conv_BWC, w_qkv_DC,
   conv_BWC = conv_BWC.astype(h_BTD.dtype)
   scan_body = lambda carry, xs: (lambda a, *carry: (tuple(carry), a))(*body(carry, xs))
   (state_BNHJ, _, conv_BWC), a_nBcD = jax.lax.scan(
-      scan_body, (state_BNHJ, conv_BWC, conv_BWC), (to_chunks(h_BTD, c), to_chunks(valid_BT, c)))
+    scan_body, (state_BNHJ, conv_BWC, conv_BWC), (to_chunks(h_BTD, c), to_chunks(valid_BT, c))
+  )
   return from_chunks(a_nBcD, T), state_BNHJ, conv_BWC
 
 
 def _mix_chunk(cfg: ModelConfig, weights, rule, carry, xs):
   """The token mixer on c positions after `carry` = (recurrent state, the last W conv inputs,
   the conv state at the last valid token so far): (a_BcD, *the carry after them)."""
-  (w_qkv_DC, w_conv_KC, w_b_DN, w_a_DN, A_log_N, dt_bias_N, w_z_DNJ, norm_scale_J,
-   w_out_NJD) = weights
+  (w_qkv_DC, w_conv_KC, w_b_DN, w_a_DN, A_log_N, dt_bias_N, w_z_DNJ, norm_scale_J, w_out_NJD) = (
+    weights
+  )
   S_BNHJ, last_BWC, conv_BWC = carry
   h_BcD, valid_Bc = xs
   B, c, _ = h_BcD.shape
@@ -222,7 +257,7 @@ def _mix_chunk(cfg: ModelConfig, weights, rule, carry, xs):
   q_BcKH, k_BcKH, v_BcNJ = jnp.split(mixed_BcC, [K * H, 2 * K * H], axis=-1)
   G = N // K
   heads = lambda x_BcC, n, d: jnp.repeat(x_BcC.reshape(B, c, n, d).astype(acc), G, axis=2)
-  q_BcNH, k_BcNH = l2norm(heads(q_BcKH, K, H)) * H ** -0.5, l2norm(heads(k_BcKH, K, H))
+  q_BcNH, k_BcNH = l2norm(heads(q_BcKH, K, H)) * H**-0.5, l2norm(heads(k_BcKH, K, H))
   v_BcNJ = v_BcNJ.reshape(B, c, N, J).astype(acc)
   beta_BcN = jax.nn.sigmoid(jnp.einsum("BcD,DN->BcN", h_BcD, w_b_DN.astype(dt)).astype(acc))
   a_BcN = jnp.einsum("BcD,DN->BcN", h_BcD, w_a_DN.astype(dt)).astype(acc)
@@ -233,8 +268,9 @@ def _mix_chunk(cfg: ModelConfig, weights, rule, carry, xs):
   o_BcNJ, S_BNHJ = rule(q_BcNH, k_BcNH, v_BcNJ, g_BcN, beta_BcN, S_BNHJ)
   # The output gate: the gated RMSNorm over J (no offset) times silu(h W_z), then W_out.
   z_BcNJ = jnp.einsum("BcD,DNJ->BcNJ", h_BcD, w_z_DNJ.astype(dt))
-  o_BcNJ = (rms_norm(o_BcNJ.astype(dt), norm_scale_J, cfg.norm_eps).astype(acc)
-            * jax.nn.silu(z_BcNJ.astype(acc)))
+  o_BcNJ = rms_norm(o_BcNJ.astype(dt), norm_scale_J, cfg.norm_eps).astype(acc) * jax.nn.silu(
+    z_BcNJ.astype(acc)
+  )
   a_BcD = jnp.einsum("BcNJ,NJD->BcD", o_BcNJ.astype(dt), w_out_NJD.astype(dt))
   return a_BcD, S_BNHJ, last_BWC, conv_BWC
 
@@ -245,8 +281,9 @@ def _mix_chunk(cfg: ModelConfig, weights, rule, carry, xs):
 def zero_state(cfg: ModelConfig, rows: int, dtype) -> LinearState:
   N, H, J = cfg.linear_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
   C = 2 * cfg.linear_key_heads * H + N * J
-  return LinearState(jnp.zeros((rows, N, H, J), dtype),
-                     jnp.zeros((rows, cfg.linear_conv_kernel - 1, C), dtype))
+  return LinearState(
+    jnp.zeros((rows, N, H, J), dtype), jnp.zeros((rows, cfg.linear_conv_kernel - 1, C), dtype)
+  )
 
 
 class GatedDeltaNetBlock(nn.Module):
@@ -255,6 +292,7 @@ class GatedDeltaNetBlock(nn.Module):
   Parameters (Hugging Face `linear_attn.*`): qkv [D, C] (channels q | k | v), conv [W+1, C],
   z [D, N, J] (the output gate), b [D, N] (beta), a [D, N], dt_bias [N], A_log [N],
   norm (the gated RMSNorm over J, no offset), out [N, J, D]."""
+
   cfg: ModelConfig
   index: int = 0
 
@@ -269,17 +307,21 @@ class GatedDeltaNetBlock(nn.Module):
     def param(name, shape, axes, init):
       return self.param(name, nn.with_logical_partitioning(init, axes), shape, pd)
 
-    normal = lambda fan_in: nn.initializers.normal(fan_in ** -0.5)
+    normal = lambda fan_in: nn.initializers.normal(fan_in**-0.5)
     self.w_qkv_DC = param("qkv", (D, C), ("embed", None), normal(D))
-    self.w_conv_KC = param("conv", (cfg.linear_conv_kernel, C), (None, None),
-                           normal(cfg.linear_conv_kernel))
+    self.w_conv_KC = param(
+      "conv", (cfg.linear_conv_kernel, C), (None, None), normal(cfg.linear_conv_kernel)
+    )
     self.w_z_DNJ = param("z", (D, N, J), ("embed", None, None), normal(D))
     self.w_b_DN = param("b", (D, N), ("embed", None), normal(D))
     self.w_a_DN = param("a", (D, N), ("embed", None), normal(D))
     self.dt_bias_N = param("dt_bias", (N,), (None,), nn.initializers.ones)
-    self.A_log_N = param("A_log", (N,), (None,),
-                         lambda key, shape, dtype: jnp.log(
-                             jax.random.uniform(key, shape, dtype, 0.5, 4.0)))
+    self.A_log_N = param(
+      "A_log",
+      (N,),
+      (None,),
+      lambda key, shape, dtype: jnp.log(jax.random.uniform(key, shape, dtype, 0.5, 4.0)),
+    )
     self.w_out_NJD = param("out", (N, J, D), (None, None, "embed"), normal(N * J))
     self.w_gate_DF = param("gate", (D, F), ("embed", "mlp"), normal(D))
     self.w_up_DF = param("up", (D, F), ("embed", "mlp"), normal(D))
@@ -305,15 +347,28 @@ class GatedDeltaNetBlock(nn.Module):
       self.gated_norm(jnp.zeros((1, cfg.linear_value_head_dim), dt))
     norm_scale_J = nn.unbox(self.gated_norm.variables["params"]["scale"])
     a_BTD, state_BNHJ, conv_BWC = token_mix(
-        cfg, valid_BT, h_BTD, context.state_BNHJ.astype(acc), context.conv_BWC, self.w_qkv_DC,
-        self.w_conv_KC, self.w_b_DN, self.w_a_DN, self.A_log_N, self.dt_bias_N, self.w_z_DNJ,
-        norm_scale_J, self.w_out_NJD)
+      cfg,
+      valid_BT,
+      h_BTD,
+      context.state_BNHJ.astype(acc),
+      context.conv_BWC,
+      self.w_qkv_DC,
+      self.w_conv_KC,
+      self.w_b_DN,
+      self.w_a_DN,
+      self.A_log_N,
+      self.dt_bias_N,
+      self.w_z_DNJ,
+      norm_scale_J,
+      self.w_out_NJD,
+    )
     x_BTD = x_BTD + a_BTD
     h_BTD = self.mlp_norm(x_BTD)
     gate_BTF = jnp.einsum("BTD,DF->BTF", h_BTD, self.w_gate_DF.astype(dt))
     up_BTF = jnp.einsum("BTD,DF->BTF", h_BTD, self.w_up_DF.astype(dt))
-    m_BTD = jnp.einsum("BTF,FD->BTD", ACTIVATIONS[cfg.activation](gate_BTF) * up_BTF,
-                       self.w_down_FD.astype(dt))
+    m_BTD = jnp.einsum(
+      "BTF,FD->BTD", ACTIVATIONS[cfg.activation](gate_BTF) * up_BTF, self.w_down_FD.astype(dt)
+    )
     x_BTD = nn.with_logical_constraint(x_BTD + m_BTD, ("batch", "seq", None))
     return x_BTD, LinearState(state_BNHJ, conv_BWC.astype(acc))
 

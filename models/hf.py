@@ -27,13 +27,13 @@ from models import transformer as tfm
 
 # architectures entry -> (model_type, family)
 ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "MistralForCausalLM": "mistral",
-    "Gemma2ForCausalLM": "gemma2",
-    "Gemma3ForCausalLM": "gemma3_text",
-    hf_qwen35.ARCHITECTURE: hf_qwen35.FAMILY,  # hybrid
+  "LlamaForCausalLM": "llama",
+  "Qwen2ForCausalLM": "qwen2",
+  "Qwen3ForCausalLM": "qwen3",
+  "MistralForCausalLM": "mistral",
+  "Gemma2ForCausalLM": "gemma2",
+  "Gemma3ForCausalLM": "gemma3_text",
+  hf_qwen35.ARCHITECTURE: hf_qwen35.FAMILY,  # hybrid
 }
 FAMILIES = {family: arch for arch, family in ARCHITECTURES.items()}  # model_type -> arch
 GEMMA = ("gemma2", "gemma3_text")
@@ -56,8 +56,10 @@ def family_of(hf: dict) -> str:
     return ARCHITECTURES[archs[0]]
   model_type = hf.get("model_type")
   if model_type not in FAMILIES:
-    raise ValueError(f"config.json model_type={model_type!r} (no architectures): unsupported; "
-                     f"{supported} (model_type one of {sorted(FAMILIES)})")
+    raise ValueError(
+      f"config.json model_type={model_type!r} (no architectures): unsupported; "
+      f"{supported} (model_type one of {sorted(FAMILIES)})"
+    )
   return model_type
 
 
@@ -78,9 +80,13 @@ def _rope_scaling(params: Optional[dict], where: str) -> Optional[tfm.RopeScalin
     return None
   if rope_type == "linear":
     return tfm.RopeScaling("linear", float(params["factor"]))
-  return tfm.RopeScaling("llama3", float(params["factor"]), float(params["low_freq_factor"]),
-                         float(params["high_freq_factor"]),
-                         int(params["original_max_position_embeddings"]))
+  return tfm.RopeScaling(
+    "llama3",
+    float(params["factor"]),
+    float(params["low_freq_factor"]),
+    float(params["high_freq_factor"]),
+    int(params["original_max_position_embeddings"]),
+  )
 
 
 def _rope(hf: dict, family: str):
@@ -108,8 +114,9 @@ def _rope(hf: dict, family: str):
   local_theta = None
   if family == "gemma3_text":
     if _rope_scaling(local_p, "rope_parameters.sliding_attention") is not None:
-      raise _unsupported("rope_parameters.sliding_attention", local_p,
-                         "local layers use plain RoPE")
+      raise _unsupported(
+        "rope_parameters.sliding_attention", local_p, "local layers use plain RoPE"
+      )
     local_theta = float(local_p["rope_theta"])
   return float(glob_p["rope_theta"]), scaling, local_theta
 
@@ -124,24 +131,31 @@ def _layer_types(hf: dict, family: str, n_layers: int) -> list[str]:
     if family in ("qwen2", "qwen3"):
       sliding = hf.get("use_sliding_window", False) and hf.get("sliding_window") is not None
       first = hf.get("max_window_layers", 28)
-      types = ["sliding_attention" if sliding and i >= first else "full_attention"
-               for i in range(n_layers)]
+      types = [
+        "sliding_attention" if sliding and i >= first else "full_attention" for i in range(n_layers)
+      ]
     else:
-      every = 2 if family == "gemma2" else hf.get("sliding_window_pattern",
-                                                  hf.get("_sliding_window_pattern", 6))
-      types = ["sliding_attention" if (i + 1) % every else "full_attention"
-               for i in range(n_layers)]
+      every = (
+        2
+        if family == "gemma2"
+        else hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
+      )
+      types = [
+        "sliding_attention" if (i + 1) % every else "full_attention" for i in range(n_layers)
+      ]
   if len(types) != n_layers:
-    raise ValueError(f"config.json layer_types: {len(types)} entries, expected "
-                     f"num_hidden_layers={n_layers}")
+    raise ValueError(
+      f"config.json layer_types: {len(types)} entries, expected num_hidden_layers={n_layers}"
+    )
   for t in types:
     if t not in ("full_attention", "sliding_attention"):
       raise _unsupported("layer_types", t, "expected full_attention or sliding_attention")
   return types
 
 
-def config_from_hf(hf: dict, dtype: str = "float32",
-                   param_dtype: Optional[str] = None) -> tfm.ModelConfig:
+def config_from_hf(
+  hf: dict, dtype: str = "float32", param_dtype: Optional[str] = None
+) -> tfm.ModelConfig:
   """A config.json dict -> ModelConfig (ValueError naming any value we cannot reproduce).
 
   dtype is the compute dtype; parameters (and so AdamW state) are float32 masters unless
@@ -149,8 +163,13 @@ def config_from_hf(hf: dict, dtype: str = "float32",
   if param_dtype is None:
     param_dtype = "float64" if dtype == "float64" else "float32"
   family = family_of(hf)
-  for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-              "num_attention_heads"):
+  for key in (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+  ):
     if key not in hf:
       raise ValueError(f"config.json: missing {key!r} (family {family})")
   D, N, L = hf["hidden_size"], hf["num_attention_heads"], hf["num_hidden_layers"]
@@ -173,23 +192,34 @@ def config_from_hf(hf: dict, dtype: str = "float32",
   if local and window is None:
     local = ()
   kwargs = dict(
-      vocab_size=hf["vocab_size"], d_model=D, n_layers=L, n_heads=N,
-      n_kv_heads=hf.get("num_key_value_heads") or N, head_dim=hf.get("head_dim") or D // N,
-      mlp_hidden=hf["intermediate_size"], rope_theta=theta, rope_scaling=scaling,
-      norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-      tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
-      dtype=dtype, param_dtype=param_dtype, qkv_bias=family == "qwen2",
-      qk_norm=family in ("qwen3", "gemma3_text"),
-      sliding_window=window,
-      local_layers=None if len(local) in (0, L) else local)
+    vocab_size=hf["vocab_size"],
+    d_model=D,
+    n_layers=L,
+    n_heads=N,
+    n_kv_heads=hf.get("num_key_value_heads") or N,
+    head_dim=hf.get("head_dim") or D // N,
+    mlp_hidden=hf["intermediate_size"],
+    rope_theta=theta,
+    rope_scaling=scaling,
+    norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+    tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
+    dtype=dtype,
+    param_dtype=param_dtype,
+    qkv_bias=family == "qwen2",
+    qk_norm=family in ("qwen3", "gemma3_text"),
+    sliding_window=window,
+    local_layers=None if len(local) in (0, L) else local,
+  )
   if gemma:
     kwargs.update(
-        post_norms=True, scale_embeddings=True, norm_offset=1.0, activation="gelu_tanh",
-        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
-        attn_logit_softcap=hf.get("attn_logit_softcapping",
-                                  50.0 if family == "gemma2" else None),
-        final_logit_softcap=hf.get("final_logit_softcapping",
-                                   30.0 if family == "gemma2" else None))
+      post_norms=True,
+      scale_embeddings=True,
+      norm_offset=1.0,
+      activation="gelu_tanh",
+      query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+      attn_logit_softcap=hf.get("attn_logit_softcapping", 50.0 if family == "gemma2" else None),
+      final_logit_softcap=hf.get("final_logit_softcapping", 30.0 if family == "gemma2" else None),
+    )
     if family == "gemma3_text":
       kwargs["local_rope_theta"] = local_theta
   if family == hf_qwen35.FAMILY:  # hybrid
@@ -216,9 +246,20 @@ def family_for(cfg: tfm.ModelConfig) -> str:
 def _canonical(cfg: tfm.ModelConfig) -> dict:
   """Fields that decide the computation, with equivalent spellings made equal."""
   c = dataclasses.asdict(cfg)
-  for key in ("dtype", "param_dtype", "remat", "attention", "attention_block_q",
-              "attention_block_k", "logits_chunk", "logits_chunk_rows", "mlp_chunk", "scan_layers",
-              "linear_chunk", "linear_remat"):
+  for key in (
+    "dtype",
+    "param_dtype",
+    "remat",
+    "attention",
+    "attention_block_q",
+    "attention_block_k",
+    "logits_chunk",
+    "logits_chunk_rows",
+    "mlp_chunk",
+    "scan_layers",
+    "linear_chunk",
+    "linear_remat",
+  ):
     c.pop(key)
   if c["query_pre_attn_scalar"] is None:
     c["query_pre_attn_scalar"] = float(cfg.head_dim)
@@ -227,7 +268,8 @@ def _canonical(cfg: tfm.ModelConfig) -> dict:
   if cfg.local_layers == ():
     c["sliding_window"] = None
   if not any(cfg.layer_window(i) for i in range(cfg.n_layers)) or (
-      cfg.local_rope_theta == cfg.rope_theta and cfg.rope_scaling is None):
+    cfg.local_rope_theta == cfg.rope_theta and cfg.rope_scaling is None
+  ):
     c["local_rope_theta"] = None
   return c
 
@@ -236,8 +278,9 @@ def _int_if_whole(x):
   return int(x) if float(x).is_integer() else x  # transformers' strict configs want an int
 
 
-def config_to_hf(cfg: tfm.ModelConfig, family: Optional[str] = None,
-                 extra: Optional[dict] = None) -> dict:
+def config_to_hf(
+  cfg: tfm.ModelConfig, family: Optional[str] = None, extra: Optional[dict] = None
+) -> dict:
   """ModelConfig -> config.json dict in the transformers-4 spelling (which transformers 5
   also reads). `extra` keys (token ids, max_position_embeddings...) go in first."""
   family = family or family_for(cfg)
@@ -247,29 +290,53 @@ def config_to_hf(cfg: tfm.ModelConfig, family: Optional[str] = None,
   types = ["sliding_attention" if i in local else "full_attention" for i in range(cfg.n_layers)]
   hf = dict(extra or {})
   hf.update(
-      architectures=[FAMILIES[family]], model_type=family, vocab_size=cfg.vocab_size,
-      hidden_size=cfg.d_model, intermediate_size=cfg.mlp_hidden,
-      num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-      num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.norm_eps,
-      tie_word_embeddings=cfg.tie_embeddings, rope_theta=cfg.rope_theta,
-      torch_dtype=cfg.dtype, dtype=cfg.dtype)  # transformers 4 and 5 spellings
+    architectures=[FAMILIES[family]],
+    model_type=family,
+    vocab_size=cfg.vocab_size,
+    hidden_size=cfg.d_model,
+    intermediate_size=cfg.mlp_hidden,
+    num_hidden_layers=cfg.n_layers,
+    num_attention_heads=cfg.n_heads,
+    num_key_value_heads=cfg.n_kv_heads,
+    head_dim=cfg.head_dim,
+    rms_norm_eps=cfg.norm_eps,
+    tie_word_embeddings=cfg.tie_embeddings,
+    rope_theta=cfg.rope_theta,
+    torch_dtype=cfg.dtype,
+    dtype=cfg.dtype,
+  )  # transformers 4 and 5 spellings
   hf.setdefault("max_position_embeddings", 8192)
   hf.pop("rope_parameters", None)
   s = cfg.rope_scaling
-  hf["rope_scaling"] = None if s is None else (
-      {"rope_type": "linear", "factor": s.factor} if s.type == "linear" else
-      {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-       "high_freq_factor": s.high_freq_factor,
-       "original_max_position_embeddings": s.original_max_positions})
+  hf["rope_scaling"] = (
+    None
+    if s is None
+    else (
+      {"rope_type": "linear", "factor": s.factor}
+      if s.type == "linear"
+      else {
+        "rope_type": "llama3",
+        "factor": s.factor,
+        "low_freq_factor": s.low_freq_factor,
+        "high_freq_factor": s.high_freq_factor,
+        "original_max_position_embeddings": s.original_max_positions,
+      }
+    )
+  )
   if family == hf_qwen35.FAMILY:  # hybrid
     hf.pop("rope_theta")
     hf.update(hf_qwen35.config_dict(cfg))
   elif family in GEMMA:
-    hf.update(hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh",
-              query_pre_attn_scalar=_int_if_whole(cfg.query_pre_attn_scalar or cfg.head_dim),
-              attn_logit_softcapping=cfg.attn_logit_softcap,
-              final_logit_softcapping=cfg.final_logit_softcap, attention_bias=False,
-              sliding_window=cfg.sliding_window, layer_types=types)
+    hf.update(
+      hidden_activation="gelu_pytorch_tanh",
+      hidden_act="gelu_pytorch_tanh",
+      query_pre_attn_scalar=_int_if_whole(cfg.query_pre_attn_scalar or cfg.head_dim),
+      attn_logit_softcapping=cfg.attn_logit_softcap,
+      final_logit_softcapping=cfg.final_logit_softcap,
+      attention_bias=False,
+      sliding_window=cfg.sliding_window,
+      layer_types=types,
+    )
     if family == "gemma3_text":
       hf["rope_local_base_freq"] = cfg.local_rope_theta or cfg.rope_theta
   else:
@@ -281,16 +348,22 @@ def config_to_hf(cfg: tfm.ModelConfig, family: Optional[str] = None,
     if family == "mistral":
       hf.update(sliding_window=cfg.sliding_window)
     if family in ("qwen2", "qwen3"):
-      hf.update(use_sliding_window=bool(local), sliding_window=cfg.sliding_window,
-                max_window_layers=local[0] if local else cfg.n_layers, layer_types=types)
+      hf.update(
+        use_sliding_window=bool(local),
+        sliding_window=cfg.sliding_window,
+        max_window_layers=local[0] if local else cfg.n_layers,
+        layer_types=types,
+      )
   # Export only what re-imports as the same model: a combination of options the family
   # lacks (e.g. soft-capping on Llama) is an error naming the options.
   back = config_from_hf(hf, cfg.dtype, cfg.param_dtype)
   want, got = _canonical(cfg), _canonical(back)
   diff = {k: (want[k], got[k]) for k in want if want[k] != got[k]}
   if diff:
-    raise ValueError(f"model options {sorted(diff)} cannot be written as a {family} "
-                     f"config.json: (ours, as {family}) = {diff}")
+    raise ValueError(
+      f"model options {sorted(diff)} cannot be written as a {family} "
+      f"config.json: (ours, as {family}) = {diff}"
+    )
   return hf
 
 
@@ -306,34 +379,49 @@ class Tensor(NamedTuple):
 def tensor_layout(cfg: tfm.ModelConfig, family: Optional[str] = None) -> dict[str, Tensor]:
   """HF tensor name -> where it lives in our parameter tree, for this config and family."""
   family = family or family_for(cfg)
-  D, N, K, H, F, V = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_hidden,
-                      cfg.vocab_size)
-  out = {"model.embed_tokens.weight": Tensor(("embed", "embedding"), (V, D), False),
-         "model.norm.weight": Tensor(("final_norm", "scale"), (D,), False)}
+  D, N, K, H, F, V = (
+    cfg.d_model,
+    cfg.n_heads,
+    cfg.n_kv_heads,
+    cfg.head_dim,
+    cfg.mlp_hidden,
+    cfg.vocab_size,
+  )
+  out = {
+    "model.embed_tokens.weight": Tensor(("embed", "embedding"), (V, D), False),
+    "model.norm.weight": Tensor(("final_norm", "scale"), (D,), False),
+  }
   if not cfg.tie_embeddings:
     out["lm_head.weight"] = Tensor(("lm_head",), (V, D), True)
   # Gemma's post_attention_layernorm is the attention output's norm; Llama's is the MLP's.
-  norms = ({"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attn_norm",
-            "pre_feedforward_layernorm": "mlp_norm",
-            "post_feedforward_layernorm": "post_mlp_norm"} if cfg.post_norms else
-           {"input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm"})
+  norms = (
+    {
+      "input_layernorm": "attn_norm",
+      "post_attention_layernorm": "post_attn_norm",
+      "pre_feedforward_layernorm": "mlp_norm",
+      "post_feedforward_layernorm": "post_mlp_norm",
+    }
+    if cfg.post_norms
+    else {"input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm"}
+  )
   for i in range(cfg.n_layers):
     pre, layer = f"model.layers.{i}.", f"layer_{i}"
-    for hf_name, ours, shape in (("self_attn.q_proj", "q", (N * H, D)),
-                                 ("self_attn.k_proj", "k", (K * H, D)),
-                                 ("self_attn.v_proj", "v", (K * H, D)),
-                                 ("self_attn.o_proj", "o", (D, N * H)),
-                                 ("mlp.gate_proj", "gate", (F, D)),
-                                 ("mlp.up_proj", "up", (F, D)),
-                                 ("mlp.down_proj", "down", (D, F))):
+    for hf_name, ours, shape in (
+      ("self_attn.q_proj", "q", (N * H, D)),
+      ("self_attn.k_proj", "k", (K * H, D)),
+      ("self_attn.v_proj", "v", (K * H, D)),
+      ("self_attn.o_proj", "o", (D, N * H)),
+      ("mlp.gate_proj", "gate", (F, D)),
+      ("mlp.up_proj", "up", (F, D)),
+      ("mlp.down_proj", "down", (D, F)),
+    ):
       out[f"{pre}{hf_name}.weight"] = Tensor((layer, ours), shape, True)
     if cfg.qkv_bias:
       for p, n in (("q", N), ("k", K), ("v", K)):
         out[f"{pre}self_attn.{p}_proj.bias"] = Tensor((layer, f"{p}_bias"), (n * H,), False)
     if cfg.qk_norm:
       for p in ("q", "k"):
-        out[f"{pre}self_attn.{p}_norm.weight"] = Tensor((layer, f"{p}_norm", "scale"), (H,),
-                                                        False)
+        out[f"{pre}self_attn.{p}_norm.weight"] = Tensor((layer, f"{p}_norm", "scale"), (H,), False)
     for hf_name, ours in norms.items():
       out[f"{pre}{hf_name}.weight"] = Tensor((layer, ours, "scale"), (D,), False)
   if family == hf_qwen35.FAMILY:  # hybrid: each layer's own token mixer
@@ -343,12 +431,15 @@ def tensor_layout(cfg: tfm.ModelConfig, family: Optional[str] = None) -> dict[st
 
 def _param_shapes(cfg):
   shapes = jax.eval_shape(lambda: tfm.init_params(cfg, jax.random.key(0)))
-  return {tuple(k.key for k in path): leaf.shape
-          for path, leaf in jax.tree_util.tree_leaves_with_path(shapes)}
+  return {
+    tuple(k.key for k in path): leaf.shape
+    for path, leaf in jax.tree_util.tree_leaves_with_path(shapes)
+  }
 
 
-def params_from_tensors(cfg: tfm.ModelConfig, get: Callable[[str], np.ndarray],
-                        names: set[str], dtype: str = "float32"):
+def params_from_tensors(
+  cfg: tfm.ModelConfig, get: Callable[[str], np.ndarray], names: set[str], dtype: str = "float32"
+):
   """Our parameter tree from HF tensors (`get(name)` reads one, `names` are all present)."""
   layout = tensor_layout(cfg)
   if family_for(cfg) == hf_qwen35.FAMILY:  # hybrid: q_proj holds query and gate
@@ -357,20 +448,29 @@ def params_from_tensors(cfg: tfm.ModelConfig, get: Callable[[str], np.ndarray],
   assert set(shapes) == {t.path for t in layout.values()}, "tensor_layout out of date"
   missing = [n for n in layout if n not in names]
   if missing:
-    raise ValueError(f"checkpoint: missing tensor {missing[0]} (expected shape "
-                     f"{layout[missing[0]].hf_shape}); {len(missing)} missing in all")
-  extra = sorted(n for n in names - set(layout)
-                 if not n.endswith(IGNORED_TENSOR_SUFFIXES)
-                 and not (n == "lm_head.weight" and cfg.tie_embeddings))
+    raise ValueError(
+      f"checkpoint: missing tensor {missing[0]} (expected shape "
+      f"{layout[missing[0]].hf_shape}); {len(missing)} missing in all"
+    )
+  extra = sorted(
+    n
+    for n in names - set(layout)
+    if not n.endswith(IGNORED_TENSOR_SUFFIXES)
+    and not (n == "lm_head.weight" and cfg.tie_embeddings)
+  )
   if extra:
-    raise ValueError(f"checkpoint: unexpected tensors {extra[:5]} ({len(extra)} in all): "
-                     "this config would ignore them")
+    raise ValueError(
+      f"checkpoint: unexpected tensors {extra[:5]} ({len(extra)} in all): "
+      "this config would ignore them"
+    )
   params: dict[str, Any] = {}
   for name, t in layout.items():
     x = get(name)
     if tuple(x.shape) != t.hf_shape:
-      raise ValueError(f"checkpoint: tensor {name} has shape {tuple(x.shape)}, expected "
-                       f"{t.hf_shape} from config.json")
+      raise ValueError(
+        f"checkpoint: tensor {name} has shape {tuple(x.shape)}, expected "
+        f"{t.hf_shape} from config.json"
+      )
     ours = x.T.reshape(shapes[t.path]) if t.linear else x.reshape(shapes[t.path])
     node = params
     for key in t.path[:-1]:
@@ -379,8 +479,9 @@ def params_from_tensors(cfg: tfm.ModelConfig, get: Callable[[str], np.ndarray],
   return params
 
 
-def tensors_from_params(cfg: tfm.ModelConfig, params,
-                        dtype: Optional[str] = None) -> dict[str, np.ndarray]:
+def tensors_from_params(
+  cfg: tfm.ModelConfig, params, dtype: Optional[str] = None
+) -> dict[str, np.ndarray]:
   """HF tensors (numpy, in `dtype`, default the leaves' own) from our parameter tree. Works
   on any tree of the same structure (e.g. gradients)."""
   out = {}
@@ -411,8 +512,10 @@ def _safetensors_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, name) for name in files]
   files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
   if not files:
-    raise ValueError(f"{model_dir}: no weights: model.safetensors (or *.safetensors, or "
-                     "model.safetensors.index.json) is missing")
+    raise ValueError(
+      f"{model_dir}: no weights: model.safetensors (or *.safetensors, or "
+      "model.safetensors.index.json) is missing"
+    )
   return files
 
 
@@ -446,8 +549,14 @@ def load(model_dir: str, dtype: str = "float32", param_dtype: Optional[str] = No
   return cfg, params_from_tensors(cfg, get, set(where), cfg.param_dtype)
 
 
-def save(model_dir: str, cfg: tfm.ModelConfig, params, family: Optional[str] = None,
-         extra_config: Optional[dict] = None, max_shard_bytes: Optional[int] = None) -> None:
+def save(
+  model_dir: str,
+  cfg: tfm.ModelConfig,
+  params,
+  family: Optional[str] = None,
+  extra_config: Optional[dict] = None,
+  max_shard_bytes: Optional[int] = None,
+) -> None:
   """Write config.json + safetensors (sharded with an index past max_shard_bytes) that
   `transformers` loads. `family` defaults to the one the options imply (a model with no
   Qwen/Gemma/window options is written as Llama); `extra_config` carries keys to keep
@@ -466,13 +575,16 @@ def save(model_dir: str, cfg: tfm.ModelConfig, params, family: Optional[str] = N
     files = ["model.safetensors"]
   else:
     files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    index = {"metadata": {"total_size": sum(x.nbytes for x in tensors.values())},
-             "weight_map": {n: f for f, names in zip(files, shards) for n in names}}
+    index = {
+      "metadata": {"total_size": sum(x.nbytes for x in tensors.values())},
+      "weight_map": {n: f for f, names in zip(files, shards) for n in names},
+    }
     with open(os.path.join(model_dir, "model.safetensors.index.json"), "w") as f:
       json.dump(index, f, indent=2)
   for file, names in zip(files, shards):
-    safetensors.numpy.save_file({n: tensors[n] for n in names}, os.path.join(model_dir, file),
-                                metadata={"format": "pt"})
+    safetensors.numpy.save_file(
+      {n: tensors[n] for n in names}, os.path.join(model_dir, file), metadata={"format": "pt"}
+    )
   with open(os.path.join(model_dir, "config.json"), "w") as f:
     json.dump(hf, f, indent=2)
 
@@ -484,6 +596,7 @@ def load_tokenizer(model_dir: str):
   if not os.path.exists(path):
     return None
   import tokenizers
+
   try:
     return tokenizers.Tokenizer.from_file(path)
   except Exception as e:  # the Rust library raises its own exception type

@@ -34,8 +34,9 @@ def rope_inv_freq(H: int, theta: float, scaling: Optional[RopeScaling] = None) -
   return jnp.where(medium_h, smoothed_h, scaled_h)
 
 
-def rope(x_BTNH: Array, positions_BT: Array, theta: float,
-         scaling: Optional[RopeScaling] = None) -> Array:
+def rope(
+  x_BTNH: Array, positions_BT: Array, theta: float, scaling: Optional[RopeScaling] = None
+) -> Array:
   """Rotary embedding, rotate-half convention (as Hugging Face Llama), computed in fp32."""
   H = x_BTNH.shape[-1]
   inv_freq_h = rope_inv_freq(H, theta, scaling)
@@ -48,9 +49,9 @@ def rope(x_BTNH: Array, positions_BT: Array, theta: float,
   return (x * cos + rotated * sin).astype(x_BTNH.dtype)
 
 
-
 class RMSNorm(nn.Module):
   """x / rms(x) * (offset + scale), in fp32; Gemma stores scale around 0 with offset 1."""
+
   eps: float
   param_dtype: Any
   offset: float = 0.0
@@ -59,8 +60,9 @@ class RMSNorm(nn.Module):
   @nn.compact
   def __call__(self, x):
     init = nn.initializers.ones if self.offset == 0 else nn.initializers.constant(1 - self.offset)
-    scale = self.param("scale", nn.with_logical_partitioning(init, self.axes),
-                       (x.shape[-1],), self.param_dtype)
+    scale = self.param(
+      "scale", nn.with_logical_partitioning(init, self.axes), (x.shape[-1],), self.param_dtype
+    )
     return rms_norm(x, scale, self.eps, self.offset)
 
 

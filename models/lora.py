@@ -38,8 +38,15 @@ from models import transformer as tfm
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 # our target -> the PEFT / transformers module name (the same in every supported family)
-PEFT_MODULES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
-                "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+PEFT_MODULES = {
+  "q": "q_proj",
+  "k": "k_proj",
+  "v": "v_proj",
+  "o": "o_proj",
+  "gate": "gate_proj",
+  "up": "up_proj",
+  "down": "down_proj",
+}
 # Qwen3.5's linear-attention (Gated DeltaNet) modules: real layers, no target of ours
 LINEAR_ATTENTION_MODULES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -66,9 +73,11 @@ class LoraConfig:
     object.__setattr__(self, "targets", targets)
     bad = [t for t in targets if t not in TARGETS]
     if bad or not targets or len(set(targets)) != len(targets):
-      raise ValueError(f"lora.targets={targets!r}: {bad or 'empty or repeated'} names no layer "
-                       f"of the supported families; expected distinct names among {TARGETS} "
-                       "(embeddings and the head are not adapted)")
+      raise ValueError(
+        f"lora.targets={targets!r}: {bad or 'empty or repeated'} names no layer "
+        f"of the supported families; expected distinct names among {TARGETS} "
+        "(embeddings and the head are not adapted)"
+      )
 
   @property
   def enabled(self) -> bool:
@@ -109,15 +118,17 @@ def _shapes(cfg: tfm.ModelConfig, lora: LoraConfig):
         continue
       found.add(t)
       shape = layer[t].shape
-      n_in = math.prod(shape[:_in_ndim(t)])
-      n_out = math.prod(shape[_in_ndim(t):]) * (2 if _fused_gate(layer, t) else 1)
+      n_in = math.prod(shape[: _in_ndim(t)])
+      n_out = math.prod(shape[_in_ndim(t) :]) * (2 if _fused_gate(layer, t) else 1)
       targets.append((t, (("a", (n_in, lora.rank)), ("b", (lora.rank, n_out)))))
     out.append((f"layer_{i}", tuple(targets)))
   missing = [t for t in lora.targets if t not in found]
   if missing:
-    raise ValueError(f"lora.targets={lora.targets!r}: {missing} names no layer of this model "
-                     f"(family {hf.family_for(cfg)}, {cfg.n_layers} layers); expected targets "
-                     "among the projections its layers have")
+    raise ValueError(
+      f"lora.targets={lora.targets!r}: {missing} names no layer of this model "
+      f"(family {hf.family_for(cfg)}, {cfg.n_layers} layers); expected targets "
+      "among the projections its layers have"
+    )
   return tuple(out)
 
 
@@ -134,8 +145,10 @@ def init_adapters(cfg: tfm.ModelConfig, lora: LoraConfig, key: jax.Array):
     out[layer] = {}
     for t, s in targets.items():
       bound = s["a"][0] ** -0.5
-      out[layer][t] = {"a": jax.random.uniform(next(keys), s["a"], dtype, -bound, bound),
-                       "b": jnp.zeros(s["b"], dtype)}
+      out[layer][t] = {
+        "a": jax.random.uniform(next(keys), s["a"], dtype, -bound, bound),
+        "b": jnp.zeros(s["b"], dtype),
+      }
   return out
 
 
@@ -173,8 +186,9 @@ def attach(base, adapters, lora: LoraConfig):
   for layer, targets in adapters.items():
     out[layer] = dict(base[layer])
     out[layer][tfm.ADAPTERS] = {
-        t: dict(a=ab["a"], b=ab["b"], scale=jnp.asarray(lora.scale, ab["a"].dtype))
-        for t, ab in targets.items()}
+      t: dict(a=ab["a"], b=ab["b"], scale=jnp.asarray(lora.scale, ab["a"].dtype))
+      for t, ab in targets.items()
+    }
   return out
 
 
@@ -182,14 +196,19 @@ def check_adapters(cfg: tfm.ModelConfig, lora: LoraConfig, adapters, where: str 
   """ValueError naming the first leaf whose path or shape differs from (cfg, lora)'s."""
   want = adapter_shapes(cfg, lora)
   got = jax.tree.map(lambda x: tuple(x.shape), adapters)
-  flat = lambda tree: {"/".join(k.key for k in path): leaf for path, leaf in
-                       jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: isinstance(
-                           x, tuple))}
+  flat = lambda tree: {
+    "/".join(k.key for k in path): leaf
+    for path, leaf in jax.tree_util.tree_leaves_with_path(
+      tree, is_leaf=lambda x: isinstance(x, tuple)
+    )
+  }
   want, got = flat(want), flat(got)
   for name in sorted(set(want) | set(got)):
     if want.get(name) != got.get(name):
-      raise ValueError(f"{where}: {name} has shape {got.get(name)}, expected {want.get(name)} "
-                       f"(lora.rank={lora.rank}, targets={lora.targets})")
+      raise ValueError(
+        f"{where}: {name} has shape {got.get(name)}, expected {want.get(name)} "
+        f"(lora.rank={lora.rank}, targets={lora.targets})"
+      )
 
 
 # ----------------------------------------------------------------------------- PEFT files
@@ -200,12 +219,18 @@ def _peft_names(cfg: tfm.ModelConfig, family: str) -> dict[tuple[str, str], str]
   out = {}
   for name, t in hf.tensor_layout(cfg, family).items():
     if len(t.path) == 2 and t.path[1] in TARGETS and name.endswith(".weight"):
-      out[t.path] = PEFT_PREFIX + name[:-len(".weight")]
+      out[t.path] = PEFT_PREFIX + name[: -len(".weight")]
   return out
 
 
-def save_peft(adapter_dir: str, cfg: tfm.ModelConfig, lora: LoraConfig, adapters,
-              family: Optional[str] = None, base_model: str = "") -> None:
+def save_peft(
+  adapter_dir: str,
+  cfg: tfm.ModelConfig,
+  lora: LoraConfig,
+  adapters,
+  family: Optional[str] = None,
+  base_model: str = "",
+) -> None:
   """adapter_config.json + adapter_model.safetensors that `peft.PeftModel.from_pretrained`
   loads onto the matching transformers model (float32 tensors)."""
   family = family or hf.family_for(cfg)
@@ -216,18 +241,34 @@ def save_peft(adapter_dir: str, cfg: tfm.ModelConfig, lora: LoraConfig, adapters
     for t, adapter in targets.items():
       module = names[(layer, t)]
       tensors[f"{module}.lora_A.weight"] = np.ascontiguousarray(
-          np.asarray(adapter["a"], np.float32).T)
+        np.asarray(adapter["a"], np.float32).T
+      )
       tensors[f"{module}.lora_B.weight"] = np.ascontiguousarray(
-          np.asarray(adapter["b"], np.float32).T)
-  config = dict(peft_type="LORA", task_type="CAUSAL_LM", r=lora.rank, lora_alpha=lora.alpha,
-                lora_dropout=0.0, target_modules=sorted(PEFT_MODULES[t] for t in lora.targets),
-                bias="none", fan_in_fan_out=False, use_rslora=False, use_dora=False,
-                init_lora_weights=True, inference_mode=True, modules_to_save=None,
-                layers_to_transform=None, rank_pattern={}, alpha_pattern={},
-                base_model_name_or_path=base_model or None)
+        np.asarray(adapter["b"], np.float32).T
+      )
+  config = dict(
+    peft_type="LORA",
+    task_type="CAUSAL_LM",
+    r=lora.rank,
+    lora_alpha=lora.alpha,
+    lora_dropout=0.0,
+    target_modules=sorted(PEFT_MODULES[t] for t in lora.targets),
+    bias="none",
+    fan_in_fan_out=False,
+    use_rslora=False,
+    use_dora=False,
+    init_lora_weights=True,
+    inference_mode=True,
+    modules_to_save=None,
+    layers_to_transform=None,
+    rank_pattern={},
+    alpha_pattern={},
+    base_model_name_or_path=base_model or None,
+  )
   os.makedirs(adapter_dir, exist_ok=True)
-  safetensors.numpy.save_file(tensors, os.path.join(adapter_dir, WEIGHTS_FILE),
-                              metadata={"format": "pt"})
+  safetensors.numpy.save_file(
+    tensors, os.path.join(adapter_dir, WEIGHTS_FILE), metadata={"format": "pt"}
+  )
   with open(os.path.join(adapter_dir, CONFIG_FILE), "w") as f:
     json.dump(config, f, indent=2)
 
@@ -238,8 +279,9 @@ def _peft_config(adapter_dir: str) -> tuple[LoraConfig, str]:
     raise ValueError(f"{path}: missing (a PEFT adapter folder needs {CONFIG_FILE})")
   with open(path) as f:
     c = json.load(f)
-  bad = lambda key, expected: ValueError(f"{path}: {key}={c.get(key)!r}: unsupported "
-                                         f"(expected {expected})")
+  bad = lambda key, expected: ValueError(
+    f"{path}: {key}={c.get(key)!r}: unsupported (expected {expected})"
+  )
   if c.get("peft_type") != "LORA":
     raise bad("peft_type", "LORA")
   for key in ("use_rslora", "use_dora", "fan_in_fan_out"):
@@ -257,23 +299,33 @@ def _peft_config(adapter_dir: str) -> tuple[LoraConfig, str]:
   unknown = [m for m in modules if m not in ours]
   linear = [m for m in unknown if m in LINEAR_ATTENTION_MODULES]
   if linear:
-    raise ValueError(f"{path}: target_modules {linear}: Qwen3.5's Gated DeltaNet projections, "
-                     f"which lora.targets cannot adapt (expected among {sorted(ours)}: the "
-                     "gated attention's and every layer's MLP)")
+    raise ValueError(
+      f"{path}: target_modules {linear}: Qwen3.5's Gated DeltaNet projections, "
+      f"which lora.targets cannot adapt (expected among {sorted(ours)}: the "
+      "gated attention's and every layer's MLP)"
+    )
   if unknown:
-    raise ValueError(f"{path}: target_modules {unknown} name no layer of the supported "
-                     f"families (expected among {sorted(ours)}): an adapter for another "
-                     "architecture")
+    raise ValueError(
+      f"{path}: target_modules {unknown} name no layer of the supported "
+      f"families (expected among {sorted(ours)}): an adapter for another "
+      "architecture"
+    )
   if c.get("lora_dropout", 0.0):
-    logging.warning("%s: lora_dropout=%s: training continues without dropout", path,
-                    c["lora_dropout"])
+    logging.warning(
+      "%s: lora_dropout=%s: training continues without dropout", path, c["lora_dropout"]
+    )
   targets = tuple(t for t in TARGETS if PEFT_MODULES[t] in modules)
-  return LoraConfig(rank=int(c.get("r", 0)), alpha=float(c.get("lora_alpha", 8)),
-                    targets=targets), path
+  return LoraConfig(
+    rank=int(c.get("r", 0)), alpha=float(c.get("lora_alpha", 8)), targets=targets
+  ), path
 
 
-def load_peft(adapter_dir: str, cfg: tfm.ModelConfig, lora: Optional[LoraConfig] = None,
-              family: Optional[str] = None):
+def load_peft(
+  adapter_dir: str,
+  cfg: tfm.ModelConfig,
+  lora: Optional[LoraConfig] = None,
+  family: Optional[str] = None,
+):
   """A PEFT LoRA folder -> (LoraConfig, adapters) for the base model `cfg`. With `lora`
   (the run's options) its rank, alpha and targets must agree with the file's."""
   found, config_path = _peft_config(adapter_dir)
@@ -281,8 +333,9 @@ def load_peft(adapter_dir: str, cfg: tfm.ModelConfig, lora: Optional[LoraConfig]
     for key in ("rank", "alpha", "targets"):
       if getattr(found, key) != getattr(lora, key):
         peft_key = {"rank": "r", "alpha": "lora_alpha", "targets": "target_modules"}[key]
-        raise ValueError(f"{config_path}: {peft_key}={getattr(found, key)!r} but "
-                         f"lora.{key}={getattr(lora, key)!r}")
+        raise ValueError(
+          f"{config_path}: {peft_key}={getattr(found, key)!r} but lora.{key}={getattr(lora, key)!r}"
+        )
   weights = os.path.join(adapter_dir, WEIGHTS_FILE)
   if not os.path.exists(weights):
     raise ValueError(f"{weights}: missing (a PEFT adapter folder needs {WEIGHTS_FILE})")
@@ -301,21 +354,26 @@ def load_peft(adapter_dir: str, cfg: tfm.ModelConfig, lora: Optional[LoraConfig]
       expected.add(name)
       want = shapes[layer][t][ours][::-1]  # PEFT's [r, in] / [out, r]
       if name not in tensors:
-        raise ValueError(f"{weights}: module {module}: missing tensor {name} (expected shape "
-                         f"{want}, found none): the adapter disagrees: it lacks a module the "
-                         f"base has (target_modules lists {PEFT_MODULES[t]}; an adapter for "
-                         f"another architecture, or fewer layers than the base's "
-                         f"{cfg.n_layers})")
-      _check_peft_shape(weights, module, peft_name, tuple(tensors[name].shape), want,
-                        found.rank, cfg, layer, t)
+        raise ValueError(
+          f"{weights}: module {module}: missing tensor {name} (expected shape "
+          f"{want}, found none): the adapter disagrees: it lacks a module the "
+          f"base has (target_modules lists {PEFT_MODULES[t]}; an adapter for "
+          f"another architecture, or fewer layers than the base's "
+          f"{cfg.n_layers})"
+        )
+      _check_peft_shape(
+        weights, module, peft_name, tuple(tensors[name].shape), want, found.rank, cfg, layer, t
+      )
       adapters[layer][t][ours] = jnp.asarray(tensors[name].T, dtype)
   extra = sorted(set(tensors) - expected)
   if extra:
     shown = ", ".join(f"{n} {tuple(tensors[n].shape)}" for n in extra[:3])
-    raise ValueError(f"{weights}: unexpected tensors {shown} ({len(extra)} in all; expected "
-                     "none): the base disagrees: it has no such module (an adapter for another "
-                     "architecture or a larger model, or targets outside adapter_config.json's "
-                     "target_modules)")
+    raise ValueError(
+      f"{weights}: unexpected tensors {shown} ({len(extra)} in all; expected "
+      "none): the base disagrees: it has no such module (an adapter for another "
+      "architecture or a larger model, or targets outside adapter_config.json's "
+      "target_modules)"
+    )
   return found, adapters
 
 
@@ -324,29 +382,41 @@ def _check_peft_shape(weights, module, peft_name, got, want, rank, cfg, layer, t
   (its rank axis is not adapter_config.json's r) or the base (its in / out features)."""
   if got == want:
     return
-  head = (f"{weights}: module {module}: tensor {module}.{peft_name}.weight has shape {got}, "
-          f"expected {want} ({'[r, in]' if peft_name == 'lora_A' else '[out, r]'})")
+  head = (
+    f"{weights}: module {module}: tensor {module}.{peft_name}.weight has shape {got}, "
+    f"expected {want} ({'[r, in]' if peft_name == 'lora_A' else '[out, r]'})"
+  )
   r_axis = 0 if peft_name == "lora_A" else 1
   if len(got) != 2 or got[r_axis] != rank:
-    raise ValueError(f"{head}: the adapter disagrees: its rank axis is not r={rank} of "
-                     f"{CONFIG_FILE} (a damaged or mixed adapter)")
-  what, n_base, n_found = (("input", want[1], got[1]) if peft_name == "lora_A" else
-                           ("output", want[0], got[0]))
+    raise ValueError(
+      f"{head}: the adapter disagrees: its rank axis is not r={rank} of "
+      f"{CONFIG_FILE} (a damaged or mixed adapter)"
+    )
+  what, n_base, n_found = (
+    ("input", want[1], got[1]) if peft_name == "lora_A" else ("output", want[0], got[0])
+  )
   why = " (an adapter for another base model)"
   if target == "q" and peft_name == "lora_B" and cfg.attn_output_gate:
-    why = (f"; this gated attention's q_proj holds each head's query and output gate, 2*N*H "
-           f"= {want[0]} outputs (an adapter over the query half alone has "
-           f"{cfg.n_heads * cfg.head_dim} rows: not peft's layout)")
-  raise ValueError(f"{head}: the base disagrees: its {module.rsplit('.', 1)[-1]} of {layer} "
-                   f"has {n_base} {what} features, the adapter's {n_found}{why}")
+    why = (
+      f"; this gated attention's q_proj holds each head's query and output gate, 2*N*H "
+      f"= {want[0]} outputs (an adapter over the query half alone has "
+      f"{cfg.n_heads * cfg.head_dim} rows: not peft's layout)"
+    )
+  raise ValueError(
+    f"{head}: the base disagrees: its {module.rsplit('.', 1)[-1]} of {layer} "
+    f"has {n_base} {what} features, the adapter's {n_found}{why}"
+  )
 
 
-def save_merged(model_dir: str, cfg: tfm.ModelConfig, base, adapters,
-                lora: Optional[LoraConfig], **save_kwargs) -> None:
+def save_merged(
+  model_dir: str, cfg: tfm.ModelConfig, base, adapters, lora: Optional[LoraConfig], **save_kwargs
+) -> None:
   """`--merge`: the full checkpoint W + scale * A @ B (hf.save's folder)."""
   if lora is None or not lora.enabled or adapters is None:
-    raise ValueError("--merge: lora.rank=0 (no adapters to merge); --merge exports a LoRA "
-                     "run's base + adapters as full weights")
+    raise ValueError(
+      "--merge: lora.rank=0 (no adapters to merge); --merge exports a LoRA "
+      "run's base + adapters as full weights"
+    )
   check_adapters(cfg, lora, adapters)
   hf.save(model_dir, cfg, merge(base, adapters, lora), **save_kwargs)
 
@@ -355,6 +425,7 @@ def main(argv=None) -> str:
   """python -m models.lora --base=HF_DIR --adapter=PEFT_DIR --merge --out=DIR: the adapted
   model as one full checkpoint (config.json kept from the base)."""
   import argparse
+
   parser = argparse.ArgumentParser(description="merge a PEFT LoRA adapter into its base")
   parser.add_argument("--base", required=True, help="the base model's Hugging Face folder")
   parser.add_argument("--adapter", default="", help="the PEFT adapter folder")
@@ -365,10 +436,10 @@ def main(argv=None) -> str:
     raise ValueError("--merge: expected (the only export of this command)")
   config = hf.read_config(args.base)
   cfg, base = hf.load(args.base)
-  lora, adapters = (load_peft(args.adapter, cfg, family=hf.family_of(config)) if args.adapter
-                    else (None, None))
-  save_merged(args.out, cfg, base, adapters, lora, family=hf.family_of(config),
-              extra_config=config)
+  lora, adapters = (
+    load_peft(args.adapter, cfg, family=hf.family_of(config)) if args.adapter else (None, None)
+  )
+  save_merged(args.out, cfg, base, adapters, lora, family=hf.family_of(config), extra_config=config)
   return args.out
 
 

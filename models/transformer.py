@@ -36,8 +36,18 @@ from models import attention
 from models.attention import context_parallel
 from models import deltanet  # hybrid: Gated DeltaNet layers (layer_types)
 from models.layers import RMSNorm, rope, rope_inv_freq  # noqa: F401
-from models.config import (ACTIVATIONS, DTYPES, PRESETS, REMAT_POLICIES,  # noqa: F401
-                           ROPE_SCALING_TYPES, ModelConfig, RopeScaling, preset)
+
+# The model's config, re-exported (callers write `tfm.ModelConfig`, `tfm.preset`).
+from models.config import (  # noqa: F401
+  ACTIVATIONS,  # noqa: F401
+  DTYPES,  # noqa: F401
+  PRESETS,  # noqa: F401
+  REMAT_POLICIES,  # noqa: F401
+  ROPE_SCALING_TYPES,  # noqa: F401
+  ModelConfig,  # noqa: F401
+  RopeScaling,  # noqa: F401
+  preset,  # noqa: F401
+)
 
 Array = jax.Array
 
@@ -47,6 +57,7 @@ Array = jax.Array
 
 class KV(NamedTuple):
   """One layer's keys and values (RoPE already applied to k)."""
+
   k_BSKH: Array
   v_BSKH: Array
 
@@ -59,6 +70,7 @@ class PrefixCache(NamedTuple):
   Only float arrays: it is the output of `jax.vjp`, and its cotangent is summed over branches.
   The prefix validity mask travels beside it (`valid_BP` arguments).
   """
+
   kv: tuple[KV, ...]
   h_last_BD: Array
   trunk_h_BWD: Array
@@ -73,7 +85,7 @@ def keep_window(kv: KV, window: Optional[int]) -> KV:
   S = kv.k_BSKH.shape[1]
   if window is None or window >= S:
     return kv
-  return KV(kv.k_BSKH[:, S - window:], kv.v_BSKH[:, S - window:])
+  return KV(kv.k_BSKH[:, S - window :], kv.v_BSKH[:, S - window :])
 
 
 # ----------------------------------------------------------------------------- modules
@@ -85,6 +97,7 @@ class Block(nn.Module):
   Per-family options (ModelConfig): q/k/v biases, q/k RMSNorm, a sliding window, attention
   soft-capping, post-norms on both sublayer outputs (Gemma).
   """
+
   cfg: ModelConfig
   index: int = 0  # the layer number: picks its window and RoPE
 
@@ -94,7 +107,7 @@ class Block(nn.Module):
     pd = cfg.weight_dtype
 
     def param(name, shape, axes, fan_in):
-      init = nn.with_logical_partitioning(nn.initializers.normal(fan_in ** -0.5), axes)
+      init = nn.with_logical_partitioning(nn.initializers.normal(fan_in**-0.5), axes)
       return self.param(name, init, shape, pd)
 
     def norm(axes=("embed",)):
@@ -143,27 +156,41 @@ class Block(nn.Module):
       q_BTNH = rope(q_BTNH, positions_BT, theta, scaling)
       k_BTKH = rope(k_BTKH, positions_BT, theta, scaling)
     else:  # hybrid (Qwen3.5): partial RoPE on each head's first dims
-      q_BTNH, k_BTKH = (_partial_rope(t, positions_BT, theta, scaling, cfg.rotary_fraction)
-                        for t in (q_BTNH, k_BTKH))
+      q_BTNH, k_BTKH = (
+        _partial_rope(t, positions_BT, theta, scaling, cfg.rotary_fraction)
+        for t in (q_BTNH, k_BTKH)
+      )
     own = KV(k_BTKH, v_BTKH)
     # Context parallelism (sharding.py): q, K, V are computed on this device's sequence
     # shard, then each layer all-gathers its K/V. Logical names only; no-ops unless
     # flax logical_axis_rules are set (the sharded prefix).
     q_BTNH = nn.with_logical_constraint(q_BTNH, ("batch", "seq", "heads", "head_dim"))
-    own = KV(*(nn.with_logical_constraint(t_BTKH, ("batch", "seq", "kv_heads", "head_dim"))
-               for t_BTKH in own))
+    own = KV(
+      *(
+        nn.with_logical_constraint(t_BTKH, ("batch", "seq", "kv_heads", "head_dim"))
+        for t_BTKH in own
+      )
+    )
     segments = [*context, attention.KeySegment(*own, positions_BT, valid_BT, causal=True)]
-    scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
+    scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar**-0.5
     # The prefix on a mesh: context-parallel (shard_map, K/V all-gathered); else attend.
-    a_BTNH = context_parallel.attend(q_BTNH, positions_BT, valid_BT, segments, scale=scale,
-                                     scheme=cfg.context_parallel,
-                                     softcap=cfg.attn_logit_softcap,
-                                     window=cfg.layer_window(self.index), impl=cfg.attention,
-                                     block_q=cfg.attention_block_q,
-                                     block_k=cfg.attention_block_k)
+    a_BTNH = context_parallel.attend(
+      q_BTNH,
+      positions_BT,
+      valid_BT,
+      segments,
+      scale=scale,
+      scheme=cfg.context_parallel,
+      softcap=cfg.attn_logit_softcap,
+      window=cfg.layer_window(self.index),
+      impl=cfg.attention,
+      block_q=cfg.attention_block_q,
+      block_k=cfg.attention_block_k,
+    )
     if cfg.attn_output_gate:  # hybrid (Qwen3.5)
-      a_BTNH = a_BTNH * jax.nn.sigmoid(jnp.einsum("BTD,DNH->BTNH", h_BTD,
-                                                  self.w_gate_DNH.astype(dt)))
+      a_BTNH = a_BTNH * jax.nn.sigmoid(
+        jnp.einsum("BTD,DNH->BTNH", h_BTD, self.w_gate_DNH.astype(dt))
+      )
     a_BTD = jnp.einsum("BTNH,NHD->BTD", a_BTNH, self.w_o_NHD.astype(dt))
     x_BTD = x_BTD + (self.post_attn_norm(a_BTD) if cfg.post_norms else a_BTD)
     m_BTD = mlp(cfg, (self.w_gate_DF, self.w_up_DF, self.w_down_FD), self.mlp_norm(x_BTD))
@@ -205,16 +232,21 @@ class Transformer(nn.Module):
 
   def setup(self):
     cfg = self.cfg
-    self.embed = nn.Embed(cfg.vocab_size, cfg.d_model, param_dtype=cfg.weight_dtype,
-                          embedding_init=nn.with_logical_partitioning(
-                              nn.initializers.normal(1.0), ("vocab", "embed")))
+    self.embed = nn.Embed(
+      cfg.vocab_size,
+      cfg.d_model,
+      param_dtype=cfg.weight_dtype,
+      embedding_init=nn.with_logical_partitioning(nn.initializers.normal(1.0), ("vocab", "embed")),
+    )
     self.blocks = [_block_class(cfg, i)(cfg, i, name=f"layer_{i}") for i in range(cfg.n_layers)]
     self.final_norm = RMSNorm(cfg.norm_eps, cfg.weight_dtype, cfg.norm_offset)
     if not cfg.tie_embeddings:
       self.lm_head = self.param(
-          "lm_head", nn.with_logical_partitioning(nn.initializers.normal(cfg.d_model ** -0.5),
-                                                  ("embed", "vocab")),
-          (cfg.d_model, cfg.vocab_size), cfg.weight_dtype)
+        "lm_head",
+        nn.with_logical_partitioning(nn.initializers.normal(cfg.d_model**-0.5), ("embed", "vocab")),
+        (cfg.d_model, cfg.vocab_size),
+        cfg.weight_dtype,
+      )
 
   def __call__(self, tokens_BT, positions_BT, valid_BT, context=()):
     """Final-normed hidden states and each layer's own K/V.
@@ -231,7 +263,7 @@ class Transformer(nn.Module):
     cfg = self.cfg
     x_BTD = self.embed(tokens_BT)
     if cfg.scale_embeddings:  # in the weight dtype, as Hugging Face (bf16 rounds sqrt(D))
-      x_BTD = x_BTD * jnp.asarray(cfg.d_model ** 0.5, x_BTD.dtype)
+      x_BTD = x_BTD * jnp.asarray(cfg.d_model**0.5, x_BTD.dtype)
     x_BTD = x_BTD.astype(cfg.compute_dtype)
     if self.is_initializing():  # creates the per-layer parameters
       own_kv = []
@@ -240,15 +272,17 @@ class Transformer(nn.Module):
         own_kv.append(kv)
       own_kv = tuple(own_kv)
     else:
-      x_BTD, own_kv = run_layers(self.variables["params"], cfg, x_BTD, positions_BT, valid_BT,
-                                 context)
+      x_BTD, own_kv = run_layers(
+        self.variables["params"], cfg, x_BTD, positions_BT, valid_BT, context
+      )
     return self.final_norm(x_BTD), own_kv
 
   def logits(self, h_BTD):
     w_DV = self.embed.embedding.T if self.cfg.tie_embeddings else self.lm_head
     acc = jnp.float64 if h_BTD.dtype == jnp.float64 else jnp.float32
-    logits_BTV = jnp.einsum("BTD,DV->BTV", h_BTD, w_DV.astype(h_BTD.dtype),
-                            preferred_element_type=acc)
+    logits_BTV = jnp.einsum(
+      "BTD,DV->BTV", h_BTD, w_DV.astype(h_BTD.dtype), preferred_element_type=acc
+    )
     cap = self.cfg.final_logit_softcap
     return logits_BTV if cap is None else jnp.tanh(logits_BTV / cap) * cap
 
@@ -278,8 +312,9 @@ def _layer_segments(cfg: ModelConfig, i: int, context, kv_of=None):
   for c, (kv_L, valid_BS, positions_BS) in enumerate(context_keys(context)):
     kv = kv_L[i] if kv_of is None else kv_of(c)
     start = valid_BS.shape[1] - kv.k_BSKH.shape[1]
-    out.append(attention.KeySegment(kv.k_BSKH, kv.v_BSKH, positions_BS[:, start:],
-                                    valid_BS[:, start:]))
+    out.append(
+      attention.KeySegment(kv.k_BSKH, kv.v_BSKH, positions_BS[:, start:], valid_BS[:, start:])
+    )
   return out
 
 
@@ -302,8 +337,9 @@ def _layer_context(cfg: ModelConfig, i: int, context, kv_of=None):
 
 def _partial_rope(x_BTNH, positions_BT, theta, scaling, fraction: float):
   rd = int(x_BTNH.shape[-1] * fraction)
-  return jnp.concatenate([rope(x_BTNH[..., :rd], positions_BT, theta, scaling),
-                          x_BTNH[..., rd:]], axis=-1)
+  return jnp.concatenate(
+    [rope(x_BTNH[..., :rd], positions_BT, theta, scaling), x_BTNH[..., rd:]], axis=-1
+  )
 
 
 # --- end hybrid ---
@@ -317,10 +353,13 @@ def _remat(fn, cfg: ModelConfig):
   if cfg.remat == "dots":
     return jax.checkpoint(fn, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
   if jax.default_backend() == "cpu":
-    raise ValueError("model.remat='offload': host offload of saved residuals needs a GPU or "
-                     f"TPU backend (this one is cpu); expected one of {REMAT_POLICIES[:3]}")
-  return jax.checkpoint(fn, policy=jax.checkpoint_policies.offload_dot_with_no_batch_dims(
-      "device", "pinned_host"))
+    raise ValueError(
+      "model.remat='offload': host offload of saved residuals needs a GPU or "
+      f"TPU backend (this one is cpu); expected one of {REMAT_POLICIES[:3]}"
+    )
+  return jax.checkpoint(
+    fn, policy=jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+  )
 
 
 ADAPTERS = "lora"  # a layer's LoRA adapters beside its weights (models/lora.py: attach)
@@ -351,27 +390,36 @@ def run_layers(params, cfg: ModelConfig, x_BTD, positions_BT, valid_BT, context=
 
   def layer_fn(index):
     if cfg.layer_type(index) == "linear_attention":  # hybrid: context is a LinearState
-      return _remat(lambda layer_params, x_BTD, state: deltanet.GatedDeltaNetBlock(
-          cfg, index, parent=None).apply({"params": merge_adapters(layer_params)}, x_BTD,
-                                         positions_BT, valid_BT, state), cfg)
+      return _remat(
+        lambda layer_params, x_BTD, state: deltanet.GatedDeltaNetBlock(
+          cfg, index, parent=None
+        ).apply({"params": merge_adapters(layer_params)}, x_BTD, positions_BT, valid_BT, state),
+        cfg,
+      )
 
     def fn(layer_params, x_BTD, key_arrays):  # only arrays cross jax.checkpoint
       segments = [attention.KeySegment(*arrays) for arrays in key_arrays]
-      return Block(cfg, index, parent=None).apply({"params": merge_adapters(layer_params)},
-                                                  x_BTD, positions_BT, valid_BT, segments)
+      return Block(cfg, index, parent=None).apply(
+        {"params": merge_adapters(layer_params)}, x_BTD, positions_BT, valid_BT, segments
+      )
+
     remat_fn = _remat(fn, cfg)
     return lambda layer_params, x_BTD, segments: remat_fn(
-        layer_params, x_BTD, [tuple(seg[:4]) for seg in segments])
+      layer_params, x_BTD, [tuple(seg[:4]) for seg in segments]
+    )
 
   p = cfg.layer_period()
   reps = L // p if cfg.layers_scanned else 0
   own_kv: list[Any] = [None] * L
   if reps > 1:
     stack = lambda *xs: jnp.stack(xs)
-    xs = [(jax.tree.map(stack, *[params[f"layer_{j * p + r}"] for j in range(reps)]),
-           [jax.tree.map(stack, *[kv_L[j * p + r] for j in range(reps)])
-            for kv_L, _ in context])
-          for r in range(p)]
+    xs = [
+      (
+        jax.tree.map(stack, *[params[f"layer_{j * p + r}"] for j in range(reps)]),
+        [jax.tree.map(stack, *[kv_L[j * p + r] for j in range(reps)]) for kv_L, _ in context],
+      )
+      for r in range(p)
+    ]
     fns = [layer_fn(r) for r in range(p)]
 
     def body(x_BTD, xs_group):
@@ -389,8 +437,7 @@ def run_layers(params, cfg: ModelConfig, x_BTD, positions_BT, valid_BT, context=
   else:
     reps = 0
   for i in range(reps * p, L):
-    x_BTD, own_kv[i] = layer_fn(i)(params[f"layer_{i}"], x_BTD,
-                                   _layer_context(cfg, i, context))
+    x_BTD, own_kv[i] = layer_fn(i)(params[f"layer_{i}"], x_BTD, _layer_context(cfg, i, context))
   return x_BTD, tuple(own_kv)
 
 
@@ -420,40 +467,51 @@ def positions_from_valid(valid_BT: Array, offset_B1: Array | int = 0) -> Array:
 
 def forward(params, cfg: ModelConfig, tokens_BS: Array, valid_BS: Array) -> Array:
   """Full-sequence forward (the naive path): final-normed hidden states h_BSD."""
-  h_BSD, _ = Transformer(cfg).apply({"params": params}, tokens_BS,
-                                    positions_from_valid(valid_BS), valid_BS)
+  h_BSD, _ = Transformer(cfg).apply(
+    {"params": params}, tokens_BS, positions_from_valid(valid_BS), valid_BS
+  )
   return h_BSD
 
 
-def prefill(params, cfg: ModelConfig, tokens_BP: Array, valid_BP: Array,
-            trunk_len: int = 0) -> PrefixCache:
+def prefill(
+  params, cfg: ModelConfig, tokens_BP: Array, valid_BP: Array, trunk_len: int = 0
+) -> PrefixCache:
   """Prefix forward. Prefixes are left-padded, so position P-1 is always a real token.
 
   A sliding-window layer's cache keeps only the last `window` positions (`keep_window`):
   the tails cannot reach further back, and their cotangent for the rest is zero anyway.
   """
   P = tokens_BP.shape[1]
-  h_BPD, kv = Transformer(cfg).apply({"params": params}, tokens_BP,
-                                     positions_from_valid(valid_BP), valid_BP)
+  h_BPD, kv = Transformer(cfg).apply(
+    {"params": params}, tokens_BP, positions_from_valid(valid_BP), valid_BP
+  )
   kv = tuple(keep_window(kv_i, cfg.layer_window(i)) for i, kv_i in enumerate(kv))
-  trunk_h_BWD = h_BPD[:, P - 1 - trunk_len:P - 1]
+  trunk_h_BWD = h_BPD[:, P - 1 - trunk_len : P - 1]
   return PrefixCache(kv, h_BPD[:, -1], trunk_h_BWD)
 
 
-def tail(params, cfg: ModelConfig, cache: PrefixCache, prefix_valid_BP: Array,
-         tokens_BT: Array, valid_BT: Array) -> Array:
+def tail(
+  params,
+  cfg: ModelConfig,
+  cache: PrefixCache,
+  prefix_valid_BP: Array,
+  tokens_BT: Array,
+  valid_BT: Array,
+) -> Array:
   """Tail forward against the prefix cache: hidden states h_BTD at the positions after the
   prefix. tokens_BT may hold g rows per prefix row (rows (b, r), row-major): all branches of
   a prompt in one call, their queries folded against the one prefix K/V in attention."""
   offset_B1 = jnp.sum(prefix_valid_BP.astype(jnp.int32), axis=1, keepdims=True)
   positions_BT = positions_from_valid(valid_BT, _rows(offset_B1, tokens_BT.shape[0]))
-  h_BTD, _ = Transformer(cfg).apply({"params": params}, tokens_BT, positions_BT, valid_BT,
-                                    [(cache.kv, prefix_valid_BP)])
+  h_BTD, _ = Transformer(cfg).apply(
+    {"params": params}, tokens_BT, positions_BT, valid_BT, [(cache.kv, prefix_valid_BP)]
+  )
   return h_BTD
 
 
-def _token_logps(params, cfg: ModelConfig, h_BTD: Array, targets_BT: Array,
-                 temperature: float = 1.0):
+def _token_logps(
+  params, cfg: ModelConfig, h_BTD: Array, targets_BT: Array, temperature: float = 1.0
+):
   logits_BTV = Transformer(cfg).apply({"params": params}, h_BTD, method=Transformer.logits)
   if temperature != 1.0:
     logits_BTV = logits_BTV / temperature
@@ -463,8 +521,9 @@ def _token_logps(params, cfg: ModelConfig, h_BTD: Array, targets_BT: Array,
   return logp_BT, entropy_BT
 
 
-def token_logps(params, cfg: ModelConfig, h_BTD: Array, targets_BT: Array,
-                temperature: float = 1.0):
+def token_logps(
+  params, cfg: ModelConfig, h_BTD: Array, targets_BT: Array, temperature: float = 1.0
+):
   """log p(target) and the entropy of each predictive distribution, in fp32 (or fp64);
   p = softmax(logits / temperature), the distribution a sampler at that temperature draws from.
 
@@ -477,9 +536,13 @@ def token_logps(params, cfg: ModelConfig, h_BTD: Array, targets_BT: Array,
   C = cfg.logits_chunk
   if C is not None and cfg.logits_chunk_rows and T <= C < B * T:
     # rows x positions as one axis of B*T tokens, chunked below as one row
-    logp_1N, entropy_1N = token_logps(params, dataclasses.replace(cfg, logits_chunk_rows=False),
-                                      h_BTD.reshape(1, B * T, D),
-                                      targets_BT.reshape(1, B * T), temperature)
+    logp_1N, entropy_1N = token_logps(
+      params,
+      dataclasses.replace(cfg, logits_chunk_rows=False),
+      h_BTD.reshape(1, B * T, D),
+      targets_BT.reshape(1, B * T),
+      temperature,
+    )
     return logp_1N.reshape(B, T), entropy_1N.reshape(B, T)
   if C is None or T <= C:
     return _token_logps(params, cfg, h_BTD, targets_BT, temperature)
@@ -487,10 +550,8 @@ def token_logps(params, cfg: ModelConfig, h_BTD: Array, targets_BT: Array,
   pad = n * C - T
   h_nBCD = jnp.pad(h_BTD, ((0, 0), (0, pad), (0, 0))).reshape(B, n, C, D).swapaxes(0, 1)
   t_nBC = jnp.pad(targets_BT, ((0, 0), (0, pad))).reshape(B, n, C).swapaxes(0, 1)
-  chunk_fn = jax.checkpoint(
-      lambda h_BCD, t_BC: _token_logps(params, cfg, h_BCD, t_BC, temperature))
-  _, (logp_nBC, entropy_nBC) = jax.lax.scan(lambda c, xs: (c, chunk_fn(*xs)), None,
-                                            (h_nBCD, t_nBC))
+  chunk_fn = jax.checkpoint(lambda h_BCD, t_BC: _token_logps(params, cfg, h_BCD, t_BC, temperature))
+  _, (logp_nBC, entropy_nBC) = jax.lax.scan(lambda c, xs: (c, chunk_fn(*xs)), None, (h_nBCD, t_nBC))
   unchunk = lambda x_nBC: x_nBC.swapaxes(0, 1).reshape(B, n * C)[:, :T]
   return unchunk(logp_nBC), unchunk(entropy_nBC)
 

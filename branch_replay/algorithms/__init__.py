@@ -30,8 +30,13 @@ import importlib
 
 # name -> (module, class); a new algorithm is one module, one line here and its options
 # (options.py). `algo.name` selects one; each serves flat and tree rollouts (tree.fanouts).
-ALGORITHMS = {"grpo": ("grpo", "GRPO"), "ppo": ("ppo", "PPO"), "dpo": ("dpo", "DPO"),
-              "sft": ("sft", "SFT"), "rollouts": ("rollouts", "Rollouts")}
+ALGORITHMS = {
+  "grpo": ("grpo", "GRPO"),
+  "ppo": ("ppo", "PPO"),
+  "dpo": ("dpo", "DPO"),
+  "sft": ("sft", "SFT"),
+  "rollouts": ("rollouts", "Rollouts"),
+}
 
 
 def get(name: str):

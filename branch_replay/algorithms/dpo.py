@@ -27,10 +27,12 @@ class DPO(GRPO):  # the warm-up and compiled steps (flat or tree); its own phase
     if self.is_tree:  # preference trees from the task's turns: (records, 2) fan-outs
       openings = len(task.supervised(np.random.default_rng(0))[1])
       if cfg.tree.fanout_tuple != (openings, 2):
-        raise ValueError(f"tree.fanouts={cfg.tree.fanouts!r} with algo.name='dpo': the "
-                         f"preference trees of task {cfg.task.name!r} have one opening per "
-                         f"record and a (chosen, rejected) pair below each; expected "
-                         f"'{openings}x2' (task.n_keys={openings})")
+        raise ValueError(
+          f"tree.fanouts={cfg.tree.fanouts!r} with algo.name='dpo': the "
+          f"preference trees of task {cfg.task.name!r} have one opening per "
+          f"record and a (chosen, rejected) pair below each; expected "
+          f"'{openings}x2' (task.n_keys={openings})"
+        )
     self.file_pairs = dpo.load_pairs(cfg.algo.pairs_file) if cfg.algo.pairs_file else None
     if self.file_pairs is not None:
       enc = lambda text: len(tok.encode(text, bos=False, eos=False))
@@ -50,23 +52,27 @@ class DPO(GRPO):  # the warm-up and compiled steps (flat or tree); its own phase
     if self.is_tree:
       batch = dpo.tree_pairs(self.task, rng, t.batch_size, self.tok)
     else:
-      pairs = ([self.file_pairs[i] for i in rng.integers(0, len(self.file_pairs), t.batch_size)]
-               if self.file_pairs is not None
-               else [dpo.task_pair(self.task, rng) for _ in range(t.batch_size)])
+      pairs = (
+        [self.file_pairs[i] for i in rng.integers(0, len(self.file_pairs), t.batch_size)]
+        if self.file_pairs is not None
+        else [dpo.task_pair(self.task, rng) for _ in range(t.batch_size)]
+      )
       batch = dpo.make_batch(pairs, self.prompt_len, self.answer_len, self.tok)
     place = lambda b: train_state.place(b, "batch", cfg)
     # 1. Reference log-probs of every node (flat: chosen and rejected), one shared-prefix
     #    forward; on every process.
-    ref_levels, ref_trunk_BW = sharding.to_host(self.fns.score(state.ref_params,
-                                                               batch=place(batch)))
+    ref_levels, ref_trunk_BW = sharding.to_host(
+      self.fns.score(state.ref_params, batch=place(batch))
+    )
     batch = batch.with_reference(ref_levels, ref_trunk_BW)
     tree.validate(batch, cfg.model.vocab_size, cfg.replay.branch_chunk)
     # 2. The policy's, for the metrics before the update: from the leaves, [pairs, 2] (0 where
     #    invalid; a pair's shared ancestors cancel in its margin).
     pol_levels, _ = sharding.to_host(self.fns.score(state.params, batch=place(batch)))
     pair_sum = lambda logp_BRT: np.asarray(logp_BRT).sum(-1).reshape(-1, 2)
-    return batch, dpo.preference_metrics(pair_sum(pol_levels[-1]), pair_sum(ref_levels[-1]),
-                                         cfg.loss.beta)
+    return batch, dpo.preference_metrics(
+      pair_sum(pol_levels[-1]), pair_sum(ref_levels[-1]), cfg.loss.beta
+    )
 
   def update(self, state, batch, step):
     state, out = self.fns.rl_step(state, train_state.place(batch, "batch", self.cfg))
@@ -88,9 +94,12 @@ class DPO(GRPO):  # the warm-up and compiled steps (flat or tree); its own phase
     recs = [r for r in records if r.get("phase") == "dpo"]
     k = max(1, min(10, len(recs) // 4))
     mean = lambda key, rs: float(np.mean([r[key] for r in rs])) if rs else float("nan")
-    return {"accuracy_before": mean("dpo/accuracy", recs[:k]),
-            "accuracy_after": mean("dpo/accuracy", recs[-k:]),
-            "margin_after": mean("dpo/margin", recs[-k:]), "window": k,
-            "steps": len([r for r in records if r.get("kind", "train") == "train"])}
+    return {
+      "accuracy_before": mean("dpo/accuracy", recs[:k]),
+      "accuracy_after": mean("dpo/accuracy", recs[-k:]),
+      "margin_after": mean("dpo/margin", recs[-k:]),
+      "window": k,
+      "steps": len([r for r in records if r.get("kind", "train") == "train"]),
+    }
 
   format_summary = staticmethod(dpo.format_summary)

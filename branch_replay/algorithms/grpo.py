@@ -34,11 +34,13 @@ def auto_tree(batch, cfg, pad_id: int = 0):
   max_depth = 1 if cfg.replay.branch_chunk else 2
   batch, s = trie.auto_tree(batch, max_depth=max_depth, pad_id=pad_id)
   tree.validate(batch, cfg.model.vocab_size, cfg.replay.branch_chunk)
-  return batch, {"replay/tree_token_ratio": s["tree_token_ratio"],
-                 "replay/trie_token_ratio": s["trie_token_ratio"],
-                 "replay/trunk_len": s["trunk_len"],
-                 "replay/fanouts": "x".join(map(str, s["fanouts"])),
-                 "time/layout_s": time.perf_counter() - t0}
+  return batch, {
+    "replay/tree_token_ratio": s["tree_token_ratio"],
+    "replay/trie_token_ratio": s["trie_token_ratio"],
+    "replay/trunk_len": s["trunk_len"],
+    "replay/fanouts": "x".join(map(str, s["fanouts"])),
+    "time/layout_s": time.perf_counter() - t0,
+  }
 
 
 def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER):
@@ -63,38 +65,52 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
 
   def draw(round_):
     d0 = time.perf_counter()
-    examples = sample_examples(task, t.seed, step if round_ == 0 else (step, round_),
-                               t.batch_size)
+    examples = sample_examples(task, t.seed, step if round_ == 0 else (step, round_), t.batch_size)
     prompt_BP, valid_BP = tasks.encode_prompts(examples, task.max_prompt_len, tok)
     placed_BP, placed_valid_BP = place((prompt_BP, valid_BP), "batch", cfg)
     key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), step)
     if round_:
       key = jax.random.fold_in(key, round_)
     d1 = time.perf_counter()
-    samples = jax.block_until_ready(fns.sample(model_weights, prompt_BP=placed_BP,
-                                               prompt_valid_BP=placed_valid_BP, key=key))
+    samples = jax.block_until_ready(
+      fns.sample(model_weights, prompt_BP=placed_BP, prompt_valid_BP=placed_valid_BP, key=key)
+    )
     samples = sharding.to_host(samples)  # every process decodes and rewards all samples
     d2 = time.perf_counter()
     extra = {}
     if fanouts:
       raw_BR = tree_task.rewards_of(task, examples, samples, fanouts, tok)
-      extra["turn1_B"] = np.asarray([np.mean([task.first_turn_right(e, x) for x in row])
-                                     for e, row in zip(examples,
-                                                       tree_task.texts(samples.tokens[0], tok))])
-      shaping = dapo.path_overlong(samples, task.turn_lengths, a.overlong_buffer,
-                                   a.overlong_penalty)
+      extra["turn1_B"] = np.asarray(
+        [
+          np.mean([task.first_turn_right(e, x) for x in row])
+          for e, row in zip(examples, tree_task.texts(samples.tokens[0], tok))
+        ]
+      )
+      shaping = dapo.path_overlong(
+        samples, task.turn_lengths, a.overlong_buffer, a.overlong_penalty
+      )
     else:
       B, R, W = len(examples), t.n_branches, cfg.sampler.trunk_len
-      chex.assert_shape([samples.tokens_BRT, samples.valid_BRT, samples.logp_BRT],
-                        (B, R, cfg.sampler.max_new_tokens))
+      chex.assert_shape(
+        [samples.tokens_BRT, samples.valid_BRT, samples.logp_BRT],
+        (B, R, cfg.sampler.max_new_tokens),
+      )
       chex.assert_shape([samples.trunk_BW, samples.trunk_logp_BW], (B, W))
       raw_BR = task.rewards(examples, sampler.completions(samples, tok))
       shaping = _overlong(samples, cfg)
     leaves, structure["samples"] = jax.tree.flatten(samples)  # [B, ...]: kept by prompt
-    rows = dict(prompt_BP=prompt_BP, valid_BP=valid_BP, raw_BR=raw_BR, **extra,
-                **{f"samples_{i}": x for i, x in enumerate(leaves)})
-    for name, seconds in (("data", d1 - d0), ("generate", d2 - d1),
-                          ("reward", time.perf_counter() - d2)):
+    rows = dict(
+      prompt_BP=prompt_BP,
+      valid_BP=valid_BP,
+      raw_BR=raw_BR,
+      **extra,
+      **{f"samples_{i}": x for i, x in enumerate(leaves)},
+    )
+    for name, seconds in (
+      ("data", d1 - d0),
+      ("generate", d2 - d1),
+      ("reward", time.perf_counter() - d2),
+    ):
       phase_s[name] += seconds
     return rows, raw_BR + shaping
 
@@ -107,12 +123,16 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
   t1 = time.perf_counter()
   prompt_BP, valid_BP = rows["prompt_BP"], rows["valid_BP"]
   if fanouts:
-    batch = sampler.to_tree_batch(prompt_BP, valid_BP, samples, fanouts,
-                                  _node_advantages(rewards_BR, cfg))
+    batch = sampler.to_tree_batch(
+      prompt_BP, valid_BP, samples, fanouts, _node_advantages(rewards_BR, cfg)
+    )
   else:
     B, R = rewards_BR.shape
-    adv_BR = (np.zeros((B, R), np.float32) if a.advantage in advantages.NEEDS_CRITIC
-              else advantages.compute(a.advantage, rewards_BR, a))
+    adv_BR = (
+      np.zeros((B, R), np.float32)
+      if a.advantage in advantages.NEEDS_CRITIC
+      else advantages.compute(a.advantage, rewards_BR, a)
+    )
     batch = sampler.to_batch(prompt_BP, valid_BP, samples, jnp.asarray(adv_BR))
   ref = reference(state, cfg)  # LoRA: the base, adapters off
   if ref is not None:  # k3 KL: reference log-probs of every node, one shared-prefix forward
@@ -122,14 +142,22 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
     batch = batch.with_reference(*sharding.to_host(scored))
   tree.validate(batch, cfg.model.vocab_size, cfg.replay.branch_chunk)
   raw = rows["raw_BR"]
-  return batch, rewards_BR, {
-      "reward/mean": float(raw.mean()), "reward/std": float(raw.std()),
+  return (
+    batch,
+    rewards_BR,
+    {
+      "reward/mean": float(raw.mean()),
+      "reward/std": float(raw.std()),
       "reward/shaped_mean": float(rewards_BR.mean()),
       **({"reward/turn1": float(rows["turn1_B"].mean())} if fanouts else {}),
       **{f"time/{name}_s": seconds for name, seconds in phase_s.items()},
       "time/sample_s": phase_s["data"] + phase_s["generate"],
-      "time/old_logp_s": 0.0, "time/ref_logp_s": 0.0,
-      "time/assemble_s": time.perf_counter() - t1, **stats}
+      "time/old_logp_s": 0.0,
+      "time/ref_logp_s": 0.0,
+      "time/assemble_s": time.perf_counter() - t1,
+      **stats,
+    },
+  )
 
 
 def _node_advantages(rewards_BR, cfg: Config) -> list:
@@ -139,11 +167,13 @@ def _node_advantages(rewards_BR, cfg: Config) -> list:
   if a.advantage in advantages.NEEDS_CRITIC:  # PPO's critic gives per-token advantages
     node_adv = [np.zeros_like(rewards_BR)]
   elif a.advantage in ("grpo", "dr_grpo"):  # normalised among siblings (dr_grpo: centred)
-    node_adv = tree.tree_advantages(rewards_BR, fanouts,
-                                    use_std=a.advantage_std and a.advantage != "dr_grpo")
+    node_adv = tree.tree_advantages(
+      rewards_BR, fanouts, use_std=a.advantage_std and a.advantage != "dr_grpo"
+    )
   else:  # another group estimator over each set of siblings
-    node_adv = tree.tree_advantages(rewards_BR, fanouts, estimator=functools.partial(
-        advantages.compute, a.advantage, train_cfg=a))
+    node_adv = tree.tree_advantages(
+      rewards_BR, fanouts, estimator=functools.partial(advantages.compute, a.advantage, train_cfg=a)
+    )
   if not cfg.tree.node_advantages or len(node_adv) < len(fanouts):
     node_adv = [None] * (len(fanouts) - 1) + node_adv[-1:]
   return node_adv
@@ -155,8 +185,9 @@ def _overlong(samples, cfg: Config):
     return 0.0
   W = np.asarray(samples.trunk_BW).shape[1]
   lengths_BR = np.asarray(samples.valid_BRT).sum(-1) + W
-  return dapo.overlong_penalty(lengths_BR, cfg.sampler.max_new_tokens + W, a.overlong_buffer,
-                               a.overlong_penalty).astype(np.float32)
+  return dapo.overlong_penalty(
+    lengths_BR, cfg.sampler.max_new_tokens + W, a.overlong_buffer, a.overlong_penalty
+  ).astype(np.float32)
 
 
 def minibatches(tree, cfg: Config, step: int, epoch: int):
@@ -196,38 +227,48 @@ def summarize(records, cfg: Config) -> dict:
   mean = lambda xs: float(np.mean(xs)) if xs else float("nan")
   intervals = {}  # accuracy evaluations (train.eval_batch / eval_shared_prefix): n, Wilson 95%
   for when, step in (("before", cfg.train.sft_steps), ("after", cfg.train.total_steps)):
-    rec = next((r for r in records if r.get("kind") == "eval" and r["step"] == step
-                and "eval/ci95_low" in r), None)
+    rec = next(
+      (
+        r for r in records if r.get("kind") == "eval" and r["step"] == step and "eval/ci95_low" in r
+      ),
+      None,
+    )
     if rec is not None:
-      intervals.update({f"eval_{when}_n": rec["eval/n"],
-                        f"eval_{when}_correct": rec["eval/correct"],
-                        f"eval_{when}_ci95": [rec["eval/ci95_low"], rec["eval/ci95_high"]]})
+      intervals.update(
+        {
+          f"eval_{when}_n": rec["eval/n"],
+          f"eval_{when}_correct": rec["eval/correct"],
+          f"eval_{when}_ci95": [rec["eval/ci95_low"], rec["eval/ci95_high"]],
+        }
+      )
   if "eval_before_ci95" in intervals and "eval_after_ci95" in intervals:
-    intervals["eval_after_interval_above_before"] = (intervals["eval_after_ci95"][0]
-                                                     > intervals["eval_before_ci95"][1])
+    intervals["eval_after_interval_above_before"] = (
+      intervals["eval_after_ci95"][0] > intervals["eval_before_ci95"][1]
+    )
   return {
-      **intervals,
-      "reward_before": mean([r["reward/mean"] for r in rl[:k]]),
-      "reward_after": mean([r["reward/mean"] for r in rl[-k:]]),
-      "reward_window": k,
-      "eval_before": evals.get(cfg.train.sft_steps),
-      "eval_after": evals.get(cfg.train.total_steps),
-      "computed_tokens": int(sum(r["replay/computed_tokens"] for r in train)),
-      "rl_computed_tokens": int(sum(r["replay/computed_tokens"] for r in rl)),
-      "rl_naive_equiv_tokens": int(sum(r["replay/naive_equiv_tokens"] for r in rl)),
-      "naive_equiv_tokens": int(sum(r["replay/naive_equiv_tokens"] for r in train)),
-      "train_time_s": float(sum(r["time/step_s"] for r in train)),
-      "steps": len(train),
-      "rl_steps": len(rl),
-      "median_rl_step_s": float(np.median([r["time/step_s"] for r in rl])) if rl else None,
-      "time_by_phase": phases.totals(records),
+    **intervals,
+    "reward_before": mean([r["reward/mean"] for r in rl[:k]]),
+    "reward_after": mean([r["reward/mean"] for r in rl[-k:]]),
+    "reward_window": k,
+    "eval_before": evals.get(cfg.train.sft_steps),
+    "eval_after": evals.get(cfg.train.total_steps),
+    "computed_tokens": int(sum(r["replay/computed_tokens"] for r in train)),
+    "rl_computed_tokens": int(sum(r["replay/computed_tokens"] for r in rl)),
+    "rl_naive_equiv_tokens": int(sum(r["replay/naive_equiv_tokens"] for r in rl)),
+    "naive_equiv_tokens": int(sum(r["replay/naive_equiv_tokens"] for r in train)),
+    "train_time_s": float(sum(r["time/step_s"] for r in train)),
+    "steps": len(train),
+    "rl_steps": len(rl),
+    "median_rl_step_s": float(np.median([r["time/step_s"] for r in rl])) if rl else None,
+    "time_by_phase": phases.totals(records),
   }
 
 
 def format_summary(s: dict) -> str:
   ratio = s["naive_equiv_tokens"] / max(s["computed_tokens"], 1)
   fmt = lambda x: "n/a" if x is None or x != x else f"{x:.3f}"
-  return "\n".join([
+  return "\n".join(
+    [
       f"reward/mean (sampled, mean of first/last {s['reward_window']} RL steps): "
       f"{fmt(s['reward_before'])} -> {fmt(s['reward_after'])}",
       f"greedy eval reward before/after RL: {fmt(s['eval_before'])} -> {fmt(s['eval_after'])}",
@@ -240,7 +281,8 @@ def format_summary(s: dict) -> str:
       f"checkpoints: {metrics.shown(s['checkpoint'])}",
       f"metrics: {metrics.shown(s['metrics'])}",
       f"plot: {metrics.shown(s['plot'])}",
-  ])
+    ]
+  )
 
 
 class GRPO:
@@ -259,8 +301,9 @@ class GRPO:
     self.warmup_batch, self.warmup_update = self.sft.warmup_batch, self.sft.warmup_update
     self.eval_examples, self.evaluate = self.sft.eval_examples, self.sft.evaluate
     self.evaluate_all = self.sft.evaluate_all
-    self.progress_keys = ("reward/mean",) + (("reward/turn1",) if self.sft.is_tree else ()) + (
-        "loss/policy",)
+    self.progress_keys = (
+      ("reward/mean",) + (("reward/turn1",) if self.sft.is_tree else ()) + ("loss/policy",)
+    )
 
   def start(self, state):
     if state.ref_params is not None:  # the reference policy: the policy as RL begins
@@ -279,8 +322,13 @@ class GRPO:
 
   def verify(self, state, batch):
     """replay.verify: the first batch through replay and the naive twin (raises on a gap)."""
-    return verify.check(train_state.weights(state, self.cfg.lora), batch, self.cfg.model,
-                        steps.rl_loss_config(self.cfg), branch_chunk=self.cfg.replay.branch_chunk)
+    return verify.check(
+      train_state.weights(state, self.cfg.lora),
+      batch,
+      self.cfg.model,
+      steps.rl_loss_config(self.cfg),
+      branch_chunk=self.cfg.replay.branch_chunk,
+    )
 
   def token_counts(self, batch, phase):
     if phase == "sft":

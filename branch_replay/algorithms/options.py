@@ -24,6 +24,7 @@ def _int_at_least(options, names, low: int):
 @dataclasses.dataclass(frozen=True)
 class SampledOptions:
   """What every algorithm that samples groups (flat or tree) shares."""
+
   ppo_epochs: int = 1  # passes over each sampled batch
   minibatches: int = 1  # replay steps per pass, the batch split by prompt (divides batch_size)
   dynamic_sampling: bool = False  # DAPO: drop all-equal-reward groups, refill from new prompts
@@ -40,15 +41,18 @@ class SampledOptions:
 
 def _check_estimator(name: str):
   if name in advantages.NEEDS_CRITIC:
-    raise ValueError(f"algo.advantage={name!r}: per-token advantages come from PPO's critic; "
-                     "expected algo.name=ppo (or a group estimator: "
-                     f"{sorted(advantages.ESTIMATORS)})")
+    raise ValueError(
+      f"algo.advantage={name!r}: per-token advantages come from PPO's critic; "
+      "expected algo.name=ppo (or a group estimator: "
+      f"{sorted(advantages.ESTIMATORS)})"
+    )
   advantages.check(name)
 
 
 @dataclasses.dataclass(frozen=True)
 class GRPOOptions(SampledOptions):
   """GRPO and its family on sampled groups or trees."""
+
   advantage: str = "grpo"  # a group estimator (advantages.py): grpo | dr_grpo | rloo | yours
   advantage_std: bool = True  # grpo: divide by the group std (False: centred only)
 
@@ -61,6 +65,7 @@ class GRPOOptions(SampledOptions):
 class PPOOptions(SampledOptions):
   """PPO: GRPO's sampling and epochs; advantages from the critic's values by GAE (the value
   model's own options: the `critic` section)."""
+
   advantage = "gae"  # not an option: what PPO's advantages are
 
 
@@ -76,6 +81,7 @@ class DPOOptions:
 @dataclasses.dataclass(frozen=True)
 class RolloutsOptions:
   """Completions from a file (task.name=rollouts): group advantages, passes over each batch."""
+
   advantage: str = "grpo"
   advantage_std: bool = True
   ppo_epochs: int = 1
@@ -85,14 +91,20 @@ class RolloutsOptions:
     _check_estimator(self.advantage)
 
 
-OPTIONS = {"grpo": GRPOOptions, "ppo": PPOOptions, "dpo": DPOOptions, "sft": NoOptions,
-           "rollouts": RolloutsOptions}
+OPTIONS = {
+  "grpo": GRPOOptions,
+  "ppo": PPOOptions,
+  "dpo": DPOOptions,
+  "sft": NoOptions,
+  "rollouts": RolloutsOptions,
+}
 
 
 @dataclasses.dataclass(frozen=True, init=False)
 class AlgoConfig(NamedSection):
   """`name` picks the algorithm; `options` is its own dataclass (`OPTIONS[name]`), given and
   read flat: AlgoConfig(name="ppo", ppo_epochs=2); `cfg.algo.ppo_epochs`."""
+
   name: str = "grpo"
   options: Any = None
   section, default = "algo", "grpo"
@@ -111,11 +123,22 @@ class AlgoConfig(NamedSection):
 
 # Options that lived in other sections before the `algo` section (configs saved then, and old
 # command lines): old field -> new field.
-MOVED = {**{f"train.{name}": f"algo.{name}"
-            for name in ("advantage", "advantage_std", "ppo_epochs", "minibatches",
-                         "dynamic_sampling", "max_sample_rounds", "overlong_buffer",
-                         "overlong_penalty")},
-         "dpo.pairs_file": "algo.pairs_file"}
+MOVED = {
+  **{
+    f"train.{name}": f"algo.{name}"
+    for name in (
+      "advantage",
+      "advantage_std",
+      "ppo_epochs",
+      "minibatches",
+      "dynamic_sampling",
+      "max_sample_rounds",
+      "overlong_buffer",
+      "overlong_penalty",
+    )
+  },
+  "dpo.pairs_file": "algo.pairs_file",
+}
 
 
 def migrate(saved: dict) -> dict:

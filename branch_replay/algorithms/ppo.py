@@ -45,14 +45,23 @@ def make_critic_step(cfg: Config):
   def critic_step(state: train_state.TrainState, cb: critic.CriticBatch):
     params, opt_state = state.critic["params"], state.critic["opt_state"]
     mesh = sharding.make_mesh(cfg.mesh) if cfg.mesh else None
-    loss, aux_BR, grads = critic.loss_and_grad(params, cb, cfg.model, cfg.critic,
-                                               mode=cfg.replay.mode,
-                                               body_params=critic_body(state, cfg), mesh=mesh)
+    loss, aux_BR, grads = critic.loss_and_grad(
+      params,
+      cb,
+      cfg.model,
+      cfg.critic,
+      mode=cfg.replay.mode,
+      body_params=critic_body(state, cfg),
+      mesh=mesh,
+    )
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     n = jnp.maximum(aux_BR["tokens"].sum(), 1)
-    out = {"loss/value": loss, "value/clip_frac": aux_BR["clip_sum"].sum() / n,
-           "value/grad_norm": optax.tree.norm(grads)}
+    out = {
+      "loss/value": loss,
+      "value/clip_frac": aux_BR["clip_sum"].sum() / n,
+      "value/grad_norm": optax.tree.norm(grads),
+    }
     return state.replace(critic=dict(params=params, opt_state=opt_state)), out
 
   return critic_step
@@ -66,8 +75,10 @@ class CriticFns(NamedTuple):
 @functools.lru_cache(maxsize=8)
 def compiled(cfg: Config) -> CriticFns:
   """The critic's jitted functions of a config (`steps.compile_key`), kept across runs."""
-  return CriticFns(critic_step=jax.jit(make_critic_step(cfg), donate_argnums=0),
-                   values=jax.jit(functools.partial(critic.values, model_cfg=cfg.model)))
+  return CriticFns(
+    critic_step=jax.jit(make_critic_step(cfg), donate_argnums=0),
+    values=jax.jit(functools.partial(critic.values, model_cfg=cfg.model)),
+  )
 
 
 def with_token_advantages(batch, adv_BLX):
@@ -79,10 +90,13 @@ def with_token_advantages(batch, adv_BLX):
   trunk = f32(adv_BLX[..., :W]) if W else None
   ends = W + np.cumsum([np.shape(level.tokens_BRT)[2] for level in batch.levels])
   starts = [W, *ends[:-1]]
-  levels = [level.replace(advantages_BR=None, path_advantages_BLT=f32(adv_BLX[..., a:b]))
-            for level, a, b in zip(batch.levels[:-1], starts, ends)]
-  leaves = batch.leaves.replace(advantages_BR=f32(np.zeros(adv_BLX.shape[:2])),
-                                advantages_BRT=f32(adv_BLX[..., starts[-1]:]))
+  levels = [
+    level.replace(advantages_BR=None, path_advantages_BLT=f32(adv_BLX[..., a:b]))
+    for level, a, b in zip(batch.levels[:-1], starts, ends)
+  ]
+  leaves = batch.leaves.replace(
+    advantages_BR=f32(np.zeros(adv_BLX.shape[:2])), advantages_BRT=f32(adv_BLX[..., starts[-1] :])
+  )
   return batch.replace(levels=(*levels, leaves), trunk_advantages_BRW=trunk)
 
 
@@ -93,21 +107,33 @@ def gae_batch(fns: CriticFns, state, batch, rewards_BR, cfg: Config):
   c = cfg.critic
   scored_BLX = critic.scored_mask(batch)
   if np.shape(rewards_BR) != scored_BLX.shape[:2]:
-    raise ValueError(f"rewards_BR: shape {np.shape(rewards_BR)}: expected "
-                     f"{scored_BLX.shape[:2]} (one reward per branch or leaf)")
-  old_values_BLX = np.asarray(sharding.to_host(fns.values(  # on a mesh: gathered to every host
-      state.critic["params"], batch=train_state.place(batch, "batch", cfg),
-      body_params=critic_body(state, cfg))), np.float64)
+    raise ValueError(
+      f"rewards_BR: shape {np.shape(rewards_BR)}: expected "
+      f"{scored_BLX.shape[:2]} (one reward per branch or leaf)"
+    )
+  old_values_BLX = np.asarray(
+    sharding.to_host(
+      fns.values(  # on a mesh: gathered to every host
+        state.critic["params"],
+        batch=train_state.place(batch, "batch", cfg),
+        body_params=critic_body(state, cfg),
+      )
+    ),
+    np.float64,
+  )
   old_values_BLX = np.where(scored_BLX, old_values_BLX, 0.0)
   adv_BLX, returns_BLX = critic.gae(rewards_BR, old_values_BLX, scored_BLX, c.gamma, c.lam)
   ret, v = returns_BLX[scored_BLX], old_values_BLX[scored_BLX]
-  stats = {"value/explained_variance": critic.explained_variance(old_values_BLX, returns_BLX,
-                                                                  scored_BLX),
-           "value/mean": float(v.mean()),
-           # per-step sums for an explained variance pooled over steps
-           # (critic.pooled_explained_variance; the summary's value_ev_before/after)
-           "value/sq_err": float(np.mean((ret - v) ** 2)), "value/return_var": float(ret.var()),
-           "value/return_mean": float(ret.mean()), "value/tokens": int(scored_BLX.sum())}
+  stats = {
+    "value/explained_variance": critic.explained_variance(old_values_BLX, returns_BLX, scored_BLX),
+    "value/mean": float(v.mean()),
+    # per-step sums for an explained variance pooled over steps
+    # (critic.pooled_explained_variance; the summary's value_ev_before/after)
+    "value/sq_err": float(np.mean((ret - v) ** 2)),
+    "value/return_var": float(ret.var()),
+    "value/return_mean": float(ret.mean()),
+    "value/tokens": int(scored_BLX.sum()),
+  }
   policy_adv = critic.whiten(adv_BLX, scored_BLX) if c.whiten else adv_BLX
   batch = with_token_advantages(batch, policy_adv)
   f32 = lambda x: jnp.asarray(x, jnp.float32)
@@ -119,10 +145,13 @@ def gae_batch(fns: CriticFns, state, batch, rewards_BR, cfg: Config):
 def value_summary(records, k: int) -> dict:
   """The critic's explained variance of the old values, pooled over the first/last k RL
   steps (the windows of the policy's reward summary)."""
-  rl = [r for r in records if r.get("kind", "train") == "train"
-        and r.get("reward/mean") is not None]
-  return {"value_ev_before": critic.pooled_explained_variance(rl[:k]),
-          "value_ev_after": critic.pooled_explained_variance(rl[-k:])}
+  rl = [
+    r for r in records if r.get("kind", "train") == "train" and r.get("reward/mean") is not None
+  ]
+  return {
+    "value_ev_before": critic.pooled_explained_variance(rl[:k]),
+    "value_ev_after": critic.pooled_explained_variance(rl[-k:]),
+  }
 
 
 class PPO:
@@ -133,8 +162,7 @@ class PPO:
 
   def __init__(self, cfg, task, tok, workdir=None):
     if not cfg.uses_critic:
-      raise ValueError(f"algo.name={cfg.algo.name!r}: the PPO algorithm expects "
-                       "algo.name='ppo'")
+      raise ValueError(f"algo.name={cfg.algo.name!r}: the PPO algorithm expects algo.name='ppo'")
     self.cfg, self.task, self.tok = cfg, task, tok
     self.is_tree = bool(cfg.tree.fanouts)
     self.policy = algorithms.get("grpo")(cfg, task, tok, workdir=workdir)
@@ -151,14 +179,18 @@ class PPO:
     state = self.policy.start(state)
     if not self.cfg.critic.share:  # the value model starts from the policy too (a shared
       # critic's body IS the policy)
-      state = state.replace(critic=dict(
+      state = state.replace(
+        critic=dict(
           params={**state.critic["params"], "model": jax.tree.map(jnp.copy, state.params)},
-          opt_state=state.critic["opt_state"]))
+          opt_state=state.critic["opt_state"],
+        )
+      )
     return state
 
   def batch(self, state, step):
-    batch, rewards_BR, stats = grpo.rl_batch(self.policy.fns, state, self.task, self.cfg, step,
-                                             self.tok)
+    batch, rewards_BR, stats = grpo.rl_batch(
+      self.policy.fns, state, self.task, self.cfg, step, self.tok
+    )
     batch, cb, critic_stats = gae_batch(self.fns, state, batch, rewards_BR, self.cfg)
     if self.is_tree:
       tree.validate(batch, self.cfg.model.vocab_size, self.cfg.replay.branch_chunk)
@@ -201,6 +233,8 @@ class PPO:
   def format_summary(summary) -> str:  # a static method: run.py calls it on the class
     lines = grpo.format_summary(summary).split("\n")
     fmt = lambda x: "n/a" if x is None or x != x else f"{x:.3f}"
-    ev = (f"value/explained_variance (pooled, first/last {summary['reward_window']} RL steps): "
-          f"{fmt(summary['value_ev_before'])} -> {fmt(summary['value_ev_after'])}")
+    ev = (
+      f"value/explained_variance (pooled, first/last {summary['reward_window']} RL steps): "
+      f"{fmt(summary['value_ev_before'])} -> {fmt(summary['value_ev_after'])}"
+    )
     return "\n".join(lines[:3] + [ev] + lines[3:])

@@ -47,16 +47,20 @@ def old_logps(lines, recorded: Recorded, score_fn, params, cfg, adv_BR, pad_id):
   """Behaviour log-probs per line: the file's, else recorded, else scored now on the tree."""
   missing = [l for l in lines if l.logprobs is None and l.source not in recorded.logps]
   if missing:
-    probe, stats = trie.layout([l.prompt_ids for l in lines], [list(l.responses) for l in lines],
-                               adv_BR, max_depth=cfg.task.max_depth,
-                               min_shared=cfg.task.min_shared, pad_id=pad_id)
+    probe, stats = trie.layout(
+      [l.prompt_ids for l in lines],
+      [list(l.responses) for l in lines],
+      adv_BR,
+      max_depth=cfg.task.max_depth,
+      min_shared=cfg.task.min_shared,
+      pad_id=pad_id,
+    )
     per_level, trunk_BW = jax.device_get(score_fn(params, probe))
     scored = trie.unroll(probe, stats["order"], per_level, trunk_BW)
     for b, l in enumerate(lines):
       if l.logprobs is None and l.source not in recorded.logps:
         recorded.add(l.source, scored[b])
-  return [list(l.logprobs) if l.logprobs is not None else recorded.logps[l.source]
-          for l in lines]
+  return [list(l.logprobs) if l.logprobs is not None else recorded.logps[l.source] for l in lines]
 
 
 class Rollouts:
@@ -71,8 +75,9 @@ class Rollouts:
     t = cfg.train
     self.total_steps = min(t.rl_steps, task.cfg.epochs * task.steps_per_epoch(t.batch_size))
     chief = jax.process_index() == 0
-    self.recorded = Recorded(os.path.join(workdir, "recorded_logprobs.jsonl")
-                             if workdir and chief else None)
+    self.recorded = Recorded(
+      os.path.join(workdir, "recorded_logprobs.jsonl") if workdir and chief else None
+    )
     self.step_fn = jax.jit(steps.make_train_step(cfg, "rl", cfg.loss), donate_argnums=0)
     self.score_fn = jax.jit(functools.partial(engine.forward, model_cfg=cfg.model))
 
@@ -90,25 +95,31 @@ class Rollouts:
     rewards_BR = np.stack([l.rewards for l in lines])
     adv_BR = advantages.compute(cfg.algo.advantage, rewards_BR, cfg.algo)
     with timer("old_logp"):
-      old = old_logps(lines, self.recorded, self.score_fn, state.params, cfg, adv_BR,
-                      self.tok.pad_id)
-    batch, stats = rollouts.make_batch(lines, adv_BR, self.task.cfg, old_logps=old,
-                                       pad_id=self.tok.pad_id)
+      old = old_logps(
+        lines, self.recorded, self.score_fn, state.params, cfg, adv_BR, self.tok.pad_id
+      )
+    batch, stats = rollouts.make_batch(
+      lines, adv_BR, self.task.cfg, old_logps=old, pad_id=self.tok.pad_id
+    )
     tree.validate(batch, cfg.model.vocab_size, cfg.replay.branch_chunk)
     if state.ref_params is not None:
       with timer("ref_logp"):
         ref_levels, ref_trunk = jax.block_until_ready(self.score_fn(state.ref_params, batch))
       batch = batch.replace(
-          levels=tuple(l.replace(ref_logp_BRT=r) for l, r in zip(batch.levels, ref_levels)),
-          trunk_ref_logp_BW=ref_trunk if batch.trunk_len else None)
+        levels=tuple(l.replace(ref_logp_BRT=r) for l, r in zip(batch.levels, ref_levels)),
+        trunk_ref_logp_BW=ref_trunk if batch.trunk_len else None,
+      )
     self.flat_positions = stats["flat_positions"]
-    return batch, {"epoch": step // self.task.steps_per_epoch(t.batch_size),
-                   "reward/mean": float(rewards_BR.mean()),
-                   "reward/std": float(rewards_BR.std()),
-                   "replay/tree_token_ratio": stats["tree_token_ratio"],
-                   "replay/trie_token_ratio": stats["trie_token_ratio"],
-                   "replay/trunk_len": stats["trunk_len"],
-                   "replay/fanouts": "x".join(map(str, stats["fanouts"])), **timer.metrics()}
+    return batch, {
+      "epoch": step // self.task.steps_per_epoch(t.batch_size),
+      "reward/mean": float(rewards_BR.mean()),
+      "reward/std": float(rewards_BR.std()),
+      "replay/tree_token_ratio": stats["tree_token_ratio"],
+      "replay/trie_token_ratio": stats["trie_token_ratio"],
+      "replay/trunk_len": stats["trunk_len"],
+      "replay/fanouts": "x".join(map(str, stats["fanouts"])),
+      **timer.metrics(),
+    }
 
   def update(self, state, batch, step):
     outs = []
@@ -118,8 +129,9 @@ class Rollouts:
     return state, {k: float(np.mean([o[k] for o in outs])) for k in outs[0]}
 
   def verify(self, state, batch):
-    return verify.check(state.params, batch, self.cfg.model, self.cfg.loss,
-                        branch_chunk=self.cfg.replay.branch_chunk)
+    return verify.check(
+      state.params, batch, self.cfg.model, self.cfg.loss, branch_chunk=self.cfg.replay.branch_chunk
+    )
 
   def token_counts(self, batch, phase):
     prefix, below, _ = batch.token_counts()
@@ -135,13 +147,23 @@ class Rollouts:
     train = [r for r in records if r.get("kind") == "train"]
     k = max(1, min(10, len(train) // 4))
     mean = lambda rs: float(np.mean([r["reward/mean"] for r in rs])) if rs else float("nan")
-    return {"steps": len(train), "records": records, "reward_first": mean(train[:k]),
-            "reward_last": mean(train[-k:]), "window": k,
-            "time_by_phase": phases.totals(records)}
+    return {
+      "steps": len(train),
+      "records": records,
+      "reward_first": mean(train[:k]),
+      "reward_last": mean(train[-k:]),
+      "window": k,
+      "time_by_phase": phases.totals(records),
+    }
 
   @staticmethod
   def format_summary(summary) -> str:
-    return (f"rollouts: {summary['steps']} steps, reward (file) first {summary['window']} "
-            f"{summary['reward_first']:.3f}, last {summary['reward_last']:.3f}"
-            + (f"\n{phases.format_totals(summary['time_by_phase'])}"
-               if summary.get("time_by_phase") else ""))
+    return (
+      f"rollouts: {summary['steps']} steps, reward (file) first {summary['window']} "
+      f"{summary['reward_first']:.3f}, last {summary['reward_last']:.3f}"
+      + (
+        f"\n{phases.format_totals(summary['time_by_phase'])}"
+        if summary.get("time_by_phase")
+        else ""
+      )
+    )

@@ -27,8 +27,7 @@ def sft_batch(task, rng: np.random.Generator, cfg, tok=TOKENIZER):
   items = [task.supervised(rng) for _ in range(cfg.train.sft_batch_size)]
   if cfg.tree.fanouts:
     return tree_task.turn_tree(task, items, lambda b, r, value: [value], tok)
-  prefix_BP, prefix_valid_BP = tasks.encode_prompts([p for p, _ in items], task.sft_prompt_len,
-                                                    tok)
+  prefix_BP, prefix_valid_BP = tasks.encode_prompts([p for p, _ in items], task.sft_prompt_len, tok)
   T = task.sft_tail_len  # the task's longest warm-up tail, EOS included
   tails = [tasks.encode_right(t, T, tok) for _, t in items]
   tails_BRT = np.stack([t for t, _ in tails])
@@ -36,9 +35,13 @@ def sft_batch(task, rng: np.random.Generator, cfg, tok=TOKENIZER):
   B, R = tails_BRT.shape[:2]
   chex.assert_shape([tails_BRT, valid_BRT], (B, R, T))
   chex.assert_shape([prefix_BP, prefix_valid_BP], (B, task.sft_prompt_len))
-  return tree.flat(prefix_BP=prefix_BP, prefix_valid_BP=prefix_valid_BP, tails_BRT=tails_BRT,
-                   tail_valid_BRT=valid_BRT,
-                   advantages_BR=np.ones(tails_BRT.shape[:2], np.float32))
+  return tree.flat(
+    prefix_BP=prefix_BP,
+    prefix_valid_BP=prefix_valid_BP,
+    tails_BRT=tails_BRT,
+    tail_valid_BRT=valid_BRT,
+    advantages_BR=np.ones(tails_BRT.shape[:2], np.float32),
+  )
 
 
 class SFT:
@@ -55,8 +58,9 @@ class SFT:
     if self.is_tree:
       self.fns = steps.compiled(steps.compile_key(cfg), task.stop_tokens(tok), task.turn_lengths)
     else:
-      self.fns = steps.compiled(steps.compile_key(cfg),
-                                tuple(getattr(tok, "stop_ids", (tok.eos_id,))))
+      self.fns = steps.compiled(
+        steps.compile_key(cfg), tuple(getattr(tok, "stop_ids", (tok.eos_id,)))
+      )
 
   @property
   def total_steps(self) -> int:  # as the run itself: its steps; as a warm-up: its owner's
@@ -96,8 +100,12 @@ class SFT:
     if self.cfg.train.eval_batch or self.cfg.train.eval_shared_prefix:
       return float(np.mean(self.evaluate_all(state, examples)))
     prompt_BP, valid_BP = tasks.encode_prompts(examples, self.task.max_prompt_len, self.tok)
-    s = self.fns.greedy(train_state.weights(state, self.cfg.lora), prompt_BP=prompt_BP,
-                        prompt_valid_BP=valid_BP, key=jax.random.key(0))
+    s = self.fns.greedy(
+      train_state.weights(state, self.cfg.lora),
+      prompt_BP=prompt_BP,
+      prompt_valid_BP=valid_BP,
+      key=jax.random.key(0),
+    )
     if self.is_tree:
       s = sharding.to_host(s)  # numpy; gathered when the mesh spans several processes
       return float(tree_task.rewards_of(self.task, examples, s, (1, 1), self.tok).mean())
@@ -112,8 +120,12 @@ class SFT:
     t = self.cfg.train
     if self.is_tree:
       return np.asarray([self.evaluate(state, examples)])  # (trees: one mean)
-    ids = [list(e.prompt_ids) if getattr(e, "prompt_ids", None) is not None
-           else self.tok.encode(e.prompt, bos=True) for e in examples]
+    ids = [
+      list(e.prompt_ids)
+      if getattr(e, "prompt_ids", None) is not None
+      else self.tok.encode(e.prompt, bos=True)
+      for e in examples
+    ]
     header_H = None
     if t.eval_shared_prefix:
       header_H, ids = sampler.shared_header(ids)
@@ -123,15 +135,21 @@ class SFT:
     weights = train_state.weights(state, self.cfg.lora)
     out = []
     for i in range(0, len(examples), n):
-      chunk = ids[i:i + n]
+      chunk = ids[i : i + n]
       chunk = chunk + [chunk[-1]] * (n - len(chunk))
       prompt_BP, valid_BP = tasks.encode_prompts(
-          [tasks.Example("", "", prompt_ids=tuple(x)) for x in chunk], L, self.tok)
-      s = self.fns.greedy(weights, prompt_BP=prompt_BP, prompt_valid_BP=valid_BP,
-                          key=jax.random.key(0), header_H=header_H)
+        [tasks.Example("", "", prompt_ids=tuple(x)) for x in chunk], L, self.tok
+      )
+      s = self.fns.greedy(
+        weights,
+        prompt_BP=prompt_BP,
+        prompt_valid_BP=valid_BP,
+        key=jax.random.key(0),
+        header_H=header_H,
+      )
       s = sharding.to_host(s) if self.cfg.mesh else s
-      got = examples[i:i + n]
-      r = self.task.rewards(got, sampler.completions(s, self.tok)[:len(got)])
+      got = examples[i : i + n]
+      r = self.task.rewards(got, sampler.completions(s, self.tok)[: len(got)])
       out += list(np.asarray(r, np.float64).reshape(len(got), -1).mean(-1))
     return np.asarray(out, np.float64)
 
@@ -143,24 +161,31 @@ class SFT:
     k = max(1, min(10, len(rows) // 4))
     evals = {r["step"]: r["eval/greedy_reward"] for r in records if r.get("kind") == "eval"}
     mean = lambda xs: float(np.mean(xs)) if xs else float("nan")
-    return {"loss_before": mean([r["loss/policy"] for r in rows[:k]]),
-            "loss_after": mean([r["loss/policy"] for r in rows[-k:]]), "loss_window": k,
-            "eval_before": evals.get(0), "eval_after": evals.get(self.total_steps),
-            "computed_tokens": int(sum(r["replay/computed_tokens"] for r in rows)),
-            "naive_equiv_tokens": int(sum(r["replay/naive_equiv_tokens"] for r in rows)),
-            "train_time_s": float(sum(r["time/step_s"] for r in rows)), "steps": len(rows)}
+    return {
+      "loss_before": mean([r["loss/policy"] for r in rows[:k]]),
+      "loss_after": mean([r["loss/policy"] for r in rows[-k:]]),
+      "loss_window": k,
+      "eval_before": evals.get(0),
+      "eval_after": evals.get(self.total_steps),
+      "computed_tokens": int(sum(r["replay/computed_tokens"] for r in rows)),
+      "naive_equiv_tokens": int(sum(r["replay/naive_equiv_tokens"] for r in rows)),
+      "train_time_s": float(sum(r["time/step_s"] for r in rows)),
+      "steps": len(rows),
+    }
 
   @staticmethod
   def format_summary(s: dict) -> str:
     fmt = lambda x: "n/a" if x is None or x != x else f"{x:.3f}"
     ratio = s["naive_equiv_tokens"] / max(s["computed_tokens"], 1)
-    return "\n".join([
+    return "\n".join(
+      [
         f"loss/policy (-log p, mean of first/last {s['loss_window']} steps): "
         f"{fmt(s['loss_before'])} -> {fmt(s['loss_after'])}",
-        f"greedy eval reward before/after SFT: {fmt(s['eval_before'])} -> "
-        f"{fmt(s['eval_after'])}",
+        f"greedy eval reward before/after SFT: {fmt(s['eval_before'])} -> {fmt(s['eval_after'])}",
         f"token positions computed: {s['computed_tokens']:,} vs naive equivalent "
         f"{s['naive_equiv_tokens']:,} ({ratio:.1f}x fewer)",
         f"time: {s['wall_s']:.0f} s wall ({s['train_time_s']:.0f} s in {s['steps']} steps)",
         f"checkpoints: {metrics.shown(s['checkpoint'])}",
-        f"metrics: {metrics.shown(s['metrics'])}"])
+        f"metrics: {metrics.shown(s['metrics'])}",
+      ]
+    )

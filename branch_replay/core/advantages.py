@@ -25,6 +25,7 @@ def register(name: str):
       raise ValueError(f"advantage estimator {name!r} is already registered")
     ESTIMATORS[name] = fn
     return fn
+
   return deco
 
 
@@ -34,8 +35,9 @@ def names() -> list[str]:
 
 def check(name: str) -> None:
   if name not in ESTIMATORS and name not in NEEDS_CRITIC:
-    raise ValueError(f"algo.advantage={name!r}: unknown advantage estimator; expected one of "
-                     f"{names()}")
+    raise ValueError(
+      f"algo.advantage={name!r}: unknown advantage estimator; expected one of {names()}"
+    )
 
 
 def compute(name: str, rewards_BR, train_cfg) -> np.ndarray:
@@ -51,8 +53,12 @@ def grpo(rewards_BR, train_cfg):
   In float32 through jax, exactly as the trainer always computed it (runs reproduce)."""
   import jax.numpy as jnp
   from branch_replay.core import losses
-  return np.asarray(losses.group_advantages(jnp.asarray(rewards_BR, jnp.float32),
-                                            use_std=getattr(train_cfg, "advantage_std", True)))
+
+  return np.asarray(
+    losses.group_advantages(
+      jnp.asarray(rewards_BR, jnp.float32), use_std=getattr(train_cfg, "advantage_std", True)
+    )
+  )
 
 
 @register("dr_grpo")

@@ -69,6 +69,7 @@ class CriticBatch:
   every path ([B, L, X]: L branches or leaves per prompt, X = W + T_1 + ... + T_D scored
   positions in the engine's path layout, `scored_mask`; the trunk's and an inner node's
   targets repeated on every path through it, each with that path's return)."""
+
   batch: tree.TreeBatch
   returns_BRX: jax.Array
   old_values_BRX: jax.Array
@@ -78,8 +79,9 @@ def _scored_BLX(t: tree.TreeBatch):
   """[B, L, X] bool: the trunk, then each level's scored tokens on every path through it."""
   B, L = t.root_BP.shape[0], t.n_leaves
   per_path = lambda x_BN: jnp.repeat(x_BN, L // x_BN.shape[1], axis=1)
-  return jnp.concatenate([jnp.ones((B, L, t.trunk_len), bool)]
-                         + [per_path(level.scored()) for level in t.levels], -1)
+  return jnp.concatenate(
+    [jnp.ones((B, L, t.trunk_len), bool)] + [per_path(level.scored()) for level in t.levels], -1
+  )
 
 
 def scored_mask(batch) -> np.ndarray:
@@ -102,9 +104,11 @@ def validate(cb: CriticBatch) -> None:
   for name in ("returns_BRX", "old_values_BRX"):
     x = getattr(cb, name)
     if np.shape(x) != mask.shape:
-      raise ValueError(f"critic_batch.{name}: shape {np.shape(x)}: expected {mask.shape} "
-                       f"([B, leaves={t.n_leaves}, X = trunk_len {t.trunk_len} + level "
-                       f"lengths {[np.shape(l.tokens_BRT)[2] for l in t.levels]}])")
+      raise ValueError(
+        f"critic_batch.{name}: shape {np.shape(x)}: expected {mask.shape} "
+        f"([B, leaves={t.n_leaves}, X = trunk_len {t.trunk_len} + level "
+        f"lengths {[np.shape(l.tokens_BRT)[2] for l in t.levels]}])"
+      )
     if not np.all(np.isfinite(np.asarray(x))):
       raise ValueError(f"critic_batch.{name}: expected finite values (found NaN or inf)")
   _check_paths(t, mask)
@@ -115,9 +119,11 @@ def _check_paths(t: tree.TreeBatch, mask) -> None:
   empty = ~mask.any(-1)
   if empty.any():
     b, leaf = np.argwhere(empty)[0]
-    raise ValueError(f"tree.levels[{t.depth - 1}].scored_BRT: path to leaf {leaf} of prompt "
-                     f"{b} has no scored token: expected >= 1 scored token on every "
-                     "root-to-leaf path (GAE puts the reward on the path's last one)")
+    raise ValueError(
+      f"tree.levels[{t.depth - 1}].scored_BRT: path to leaf {leaf} of prompt "
+      f"{b} has no scored token: expected >= 1 scored token on every "
+      "root-to-leaf path (GAE puts the reward on the path's last one)"
+    )
 
 
 def init_head(model_cfg: tfm.ModelConfig):
@@ -131,8 +137,11 @@ def init_params(model_cfg: tfm.ModelConfig, key, model_params=None, share: bool 
   with share=True only {'head'} (the body is the policy's, passed as `body_params`)."""
   if share:
     return {"head": init_head(model_cfg)}
-  model = tfm.init_params(model_cfg, key) if model_params is None else jax.tree.map(
-      jnp.copy, model_params)
+  model = (
+    tfm.init_params(model_cfg, key)
+    if model_params is None
+    else jax.tree.map(jnp.copy, model_params)
+  )
   return {"model": model, "head": init_head(model_cfg)}
 
 
@@ -141,20 +150,25 @@ def _body(params, body_params):
   shared critic, the policy's (`body_params`, a constant of the critic's gradient)."""
   if body_params is None:
     if "model" not in params:
-      raise ValueError(f"critic params have keys {sorted(params)} and body_params=None: a "
-                       "shared critic (critic.share=true, {'head'} only) needs body_params="
-                       "the policy's params")
+      raise ValueError(
+        f"critic params have keys {sorted(params)} and body_params=None: a "
+        "shared critic (critic.share=true, {'head'} only) needs body_params="
+        "the policy's params"
+      )
     return params["model"]
   if "model" in params:
-    raise ValueError("critic params hold a 'model' and body_params was given: expected "
-                     "{'head'} only with body_params (critic.share=true), or body_params=None")
+    raise ValueError(
+      "critic params hold a 'model' and body_params was given: expected "
+      "{'head'} only with body_params (critic.share=true), or body_params=None"
+    )
   return jax.lax.stop_gradient(body_params)
 
 
 def value_head(head, h_BTD):
   acc = jnp.float64 if h_BTD.dtype == jnp.float64 else jnp.float32
-  return (jnp.einsum("BTD,D->BT", h_BTD, head["w_D"].astype(h_BTD.dtype),
-                     preferred_element_type=acc) + head["b"].astype(acc))
+  return jnp.einsum(
+    "BTD,D->BT", h_BTD, head["w_D"].astype(h_BTD.dtype), preferred_element_type=acc
+  ) + head["b"].astype(acc)
 
 
 def value_loss(values_BX, old_values_BX, returns_BX, weight_BX, clip: float):
@@ -166,34 +180,49 @@ def value_loss(values_BX, old_values_BX, returns_BX, weight_BX, clip: float):
 
 
 def _branch_loss(values_BX, branch, cfg: CriticConfig):
-  loss_B = value_loss(values_BX, branch["old_values_BX"], branch["returns_BX"],
-                      branch["weight_BX"], cfg.value_clip)
+  loss_B = value_loss(
+    values_BX, branch["old_values_BX"], branch["returns_BX"], branch["weight_BX"], cfg.value_clip
+  )
   scored = branch["weight_BX"] > 0
-  aux = dict(value_sum=jnp.sum(jnp.where(scored, values_BX, 0.0), -1),
-             clip_sum=jnp.sum(scored & (jnp.abs(values_BX - branch["old_values_BX"])
-                                        > cfg.value_clip), -1),
-             tokens=scored.sum(-1))
+  aux = dict(
+    value_sum=jnp.sum(jnp.where(scored, values_BX, 0.0), -1),
+    clip_sum=jnp.sum(scored & (jnp.abs(values_BX - branch["old_values_BX"]) > cfg.value_clip), -1),
+    tokens=scored.sum(-1),
+  )
   return loss_B, aux
 
 
-def head(model_cfg: tfm.ModelConfig, cfg: Optional[CriticConfig] = None,
-         cb: Optional[CriticBatch] = None, body_params=None) -> engine.Head:
+def head(
+  model_cfg: tfm.ModelConfig,
+  cfg: Optional[CriticConfig] = None,
+  cb: Optional[CriticBatch] = None,
+  body_params=None,
+) -> engine.Head:
   """The value head on the one engine: a value for every position of every path (the
   trunk's, then each level's tokens, predicted by the hidden state before each) and PPO's
   clipped value loss per path (branch or root-to-leaf path of a tree). With body_params (shared critic) the transformer is a constant: the backward
   stops at the head, except through the trunk values."""
   fold = lambda x_BRX: x_BRX.reshape(-1, x_BRX.shape[-1])
-  path = None if cb is None else dict(returns_BX=fold(cb.returns_BRX),
-                                      old_values_BX=fold(cb.old_values_BRX),
-                                      weight_BX=fold(_weights_BRX(cb.batch)))
-  return engine.Head(body=lambda params: _body(params, body_params),
-                     score=lambda params, h_MTD, _: (value_head(params["head"], h_MTD), None),
-                     value=lambda values_MX, _, path: _branch_loss(values_MX, path, cfg),
-                     path=path)
+  path = (
+    None
+    if cb is None
+    else dict(
+      returns_BX=fold(cb.returns_BRX),
+      old_values_BX=fold(cb.old_values_BRX),
+      weight_BX=fold(_weights_BRX(cb.batch)),
+    )
+  )
+  return engine.Head(
+    body=lambda params: _body(params, body_params),
+    score=lambda params, h_MTD, _: (value_head(params["head"], h_MTD), None),
+    value=lambda values_MX, _, path: _branch_loss(values_MX, path, cfg),
+    path=path,
+  )
 
 
-def replay_loss_and_grad(params, cb: CriticBatch, model_cfg, cfg: CriticConfig,
-                         body_params=None, mesh=None):
+def replay_loss_and_grad(
+  params, cb: CriticBatch, model_cfg, cfg: CriticConfig, body_params=None, mesh=None
+):
   """The critic's value loss and gradient through branch replay (the one engine with the
   value head): (loss, aux_BR, grads); grads has params' tree ({'head'} alone for a shared
   critic). With `mesh` (call it inside one jit, cb placed with `batch_shardings`): the
@@ -202,8 +231,15 @@ def replay_loss_and_grad(params, cb: CriticBatch, model_cfg, cfg: CriticConfig,
   value_head = head(model_cfg, cfg, cb, body_params)
   if mesh is None:
     return engine.replay_loss_and_grad(params, cb.batch, model_cfg, None, head=value_head)
-  return sharding.engine_loss_and_grad(mesh, params, cb.batch, model_cfg, None, head=value_head,
-                                       p_shardings=param_shardings(mesh, model_cfg, params))
+  return sharding.engine_loss_and_grad(
+    mesh,
+    params,
+    cb.batch,
+    model_cfg,
+    None,
+    head=value_head,
+    p_shardings=param_shardings(mesh, model_cfg, params),
+  )
 
 
 def param_shardings(mesh, model_cfg, params):
@@ -219,11 +255,14 @@ def param_shardings(mesh, model_cfg, params):
 def batch_shardings(mesh, cb: CriticBatch) -> CriticBatch:
   """A CriticBatch of NamedShardings: the replay batch's (sharding.batch_shardings), the
   per-token targets split by prompt and branch (leaf) like the tails (leaves)."""
-  targets = lambda name, x: sharding.named_sharding(mesh, f"critic_batch.{name}", np.shape(x),
-                                                    ("batch", "branch", None))
-  return CriticBatch(sharding.batch_shardings(mesh, cb.batch),
-                     targets("returns_BRX", cb.returns_BRX),
-                     targets("old_values_BRX", cb.old_values_BRX))
+  targets = lambda name, x: sharding.named_sharding(
+    mesh, f"critic_batch.{name}", np.shape(x), ("batch", "branch", None)
+  )
+  return CriticBatch(
+    sharding.batch_shardings(mesh, cb.batch),
+    targets("returns_BRX", cb.returns_BRX),
+    targets("old_values_BRX", cb.old_values_BRX),
+  )
 
 
 def naive_values(params, batch, model_cfg, body_params=None) -> jax.Array:
@@ -232,7 +271,7 @@ def naive_values(params, batch, model_cfg, body_params=None) -> jax.Array:
   tokens_MS, valid_MS, back = engine.path_sequences(batch)
   h_MSD = tfm.forward(_body(params, body_params), model_cfg, tokens_MS, valid_MS)
   first = batch.root_BP.shape[1] - batch.trunk_len  # the first scored position
-  values_MX = back(value_head(params["head"], h_MSD[:, first - 1:-1]))
+  values_MX = back(value_head(params["head"], h_MSD[:, first - 1 : -1]))
   return values_MX.reshape(batch.root_BP.shape[0], batch.n_leaves, -1)
 
 
@@ -242,22 +281,36 @@ def naive_loss(params, cb: CriticBatch, model_cfg, cfg: CriticConfig, body_param
   values_BLX = naive_values(params, cb.batch, model_cfg, body_params)
   B, L, X = values_BLX.shape
   fold = lambda x: x.reshape(B * L, X)
-  loss_M, aux = _branch_loss(fold(values_BLX), dict(
-      returns_BX=fold(cb.returns_BRX), old_values_BX=fold(cb.old_values_BRX),
-      weight_BX=fold(_weights_BRX(cb.batch))), cfg)
+  loss_M, aux = _branch_loss(
+    fold(values_BLX),
+    dict(
+      returns_BX=fold(cb.returns_BRX),
+      old_values_BX=fold(cb.old_values_BRX),
+      weight_BX=fold(_weights_BRX(cb.batch)),
+    ),
+    cfg,
+  )
   return loss_M.sum(), jax.tree.map(lambda x: x.reshape(B, L), aux)
 
 
-def loss_and_grad(params, cb: CriticBatch, model_cfg, cfg: CriticConfig, mode: str = "replay",
-                  body_params=None, mesh=None):
+def loss_and_grad(
+  params,
+  cb: CriticBatch,
+  model_cfg,
+  cfg: CriticConfig,
+  mode: str = "replay",
+  body_params=None,
+  mesh=None,
+):
   """(loss, aux_BR, grads w.r.t. params); body_params: the policy's params for a shared
   critic (params = {'head'}), None for a separate value model. mesh: replay on a mesh (the
   naive twin runs under the partitioner's defaults, from the inputs' shardings)."""
   if mode == "replay":
     return replay_loss_and_grad(params, cb, model_cfg, cfg, body_params, mesh)
   if mode == "naive":
-    (loss, aux), grads = jax.value_and_grad(naive_loss, has_aux=True)(params, cb, model_cfg, cfg,
-                                                                       body_params)
+    (loss, aux), grads = jax.value_and_grad(naive_loss, has_aux=True)(
+      params, cb, model_cfg, cfg, body_params
+    )
     return loss, aux, grads
   raise ValueError(f"replay.mode={mode!r}: expected replay or naive")
 
@@ -267,12 +320,16 @@ def values(params, model_cfg, batch, body_params=None) -> jax.Array:
   L, X] (0 where a node is padded; an inner node's value repeated on its paths). The 'old'
   values of PPO, computed once per sampled batch. body_params: the policy's params for a
   shared critic (params = {'head'})."""
-  v_levels, trunk_v_BW = engine.forward(params, batch, model_cfg,
-                                        head=head(model_cfg, body_params=body_params))
+  v_levels, trunk_v_BW = engine.forward(
+    params, batch, model_cfg, head=head(model_cfg, body_params=body_params)
+  )
   B, L = batch.root_BP.shape[0], batch.n_leaves
   per_path = lambda x_BNT: jnp.repeat(x_BNT, L // x_BNT.shape[1], axis=1)
-  return jnp.concatenate([jnp.broadcast_to(trunk_v_BW[:, None], (B, L, batch.trunk_len))]
-                         + [per_path(v) for v in v_levels], -1)
+  return jnp.concatenate(
+    [jnp.broadcast_to(trunk_v_BW[:, None], (B, L, batch.trunk_len))]
+    + [per_path(v) for v in v_levels],
+    -1,
+  )
 
 
 # ----------------------------------------------------------------------------- GAE (host)
@@ -289,8 +346,9 @@ def gae(rewards_BR, values_BRX, scored_BRX, gamma: float, lam: float):
   scored = np.asarray(scored_BRX, bool)
   X = scored.shape[-1]
   last_BR = X - 1 - np.argmax(scored[..., ::-1], -1)  # the last scored position
-  rewards_BRX = np.where(np.arange(X) == last_BR[..., None],
-                         np.asarray(rewards_BR, np.float64)[..., None], 0.0)
+  rewards_BRX = np.where(
+    np.arange(X) == last_BR[..., None], np.asarray(rewards_BR, np.float64)[..., None], 0.0
+  )
   adv = np.zeros_like(values)
   running = np.zeros(values.shape[:-1])  # the next scored step's advantage
   next_value = np.zeros(values.shape[:-1])  # ... and its value (0 past the last)

@@ -44,8 +44,9 @@ def path_inputs(batch: TreeBatch, loss_cfg: losses.LossConfig):
   def along(x_BnT, T):
     return jnp.broadcast_to(x_BnT[..., None], (B, n, T)) if x_BnT.ndim == 2 else x_BnT
 
-  trunk_adv = (leaf_adv_Bn[..., None] if batch.trunk_advantages_BRW is None
-               else batch.trunk_advantages_BRW)
+  trunk_adv = (
+    leaf_adv_Bn[..., None] if batch.trunk_advantages_BRW is None else batch.trunk_advantages_BRW
+  )
   adv = [jnp.broadcast_to(trunk_adv, (B, n, W))]
   scored = [jnp.ones((B, n, W), bool)]
   for d, level in enumerate(batch.levels, start=1):
@@ -56,22 +57,28 @@ def path_inputs(batch: TreeBatch, loss_cfg: losses.LossConfig):
     elif level.path_advantages_BLT is not None:  # per token and per path (GAE on a tree)
       adv.append(level.path_advantages_BLT)
     else:
-      adv.append(along(per_path(level.advantages_BR) if level.advantages_BR is not None
-                       else leaf_adv_Bn, T))
+      adv.append(
+        along(per_path(level.advantages_BR) if level.advantages_BR is not None else leaf_adv_Bn, T)
+      )
 
   def logps(name, trunk):
     if getattr(leaf, name) is None:
       return None
-    trunk_BW = (jnp.zeros((B, 0), w_Bn.dtype) if getattr(batch, trunk) is None
-                else getattr(batch, trunk))
+    trunk_BW = (
+      jnp.zeros((B, 0), w_Bn.dtype) if getattr(batch, trunk) is None else getattr(batch, trunk)
+    )
     parts = [jnp.broadcast_to(trunk_BW[:, None], (B, n, W))]
     return jnp.concatenate(parts + [per_path(getattr(l, name)) for l in batch.levels], -1)
 
   scored_BnX = jnp.concatenate(scored, -1)
-  out = dict(old=logps("old_logp_BRT", "trunk_old_logp_BW"),
-             ref=logps("ref_logp_BRT", "trunk_ref_logp_BW"),
-             adv=jnp.concatenate(adv, -1).astype(w_Bn.dtype), scored=scored_BnX,
-             weight=w_Bn[..., None] * scored_BnX.astype(w_Bn.dtype), leaf_valid=leaf.valid_BRT)
+  out = dict(
+    old=logps("old_logp_BRT", "trunk_old_logp_BW"),
+    ref=logps("ref_logp_BRT", "trunk_ref_logp_BW"),
+    adv=jnp.concatenate(adv, -1).astype(w_Bn.dtype),
+    scored=scored_BnX,
+    weight=w_Bn[..., None] * scored_BnX.astype(w_Bn.dtype),
+    leaf_valid=leaf.valid_BRT,
+  )
   return {k: _fold(v) for k, v in out.items()}
 
 
@@ -83,17 +90,21 @@ def path_value(logp_MX, entropy_MT, path, loss_cfg: losses.LossConfig):
   adv_MX, scored_MX, weight_MX = path["adv"], path["scored"], path["weight"]
   value_M = losses.branch_value(logp_MX, old_MX, ref_MX, adv_MX, scored_MX, weight_MX, loss_cfg)
   valid = path["leaf_valid"]
-  logp_MT = logp_MX[:, logp_MX.shape[1] - valid.shape[1]:]
+  logp_MT = logp_MX[:, logp_MX.shape[1] - valid.shape[1] :]
   log_ratio_MX = jnp.where(scored_MX, sg - old_MX, 0.0)
   ratio_MX = jnp.exp(log_ratio_MX)
   clipped_MX = jnp.clip(ratio_MX, 1.0 - loss_cfg.epsilon, 1.0 + loss_cfg.eps_high)
   binds_MX = scored_MX & (-clipped_MX * adv_MX > -ratio_MX * adv_MX)
-  aux = dict(logp_sum=jnp.sum(jnp.where(valid, logp_MT, 0.0), -1),
-             entropy_sum=jnp.sum(jnp.where(valid, entropy_MT, 0.0), -1),
-             kl_sum=jnp.sum(jnp.where(weight_MX > 0, losses.k3_kl(sg, ref_MX), 0.0), -1),
-             tokens=valid.sum(-1), scored_tokens=scored_MX.sum(-1), clip_sum=binds_MX.sum(-1),
-             approx_kl_sum=jnp.sum(jnp.where(scored_MX, ratio_MX - 1.0 - log_ratio_MX, 0.0), -1),
-             ratio_max=jnp.max(jnp.where(scored_MX, ratio_MX, 0.0), -1))
+  aux = dict(
+    logp_sum=jnp.sum(jnp.where(valid, logp_MT, 0.0), -1),
+    entropy_sum=jnp.sum(jnp.where(valid, entropy_MT, 0.0), -1),
+    kl_sum=jnp.sum(jnp.where(weight_MX > 0, losses.k3_kl(sg, ref_MX), 0.0), -1),
+    tokens=valid.sum(-1),
+    scored_tokens=scored_MX.sum(-1),
+    clip_sum=binds_MX.sum(-1),
+    approx_kl_sum=jnp.sum(jnp.where(scored_MX, ratio_MX - 1.0 - log_ratio_MX, 0.0), -1),
+    ratio_max=jnp.max(jnp.where(scored_MX, ratio_MX, 0.0), -1),
+  )
   return value_M, aux
 
 
@@ -101,15 +112,21 @@ def check(batch: TreeBatch, loss_cfg: losses.LossConfig, branch_chunk=None) -> N
   """Shape-level checks of the objective against the tree (static: before any compilation)."""
   n = loss_cfg.objective.n_branches
   if n is not None and batch.fanouts[-1] != n:
-    raise ValueError(f"tree.levels[{batch.depth - 1}].tokens_BRT: shape "
-                     f"{tuple(batch.leaves.tokens_BRT.shape)}: loss.name={loss_cfg.name!r} "
-                     f"expects a last fan-out of {n} (fanouts {batch.fanouts})")
+    raise ValueError(
+      f"tree.levels[{batch.depth - 1}].tokens_BRT: shape "
+      f"{tuple(batch.leaves.tokens_BRT.shape)}: loss.name={loss_cfg.name!r} "
+      f"expects a last fan-out of {n} (fanouts {batch.fanouts})"
+    )
   if loss_cfg.needs_ref and batch.leaves.ref_logp_BRT is None:
-    raise ValueError(f"tree.levels[{batch.depth - 1}].ref_logp_BRT: None, but loss.name="
-                     f"{loss_cfg.name!r} (kl_coef={loss_cfg.kl_coef}) needs reference log-probs")
+    raise ValueError(
+      f"tree.levels[{batch.depth - 1}].ref_logp_BRT: None, but loss.name="
+      f"{loss_cfg.name!r} (kl_coef={loss_cfg.kl_coef}) needs reference log-probs"
+    )
   if branch_chunk is not None and (branch_chunk < 1 or batch.fanouts[-1] % branch_chunk):
-    raise ValueError(f"replay.branch_chunk={branch_chunk}: expected a divisor of the last "
-                     f"fan-out R_{batch.depth}={batch.fanouts[-1]} (fanouts {batch.fanouts})")
+    raise ValueError(
+      f"replay.branch_chunk={branch_chunk}: expected a divisor of the last "
+      f"fan-out R_{batch.depth}={batch.fanouts[-1]} (fanouts {batch.fanouts})"
+    )
 
 
 def combine_fn(loss_cfg):
@@ -125,6 +142,7 @@ class Head(NamedTuple):
   """What a level's hidden states become and what a path's scores are worth. The policy's
   (`policy_head`): log-probs and the RL/DPO objective; the critic's (critic.py): values and
   the clipped value loss. The engine's folding, VJPs and cotangent sums are the same."""
+
   body: Callable  # params -> the transformer's params
   score: Callable  # (params, h_pred_MTD, tokens_MT) -> (score_MT, entropy_MT or None)
   value: Callable  # (score_MX, entropy_MT, path) -> (value_M, aux of per-path sums)
@@ -132,16 +150,20 @@ class Head(NamedTuple):
   combine: Optional[Callable] = None  # [R, M] values -> loss (None: their sum)
 
 
-def policy_head(batch: TreeBatch, model_cfg: tfm.ModelConfig, loss_cfg: losses.LossConfig,
-                with_path: bool = True) -> Head:
+def policy_head(
+  batch: TreeBatch, model_cfg: tfm.ModelConfig, loss_cfg: losses.LossConfig, with_path: bool = True
+) -> Head:
   """Log-probs at loss.temperature, scored by the objective over every root-to-leaf path."""
-  score = lambda params, h_MTD, tokens_MT: tfm.token_logps(params, model_cfg, h_MTD, tokens_MT,
-                                                           temperature=loss_cfg.temperature)
-  return Head(body=lambda params: params, score=score,
-              value=lambda logp_MX, entropy_MT, path: path_value(logp_MX, entropy_MT, path,
-                                                                 loss_cfg),
-              path=path_inputs(batch, loss_cfg) if with_path else None,
-              combine=combine_fn(loss_cfg))
+  score = lambda params, h_MTD, tokens_MT: tfm.token_logps(
+    params, model_cfg, h_MTD, tokens_MT, temperature=loss_cfg.temperature
+  )
+  return Head(
+    body=lambda params: params,
+    score=score,
+    value=lambda logp_MX, entropy_MT, path: path_value(logp_MX, entropy_MT, path, loss_cfg),
+    path=path_inputs(batch, loss_cfg) if with_path else None,
+    combine=combine_fn(loss_cfg),
+  )
 
 
 def _node_rows(params, head: Head, model_cfg, caches, context_valid, tokens_MT, valid_MT):
@@ -150,11 +172,13 @@ def _node_rows(params, head: Head, model_cfg, caches, context_valid, tokens_MT, 
   hidden state."""
   M = tokens_MT.shape[0]
   context = [(c["kv"], v) for c, v in zip(caches, context_valid)]
-  offset_M1 = sum(_rows(jnp.sum(v.astype(jnp.int32), axis=1, keepdims=True), M)
-                  for v in context_valid)
+  offset_M1 = sum(
+    _rows(jnp.sum(v.astype(jnp.int32), axis=1, keepdims=True), M) for v in context_valid
+  )
   positions_MT = tfm.positions_from_valid(valid_MT, offset_M1)
-  h_MTD, kv = tfm.Transformer(model_cfg).apply({"params": head.body(params)}, tokens_MT,
-                                               positions_MT, valid_MT, context)
+  h_MTD, kv = tfm.Transformer(model_cfg).apply(
+    {"params": head.body(params)}, tokens_MT, positions_MT, valid_MT, context
+  )
   h_last_MD = _rows(caches[-1]["h_last_BD"], M)
   h_pred_MTD = jnp.concatenate([h_last_MD[:, None], h_MTD[:, :-1]], axis=1)
   score_MT, entropy_MT = head.score(params, h_pred_MTD, tokens_MT)
@@ -170,25 +194,31 @@ def replay_fns(batch: TreeBatch, model_cfg: tfm.ModelConfig, head: Head):
 
   def root_fn(params):
     cache = tfm.prefill(head.body(params), model_cfg, batch.root_BP, batch.root_valid_BP, W)
-    trunk_score_BW, _ = head.score(params, cache.trunk_h_BWD, batch.root_BP[:, P - W:])
+    trunk_score_BW, _ = head.score(params, cache.trunk_h_BWD, batch.root_BP[:, P - W :])
     return dict(kv=cache.kv, h_last_BD=cache.h_last_BD, trunk_score_BW=trunk_score_BW)
 
   def level_fn(d):
     def fn(params, caches):
       tokens_MT, valid_MT = _fold(batch.levels[d - 1].tokens_BRT), valid[d]
-      h_MTD, kv, score_MT, _ = _node_rows(params, head, model_cfg, caches, valid[:d], tokens_MT,
-                                          valid_MT)
+      h_MTD, kv, score_MT, _ = _node_rows(
+        params, head, model_cfg, caches, valid[:d], tokens_MT, valid_MT
+      )
       last_M = jnp.sum(valid_MT.astype(jnp.int32), axis=1) - 1
       h_last_MD = jnp.take_along_axis(h_MTD, last_M[:, None, None], axis=1)[:, 0]
       return dict(kv=kv, h_last_BD=h_last_MD, score_BT=score_MT)
+
     return fn
 
   leaf = batch.leaves
   R = batch.fanouts[-1]
-  r_first = lambda x_M: None if x_M is None else jnp.swapaxes(
-      x_M.reshape(-1, R, *x_M.shape[1:]), 0, 1)
-  leaves_R = dict(tokens=r_first(_fold(leaf.tokens_BRT)), valid=r_first(_fold(leaf.valid_BRT)),
-                  path={k: r_first(v) for k, v in (head.path or {}).items()})
+  r_first = lambda x_M: (
+    None if x_M is None else jnp.swapaxes(x_M.reshape(-1, R, *x_M.shape[1:]), 0, 1)
+  )
+  leaves_R = dict(
+    tokens=r_first(_fold(leaf.tokens_BRT)),
+    valid=r_first(_fold(leaf.valid_BRT)),
+    path={k: r_first(v) for k, v in (head.path or {}).items()},
+  )
 
   def leaf_loss_fn(params, caches, leaves_R):
     """Every leaf at once: [R, M'] -> rows (parent, r), folded against the ancestors."""
@@ -197,8 +227,9 @@ def replay_fns(batch: TreeBatch, model_cfg: tfm.ModelConfig, head: Head):
     unrows = lambda x_M: jnp.swapaxes(x_M.reshape(Mp, R_, *x_M.shape[1:]), 0, 1)
     tokens_MT = rows(leaves_R["tokens"])
     M = tokens_MT.shape[0]
-    _, _, score_MT, entropy_MT = _node_rows(params, head, model_cfg, caches, valid[:-1],
-                                            tokens_MT, rows(leaves_R["valid"]))
+    _, _, score_MT, entropy_MT = _node_rows(
+      params, head, model_cfg, caches, valid[:-1], tokens_MT, rows(leaves_R["valid"])
+    )
     cached = [caches[0]["trunk_score_BW"]] + [c["score_BT"] for c in caches[1:]]
     score_MX = jnp.concatenate([_rows(x, M) for x in cached] + [score_MT], axis=1)
     value_M, aux = head.value(score_MX, entropy_MT, jax.tree.map(rows, leaves_R["path"]))
@@ -213,11 +244,18 @@ def _per_leaf(x_RM, B):
   return jnp.swapaxes(x_RM, 0, 1).reshape(B, -1)
 
 
-def replay_loss_and_grad(params, batch: TreeBatch, model_cfg: tfm.ModelConfig,
-                         loss_cfg: Optional[losses.LossConfig], branch_chunk: Optional[int] = None,
-                         *, root_wrap: Optional[Callable] = None,
-                         cache_constraint: Optional[Callable] = None,
-                         params_fn: Optional[Callable] = None, head: Optional[Head] = None):
+def replay_loss_and_grad(
+  params,
+  batch: TreeBatch,
+  model_cfg: tfm.ModelConfig,
+  loss_cfg: Optional[losses.LossConfig],
+  branch_chunk: Optional[int] = None,
+  *,
+  root_wrap: Optional[Callable] = None,
+  cache_constraint: Optional[Callable] = None,
+  params_fn: Optional[Callable] = None,
+  head: Optional[Head] = None,
+):
   """Tree replay: (loss, aux_BR per leaf, grads), grads equal to the naive gradient.
   root_wrap(root_fn) -> root_fn (the context-parallel prefill); cache_constraint(level, cache)
   -> cache where each level's cache crosses to the levels below; params_fn(params) -> the
@@ -232,36 +270,57 @@ def replay_loss_and_grad(params, batch: TreeBatch, model_cfg: tfm.ModelConfig,
     root_fn = (lambda fn: lambda p: fn(params_fn(p)))(root_fn)
     level_fns = [(lambda fn: lambda p, caches: fn(params_fn(p), caches))(fn) for fn in level_fns]
     leaf_loss_fn = (lambda fn: lambda p, caches, leaves: fn(params_fn(p), caches, leaves))(
-        leaf_loss_fn)
+      leaf_loss_fn
+    )
   if root_wrap is not None:
     root_fn = root_wrap(root_fn)
   loss, aux_R, grads = replay.tree_value_and_grad(
-      root_fn, level_fns, leaf_loss_fn, params, leaves_R, branch_chunk=branch_chunk,
-      combine=head.combine, cache_constraint=cache_constraint)
+    root_fn,
+    level_fns,
+    leaf_loss_fn,
+    params,
+    leaves_R,
+    branch_chunk=branch_chunk,
+    combine=head.combine,
+    cache_constraint=cache_constraint,
+  )
   B = batch.root_BP.shape[0]
   return loss, jax.tree.map(lambda x: _per_leaf(x, B), aux_R), grads
 
 
-def forward(params, batch: TreeBatch, model_cfg: tfm.ModelConfig, temperature: float = 1.0,
-            head: Optional[Head] = None):
+def forward(
+  params,
+  batch: TreeBatch,
+  model_cfg: tfm.ModelConfig,
+  temperature: float = 1.0,
+  head: Optional[Head] = None,
+):
   """Scores of every node's tokens (no grad): (per level [B, R, T], 0 where invalid; the
   trunk's [B, W]). Default head: log-probs at `temperature` (the reference or sampling
   policy's); critic.values passes the value head."""
   if head is None:
-    head = policy_head(batch, model_cfg, losses.LossConfig(temperature=temperature),
-                       with_path=False)
+    head = policy_head(
+      batch, model_cfg, losses.LossConfig(temperature=temperature), with_path=False
+    )
   root_fn, level_fns, _, _ = replay_fns(batch, model_cfg, head)
   caches = [root_fn(params)]
   for fn in level_fns:
     caches.append(fn(params, tuple(caches)))
   valid = [_fold(l.valid_BRT) for l in batch.levels]
   leaf = batch.leaves
-  _, _, score_MT, _ = _node_rows(params, head, model_cfg, caches,
-                                 [batch.root_valid_BP] + valid[:-1], _fold(leaf.tokens_BRT),
-                                 valid[-1])
+  _, _, score_MT, _ = _node_rows(
+    params,
+    head,
+    model_cfg,
+    caches,
+    [batch.root_valid_BP] + valid[:-1],
+    _fold(leaf.tokens_BRT),
+    valid[-1],
+  )
   scores = [c["score_BT"] for c in caches[1:]] + [score_MT]
-  out = tuple(jnp.where(l.valid_BRT, x.reshape(l.valid_BRT.shape), 0.0)
-              for l, x in zip(batch.levels, scores))
+  out = tuple(
+    jnp.where(l.valid_BRT, x.reshape(l.valid_BRT.shape), 0.0) for l, x in zip(batch.levels, scores)
+  )
   return out, caches[0]["trunk_score_BW"]
 
 
@@ -281,16 +340,16 @@ def path_sequences(batch: TreeBatch):
   tokens_BnY, valid_BnY = below(lambda l: l.tokens_BRT), below(lambda l: l.valid_BRT)
   order_BnY = jnp.argsort(~valid_BnY, axis=-1, stable=True)  # valid tokens first, in order
   seq = lambda root_BP, x_BnY: jnp.concatenate(
-      [jnp.broadcast_to(root_BP[:, None], (B, n, P)),
-       jnp.take_along_axis(x_BnY, order_BnY, -1)], -1).reshape(B * n, -1)
+    [jnp.broadcast_to(root_BP[:, None], (B, n, P)), jnp.take_along_axis(x_BnY, order_BnY, -1)], -1
+  ).reshape(B * n, -1)
   unsort = jnp.argsort(order_BnY, axis=-1).reshape(B * n, -1)  # back to the level layout
   back = lambda x_MS: jnp.concatenate(
-      [x_MS[:, :W], jnp.take_along_axis(x_MS[:, W:], unsort, -1)], -1)
+    [x_MS[:, :W], jnp.take_along_axis(x_MS[:, W:], unsort, -1)], -1
+  )
   return seq(batch.root_BP, tokens_BnY), seq(batch.root_valid_BP, valid_BnY), back
 
 
-def naive_loss(params, batch: TreeBatch, model_cfg: tfm.ModelConfig,
-               loss_cfg: losses.LossConfig):
+def naive_loss(params, batch: TreeBatch, model_cfg: tfm.ModelConfig, loss_cfg: losses.LossConfig):
   """Every root-to-leaf path as its own sequence through tfm.forward: the left-padded prompt,
   then the path's tokens contiguous (each node's valid tokens behind its ancestors', padding
   at the end). Returns (loss, aux_BR per leaf)."""
@@ -298,13 +357,17 @@ def naive_loss(params, batch: TreeBatch, model_cfg: tfm.ModelConfig,
   tokens_MS, valid_MS, back = path_sequences(batch)
   h_MSD = tfm.forward(params, model_cfg, tokens_MS, valid_MS)
   first = batch.root_BP.shape[1] - batch.trunk_len  # the first position that may be scored
-  logp_MS, entropy_MS = tfm.token_logps(params, model_cfg, h_MSD[:, first - 1:-1],
-                                        tokens_MS[:, first:], temperature=loss_cfg.temperature)
+  logp_MS, entropy_MS = tfm.token_logps(
+    params,
+    model_cfg,
+    h_MSD[:, first - 1 : -1],
+    tokens_MS[:, first:],
+    temperature=loss_cfg.temperature,
+  )
   logp_MX, entropy_MX = back(logp_MS), back(entropy_MS)
   B, n = batch.root_BP.shape[0], batch.n_leaves
   T_D = batch.leaves.tokens_BRT.shape[2]
-  value_M, aux = path_value(logp_MX, entropy_MX[:, -T_D:], path_inputs(batch, loss_cfg),
-                            loss_cfg)
+  value_M, aux = path_value(logp_MX, entropy_MX[:, -T_D:], path_inputs(batch, loss_cfg), loss_cfg)
   combine = combine_fn(loss_cfg)
   R = batch.fanouts[-1]
   loss = value_M.sum() if combine is None else combine(value_M.reshape(-1, R).T)
@@ -317,14 +380,22 @@ def naive_loss_and_grad(params, batch, model_cfg, loss_cfg, params_fn=None):
   return loss, aux, grads
 
 
-def loss_and_grad(params, batch: TreeBatch, model_cfg, loss_cfg, mode: str = "replay",
-                  branch_chunk: Optional[int] = None, params_fn: Optional[Callable] = None):
+def loss_and_grad(
+  params,
+  batch: TreeBatch,
+  model_cfg,
+  loss_cfg,
+  mode: str = "replay",
+  branch_chunk: Optional[int] = None,
+  params_fn: Optional[Callable] = None,
+):
   """(loss, aux_BR per leaf, grads) of the tree by replay or by its naive twin (on a mesh:
   sharding.sharded_loss_and_grad, which wraps this engine's replay); params_fn as in
   replay_loss_and_grad (LoRA)."""
   if mode not in MODES:
     raise ValueError(f"replay.mode={mode!r}: expected one of {MODES}")
   if mode == "replay":
-    return replay_loss_and_grad(params, batch, model_cfg, loss_cfg, branch_chunk,
-                                params_fn=params_fn)
+    return replay_loss_and_grad(
+      params, batch, model_cfg, loss_cfg, branch_chunk, params_fn=params_fn
+    )
   return naive_loss_and_grad(params, batch, model_cfg, loss_cfg, params_fn)

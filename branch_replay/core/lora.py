@@ -25,13 +25,27 @@ from branch_replay.core import policy
 from models import lora as lora_lib
 
 
-def replay_loss_and_grad(base, adapters, batch, model_cfg, loss_cfg,
-                         lora: lora_lib.LoraConfig, branch_chunk: Optional[int] = None,
-                         cache_constraint=None):
+def replay_loss_and_grad(
+  base,
+  adapters,
+  batch,
+  model_cfg,
+  loss_cfg,
+  lora: lora_lib.LoraConfig,
+  branch_chunk: Optional[int] = None,
+  cache_constraint=None,
+):
   """Branch replay over the adapters (the one engine, params = merge(base, adapters) inside
   each differentiated function): (loss, aux_BR, adapter grads)."""
-  return policy.replay_loss_and_grad(adapters, batch, model_cfg, loss_cfg, branch_chunk,
-                                     cache_constraint, lambda a: lora_lib.attach(base, a, lora))
+  return policy.replay_loss_and_grad(
+    adapters,
+    batch,
+    model_cfg,
+    loss_cfg,
+    branch_chunk,
+    cache_constraint,
+    lambda a: lora_lib.attach(base, a, lora),
+  )
 
 
 def naive_loss_and_grad(base, adapters, batch, model_cfg, loss_cfg, lora: lora_lib.LoraConfig):
@@ -41,15 +55,24 @@ def naive_loss_and_grad(base, adapters, batch, model_cfg, loss_cfg, lora: lora_l
   return loss, aux, grads
 
 
-def loss_and_grad(base, adapters, batch, model_cfg, loss_cfg, lora: lora_lib.LoraConfig,
-                  mode: str = "replay", branch_chunk: Optional[int] = None,
-                  cache_constraint=None):
+def loss_and_grad(
+  base,
+  adapters,
+  batch,
+  model_cfg,
+  loss_cfg,
+  lora: lora_lib.LoraConfig,
+  mode: str = "replay",
+  branch_chunk: Optional[int] = None,
+  cache_constraint=None,
+):
   """policy.loss_and_grad with params = merge(base, adapters); grads for the adapters."""
   if not lora.enabled:
     raise ValueError("lora.rank=0: LoRA is off; use policy.loss_and_grad")
   if mode == "replay":
-    return replay_loss_and_grad(base, adapters, batch, model_cfg, loss_cfg, lora, branch_chunk,
-                                cache_constraint)
+    return replay_loss_and_grad(
+      base, adapters, batch, model_cfg, loss_cfg, lora, branch_chunk, cache_constraint
+    )
   if mode == "naive":
     return naive_loss_and_grad(base, adapters, batch, model_cfg, loss_cfg, lora)
   raise ValueError(f"replay.mode={mode!r}: expected one of {policy.MODES}")
@@ -61,6 +84,7 @@ def optimizer(tx: optax.GradientTransformation, lora: lora_lib.LoraConfig):
   tree. (A trainer that passes the adapters alone to `tx` needs no wrapper.)"""
   if not lora.enabled:
     return tx
-  return optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()},
-                               lambda params: {k: ("train" if k == "adapters" else "frozen")
-                                               for k in params})
+  return optax.multi_transform(
+    {"train": tx, "frozen": optax.set_to_zero()},
+    lambda params: {k: ("train" if k == "adapters" else "frozen") for k in params},
+  )

@@ -52,8 +52,9 @@ def register(name: str, **options):
   def deco(fn):
     if name in OBJECTIVES:
       raise ValueError(f"objective {name!r} is already registered")
-    OBJECTIVES[name] = (Objective(sequence_fn=fn, **options) if sequence
-                        else Objective(token_fn=fn, **options))
+    OBJECTIVES[name] = (
+      Objective(sequence_fn=fn, **options) if sequence else Objective(token_fn=fn, **options)
+    )
     return fn
 
   return deco
@@ -61,8 +62,7 @@ def register(name: str, **options):
 
 def get(name: str) -> Objective:
   if name not in OBJECTIVES:
-    raise ValueError(f"loss.name={name!r}: unknown objective; expected one of "
-                     f"{sorted(OBJECTIVES)}")
+    raise ValueError(f"loss.name={name!r}: unknown objective; expected one of {sorted(OBJECTIVES)}")
   return OBJECTIVES[name]
 
 
@@ -83,8 +83,9 @@ class LossConfig:
     if self.aggregation not in AGGREGATIONS:
       raise ValueError(f"loss.aggregation={self.aggregation!r}: expected one of {AGGREGATIONS}")
     if self.epsilon < 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
-      raise ValueError(f"loss.epsilon={self.epsilon}, epsilon_high={self.epsilon_high}: "
-                       "expected >= 0")
+      raise ValueError(
+        f"loss.epsilon={self.epsilon}, epsilon_high={self.epsilon_high}: expected >= 0"
+      )
     if self.kl_coef < 0:
       raise ValueError(f"loss.kl_coef={self.kl_coef}: expected >= 0")
     if not self.beta > 0:
@@ -158,8 +159,9 @@ def dpo_combine(values_RB, cfg: LossConfig):
   return -jnp.sum(jax.nn.log_sigmoid(cfg.beta * (values_RB[0] - values_RB[1])))
 
 
-@register("dpo", combine=dpo_combine, needs_ref=True, fixed_aggregation="sum", n_branches=2,
-          trainable=False)
+@register(
+  "dpo", combine=dpo_combine, needs_ref=True, fixed_aggregation="sum", n_branches=2, trainable=False
+)
 def dpo_token(logp, old_logp, ref_logp, adv, cfg):
   """A branch's value is its log-ratio to the reference, log pi - log ref, summed."""
   del old_logp, adv, cfg

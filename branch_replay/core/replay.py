@@ -34,9 +34,16 @@ def prefix_forward(prefill_fn, params, prefix):
   return jax.vjp(lambda p: prefill_fn(p, prefix), params)
 
 
-def tails_value_and_grad(branch_loss_fn, params, cache, branches_R, *,
-                         branch_chunk: Optional[int] = None, combine: Combine = None,
-                         batched: bool = False):
+def tails_value_and_grad(
+  branch_loss_fn,
+  params,
+  cache,
+  branches_R,
+  *,
+  branch_chunk: Optional[int] = None,
+  combine: Combine = None,
+  batched: bool = False,
+):
   """Step 2. Forward+backward of all tails against the cache.
 
   Returns (loss, aux_R, dparams_tail, dcache). The branches are vmapped *inside* the grad,
@@ -64,19 +71,25 @@ def tails_value_and_grad(branch_loss_fn, params, cache, branches_R, *,
   if R % branch_chunk:
     raise ValueError(f"replay.branch_chunk={branch_chunk}: expected a divisor of R={R}")
   if combine is not None:
-    raise ValueError(f"replay.branch_chunk={branch_chunk}: streaming needs an additive "
-                     "objective (this one combines branches non-linearly); use branch_chunk=R")
+    raise ValueError(
+      f"replay.branch_chunk={branch_chunk}: streaming needs an additive "
+      "objective (this one combines branches non-linearly); use branch_chunk=R"
+    )
   n_chunks = R // branch_chunk
   # Chunk k holds branches k, k + n_chunks, ...: a branch axis split over devices (sharding.py)
   # stays split within every chunk.
   chunks = jax.tree.map(
-      lambda x: jnp.swapaxes(x.reshape(branch_chunk, n_chunks, *x.shape[1:]), 0, 1), branches_R)
+    lambda x: jnp.swapaxes(x.reshape(branch_chunk, n_chunks, *x.shape[1:]), 0, 1), branches_R
+  )
 
   def body(carry, chunk):
     loss_sum, dparams_sum, dcache_sum = carry
     (loss, aux_C), (dparams, dcache) = grad_fn(params, cache, chunk)
-    carry = (loss_sum + loss, jax.tree.map(_add, dparams_sum, dparams),
-             jax.tree.map(_add, dcache_sum, dcache))
+    carry = (
+      loss_sum + loss,
+      jax.tree.map(_add, dparams_sum, dparams),
+      jax.tree.map(_add, dcache_sum, dcache),
+    )
     return carry, aux_C
 
   # Sums over chunks run in float32 at least (bfloat16 leaves would round every chunk away).
@@ -102,10 +115,18 @@ def _loss_dtype(params):
   return jnp.float64 if leaves and leaves[0].dtype == jnp.float64 else jnp.float32
 
 
-def value_and_grad(prefill_fn, branch_loss_fn, params, prefix, branches_R, *,
-                   branch_chunk: Optional[int] = None, combine: Combine = None,
-                   cache_constraint: Optional[Callable[[Any], Any]] = None,
-                   batched: bool = False):
+def value_and_grad(
+  prefill_fn,
+  branch_loss_fn,
+  params,
+  prefix,
+  branches_R,
+  *,
+  branch_chunk: Optional[int] = None,
+  combine: Combine = None,
+  cache_constraint: Optional[Callable[[Any], Any]] = None,
+  batched: bool = False,
+):
   """The whole method: returns (loss, aux_R, grads), grads equal to the naive gradient.
 
   cache_constraint, if given, is applied to the cache where it crosses from the prefix to
@@ -118,8 +139,14 @@ def value_and_grad(prefill_fn, branch_loss_fn, params, prefix, branches_R, *,
   # 2. Tails: forward+backward of every branch against the shared cache; the cotangents
   #    flowing into the cache (K/V, hidden states, trunk log-probs) arrive summed over R.
   loss, aux_R, dparams_tail, dcache = tails_value_and_grad(
-      branch_loss_fn, params, cache, branches_R, branch_chunk=branch_chunk, combine=combine,
-      batched=batched)
+    branch_loss_fn,
+    params,
+    cache,
+    branches_R,
+    branch_chunk=branch_chunk,
+    combine=combine,
+    batched=batched,
+  )
   # 3. One prefix backward with the branch-summed cotangent.
   (dparams_prefix,) = prefix_vjp(jax.tree.map(lambda d, c: d.astype(c.dtype), dcache, cache))
   # 4. The two halves of the gradient (summed in float32 at least).
@@ -127,9 +154,17 @@ def value_and_grad(prefill_fn, branch_loss_fn, params, prefix, branches_R, *,
   return loss, aux_R, grads
 
 
-def tree_value_and_grad(root_fn, level_fns, leaf_loss_fn, params, leaves_R, *,
-                        branch_chunk: Optional[int] = None, combine: Combine = None,
-                        cache_constraint: Optional[Callable[[int, Any], Any]] = None):
+def tree_value_and_grad(
+  root_fn,
+  level_fns,
+  leaf_loss_fn,
+  params,
+  leaves_R,
+  *,
+  branch_chunk: Optional[int] = None,
+  combine: Combine = None,
+  cache_constraint: Optional[Callable[[int, Any], Any]] = None,
+):
   """The method on a tree (depth 1: `value_and_grad`): returns (loss, aux_R, grads).
 
   root_fn(params) -> cache; level_fns[d-1](params, caches of levels < d) -> level d's cache;
@@ -149,8 +184,14 @@ def tree_value_and_grad(root_fn, level_fns, leaf_loss_fn, params, leaves_R, *,
   # 3. The leaves: forward+backward inside the grad; each ancestor's cotangent arrives summed
   #    over the leaves below it (streamed over the last fan-out in float32 at least).
   loss, aux_R, grads, dcaches = tails_value_and_grad(
-      leaf_loss_fn, params, tuple(caches), leaves_R, branch_chunk=branch_chunk,
-      combine=combine, batched=True)
+    leaf_loss_fn,
+    params,
+    tuple(caches),
+    leaves_R,
+    branch_chunk=branch_chunk,
+    combine=combine,
+    batched=True,
+  )
   dcaches = list(dcaches)
   as_dtype_of = lambda dcache, cache: jax.tree.map(lambda d, c: d.astype(c.dtype), dcache, cache)
   # 4. Climb: each inner level's VJP once with its children's summed cotangent, handing its

@@ -111,29 +111,50 @@ def _decode(params, model_cfg, cfg, shared, offset_B, logits_BV, keys_R, n_steps
     token_B = jnp.where(valid_B, token_B, 0)
     done_B = done_B | jnp.isin(token_B, stop_ids)
     # 2. One token forward against [ancestors' segments..., own generated K/V so far].
-    h_B1D, own = model.apply({"params": params}, token_B[:, None], (offset_B + t)[:, None],
-                             valid_B[:, None], context=[*shared, (kv, gen_valid_BT)])
-    kv = tuple(o if not isinstance(o, tfm.KV) else  # hybrid: a linear layer's new state
-               tfm.KV(jax.lax.dynamic_update_slice(c.k_BSKH, o.k_BSKH, (0, t, 0, 0)),
-                      jax.lax.dynamic_update_slice(c.v_BSKH, o.v_BSKH, (0, t, 0, 0)))
-               for c, o in zip(kv, own))
+    h_B1D, own = model.apply(
+      {"params": params},
+      token_B[:, None],
+      (offset_B + t)[:, None],
+      valid_B[:, None],
+      context=[*shared, (kv, gen_valid_BT)],
+    )
+    kv = tuple(
+      o
+      if not isinstance(o, tfm.KV)
+      # hybrid: a linear layer's new state
+      else tfm.KV(
+        jax.lax.dynamic_update_slice(c.k_BSKH, o.k_BSKH, (0, t, 0, 0)),
+        jax.lax.dynamic_update_slice(c.v_BSKH, o.v_BSKH, (0, t, 0, 0)),
+      )
+      for c, o in zip(kv, own)
+    )
     gen_valid_BT = jax.lax.dynamic_update_slice(gen_valid_BT, valid_B[:, None], (0, t))
     new_BV = model.apply({"params": params}, h_B1D, method=tfm.Transformer.logits)[:, 0]
     logits_BV = jnp.where(valid_B[:, None], new_BV, logits_BV)  # keep the last valid one's
-    return (logits_BV, kv, gen_valid_BT, done_B), (token_B, valid_B,
-                                                    jnp.where(valid_B, logp_B, 0.0))
+    return (logits_BV, kv, gen_valid_BT, done_B), (
+      token_B,
+      valid_B,
+      jnp.where(valid_B, logp_B, 0.0),
+    )
 
   def step(carry, t):
     return jax.vmap(child_step, in_axes=(0, 0, None))(carry, keys_R, t)
 
   R, T = keys_R.shape[0], n_steps
   empty = jnp.zeros((R, B, T, K, H), dt)
-  kv0 = tuple(tfm.KV(empty, empty) if model_cfg.layer_type(i) != "linear_attention" else
-              # hybrid: a linear layer carries the state after the parent's context
-              jax.tree.map(lambda x: jnp.broadcast_to(x, (R, *x.shape)), shared[-1][0][i])
-              for i in range(model_cfg.n_layers))
-  carry0 = (jnp.broadcast_to(logits_BV, (R, *logits_BV.shape)), kv0,
-            jnp.zeros((R, B, T), bool), jnp.zeros((R, B), bool))
+  kv0 = tuple(
+    tfm.KV(empty, empty)
+    if model_cfg.layer_type(i) != "linear_attention"
+    # hybrid: a linear layer carries the state after the parent's context
+    else jax.tree.map(lambda x: jnp.broadcast_to(x, (R, *x.shape)), shared[-1][0][i])
+    for i in range(model_cfg.n_layers)
+  )
+  carry0 = (
+    jnp.broadcast_to(logits_BV, (R, *logits_BV.shape)),
+    kv0,
+    jnp.zeros((R, B, T), bool),
+    jnp.zeros((R, B), bool),
+  )
   (logits_RBV, kv, _, _), outs = jax.lax.scan(step, carry0, jnp.arange(T))
   tokens_RBT, valid_RBT, logp_RBT = (jnp.moveaxis(x, 0, -1) for x in outs)
   return tokens_RBT, valid_RBT, logp_RBT, kv, logits_RBV
@@ -142,7 +163,7 @@ def _decode(params, model_cfg, cfg, shared, offset_B, logits_BV, keys_R, n_steps
 def _flat(x, d):
   """[R_1, ..., R_d, B, ...] (vmapped node axes first) -> [B, R_1*...*R_d, ...]."""
   x = jnp.moveaxis(x, d, 0)
-  return x.reshape(x.shape[0], -1, *x.shape[d + 1:])
+  return x.reshape(x.shape[0], -1, *x.shape[d + 1 :])
 
 
 class TreeSamples(NamedTuple):
@@ -158,26 +179,41 @@ def _prefill(model, params, prompt_BP, prompt_valid_BP, header_H=None):
   prompts sharing a k-shot header prefill H + B*P tokens instead of B*(H + P)."""
   n_B = jnp.sum(prompt_valid_BP.astype(jnp.int32), axis=1)
   if header_H is None:
-    h_BPD, prompt_kv = model.apply({"params": params}, prompt_BP,
-                                   tfm.positions_from_valid(prompt_valid_BP), prompt_valid_BP)
+    h_BPD, prompt_kv = model.apply(
+      {"params": params}, prompt_BP, tfm.positions_from_valid(prompt_valid_BP), prompt_valid_BP
+    )
     segments = [(prompt_kv, prompt_valid_BP)]
   else:
     B, H = prompt_BP.shape[0], header_H.shape[0]
     valid_1H = jnp.ones((1, H), bool)
-    _, header_kv = model.apply({"params": params}, header_H[None], jnp.arange(H)[None],
-                               valid_1H)
-    header = (jax.tree.map(lambda x: jnp.broadcast_to(x, (B, *x.shape[1:])), header_kv),
-              jnp.ones((B, H), bool))
-    h_BPD, prompt_kv = model.apply({"params": params}, prompt_BP,
-                                   tfm.positions_from_valid(prompt_valid_BP, H),
-                                   prompt_valid_BP, context=[header])
+    _, header_kv = model.apply({"params": params}, header_H[None], jnp.arange(H)[None], valid_1H)
+    header = (
+      jax.tree.map(lambda x: jnp.broadcast_to(x, (B, *x.shape[1:])), header_kv),
+      jnp.ones((B, H), bool),
+    )
+    h_BPD, prompt_kv = model.apply(
+      {"params": params},
+      prompt_BP,
+      tfm.positions_from_valid(prompt_valid_BP, H),
+      prompt_valid_BP,
+      context=[header],
+    )
     segments, n_B = [header, (prompt_kv, prompt_valid_BP)], n_B + H
   logits_BV = model.apply({"params": params}, h_BPD[:, -1:], method=tfm.Transformer.logits)[:, 0]
   return segments, logits_BV, n_B
 
 
-def _levels(params, model_cfg, cfg, prompt_BP, prompt_valid_BP, child_keys, lengths,
-            stop_tokens, header_H=None) -> TreeSamples:
+def _levels(
+  params,
+  model_cfg,
+  cfg,
+  prompt_BP,
+  prompt_valid_BP,
+  child_keys,
+  lengths,
+  stop_tokens,
+  header_H=None,
+) -> TreeSamples:
   """The one decoder: child_keys[d-1] holds one key per node of level d, shaped [R_1, ...,
   R_d] (its parent's axes first); level d decodes lengths[d-1] tokens ending at
   stop_tokens[d-1]. header_H: a shared header before every prompt (`_prefill`; depth 1)."""
@@ -189,8 +225,9 @@ def _levels(params, model_cfg, cfg, prompt_BP, prompt_valid_BP, child_keys, leng
     stop_ids = jnp.asarray(tuple(stops) or (-1,), jnp.int32)
 
     def one_parent(segments, offset_B, logits_BV, keys_R, T=T, stop_ids=stop_ids):
-      return _decode(params, model_cfg, cfg, list(segments), offset_B, logits_BV, keys_R, T,
-                     stop_ids)
+      return _decode(
+        params, model_cfg, cfg, list(segments), offset_B, logits_BV, keys_R, T, stop_ids
+      )
 
     # 2. Decode level d: the children of every parent, vmapped over the parents' fan-outs
     #    with each ancestor segment unbatched under the vmaps deeper than its level.
@@ -207,43 +244,85 @@ def _levels(params, model_cfg, cfg, prompt_BP, prompt_valid_BP, child_keys, leng
   return TreeSamples(*(tuple(x) for x in out))
 
 
-def sample_tree(params, model_cfg: tfm.ModelConfig, cfg: SamplerConfig, prompt_BP,
-                prompt_valid_BP, key, fanouts: Sequence[int], lengths: Sequence[int],
-                stop_tokens: Sequence[Sequence[int]] = ()) -> TreeSamples:
+def sample_tree(
+  params,
+  model_cfg: tfm.ModelConfig,
+  cfg: SamplerConfig,
+  prompt_BP,
+  prompt_valid_BP,
+  key,
+  fanouts: Sequence[int],
+  lengths: Sequence[int],
+  stop_tokens: Sequence[Sequence[int]] = (),
+) -> TreeSamples:
   """A tree of continuations of every (left-padded) prompt: R_d children of every node of
   level d-1, each up to lengths[d-1] tokens, ending at stop_tokens[d-1] (default none)."""
   if len(lengths) != len(fanouts):
     raise ValueError(f"lengths={tuple(lengths)}: expected one per fan-out {tuple(fanouts)}")
   child_keys = []
   for d, R in enumerate(fanouts, start=1):
-    parents = jax.random.split(jax.random.fold_in(key, d), math.prod(fanouts[:d - 1]))
+    parents = jax.random.split(jax.random.fold_in(key, d), math.prod(fanouts[: d - 1]))
     children = jax.vmap(lambda k, R=R: jax.random.split(k, R))(parents)
     child_keys.append(children.reshape(*fanouts[:d], *children.shape[2:]))
   stops = [tuple(stop_tokens[d]) if len(stop_tokens) > d else () for d in range(len(fanouts))]
   return _levels(params, model_cfg, cfg, prompt_BP, prompt_valid_BP, child_keys, lengths, stops)
 
 
-def sample(params, model_cfg: tfm.ModelConfig, cfg: SamplerConfig, prompt_BP, prompt_valid_BP,
-           key, n_branches: int, stop_tokens: Sequence[int] = (), header_H=None) -> Samples:
+def sample(
+  params,
+  model_cfg: tfm.ModelConfig,
+  cfg: SamplerConfig,
+  prompt_BP,
+  prompt_valid_BP,
+  key,
+  n_branches: int,
+  stop_tokens: Sequence[int] = (),
+  header_H=None,
+) -> Samples:
   """R = n_branches continuations of every (left-padded) prompt, prefix K/V computed once:
   the tree of fan-outs (R,), or (1, R) with a trunk of sampler.trunk_len tokens decoded once
   per prompt (stop tokens do not end a trunk). header_H: ids that precede every prompt
   (unpadded; prompt_BP is then each prompt's rest), prefilled once for all of them
   (`shared_header` splits prompts; attention only, no trunk)."""
   B, W = prompt_BP.shape[0], cfg.trunk_len
-  if header_H is not None and (W or any(model_cfg.layer_type(i) == "linear_attention"
-                                        for i in range(model_cfg.n_layers))):
-    raise ValueError(f"sampler header_H: shape {tuple(header_H.shape)}: a shared header needs "
-                     f"sampler.trunk_len=0 (got {W}) and attention layers only")
+  if header_H is not None and (
+    W or any(model_cfg.layer_type(i) == "linear_attention" for i in range(model_cfg.n_layers))
+  ):
+    raise ValueError(
+      f"sampler header_H: shape {tuple(header_H.shape)}: a shared header needs "
+      f"sampler.trunk_len=0 (got {W}) and attention layers only"
+    )
   trunk_key, branch_key = jax.random.split(key)
   keys_R = jax.random.split(branch_key, n_branches)
   if not W:
-    s = _levels(params, model_cfg, cfg, prompt_BP, prompt_valid_BP, [keys_R],
-                [cfg.max_new_tokens], [stop_tokens], header_H)
-    return Samples(s.tokens[0], s.valid[0], s.logp[0], jnp.zeros((B, 0), jnp.int32),
-                   jnp.zeros((B, 0), jnp.float32))
-  s = _levels(params, model_cfg, cfg, prompt_BP, prompt_valid_BP, [trunk_key[None], keys_R[None]],
-              [W, cfg.max_new_tokens], [(), stop_tokens])
+    s = _levels(
+      params,
+      model_cfg,
+      cfg,
+      prompt_BP,
+      prompt_valid_BP,
+      [keys_R],
+      [cfg.max_new_tokens],
+      [stop_tokens],
+      header_H,
+    )
+    return Samples(
+      s.tokens[0],
+      s.valid[0],
+      s.logp[0],
+      jnp.zeros((B, 0), jnp.int32),
+      jnp.zeros((B, 0), jnp.float32),
+    )
+  s = _levels(
+    params,
+    model_cfg,
+    cfg,
+    prompt_BP,
+    prompt_valid_BP,
+    [trunk_key[None], keys_R[None]],
+    [W, cfg.max_new_tokens],
+    [(), stop_tokens],
+  )
   return Samples(s.tokens[1], s.valid[1], s.logp[1], s.tokens[0][:, 0], s.logp[0][:, 0])
 
 
@@ -269,8 +348,10 @@ def completions(samples: Samples, tok) -> list[list[str]]:
   """Decoded trunk + branch text (up to EOS) for every prompt and branch."""
   trunk_BW = np.asarray(samples.trunk_BW)
   tokens_BRT = np.asarray(samples.tokens_BRT)
-  return [[tok.decode(np.concatenate([trunk_BW[b], row]), strict=False) for row in tokens_BRT[b]]
-          for b in range(tokens_BRT.shape[0])]
+  return [
+    [tok.decode(np.concatenate([trunk_BW[b], row]), strict=False) for row in tokens_BRT[b]]
+    for b in range(tokens_BRT.shape[0])
+  ]
 
 
 def to_batch(prompt_BP, prompt_valid_BP, samples: Samples, advantages_BR) -> TreeBatch:
@@ -279,20 +360,35 @@ def to_batch(prompt_BP, prompt_valid_BP, samples: Samples, advantages_BR) -> Tre
   B, W = samples.trunk_BW.shape
   prefix_BP = jnp.concatenate([prompt_BP, samples.trunk_BW], axis=1)
   prefix_valid_BP = jnp.concatenate([prompt_valid_BP, jnp.ones((B, W), bool)], axis=1)
-  return tree.flat(prefix_BP, prefix_valid_BP, samples.tokens_BRT, samples.valid_BRT,
-                   advantages_BR, old_logp_BRT=samples.logp_BRT,
-                   trunk_old_logp_BW=samples.trunk_logp_BW if W else None, trunk_len=W)
+  return tree.flat(
+    prefix_BP,
+    prefix_valid_BP,
+    samples.tokens_BRT,
+    samples.valid_BRT,
+    advantages_BR,
+    old_logp_BRT=samples.logp_BRT,
+    trunk_old_logp_BW=samples.trunk_logp_BW if W else None,
+    trunk_len=W,
+  )
 
 
-def to_tree_batch(prompt_BP, prompt_valid_BP, samples: TreeSamples, fanouts, advantages,
-                  scored=None) -> TreeBatch:
+def to_tree_batch(
+  prompt_BP, prompt_valid_BP, samples: TreeSamples, fanouts, advantages, scored=None
+) -> TreeBatch:
   """The training batch: root = prompt, levels = the sampled nodes with the sampler's
   log-probs as old log-probs. advantages: one array per level ([B, nodes]; None for an
   inner level = its leaves' advantages); scored: optional per-level masks."""
   levels = []
   for d, (tokens, valid, logp) in enumerate(zip(*samples)):
-    levels.append(TreeLevel(tokens_BRT=tokens, valid_BRT=valid, old_logp_BRT=logp,
-                            advantages_BR=advantages[d],
-                            scored_BRT=None if scored is None else scored[d]))
-  return TreeBatch(root_BP=prompt_BP, root_valid_BP=prompt_valid_BP, levels=tuple(levels),
-                   fanouts=tuple(fanouts))
+    levels.append(
+      TreeLevel(
+        tokens_BRT=tokens,
+        valid_BRT=valid,
+        old_logp_BRT=logp,
+        advantages_BR=advantages[d],
+        scored_BRT=None if scored is None else scored[d],
+      )
+    )
+  return TreeBatch(
+    root_BP=prompt_BP, root_valid_BP=prompt_valid_BP, levels=tuple(levels), fanouts=tuple(fanouts)
+  )

@@ -44,15 +44,15 @@ AXES = ("data", "fsdp", "tensor", "context")
 # Logical name -> mesh axes, in flax's priority order: a rule applies if its mesh axes are
 # still free in that array. Model code names only the logical side.
 RULES = (
-    ("batch", ("data", "fsdp")),  # prompts: data parallel (FSDP devices split the batch too)
-    ("branch", "context"),  # tails: branches over the devices that split the prefix sequence
-    ("seq", "context"),  # prefix sequence (context parallelism); tails are not seq-sharded
-    ("embed", "fsdp"),  # parameters: FSDP shards d_model (x context: param_rules)
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("mlp", "tensor"),
-    ("vocab", "tensor"),
-    ("head_dim", None),
+  ("batch", ("data", "fsdp")),  # prompts: data parallel (FSDP devices split the batch too)
+  ("branch", "context"),  # tails: branches over the devices that split the prefix sequence
+  ("seq", "context"),  # prefix sequence (context parallelism); tails are not seq-sharded
+  ("embed", "fsdp"),  # parameters: FSDP shards d_model (x context: param_rules)
+  ("heads", "tensor"),
+  ("kv_heads", "tensor"),
+  ("mlp", "tensor"),
+  ("vocab", "tensor"),
+  ("head_dim", None),
 )
 
 # Where the prefix cache crosses to the tails: K/V stay split over the sequence as the
@@ -62,8 +62,11 @@ RULES = (
 # and its cotangent on every device (small preset, P=32K, context:8: 326.9 -> 277.2 MB per
 # device; large: temp 16,833 -> 11,896 MB; compile only: experiments/results/
 # context_parallel_memory_cpu.jsonl before, context_parallel_memory_cache_sharded_cpu_2026-12-02.jsonl after).
-CACHE_AXES = dict(kv=("batch", "seq", "kv_heads", "head_dim"), h_last_BD=("batch", None),
-                  trunk_score_BW=("batch", None))
+CACHE_AXES = dict(
+  kv=("batch", "seq", "kv_heads", "head_dim"),
+  h_last_BD=("batch", None),
+  trunk_score_BW=("batch", None),
+)
 
 
 # ----------------------------------------------------------------------------- the mesh
@@ -81,8 +84,7 @@ def parse_mesh_spec(spec: str, n_devices: int) -> dict[str, int]:
     name, sep, value = item.partition(":")
     name = name.strip()
     if not sep or name not in AXES:
-      raise ValueError(f"mesh={spec!r}: bad entry {item!r}: expected axis:size with axis "
-                       f"in {AXES}")
+      raise ValueError(f"mesh={spec!r}: bad entry {item!r}: expected axis:size with axis in {AXES}")
     if name in seen:
       raise ValueError(f"mesh={spec!r}: axis {name!r} given twice")
     seen.add(name)
@@ -99,12 +101,15 @@ def parse_mesh_spec(spec: str, n_devices: int) -> dict[str, int]:
   fixed = math.prod(size for size in sizes.values() if size != -1)
   if free:
     if n_devices % fixed:
-      raise ValueError(f"mesh={spec!r}: the fixed axes multiply to {fixed}, which does not "
-                       f"divide the {n_devices} devices")
+      raise ValueError(
+        f"mesh={spec!r}: the fixed axes multiply to {fixed}, which does not "
+        f"divide the {n_devices} devices"
+      )
     sizes[free[0]] = n_devices // fixed
   elif fixed != n_devices:
-    raise ValueError(f"mesh={spec!r}: axis sizes multiply to {fixed}, but there are "
-                     f"{n_devices} devices")
+    raise ValueError(
+      f"mesh={spec!r}: axis sizes multiply to {fixed}, but there are {n_devices} devices"
+    )
   return sizes
 
 
@@ -113,8 +118,9 @@ def make_mesh(spec: str, devices: Optional[Sequence[Any]] = None) -> Mesh:
   (GSPMD propagates shardings from the inputs and our constraints)."""
   devices = jax.devices() if devices is None else list(devices)
   sizes = parse_mesh_spec(spec, len(devices))
-  return jax.make_mesh(tuple(sizes[a] for a in AXES), AXES,
-                       axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+  return jax.make_mesh(
+    tuple(sizes[a] for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices
+  )
 
 
 def logical_spec(names: Sequence[Optional[str]], rules=None) -> PartitionSpec:
@@ -130,8 +136,9 @@ def param_rules(mesh: Mesh) -> tuple:
   A sharding only: exact (tests/models/context_parallel_test.py, float64). Without one, RULES."""
   if mesh.shape.get("context", 1) == 1:
     return RULES
-  return tuple(("embed", ("fsdp", "context")) if name == "embed" else (name, axes)
-               for name, axes in RULES)
+  return tuple(
+    ("embed", ("fsdp", "context")) if name == "embed" else (name, axes) for name, axes in RULES
+  )
 
 
 def axis_size(mesh: Mesh, entry) -> int:
@@ -147,8 +154,10 @@ def check_divisible(what: str, shape: Sequence[int], spec: PartitionSpec, mesh: 
   for dim, (size, entry) in enumerate(zip(shape, tuple(spec) + (None,) * len(shape))):
     n = axis_size(mesh, entry)
     if size % n:
-      raise ValueError(f"{what}: dimension {dim} has size {size}, not divisible by the {n} "
-                       f"devices of mesh axes {entry} (mesh {dict(mesh.shape)})")
+      raise ValueError(
+        f"{what}: dimension {dim} has size {size}, not divisible by the {n} "
+        f"devices of mesh axes {entry} (mesh {dict(mesh.shape)})"
+      )
 
 
 def named_sharding(mesh, what, shape, names, rules=None):
@@ -168,34 +177,51 @@ def param_shardings(mesh: Mesh, model_cfg: tfm.ModelConfig):
   shapes = jax.eval_shape(lambda: tfm.init_params(model_cfg, jax.random.key(0)))
   rules = param_rules(mesh)
   return jax.tree_util.tree_map_with_path(
-      lambda path, names, leaf: named_sharding(mesh, "params" + jax.tree_util.keystr(path),
-                                          leaf.shape, names, rules),
-      axes, shapes, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    lambda path, names, leaf: named_sharding(
+      mesh, "params" + jax.tree_util.keystr(path), leaf.shape, names, rules
+    ),
+    axes,
+    shapes,
+    is_leaf=lambda x: isinstance(x, PartitionSpec),
+  )
 
 
 def opt_state_shardings(mesh: Mesh, optimizer, opt_state, p_shardings):
   """Optimizer state sharded like the parameters (FSDP moments); non-parameter leaves
   (step counts) replicated. `opt_state` may be abstract (jax.eval_shape)."""
-  return optax.tree_map_params(optimizer, lambda _, sharding: sharding, opt_state, p_shardings,
-                               transform_non_params=lambda _: replicated(mesh))
+  return optax.tree_map_params(
+    optimizer,
+    lambda _, sharding: sharding,
+    opt_state,
+    p_shardings,
+    transform_non_params=lambda _: replicated(mesh),
+  )
 
 
 def prompt_shardings(mesh: Mesh, tree):
   """Prompt-major arrays ([B, ...], e.g. prompts for the sampler): split by `batch`."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, x: named_sharding(mesh, "prompts" + jax.tree_util.keystr(path), np.shape(x),
-                                ("batch",) + (None,) * (np.ndim(x) - 1)), tree)
+    lambda path, x: named_sharding(
+      mesh,
+      "prompts" + jax.tree_util.keystr(path),
+      np.shape(x),
+      ("batch",) + (None,) * (np.ndim(x) - 1),
+    ),
+    tree,
+  )
 
 
 def put(tree, shardings):
   """Host arrays (identical on every process) -> global arrays with these shardings.
   Works on one process and across several (each process fills its own shards); arrays
   that already span several processes are resharded."""
+
   def one(x, sharding):
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
       return jax.device_put(x, sharding)
     x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
   return jax.tree.map(one, tree, shardings)
 
 
@@ -208,6 +234,7 @@ def to_host(tree):
   arrays span several), e.g. sampled tokens that every host decodes and rewards."""
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
+
     tree = multihost_utils.process_allgather(tree, tiled=True)
   return jax.tree.map(np.asarray, tree)
 
@@ -219,10 +246,13 @@ def constrain(tree, shardings):
 def constrain_weights(tree, shardings):
   """`constrain` for a params_fn's weights: layers' attached LoRA adapters (replicated, as
   the adapters are) pass through; the rest is sharded like the parameters."""
-  adapters = {k: v[tfm.ADAPTERS] for k, v in tree.items()
-              if isinstance(v, dict) and tfm.ADAPTERS in v}
-  bare = {k: ({n: x for n, x in v.items() if n != tfm.ADAPTERS} if k in adapters else v)
-          for k, v in tree.items()}
+  adapters = {
+    k: v[tfm.ADAPTERS] for k, v in tree.items() if isinstance(v, dict) and tfm.ADAPTERS in v
+  }
+  bare = {
+    k: ({n: x for n, x in v.items() if n != tfm.ADAPTERS} if k in adapters else v)
+    for k, v in tree.items()
+  }
   out = constrain(bare, shardings)
   for k, a in adapters.items():
     out[k] = dict(out[k], **{tfm.ADAPTERS: a})
@@ -231,13 +261,23 @@ def constrain_weights(tree, shardings):
 
 def cache_constraint(mesh: Mesh):
   """The layout decision where the prefix cache crosses to the tails (see CACHE_AXES)."""
+
   def apply(cache):
     return dict(
-        kv=jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
-            x, NamedSharding(mesh, logical_spec(CACHE_AXES["kv"]))), cache["kv"]),
-        **{k: jax.lax.with_sharding_constraint(
-            cache[k], NamedSharding(mesh, logical_spec(CACHE_AXES[k])))
-           for k in ("h_last_BD", "trunk_score_BW")})
+      kv=jax.tree.map(
+        lambda x: jax.lax.with_sharding_constraint(
+          x, NamedSharding(mesh, logical_spec(CACHE_AXES["kv"]))
+        ),
+        cache["kv"],
+      ),
+      **{
+        k: jax.lax.with_sharding_constraint(
+          cache[k], NamedSharding(mesh, logical_spec(CACHE_AXES[k]))
+        )
+        for k in ("h_last_BD", "trunk_score_BW")
+      },
+    )
+
   return apply
 
 
@@ -248,15 +288,23 @@ def sharded_prefill(mesh: Mesh, prefill_fn):
   """prefill_fn with the model's logical constraints switched on (flax logical_axis_rules):
   the prefix runs context-parallel. Only the prefix is traced under the rules, so the
   tails keep the layout they get from the batch (branches over `context`)."""
+
   def fn(params, prefix):
     with nn.logical_axis_rules(RULES), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
       return prefill_fn(params, prefix)
+
   return fn
 
 
-def sharded_loss_and_grad(mesh: Mesh, params, batch: TreeBatch, model_cfg: tfm.ModelConfig,
-                          loss_cfg: losses.LossConfig, branch_chunk: Optional[int] = None,
-                          params_fn=None):
+def sharded_loss_and_grad(
+  mesh: Mesh,
+  params,
+  batch: TreeBatch,
+  model_cfg: tfm.ModelConfig,
+  loss_cfg: losses.LossConfig,
+  branch_chunk: Optional[int] = None,
+  params_fn=None,
+):
   """Branch replay of a flat batch or a tree on `mesh` (call it inside one jit): (loss,
   aux_BR per leaf, grads), equal to `engine.loss_and_grad(..., mode='replay')` on one device.
   The leaves' cache cotangent is summed across the branch shards by the partitioner (an
@@ -268,14 +316,28 @@ def sharded_loss_and_grad(mesh: Mesh, params, batch: TreeBatch, model_cfg: tfm.M
   multiple of the `context` size for that).
   """
   policy.check_ref(batch, loss_cfg)
-  return engine_loss_and_grad(mesh, params, constrain(batch, batch_shardings(mesh, batch)),
-                              model_cfg, loss_cfg, branch_chunk, params_fn)
+  return engine_loss_and_grad(
+    mesh,
+    params,
+    constrain(batch, batch_shardings(mesh, batch)),
+    model_cfg,
+    loss_cfg,
+    branch_chunk,
+    params_fn,
+  )
 
 
-def engine_loss_and_grad(mesh: Mesh, params, batch, model_cfg: tfm.ModelConfig,
-                         loss_cfg: losses.LossConfig, branch_chunk: Optional[int] = None,
-                         params_fn=None, head: Optional[engine.Head] = None,
-                         p_shardings=None):
+def engine_loss_and_grad(
+  mesh: Mesh,
+  params,
+  batch,
+  model_cfg: tfm.ModelConfig,
+  loss_cfg: losses.LossConfig,
+  branch_chunk: Optional[int] = None,
+  params_fn=None,
+  head: Optional[engine.Head] = None,
+  p_shardings=None,
+):
   """The one engine's replay (engine.replay_loss_and_grad) of a tree batch already placed on
   `mesh` (flat: the depth-1 tree): the root prefill context-parallel under the model's
   logical rules, its cache kept in its sequence shards where it crosses to the levels below,
@@ -296,11 +358,22 @@ def engine_loss_and_grad(mesh: Mesh, params, batch, model_cfg: tfm.ModelConfig,
 
   with context_parallel.sharded_tails(mesh, RULES):  # each tail layer gathers its K/V once
     loss, aux_BR, grads = engine.replay_loss_and_grad(
-        params, batch, model_cfg, loss_cfg, branch_chunk, root_wrap=root_wrap,
-        cache_constraint=lambda level, cache: root_constraint(cache) if level == 0 else cache,
-        params_fn=params_fn, head=head)
-  aux_BR = constrain(aux_BR, jax.tree.map(  # per leaf, split like the leaves
-      lambda x: named_sharding(mesh, "aux", x.shape, ("batch", "branch")), aux_BR))
+      params,
+      batch,
+      model_cfg,
+      loss_cfg,
+      branch_chunk,
+      root_wrap=root_wrap,
+      cache_constraint=lambda level, cache: root_constraint(cache) if level == 0 else cache,
+      params_fn=params_fn,
+      head=head,
+    )
+  aux_BR = constrain(
+    aux_BR,
+    jax.tree.map(  # per leaf, split like the leaves
+      lambda x: named_sharding(mesh, "aux", x.shape, ("batch", "branch")), aux_BR
+    ),
+  )
   return loss, aux_BR, (grads if params_fn is not None else constrain(grads, p_shardings))
 
 
@@ -316,41 +389,62 @@ def engine_loss_and_grad(mesh: Mesh, params, batch, model_cfg: tfm.ModelConfig,
 def batch_shardings(mesh: Mesh, batch: TreeBatch) -> TreeBatch:
   """A TreeBatch of NamedShardings (None fields stay None); a dimension its mesh axes do not
   divide is a ValueError naming the level, the field and both numbers."""
+
   def spec(where, x, names):
     return None if x is None else named_sharding(mesh, f"tree.{where}", np.shape(x), names)
 
-  root = dict(root_BP=spec("root_BP", batch.root_BP, ("batch", "seq")),  # checked first
-              root_valid_BP=spec("root_valid_BP", batch.root_valid_BP, ("batch", "seq")))
+  root = dict(
+    root_BP=spec("root_BP", batch.root_BP, ("batch", "seq")),  # checked first
+    root_valid_BP=spec("root_valid_BP", batch.root_valid_BP, ("batch", "seq")),
+  )
   levels = []
   for d, level in enumerate(batch.levels, start=1):
     node_axis = "branch" if d == batch.depth else None  # leaves over `context`
     at = f"levels[{d - 1}] (level {d})"
     three = ("batch", node_axis, None)
-    levels.append(level.replace(**{
-        name: spec(f"{at}.{name}", getattr(level, name), three[:2] if name.endswith("_BR")
-                   else three)
-        for name in ("tokens_BRT", "valid_BRT", "scored_BRT", "advantages_BR", "old_logp_BRT",
-                     "ref_logp_BRT", "advantages_BRT")},
+    levels.append(
+      level.replace(
+        **{
+          name: spec(
+            f"{at}.{name}", getattr(level, name), three[:2] if name.endswith("_BR") else three
+          )
+          for name in (
+            "tokens_BRT",
+            "valid_BRT",
+            "scored_BRT",
+            "advantages_BR",
+            "old_logp_BRT",
+            "ref_logp_BRT",
+            "advantages_BRT",
+          )
+        },
         # per path: split like the leaves
-        path_advantages_BLT=spec(f"{at}.path_advantages_BLT", level.path_advantages_BLT,
-                                 ("batch", "branch", None))))
+        path_advantages_BLT=spec(
+          f"{at}.path_advantages_BLT", level.path_advantages_BLT, ("batch", "branch", None)
+        ),
+      )
+    )
   return batch.replace(
-      **root,
-      trunk_old_logp_BW=spec("trunk_old_logp_BW", batch.trunk_old_logp_BW, ("batch", None)),
-      trunk_ref_logp_BW=spec("trunk_ref_logp_BW", batch.trunk_ref_logp_BW, ("batch", None)),
-      trunk_advantages_BRW=spec("trunk_advantages_BRW", batch.trunk_advantages_BRW,
-                                ("batch", "branch", None)),
-      levels=tuple(levels))
+    **root,
+    trunk_old_logp_BW=spec("trunk_old_logp_BW", batch.trunk_old_logp_BW, ("batch", None)),
+    trunk_ref_logp_BW=spec("trunk_ref_logp_BW", batch.trunk_ref_logp_BW, ("batch", None)),
+    trunk_advantages_BRW=spec(
+      "trunk_advantages_BRW", batch.trunk_advantages_BRW, ("batch", "branch", None)
+    ),
+    levels=tuple(levels),
+  )
 
 
-def prefix_residuals(mesh: Mesh, params, batch: TreeBatch, model_cfg: tfm.ModelConfig,
-                     loss_cfg: losses.LossConfig):
+def prefix_residuals(
+  mesh: Mesh, params, batch: TreeBatch, model_cfg: tfm.ModelConfig, loss_cfg: losses.LossConfig
+):
   """Step 1 alone, on the mesh: (cache, prefix_vjp). prefix_vjp's leaves are the residuals
   the prefix backward keeps alive; jit this to inspect their shardings."""
   params = constrain(params, param_shardings(mesh, model_cfg))
   batch = constrain(batch, batch_shardings(mesh, batch))
-  root_fn, _, _, _ = engine.replay_fns(batch, model_cfg, engine.policy_head(batch, model_cfg,
-                                                                            loss_cfg))
+  root_fn, _, _, _ = engine.replay_fns(
+    batch, model_cfg, engine.policy_head(batch, model_cfg, loss_cfg)
+  )
   return replay.prefix_forward(sharded_prefill(mesh, lambda p, _: root_fn(p)), params, None)
 
 
@@ -374,13 +468,20 @@ def memory_report(compiled) -> dict[str, int]:
   arguments, outputs, temporaries (activations, residuals, collectives' buffers), code,
   and their sum less aliased (donated) bytes: what one device must hold."""
   m = compiled.memory_analysis()
-  report = dict(argument_bytes=int(m.argument_size_in_bytes),
-                output_bytes=int(m.output_size_in_bytes),
-                temp_bytes=int(m.temp_size_in_bytes),
-                alias_bytes=int(m.alias_size_in_bytes),
-                code_bytes=int(m.generated_code_size_in_bytes))
-  report["total_bytes"] = (report["argument_bytes"] + report["output_bytes"] +
-                           report["temp_bytes"] - report["alias_bytes"] + report["code_bytes"])
+  report = dict(
+    argument_bytes=int(m.argument_size_in_bytes),
+    output_bytes=int(m.output_size_in_bytes),
+    temp_bytes=int(m.temp_size_in_bytes),
+    alias_bytes=int(m.alias_size_in_bytes),
+    code_bytes=int(m.generated_code_size_in_bytes),
+  )
+  report["total_bytes"] = (
+    report["argument_bytes"]
+    + report["output_bytes"]
+    + report["temp_bytes"]
+    - report["alias_bytes"]
+    + report["code_bytes"]
+  )
   peak = getattr(m, "peak_memory_in_bytes", 0)
   if peak:
     report["peak_bytes"] = int(peak)

@@ -32,6 +32,7 @@ from branch_replay.core import losses
 @flax.struct.dataclass
 class TreeLevel:
   """The nodes of one level below the root: R = product of the fan-outs down to it."""
+
   tokens_BRT: jax.Array  # int32, right-padded
   valid_BRT: jax.Array  # bool, >= 1 valid token per node
   scored_BRT: Optional[jax.Array] = None  # bool, a subset of valid; None = every valid token
@@ -81,9 +82,10 @@ class TreeBatch:
   def with_reference(self, ref_levels, trunk_ref_BW) -> "TreeBatch":
     """The batch with the reference policy's log-probs (`engine.forward`'s output: one
     [B, R, T] per level, the trunk's [B, W]) in place."""
-    return self.replace(levels=tuple(level.replace(ref_logp_BRT=ref)
-                                     for level, ref in zip(self.levels, ref_levels)),
-                        trunk_ref_logp_BW=trunk_ref_BW if self.trunk_len else None)
+    return self.replace(
+      levels=tuple(level.replace(ref_logp_BRT=ref) for level, ref in zip(self.levels, ref_levels)),
+      trunk_ref_logp_BW=trunk_ref_BW if self.trunk_len else None,
+    )
 
   def token_counts(self):
     """(root positions, positions below the root, naive-equivalent positions): padding
@@ -99,41 +101,69 @@ def nodes(fanouts: Sequence[int], d: int) -> int:
   return math.prod(fanouts[:d])
 
 
-def flat(prefix_BP, prefix_valid_BP, tails_BRT, tail_valid_BRT, advantages_BR, *,
-         old_logp_BRT=None, trunk_old_logp_BW=None, ref_logp_BRT=None, trunk_ref_logp_BW=None,
-         advantages_BRT=None, trunk_advantages_BRW=None, trunk_len: int = 0) -> TreeBatch:
+def flat(
+  prefix_BP,
+  prefix_valid_BP,
+  tails_BRT,
+  tail_valid_BRT,
+  advantages_BR,
+  *,
+  old_logp_BRT=None,
+  trunk_old_logp_BW=None,
+  ref_logp_BRT=None,
+  trunk_ref_logp_BW=None,
+  advantages_BRT=None,
+  trunk_advantages_BRW=None,
+  trunk_len: int = 0,
+) -> TreeBatch:
   """A flat batch (B prompts x R branches) as the depth-1 tree it is: the prefix (prompt +
   trunk, left-padded) is the root, the tails (right-padded) the leaves."""
-  leaves = TreeLevel(tokens_BRT=tails_BRT, valid_BRT=tail_valid_BRT, advantages_BR=advantages_BR,
-                     old_logp_BRT=old_logp_BRT, ref_logp_BRT=ref_logp_BRT,
-                     advantages_BRT=advantages_BRT)
-  return TreeBatch(root_BP=prefix_BP, root_valid_BP=prefix_valid_BP, levels=(leaves,),
-                   trunk_old_logp_BW=trunk_old_logp_BW, trunk_ref_logp_BW=trunk_ref_logp_BW,
-                   trunk_advantages_BRW=trunk_advantages_BRW,
-                   fanouts=tuple(np.shape(tails_BRT)[1:2]), trunk_len=trunk_len)
+  leaves = TreeLevel(
+    tokens_BRT=tails_BRT,
+    valid_BRT=tail_valid_BRT,
+    advantages_BR=advantages_BR,
+    old_logp_BRT=old_logp_BRT,
+    ref_logp_BRT=ref_logp_BRT,
+    advantages_BRT=advantages_BRT,
+  )
+  return TreeBatch(
+    root_BP=prefix_BP,
+    root_valid_BP=prefix_valid_BP,
+    levels=(leaves,),
+    trunk_old_logp_BW=trunk_old_logp_BW,
+    trunk_ref_logp_BW=trunk_ref_logp_BW,
+    trunk_advantages_BRW=trunk_advantages_BRW,
+    fanouts=tuple(np.shape(tails_BRT)[1:2]),
+    trunk_len=trunk_len,
+  )
 
 
 # ----------------------------------------------------------------------------- validation
 
 
 def _fail(where, arr, expected):
-  raise ValueError(f"tree.{where}: shape {getattr(arr, 'shape', np.shape(arr))}: "
-                   f"expected {expected}")
+  raise ValueError(
+    f"tree.{where}: shape {getattr(arr, 'shape', np.shape(arr))}: expected {expected}"
+  )
 
 
-def validate(batch: TreeBatch, vocab_size: int, branch_chunk: Optional[int] = None,
-             leaf_shards: int = 1) -> None:
+def validate(
+  batch: TreeBatch, vocab_size: int, branch_chunk: Optional[int] = None, leaf_shards: int = 1
+) -> None:
   """Raise ValueError naming the level, the field, its shape and what was expected. Host
   side, before any compilation (call it on concrete arrays). leaf_shards: the number of
   devices the leaves are split over (the mesh's `context` size)."""
   fanouts = batch.fanouts
   if not fanouts or any(not isinstance(r, int) or r < 1 for r in fanouts):
-    leaf = (f" (leaf tokens_BRT shape {np.shape(batch.levels[-1].tokens_BRT)})"
-            if batch.levels else "")
+    leaf = (
+      f" (leaf tokens_BRT shape {np.shape(batch.levels[-1].tokens_BRT)})" if batch.levels else ""
+    )
     raise ValueError(f"tree.fanouts={fanouts!r}: expected a non-empty tuple of ints >= 1{leaf}")
   if len(batch.levels) != len(fanouts):
-    raise ValueError(f"tree.levels: {len(batch.levels)} levels, expected one per fan-out "
-                     f"(fanouts={fanouts}, depth {len(fanouts)})")
+    raise ValueError(
+      f"tree.levels: {len(batch.levels)} levels, expected one per fan-out "
+      f"(fanouts={fanouts}, depth {len(fanouts)})"
+    )
   root = np.asarray(batch.root_BP)
   if root.ndim != 2 or 0 in root.shape:
     _fail("root_BP", root, "[B >= 1, P >= 1] (left-padded prompt tokens)")
@@ -143,14 +173,21 @@ def validate(batch: TreeBatch, vocab_size: int, branch_chunk: Optional[int] = No
   _check_ids("root_BP", root, vocab_size)
   rv = np.asarray(batch.root_valid_BP, bool)
   if not rv[:, -1].all() or np.any(rv[:, 1:] < rv[:, :-1]):
-    _fail("root_valid_BP", rv, "left padding (every position after a valid one valid, the "
-          "last one valid)")
+    _fail(
+      "root_valid_BP",
+      rv,
+      "left padding (every position after a valid one valid, the last one valid)",
+    )
   W = batch.trunk_len
   if not 0 <= W < P:
     raise ValueError(f"tree.trunk_len={W}: expected 0 <= trunk_len < P={P}")
   if W and (rv.sum(1) <= W).any():
-    _fail("root_valid_BP", rv, f"every prompt longer than trunk_len={W}: a scored token "
-          "needs a predecessor (the first token of a prompt has none)")
+    _fail(
+      "root_valid_BP",
+      rv,
+      f"every prompt longer than trunk_len={W}: a scored token "
+      "needs a predecessor (the first token of a prompt has none)",
+    )
   for name in ("trunk_old_logp_BW", "trunk_ref_logp_BW"):
     _check_logp(name, getattr(batch, name), (B, W))
   for d, (level, R_d) in enumerate(zip(batch.levels, fanouts), start=1):
@@ -158,8 +195,9 @@ def validate(batch: TreeBatch, vocab_size: int, branch_chunk: Optional[int] = No
     R = nodes(fanouts, d)
     tokens = np.asarray(level.tokens_BRT)
     if tokens.ndim != 3 or tokens.shape[:2] != (B, R) or tokens.shape[2] == 0:
-      _fail(f"{at}.tokens_BRT", tokens, f"[B={B}, R={R} (= product of fanouts "
-            f"{fanouts[:d]}), T >= 1]")
+      _fail(
+        f"{at}.tokens_BRT", tokens, f"[B={B}, R={R} (= product of fanouts {fanouts[:d]}), T >= 1]"
+      )
     T = tokens.shape[2]
     _check_ids(f"{at}.tokens_BRT", tokens, vocab_size)
     for name in ("valid_BRT", "scored_BRT"):
@@ -168,18 +206,19 @@ def validate(batch: TreeBatch, vocab_size: int, branch_chunk: Optional[int] = No
         _fail(f"{at}.{name}", arr, f"shape {(B, R, T)}")
     valid = np.asarray(level.valid_BRT, bool)
     if np.any(valid[..., 1:] > valid[..., :-1]):
-      _fail(f"{at}.valid_BRT", valid, "right padding (once invalid, every later position "
-            "invalid)")
+      _fail(f"{at}.valid_BRT", valid, "right padding (once invalid, every later position invalid)")
     if not valid[..., 0].all():
       b, r = np.argwhere(~valid[..., 0])[0]
-      _fail(f"{at}.valid_BRT", valid, f"every node to hold >= 1 token (node {r} of prompt "
-            f"{b} is empty)")
+      _fail(
+        f"{at}.valid_BRT", valid, f"every node to hold >= 1 token (node {r} of prompt {b} is empty)"
+      )
     if level.scored_BRT is not None and np.any(np.asarray(level.scored_BRT, bool) & ~valid):
       _fail(f"{at}.scored_BRT", level.scored_BRT, "scored tokens only where valid_BRT")
     adv = level.advantages_BR
     if d == len(fanouts) and adv is None:
-      raise ValueError(f"tree.{at}.advantages_BR: None: expected the leaves' advantages, "
-                       f"shape {(B, R)}")
+      raise ValueError(
+        f"tree.{at}.advantages_BR: None: expected the leaves' advantages, shape {(B, R)}"
+      )
     if adv is not None:
       if np.shape(adv) != (B, R):
         _fail(f"{at}.advantages_BR", adv, f"shape {(B, R)}")
@@ -188,42 +227,56 @@ def validate(batch: TreeBatch, vocab_size: int, branch_chunk: Optional[int] = No
     for name in ("old_logp_BRT", "ref_logp_BRT", "advantages_BRT"):
       _check_logp(f"{at}.{name}", getattr(level, name), (B, R, T))
     if d < len(fanouts) and level.advantages_BRT is not None:
-      raise ValueError(f"tree.{at}.advantages_BRT: shape {np.shape(level.advantages_BRT)}: "
-                       "expected None (an inner node's per-token advantages differ by path: "
-                       "path_advantages_BLT)")
+      raise ValueError(
+        f"tree.{at}.advantages_BRT: shape {np.shape(level.advantages_BRT)}: "
+        "expected None (an inner node's per-token advantages differ by path: "
+        "path_advantages_BLT)"
+      )
     if d == len(fanouts) and level.path_advantages_BLT is not None:
-      raise ValueError(f"tree.{at}.path_advantages_BLT: shape "
-                       f"{np.shape(level.path_advantages_BLT)}: expected None on the leaves "
-                       "(their per-token advantages are advantages_BRT)")
-    _check_logp(f"{at}.path_advantages_BLT", level.path_advantages_BLT,
-                (B, nodes(fanouts, len(fanouts)), T))
-  for name, trunk in (("old_logp_BRT", "trunk_old_logp_BW"), ("ref_logp_BRT",
-                                                              "trunk_ref_logp_BW")):
+      raise ValueError(
+        f"tree.{at}.path_advantages_BLT: shape "
+        f"{np.shape(level.path_advantages_BLT)}: expected None on the leaves "
+        "(their per-token advantages are advantages_BRT)"
+      )
+    _check_logp(
+      f"{at}.path_advantages_BLT", level.path_advantages_BLT, (B, nodes(fanouts, len(fanouts)), T)
+    )
+  for name, trunk in (("old_logp_BRT", "trunk_old_logp_BW"), ("ref_logp_BRT", "trunk_ref_logp_BW")):
     given = {getattr(l, name) is not None for l in batch.levels}
     if W:
       given.add(getattr(batch, trunk) is not None)
     if len(given) > 1:
-      raise ValueError(f"tree: {name} (and {trunk} with a trunk) must be given on every "
-                       "level or on none: a path needs them on all its tokens")
+      raise ValueError(
+        f"tree: {name} (and {trunk} with a trunk) must be given on every "
+        "level or on none: a path needs them on all its tokens"
+      )
   n_leaves = nodes(fanouts, len(fanouts))
   per_token = batch.leaves.advantages_BRT is not None
   if W and per_token != (batch.trunk_advantages_BRW is not None):
-    raise ValueError(f"tree.trunk_advantages_BRW: give it exactly when the leaves' "
-                     f"advantages_BRT are given (trunk_len={W})")
+    raise ValueError(
+      f"tree.trunk_advantages_BRW: give it exactly when the leaves' "
+      f"advantages_BRT are given (trunk_len={W})"
+    )
   for d, level in enumerate(batch.levels[:-1], start=1):
     if per_token != (level.path_advantages_BLT is not None):
-      raise ValueError(f"tree.levels[{d - 1}] (level {d}).path_advantages_BLT: "
-                       f"{'None' if per_token else 'given'}: expected it exactly when the "
-                       "leaves' advantages_BRT are given (per-token advantages on every token "
-                       f"of a path), shape {(B, n_leaves, np.shape(level.tokens_BRT)[2])}")
+      raise ValueError(
+        f"tree.levels[{d - 1}] (level {d}).path_advantages_BLT: "
+        f"{'None' if per_token else 'given'}: expected it exactly when the "
+        "leaves' advantages_BRT are given (per-token advantages on every token "
+        f"of a path), shape {(B, n_leaves, np.shape(level.tokens_BRT)[2])}"
+      )
   _check_logp("trunk_advantages_BRW", batch.trunk_advantages_BRW, (B, n_leaves, W))
   if branch_chunk is not None and (branch_chunk < 1 or fanouts[-1] % branch_chunk):
-    raise ValueError(f"replay.branch_chunk={branch_chunk}: expected a divisor of the last "
-                     f"fan-out R_{len(fanouts)}={fanouts[-1]} (fanouts {fanouts})")
+    raise ValueError(
+      f"replay.branch_chunk={branch_chunk}: expected a divisor of the last "
+      f"fan-out R_{len(fanouts)}={fanouts[-1]} (fanouts {fanouts})"
+    )
   if leaf_shards > 1 and n_leaves % leaf_shards:
-    raise ValueError(f"tree.levels[{len(fanouts) - 1}].tokens_BRT: shape {tokens.shape}: "
-                     f"{n_leaves} leaves per prompt (fanouts {fanouts}) cannot be split over "
-                     f"the {leaf_shards} devices of mesh axis context: expected a multiple")
+    raise ValueError(
+      f"tree.levels[{len(fanouts) - 1}].tokens_BRT: shape {tokens.shape}: "
+      f"{n_leaves} leaves per prompt (fanouts {fanouts}) cannot be split over "
+      f"the {leaf_shards} devices of mesh axis context: expected a multiple"
+    )
 
 
 def _check_ids(where, arr, vocab_size):
@@ -269,8 +322,9 @@ def leaf_weights(loss_cfg: losses.LossConfig, batch: TreeBatch):
 # ----------------------------------------------------------------------------- advantages
 
 
-def tree_advantages(rewards_BR, fanouts: Sequence[int], *, use_std: bool = True,
-                    eps: float = 1e-6, estimator=None) -> list:
+def tree_advantages(
+  rewards_BR, fanouts: Sequence[int], *, use_std: bool = True, eps: float = 1e-6, estimator=None
+) -> list:
   """Tree-aware advantages, one array per level 1..depth ([B, nodes at that level]).
 
   A leaf's reward is normalised among its siblings (the R_depth children of its parent); an
@@ -301,6 +355,7 @@ def tree_advantages(rewards_BR, fanouts: Sequence[int], *, use_std: bool = True,
 class TreeConfig:
   """Trees in the trainer (`--set=tree.fanouts=4x4`): R_1 openings per prompt, R_2
   continuations of each, ...; "" = no tree (the flat trainer)."""
+
   fanouts: str = ""
   node_advantages: bool = True  # tree-aware: an inner node's tokens get its own advantage
   # (its leaves' mean reward, normalised among siblings); False: every path its leaf's

@@ -34,6 +34,7 @@ from branch_replay.core.tree import TreeBatch, TreeLevel
 @dataclasses.dataclass
 class Node:
   """Tokens [start, stop) of every member response (a leaf: one member, to its end)."""
+
   start: int
   stop: int
   members: tuple
@@ -63,7 +64,7 @@ def _lcp(keys, members, start) -> int:
   n = min(len(keys[m]) for m in members) - 1 - start
   if n <= 0:
     return 0
-  block = np.stack([keys[m][start:start + n] for m in members])
+  block = np.stack([keys[m][start : start + n] for m in members])
   same = np.all(block == block[:1], axis=(0, 2))
   return int(n if same.all() else np.argmin(same))
 
@@ -90,8 +91,14 @@ def build(keys, max_depth: Optional[int] = None, min_shared: int = 1) -> Node:
       return [leaf(m, start) for m in members]
     if lcp < min_shared:  # too short to be a node: its tokens stay with its children
       return [n for g in groups.values() for n in nodes(tuple(g), start, depth)]
-    return [Node(start, start + lcp, members,
-                 [n for g in groups.values() for n in nodes(tuple(g), start + lcp, depth + 1)])]
+    return [
+      Node(
+        start,
+        start + lcp,
+        members,
+        [n for g in groups.values() for n in nodes(tuple(g), start + lcp, depth + 1)],
+      )
+    ]
 
   everyone = tuple(range(len(keys)))
   kids = nodes(everyone, 0, 0)
@@ -113,7 +120,7 @@ def order(root: Node) -> list:
 def _pad(rows, width, dtype, fill=0):
   out = np.full((len(rows), width), fill, dtype)
   for i, row in enumerate(rows):
-    out[i, :len(row)] = row
+    out[i, : len(row)] = row
   return out
 
 
@@ -130,9 +137,19 @@ def _layout_cost(prompt_lens, lens_BR, shared_B, group, lcp_BG):
   return cost + B * R * int((lens_BR - inner).max())
 
 
-def layout(prompts: Sequence, responses: Sequence, advantages_BR, *, scored=None,
-           old_logps=None, ref_logps=None, max_depth: int = 2, min_shared: int = 1,
-           pad_id: int = 0, bucket: int = 1):
+def layout(
+  prompts: Sequence,
+  responses: Sequence,
+  advantages_BR,
+  *,
+  scored=None,
+  old_logps=None,
+  ref_logps=None,
+  max_depth: int = 2,
+  min_shared: int = 1,
+  pad_id: int = 0,
+  bucket: int = 1,
+):
   """B prompts (id lists) x R responses (id lists; `scored`, `old_logps`, `ref_logps`: per
   response per-token lists, or None) -> (TreeBatch, stats). Leaf r of prompt b is response
   stats['order'][b][r]. max_depth: 1 = the trunk only, 2 = a level of groups below it.
@@ -140,18 +157,22 @@ def layout(prompts: Sequence, responses: Sequence, advantages_BR, *, scored=None
   compilations across batches)."""
   B, R = len(prompts), len(responses[0])
   if any(len(rs) != R for rs in responses):
-    raise ValueError(f"trie.layout: responses per prompt {[len(rs) for rs in responses]}: "
-                     f"expected R={R} for every prompt (a regular tree)")
+    raise ValueError(
+      f"trie.layout: responses per prompt {[len(rs) for rs in responses]}: "
+      f"expected R={R} for every prompt (a regular tree)"
+    )
   if max_depth not in (1, 2):
     raise ValueError(f"trie.layout: max_depth={max_depth}: expected 1 or 2")
   pick = lambda xs, b: None if xs is None else xs[b]
-  keys = [_keys(responses[b], pick(scored, b), pick(old_logps, b), pick(ref_logps, b))
-          for b in range(B)]
+  keys = [
+    _keys(responses[b], pick(scored, b), pick(old_logps, b), pick(ref_logps, b)) for b in range(B)
+  ]
   tries = [build(k, max_depth=None, min_shared=min_shared) for k in keys]
   orders = [order(t) for t in tries]
   lens_BR = np.array([[len(responses[b][r]) for r in orders[b]] for b in range(B)])
-  score_of = lambda b, r: (np.ones(len(responses[b][r]), bool) if scored is None
-                           else np.asarray(scored[b][r], bool))
+  score_of = lambda b, r: (
+    np.ones(len(responses[b][r]), bool) if scored is None else np.asarray(scored[b][r], bool)
+  )
   # 1. The trunk: the opening every response shares, scored tokens only.
   shared_B = np.array([t.stop - t.start for t in tries])
   for b in range(B):
@@ -164,8 +185,9 @@ def layout(prompts: Sequence, responses: Sequence, advantages_BR, *, scored=None
   best, best_cost = None, _layout_cost([len(p) for p in prompts], lens_BR, shared_B, None, None)
   if max_depth >= 2:
     for g in [g for g in range(2, R) if R % g == 0]:
-      lcp_BG = np.array([[_lcp(keys[b], tuple(orders[b][i:i + g]), W) for i in range(0, R, g)]
-                         for b in range(B)])
+      lcp_BG = np.array(
+        [[_lcp(keys[b], tuple(orders[b][i : i + g]), W) for i in range(0, R, g)] for b in range(B)]
+      )
       if lcp_BG.min() < max(min_shared, 1):
         continue
       cost = _layout_cost([len(p) for p in prompts], lens_BR, shared_B, g, lcp_BG)
@@ -177,9 +199,12 @@ def layout(prompts: Sequence, responses: Sequence, advantages_BR, *, scored=None
   root_valid_BP = np.zeros((B, P), bool)
   for b in range(B):
     ids = list(prompts[b]) + list(responses[b][orders[b][0]][:W])
-    root_BP[b, P - len(ids):], root_valid_BP[b, P - len(ids):] = ids, True
-  trunk = lambda xs: None if xs is None or not W else jnp.asarray(
-      np.stack([np.asarray(xs[b][orders[b][0]][:W]) for b in range(B)]))
+    root_BP[b, P - len(ids) :], root_valid_BP[b, P - len(ids) :] = ids, True
+  trunk = lambda xs: (
+    None
+    if xs is None or not W
+    else jnp.asarray(np.stack([np.asarray(xs[b][orders[b][0]][:W]) for b in range(B)]))
+  )
   spans = [[(W, None)] * R for _ in range(B)]  # per leaf (start, stop) of its own tokens
   levels, fanouts = [], (R,)
   if best is not None:
@@ -187,24 +212,39 @@ def layout(prompts: Sequence, responses: Sequence, advantages_BR, *, scored=None
     fanouts = (R // g, g)
     inner = [[(W, W + int(best_lcp[b, i])) for i in range(R // g)] for b in range(B)]
     heads = [[orders[b][i * g] for i in range(R // g)] for b in range(B)]
-    levels.append(_level(responses, heads, inner, scored, old_logps, ref_logps, None, pad_id,
-                         bucket))
+    levels.append(
+      _level(responses, heads, inner, scored, old_logps, ref_logps, None, pad_id, bucket)
+    )
     spans = [[(inner[b][r // g][1], None) for r in range(R)] for b in range(B)]
   adv = np.asarray(advantages_BR)
   leaf_adv = np.stack([adv[b][orders[b]] for b in range(B)])
-  levels.append(_level(responses, orders, spans, scored, old_logps, ref_logps, leaf_adv, pad_id,
-                       bucket))
-  batch = TreeBatch(root_BP=jnp.asarray(root_BP), root_valid_BP=jnp.asarray(root_valid_BP),
-                    levels=tuple(levels), trunk_old_logp_BW=trunk(old_logps),
-                    trunk_ref_logp_BW=trunk(ref_logps), fanouts=fanouts, trunk_len=W)
-  flat = B * R * (_round(max(len(p) for p in prompts), bucket) + _round(int(lens_BR.max()),
-                                                                       bucket))
+  levels.append(
+    _level(responses, orders, spans, scored, old_logps, ref_logps, leaf_adv, pad_id, bucket)
+  )
+  batch = TreeBatch(
+    root_BP=jnp.asarray(root_BP),
+    root_valid_BP=jnp.asarray(root_valid_BP),
+    levels=tuple(levels),
+    trunk_old_logp_BW=trunk(old_logps),
+    trunk_ref_logp_BW=trunk(ref_logps),
+    fanouts=fanouts,
+    trunk_len=W,
+  )
+  flat = B * R * (_round(max(len(p) for p in prompts), bucket) + _round(int(lens_BR.max()), bucket))
   laid = sum(batch.token_counts()[:2])
   ideal = sum(R * len(prompts[b]) + lens_BR[b].sum() for b in range(B)) / sum(
-      len(prompts[b]) + tries[b].positions() for b in range(B))
-  stats = dict(order=orders, fanouts=fanouts, trunk_len=W, tree_positions=laid,
-               flat_positions=flat, tree_token_ratio=flat / laid,
-               trie_token_ratio=float(ideal), trie_depth=max(t.depth() for t in tries))
+    len(prompts[b]) + tries[b].positions() for b in range(B)
+  )
+  stats = dict(
+    order=orders,
+    fanouts=fanouts,
+    trunk_len=W,
+    tree_positions=laid,
+    flat_positions=flat,
+    tree_token_ratio=flat / laid,
+    trie_token_ratio=float(ideal),
+    trie_depth=max(t.depth() for t in tries),
+  )
   return batch, stats
 
 
@@ -215,19 +255,24 @@ def _round(n, bucket):
 def _level(responses, rows, spans, scored, old, ref, adv_BR, pad_id, bucket=1) -> TreeLevel:
   """One level's arrays: node (b, i) is response rows[b][i]'s tokens spans[b][i]."""
   B, R = len(rows), len(rows[0])
-  cut = lambda xs, b, i: np.asarray(xs[b][rows[b][i]])[spans[b][i][0]:spans[b][i][1]]
+  cut = lambda xs, b, i: np.asarray(xs[b][rows[b][i]])[spans[b][i][0] : spans[b][i][1]]
   seg = [[cut(responses, b, i) for i in range(R)] for b in range(B)]
   T = _round(max(len(s) for row in seg for s in row), bucket)
-  stack = lambda xs, dtype, fill: np.stack([_pad([cut(xs, b, i) for i in range(R)], T, dtype,
-                                                 fill) for b in range(B)])
+  stack = lambda xs, dtype, fill: np.stack(
+    [_pad([cut(xs, b, i) for i in range(R)], T, dtype, fill) for b in range(B)]
+  )
   tokens = stack(responses, np.int32, pad_id)
   valid = np.stack([_pad([np.ones(len(s), bool) for s in row], T, bool) for row in seg])
   sc = None if scored is None else stack(scored, bool, False)
   f = lambda xs: None if xs is None else jnp.asarray(stack(xs, np.float64, 0))
-  return TreeLevel(tokens_BRT=jnp.asarray(tokens), valid_BRT=jnp.asarray(valid),
-                   scored_BRT=None if sc is None else jnp.asarray(sc),
-                   advantages_BR=None if adv_BR is None else jnp.asarray(adv_BR),
-                   old_logp_BRT=f(old), ref_logp_BRT=f(ref))
+  return TreeLevel(
+    tokens_BRT=jnp.asarray(tokens),
+    valid_BRT=jnp.asarray(valid),
+    scored_BRT=None if sc is None else jnp.asarray(sc),
+    advantages_BR=None if adv_BR is None else jnp.asarray(adv_BR),
+    old_logp_BRT=f(old),
+    ref_logp_BRT=f(ref),
+  )
 
 
 def unroll(batch: TreeBatch, order, per_level_BRT, trunk_BW=None) -> list:
@@ -235,8 +280,9 @@ def unroll(batch: TreeBatch, order, per_level_BRT, trunk_BW=None) -> list:
   the original order: out[b][i] is response i's values, trunk + every level's node."""
   B = np.shape(batch.root_BP)[0]
   W, n = batch.trunk_len, batch.n_leaves
-  levels = [(np.asarray(v), np.asarray(l.valid_BRT, bool)) for v, l in zip(per_level_BRT,
-                                                                            batch.levels)]
+  levels = [
+    (np.asarray(v), np.asarray(l.valid_BRT, bool)) for v, l in zip(per_level_BRT, batch.levels)
+  ]
   out = [[None] * n for _ in range(B)]
   for b in range(B):
     for r in range(n):
@@ -248,28 +294,36 @@ def unroll(batch: TreeBatch, order, per_level_BRT, trunk_BW=None) -> list:
   return out
 
 
-def flat_batch(prompts, responses, advantages_BR, *, scored=None, old_logps=None,
-               ref_logps=None, pad_id: int = 0) -> TreeBatch:
+def flat_batch(
+  prompts, responses, advantages_BR, *, scored=None, old_logps=None, ref_logps=None, pad_id: int = 0
+) -> TreeBatch:
   """The same responses as a flat batch (depth 1: prefix = prompt, tails = responses): the
   twin the trie batch must equal, and the batch of `replay.auto_tree=false`. Unscored tokens
   go through `trie.layout` only (the flat twin scores every valid tail token)."""
   if scored is not None and not all(np.all(s) for rs in scored for s in rs):
-    raise ValueError("trie.flat_batch: unscored (tool/observation) tokens need the tree "
-                     "layout (trie.layout): a flat batch scores every valid tail token")
+    raise ValueError(
+      "trie.flat_batch: unscored (tool/observation) tokens need the tree "
+      "layout (trie.layout): a flat batch scores every valid tail token"
+    )
   B = len(prompts)
   P = max(len(p) for p in prompts)
   T = max(len(r) for rs in responses for r in rs)
   prefix = np.full((B, P), pad_id, np.int32)
   for b, p in enumerate(prompts):
-    prefix[b, P - len(p):] = p
+    prefix[b, P - len(p) :] = p
   tails = np.stack([_pad(rs, T, np.int32, pad_id) for rs in responses])
   valid = np.stack([_pad([np.ones(len(r), bool) for r in rs], T, bool) for rs in responses])
-  f = lambda xs: None if xs is None else jnp.asarray(np.stack([_pad(x, T, np.float64)
-                                                               for x in xs]))
+  f = lambda xs: None if xs is None else jnp.asarray(np.stack([_pad(x, T, np.float64) for x in xs]))
   lengths_B1 = np.array([len(p) for p in prompts])[:, None]
-  return tree.flat(jnp.asarray(prefix), jnp.asarray(np.arange(P)[None] >= P - lengths_B1),
-                   jnp.asarray(tails), jnp.asarray(valid), jnp.asarray(advantages_BR),
-                   old_logp_BRT=f(old_logps), ref_logp_BRT=f(ref_logps))
+  return tree.flat(
+    jnp.asarray(prefix),
+    jnp.asarray(np.arange(P)[None] >= P - lengths_B1),
+    jnp.asarray(tails),
+    jnp.asarray(valid),
+    jnp.asarray(advantages_BR),
+    old_logp_BRT=f(old_logps),
+    ref_logp_BRT=f(ref_logps),
+  )
 
 
 def auto_tree(batch: TreeBatch, *, max_depth: int = 2, min_shared: int = 1, pad_id: int = 0):
@@ -278,27 +332,39 @@ def auto_tree(batch: TreeBatch, *, max_depth: int = 2, min_shared: int = 1, pad_
   branch's tail. Host side (concrete arrays). Returns (TreeBatch, stats) as `layout`."""
   leaves = batch.leaves
   if batch.depth != 1:
-    raise ValueError(f"tree.fanouts={batch.fanouts}: replay.auto_tree lays out a flat batch: "
-                     "expected depth 1")
+    raise ValueError(
+      f"tree.fanouts={batch.fanouts}: replay.auto_tree lays out a flat batch: expected depth 1"
+    )
   if leaves.advantages_BRT is not None:
-    raise ValueError("tree.levels[0].advantages_BRT: per-token advantages (GAE) are not laid "
-                     "out as a tree yet: expected None with replay.auto_tree=true")
+    raise ValueError(
+      "tree.levels[0].advantages_BRT: per-token advantages (GAE) are not laid "
+      "out as a tree yet: expected None with replay.auto_tree=true"
+    )
   W, P = batch.trunk_len, batch.root_BP.shape[1]
   host = lambda x: None if x is None else np.asarray(x)
   prefix, pv = host(batch.root_BP), host(batch.root_valid_BP).astype(bool)
   tails, tv = host(leaves.tokens_BRT), host(leaves.valid_BRT).astype(bool)
   B, R, _ = tails.shape
-  prompts = [prefix[b, :P - W][pv[b, :P - W]] for b in range(B)]
+  prompts = [prefix[b, : P - W][pv[b, : P - W]] for b in range(B)]
 
   def joined(trunk_BW, tail_BRT):
     if tail_BRT is None:
       return None
     head = (lambda b: trunk_BW[b]) if W else (lambda b: tail_BRT[b, 0, :0])
-    return [[np.concatenate([head(b), tail_BRT[b, r][tv[b, r]]]) for r in range(R)]
-            for b in range(B)]
+    return [
+      [np.concatenate([head(b), tail_BRT[b, r][tv[b, r]]]) for r in range(R)] for b in range(B)
+    ]
 
-  responses = joined(prefix[:, P - W:], tails)
+  responses = joined(prefix[:, P - W :], tails)
   old = joined(host(batch.trunk_old_logp_BW), host(leaves.old_logp_BRT))
   ref = joined(host(batch.trunk_ref_logp_BW), host(leaves.ref_logp_BRT))
-  return layout(prompts, responses, host(leaves.advantages_BR), old_logps=old, ref_logps=ref,
-                max_depth=max_depth, min_shared=min_shared, pad_id=pad_id)
+  return layout(
+    prompts,
+    responses,
+    host(leaves.advantages_BR),
+    old_logps=old,
+    ref_logps=ref,
+    max_depth=max_depth,
+    min_shared=min_shared,
+    pad_id=pad_id,
+  )

@@ -37,19 +37,24 @@ class ChatTemplate:
     def raise_exception(message):
       raise ValueError(f"{self.where}: chat template: {message}")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(
+      trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
     env.globals["raise_exception"] = raise_exception
     messages = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": prompt}]
+      {"role": "user", "content": prompt}
+    ]
     try:
       text = env.from_string(self.source).render(
-          messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
-          eos_token=self.eos_token)
+        messages=messages,
+        add_generation_prompt=True,
+        bos_token=self.bos_token,
+        eos_token=self.eos_token,
+      )
     except jinja2.TemplateError as e:
       raise ValueError(f"{self.where}: chat template does not render: {e}") from None
     if self.bos_token and text.startswith(self.bos_token):
-      return text[len(self.bos_token):], True
+      return text[len(self.bos_token) :], True
     return text, False
 
 
@@ -75,5 +80,6 @@ def load(model_dir: str) -> Optional[ChatTemplate]:
     return None
   if not isinstance(source, str):
     raise ValueError(f"{where}: chat_template: expected a string, got {type(source).__name__}")
-  return ChatTemplate(source, _token(config.get("bos_token")), _token(config.get("eos_token")),
-                      where)
+  return ChatTemplate(
+    source, _token(config.get("bos_token")), _token(config.get("eos_token")), where
+  )

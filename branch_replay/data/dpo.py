@@ -40,8 +40,9 @@ def load_pairs(path: str) -> list[Pair]:
   for where, row in tasks.jsonl_records(path, f"algo.pairs_file={path!r}"):
     for name in FIELDS:
       if not isinstance(row.get(name), str):
-        raise ValueError(f"{where}: field {name!r} missing or not a string; expected "
-                         f"fields {FIELDS}")
+        raise ValueError(
+          f"{where}: field {name!r} missing or not a string; expected fields {FIELDS}"
+        )
     pairs.append(Pair(row["prompt"], row["chosen"], row["rejected"]))
   if not pairs:
     raise ValueError(f"{path}: no preference pairs")
@@ -68,8 +69,7 @@ def tree_pairs(task, rng: np.random.Generator, batch_size: int, tok=TOKENIZER):
   (records, 2). Chosen and rejected share the haystack and the opening, so the pair's log-ratio
   margin is that of the last turn alone (the shared tokens cancel)."""
   items = [task.supervised(rng) for _ in range(batch_size)]
-  return tree_task.turn_tree(task, items, lambda b, r, value: [value, wrong_value(value, rng)],
-                              tok)
+  return tree_task.turn_tree(task, items, lambda b, r, value: [value, wrong_value(value, rng)], tok)
 
 
 def make_batch(pairs, prompt_len: int, answer_len: int, tok=TOKENIZER) -> tree.TreeBatch:
@@ -78,20 +78,26 @@ def make_batch(pairs, prompt_len: int, answer_len: int, tok=TOKENIZER) -> tree.T
   tails = [tasks.encode_right([p.chosen, p.rejected], answer_len + 1, tok) for p in pairs]
   tails_BRT = np.stack([t for t, _ in tails])
   valid_BRT = np.stack([v for _, v in tails])
-  return tree.flat(prefix_BP, prefix_valid_BP, tails_BRT, valid_BRT,
-                   np.zeros(tails_BRT.shape[:2], np.float32))
+  return tree.flat(
+    prefix_BP, prefix_valid_BP, tails_BRT, valid_BRT, np.zeros(tails_BRT.shape[:2], np.float32)
+  )
 
 
 def preference_metrics(policy_logp_BR, ref_logp_BR, beta: float) -> dict:
   """Implicit rewards beta * (log pi - log ref) of chosen (0) and rejected (1)."""
   r_BR = beta * (np.asarray(policy_logp_BR, np.float64) - np.asarray(ref_logp_BR, np.float64))
   margin_B = r_BR[:, 0] - r_BR[:, 1]
-  return {"dpo/accuracy": float(np.mean(margin_B > 0)), "dpo/margin": float(margin_B.mean()),
-          "rewards/chosen": float(r_BR[:, 0].mean()),
-          "rewards/rejected": float(r_BR[:, 1].mean())}
+  return {
+    "dpo/accuracy": float(np.mean(margin_B > 0)),
+    "dpo/margin": float(margin_B.mean()),
+    "rewards/chosen": float(r_BR[:, 0].mean()),
+    "rewards/rejected": float(r_BR[:, 1].mean()),
+  }
 
 
 def format_summary(s: dict) -> str:
-  return (f"dpo/accuracy (mean of first/last {s['window']} DPO steps): "
-          f"{s['accuracy_before']:.3f} -> {s['accuracy_after']:.3f}; "
-          f"margin {s['margin_after']:.3f}\ntime: {s['wall_s']:.0f} s\nmetrics: {s['metrics']}")
+  return (
+    f"dpo/accuracy (mean of first/last {s['window']} DPO steps): "
+    f"{s['accuracy_before']:.3f} -> {s['accuracy_after']:.3f}; "
+    f"margin {s['margin_after']:.3f}\ntime: {s['wall_s']:.0f} s\nmetrics: {s['metrics']}"
+  )

@@ -31,7 +31,6 @@ CHAT_TEMPLATE = ("auto", "none")
 
 @register("jsonl")
 class JsonlTask(Task):
-
   @dataclasses.dataclass(frozen=True)
   class Options:
     path: str = ""  # the JSON-lines file of training (and, without eval_path, eval) prompts
@@ -67,8 +66,10 @@ class JsonlTask(Task):
       except json.JSONDecodeError as e:
         raise ValueError(f"task.reward_options={self.reward_options!r}: not JSON ({e})") from None
       if not isinstance(kwargs, dict):
-        raise ValueError(f"task.reward_options={self.reward_options!r}: expected a JSON object "
-                         'such as {"tolerance": 0.01}')
+        raise ValueError(
+          f"task.reward_options={self.reward_options!r}: expected a JSON object "
+          'such as {"tolerance": 0.01}'
+        )
       return kwargs
 
   def __init__(self, cfg, tokenizer):
@@ -87,22 +88,30 @@ class JsonlTask(Task):
       order = np.random.default_rng(cfg.split_seed).permutation(len(train))
       n_eval = int(round(cfg.eval_fraction * len(train)))
       if cfg.eval_fraction and len(train) - n_eval < 1:
-        raise ValueError(f"{cfg.path}: {len(train)} prompts leave none for training with "
-                         f"task.eval_fraction={cfg.eval_fraction}")
+        raise ValueError(
+          f"{cfg.path}: {len(train)} prompts leave none for training with "
+          f"task.eval_fraction={cfg.eval_fraction}"
+        )
       self.eval = [train[i] for i in order[:n_eval]]
       self.train = [train[i] for i in sorted(order[n_eval:])]
     if self.n_truncated:
-      logging.warning("task %s: %d prompt(s) longer than task.prompt_len=%d tokens were cut "
-                      "from the left (task.overlong=reject refuses them instead)",
-                      cfg.path, self.n_truncated, cfg.prompt_len)
+      logging.warning(
+        "task %s: %d prompt(s) longer than task.prompt_len=%d tokens were cut "
+        "from the left (task.overlong=reject refuses them instead)",
+        cfg.path,
+        self.n_truncated,
+        cfg.prompt_len,
+      )
     self.max_prompt_len = cfg.prompt_len
     self.sft_prompt_len = cfg.prompt_len
     answers = [len(self.tokenizer.encode(e.answer)) for e in self.train if e.answer]
     longest = max(answers, default=0)
     if cfg.answer_len and longest > cfg.answer_len:
       ex = next(e for e in self.train if len(self.tokenizer.encode(e.answer)) == longest)
-      raise ValueError(f"{ex.source}: answer is {longest} tokens, expected <= "
-                       f"task.answer_len={cfg.answer_len} (0 = the longest answer)")
+      raise ValueError(
+        f"{ex.source}: answer is {longest} tokens, expected <= "
+        f"task.answer_len={cfg.answer_len} (0 = the longest answer)"
+      )
     self.max_answer_len = cfg.answer_len or max(longest, 1)
     self.sft_tail_len = self.max_answer_len + 1  # EOS
 
@@ -114,12 +123,16 @@ class JsonlTask(Task):
     for where, record in jsonl_records(path, f"task file {path!r}"):
       missing = sorted(needs - set(record))
       if missing:
-        raise ValueError(f"{where}: missing field {missing[0]!r} (expected fields "
-                         f"{sorted(needs)}; reward {cfg.reward!r})")
+        raise ValueError(
+          f"{where}: missing field {missing[0]!r} (expected fields "
+          f"{sorted(needs)}; reward {cfg.reward!r})"
+        )
       for name in (cfg.prompt_field, cfg.answer_field):
         if name in record and not isinstance(record[name], str):
-          raise ValueError(f"{where}: field {name!r} is {type(record[name]).__name__} "
-                           f"{record[name]!r}, expected a string")
+          raise ValueError(
+            f"{where}: field {name!r} is {type(record[name]).__name__} "
+            f"{record[name]!r}, expected a string"
+          )
       if not record[cfg.prompt_field]:
         raise ValueError(f"{where}: field {cfg.prompt_field!r} is empty")
       out.append(self._example(record, where))
@@ -142,11 +155,13 @@ class JsonlTask(Task):
       raise ValueError(f"{where}: {e}") from None
     if len(ids) > cfg.prompt_len:
       if cfg.overlong == "reject":
-        raise ValueError(f"{where}: prompt is {len(ids)} tokens, expected <= "
-                         f"task.prompt_len={cfg.prompt_len} (task.overlong=truncate cuts it "
-                         "from the left instead)")
+        raise ValueError(
+          f"{where}: prompt is {len(ids)} tokens, expected <= "
+          f"task.prompt_len={cfg.prompt_len} (task.overlong=truncate cuts it "
+          "from the left instead)"
+        )
       keep = cfg.prompt_len - 1
-      ids = ids[:1] + ids[-keep:] if ids[0] == self.tokenizer.bos_id else ids[-cfg.prompt_len:]
+      ids = ids[:1] + ids[-keep:] if ids[0] == self.tokenizer.bos_id else ids[-cfg.prompt_len :]
       self.n_truncated += 1
     return Example(prompt, answer, fields=record, source=where, prompt_ids=tuple(ids))
 
@@ -158,14 +173,22 @@ class JsonlTask(Task):
 
   def check(self, cfg) -> None:
     if self.max_answer_len + 1 > cfg.sampler.max_new_tokens and self.reward.needs:
-      logging.warning("task %s: answers are up to %d tokens + EOS, but sampler.max_new_tokens="
-                      "%d: longer completions are cut off", self.cfg.path, self.max_answer_len,
-                      cfg.sampler.max_new_tokens)
+      logging.warning(
+        "task %s: answers are up to %d tokens + EOS, but sampler.max_new_tokens="
+        "%d: longer completions are cut off",
+        self.cfg.path,
+        self.max_answer_len,
+        cfg.sampler.max_new_tokens,
+      )
     if cfg.train.sft_steps:
       for ex in self.train:
         if not ex.answer:
-          raise ValueError(f"{ex.source}: no {self.cfg.answer_field!r} field: the supervised "
-                           f"warm-up (train.sft_steps={cfg.train.sft_steps}) trains on it")
+          raise ValueError(
+            f"{ex.source}: no {self.cfg.answer_field!r} field: the supervised "
+            f"warm-up (train.sft_steps={cfg.train.sft_steps}) trains on it"
+          )
     if cfg.train.eval_size and not self.eval:
-      raise ValueError(f"train.eval_size={cfg.train.eval_size}: task {self.cfg.path} has no "
-                       "held-out prompts (set task.eval_fraction > 0 or task.eval_path)")
+      raise ValueError(
+        f"train.eval_size={cfg.train.eval_size}: task {self.cfg.path} has no "
+        "held-out prompts (set task.eval_fraction > 0 or task.eval_path)"
+      )

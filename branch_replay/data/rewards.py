@@ -42,11 +42,13 @@ REWARDS: dict[str, Reward] = {}
 
 def register(name: str, needs: Sequence[str] = ()):
   """Decorator: make `fn(examples, completions, **kwargs)` a reward called `name`."""
+
   def wrap(fn):
     if name in REWARDS:
       raise ValueError(f"reward {name!r} is already registered ({REWARDS[name].fn})")
     REWARDS[name] = Reward(name, fn, tuple(needs))
     return fn
+
   return wrap
 
 
@@ -60,13 +62,15 @@ def get(spec: str) -> Reward:
     try:
       fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
-      raise ValueError(f"task.reward={spec!r}: cannot import {attr!r} from {module_name!r} "
-                       f"({e})") from None
+      raise ValueError(
+        f"task.reward={spec!r}: cannot import {attr!r} from {module_name!r} ({e})"
+      ) from None
     if not callable(fn):
       raise ValueError(f"task.reward={spec!r}: {module_name}.{attr} is not callable")
     return Reward(spec, fn, tuple(getattr(fn, "needs", ())))
-  raise ValueError(f"task.reward={spec!r}: unknown reward; expected one of {sorted(REWARDS)} "
-                   "or 'module:function'")
+  raise ValueError(
+    f"task.reward={spec!r}: unknown reward; expected one of {sorted(REWARDS)} or 'module:function'"
+  )
 
 
 def _where(example) -> str:
@@ -132,16 +136,22 @@ def _timeout(reward: Reward, flat_examples, flat_texts, R: int, kwargs, seconds:
     except Exception:
       continue  # it returns (an error is not a hang; the batch call would have raised it)
     if got is _HUNG:
-      which = (f"{_where(ex)}example {i // R} branch {i % R} (prompt {ex.prompt[-60:]!r}, "
-               f"completion {text[:60]!r}) alone does not return within it")
+      which = (
+        f"{_where(ex)}example {i // R} branch {i % R} (prompt {ex.prompt[-60:]!r}, "
+        f"completion {text[:60]!r}) alone does not return within it"
+      )
       break
   if which is None:
-    which = (f"none of the {probed} completion(s) tried alone ran past it: the batch as a "
-             "whole is too slow (raise train.reward_timeout_s)")
-  return RewardTimeout(f"reward {reward.name!r} did not return within "
-                       f"train.reward_timeout_s={seconds:g} s on {len(flat_texts)} completions; "
-                       f"{which}: stopping (this step is not taken; the last checkpoint "
-                       "stands)")
+    which = (
+      f"none of the {probed} completion(s) tried alone ran past it: the batch as a "
+      "whole is too slow (raise train.reward_timeout_s)"
+    )
+  return RewardTimeout(
+    f"reward {reward.name!r} did not return within "
+    f"train.reward_timeout_s={seconds:g} s on {len(flat_texts)} completions; "
+    f"{which}: stopping (this step is not taken; the last checkpoint "
+    "stands)"
+  )
 
 
 def limited(what: str, fn, probes=()):
@@ -164,12 +174,15 @@ def limited(what: str, fn, probes=()):
     except Exception:
       continue
   which = which or "no single call tried alone ran past it (raise train.reward_timeout_s)"
-  raise RewardTimeout(f"{what} did not return within train.reward_timeout_s={seconds:g} s; "
-                      f"{which}: stopping (this step is not taken; the last checkpoint stands)")
+  raise RewardTimeout(
+    f"{what} did not return within train.reward_timeout_s={seconds:g} s; "
+    f"{which}: stopping (this step is not taken; the last checkpoint stands)"
+  )
 
 
-def compute(reward: Reward, examples: Sequence, completions_BR: Sequence[Sequence[str]],
-            **kwargs) -> np.ndarray:
+def compute(
+  reward: Reward, examples: Sequence, completions_BR: Sequence[Sequence[str]], **kwargs
+) -> np.ndarray:
   """Rewards [B, R] (float32) of R completions per example, in one call of the reward."""
   B, R = len(examples), len(completions_BR[0]) if len(completions_BR) else 0
   # One call for all B*R pairs, flattened row-major: pair n = (b, r) with n = b*R + r.
@@ -180,27 +193,35 @@ def compute(reward: Reward, examples: Sequence, completions_BR: Sequence[Sequenc
     values = _call(reward.fn, (flat_examples, flat_texts), kwargs, seconds)
   except Exception as e:  # the reward's own bug or a bad example: name it and stop
     i = getattr(e, "example_index", None)
-    at = f" on example {i} ({_where(flat_examples[i])}prompt {flat_examples[i].prompt[-60:]!r})" \
-        if isinstance(i, int) and 0 <= i < len(flat_examples) else ""
+    at = (
+      f" on example {i} ({_where(flat_examples[i])}prompt {flat_examples[i].prompt[-60:]!r})"
+      if isinstance(i, int) and 0 <= i < len(flat_examples)
+      else ""
+    )
     raise ValueError(f"reward {reward.name!r} raised{at}: {type(e).__name__}: {e}") from e
   if values is _HUNG:
     raise _timeout(reward, flat_examples, flat_texts, R, kwargs, seconds)
   try:
     values_N = np.asarray(values, np.float64).reshape(-1)
   except (TypeError, ValueError):
-    raise ValueError(f"reward {reward.name!r}: expected {B * R} numbers, "
-                     f"got {values!r:.200}") from None
+    raise ValueError(
+      f"reward {reward.name!r}: expected {B * R} numbers, got {values!r:.200}"
+    ) from None
   if values_N.shape != (B * R,):
-    raise ValueError(f"reward {reward.name!r}: returned {values_N.size} values for {B * R} "
-                     f"completions ({B} prompts x {R} branches)")
+    raise ValueError(
+      f"reward {reward.name!r}: returned {values_N.size} values for {B * R} "
+      f"completions ({B} prompts x {R} branches)"
+    )
   bad = np.flatnonzero(~np.isfinite(values_N))
   if bad.size:
     i = int(bad[0])
     ex = flat_examples[i]
-    raise ValueError(f"reward {reward.name!r} returned {values_N[i]} for {_where(ex)}example "
-                     f"{i // R} branch {i % R} (prompt {ex.prompt[-60:]!r}, completion "
-                     f"{flat_texts[i][:60]!r}): expected a finite number; stopping rather "
-                     "than training on it")
+    raise ValueError(
+      f"reward {reward.name!r} returned {values_N[i]} for {_where(ex)}example "
+      f"{i // R} branch {i % R} (prompt {ex.prompt[-60:]!r}, completion "
+      f"{flat_texts[i][:60]!r}): expected a finite number; stopping rather "
+      "than training on it"
+    )
   rewards_BR = einops.rearrange(values_N, "(B R) -> B R", B=B, R=R).astype(np.float32)
   chex.assert_shape(rewards_BR, (B, R))
   return rewards_BR
@@ -252,8 +273,11 @@ def regex(examples, completions, *, pattern: str = ""):
   for i, (e, c) in enumerate(zip(examples, completions)):
     p = (e.fields or {}).get("pattern", pattern)
     if not p:
-      raise _Indexed(i, "no pattern: give the example a 'pattern' field or set "
-                     "task.reward_options={\"pattern\": ...}")
+      raise _Indexed(
+        i,
+        "no pattern: give the example a 'pattern' field or set "
+        'task.reward_options={"pattern": ...}',
+      )
     if p not in cache:
       try:
         cache[p] = re.compile(p)
@@ -268,7 +292,6 @@ def contains(examples, completions, *, case_sensitive: bool = True):
   """1 when the answer occurs anywhere in the completion, else 0."""
   fold = (lambda s: s) if case_sensitive else str.lower
   return [float(fold(e.answer) in fold(c)) for e, c in zip(examples, completions)]
-
 
 
 _GSM8K_FINAL = re.compile(r"####\s*([-+$]?[\d,]*\.?\d+)")

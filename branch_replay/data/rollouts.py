@@ -47,7 +47,6 @@ class Rollout:
 
 @register("rollouts")
 class RolloutsTask(Task):
-
   @dataclasses.dataclass(frozen=True)
   class Options:
     path: str = ""  # the JSON-lines file of rollouts
@@ -62,8 +61,14 @@ class RolloutsTask(Task):
     bucket: int = 16  # pad lengths to multiples of this (fewer compilations)
 
     def __post_init__(self):
-      for name, low in (("epochs", 1), ("prompt_len", 0), ("response_len", 0),
-                        ("max_depth", 1), ("min_shared", 1), ("bucket", 1)):
+      for name, low in (
+        ("epochs", 1),
+        ("prompt_len", 0),
+        ("response_len", 0),
+        ("max_depth", 1),
+        ("min_shared", 1),
+        ("bucket", 1),
+      ):
         value = getattr(self, name)
         if not isinstance(value, int) or value < low:
           raise ValueError(f"task.{name}={value!r}: expected an int >= {low}")
@@ -78,24 +83,29 @@ class RolloutsTask(Task):
   def __init__(self, cfg, tokenizer):
     super().__init__(cfg, tokenizer)
     if not cfg.path:
-      raise ValueError("task.path='': expected a JSON-lines file of rollouts "
-                       "(task.name=rollouts)")
+      raise ValueError("task.path='': expected a JSON-lines file of rollouts (task.name=rollouts)")
     template = getattr(tokenizer, "chat_template", None)
     self.template = template if cfg.chat_template == "auto" else None
     self.lines = load(cfg.path, tokenizer, cfg, self.template)
     self.n_branches = len(self.lines[0].responses)
 
   def sample(self, rng):
-    raise ValueError("task.name=rollouts: the rollouts come from task.path; there are no "
-                     "prompts to sample (train.sft_steps and train.eval_size need another task)")
+    raise ValueError(
+      "task.name=rollouts: the rollouts come from task.path; there are no "
+      "prompts to sample (train.sft_steps and train.eval_size need another task)"
+    )
 
   def check(self, cfg) -> None:
     if cfg.train.sft_steps:
-      raise ValueError(f"train.sft_steps={cfg.train.sft_steps}: expected 0 with "
-                       "task.name=rollouts (no reference answers to warm up on)")
+      raise ValueError(
+        f"train.sft_steps={cfg.train.sft_steps}: expected 0 with "
+        "task.name=rollouts (no reference answers to warm up on)"
+      )
     if len(self.lines) < cfg.train.batch_size:
-      raise ValueError(f"train.batch_size={cfg.train.batch_size}: {self.cfg.path} holds only "
-                       f"{len(self.lines)} lines")
+      raise ValueError(
+        f"train.batch_size={cfg.train.batch_size}: {self.cfg.path} holds only "
+        f"{len(self.lines)} lines"
+      )
 
   def steps_per_epoch(self, batch_size: int) -> int:
     return len(self.lines) // batch_size  # a partial last batch is left out of each epoch
@@ -104,34 +114,39 @@ class RolloutsTask(Task):
     """The lines of a step: epoch after epoch, in file order (a resumed run continues at the
     same line)."""
     i = step % self.steps_per_epoch(batch_size)
-    return self.lines[i * batch_size:(i + 1) * batch_size]
+    return self.lines[i * batch_size : (i + 1) * batch_size]
 
 
 # ----------------------------------------------------------------------------- the file
 
 
 def _ints(value, where, field, vocab):
-  if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool)
-                                            for v in value):
-    raise ValueError(f"{where}: field {field} is {type(value).__name__}, expected text or a "
-                     "list of token ids")
+  if not isinstance(value, list) or not all(
+    isinstance(v, int) and not isinstance(v, bool) for v in value
+  ):
+    raise ValueError(
+      f"{where}: field {field} is {type(value).__name__}, expected text or a list of token ids"
+    )
   ids = np.asarray(value, np.int64)
   if ids.size and (ids.min() < 0 or ids.max() >= vocab):
-    raise ValueError(f"{where}: field {field}: token ids in [0, {vocab}) expected (found "
-                     f"{ids.min()}..{ids.max()})")
+    raise ValueError(
+      f"{where}: field {field}: token ids in [0, {vocab}) expected (found {ids.min()}..{ids.max()})"
+    )
   return ids.astype(np.int32)
 
 
 def _numbers(value, n, where, field):
-  if not isinstance(value, list) or not all(isinstance(v, (int, float))
-                                            and not isinstance(v, bool) for v in value):
+  if not isinstance(value, list) or not all(
+    isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
+  ):
     raise ValueError(f"{where}: field {field} is not a list of numbers")
   if len(value) != n:
     raise ValueError(f"{where}: field {field} has {len(value)} entries, expected {n}")
   out = np.asarray(value, np.float64)
   if not np.all(np.isfinite(out)):
-    raise ValueError(f"{where}: field {field} holds a non-finite value "
-                     f"({out[~np.isfinite(out)][0]!r})")
+    raise ValueError(
+      f"{where}: field {field} holds a non-finite value ({out[~np.isfinite(out)][0]!r})"
+    )
   return out
 
 
@@ -141,8 +156,10 @@ def parse(record, where: str, tokenizer, cfg, template=None) -> Rollout:
     raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
   for field in ("prompt", "responses", "rewards"):
     if field not in record:
-      raise ValueError(f"{where}: missing field {field!r} (expected prompt, responses, "
-                       "rewards; optional logprobs, turns)")
+      raise ValueError(
+        f"{where}: missing field {field!r} (expected prompt, responses, "
+        "rewards; optional logprobs, turns)"
+      )
   vocab = tokenizer.vocab_size
   prompt = record["prompt"]
   try:
@@ -162,8 +179,10 @@ def parse(record, where: str, tokenizer, cfg, template=None) -> Rollout:
   if not prompt_ids.size:
     raise ValueError(f"{where}: field 'prompt' is empty")
   if cfg.prompt_len and prompt_ids.size > cfg.prompt_len:
-    raise ValueError(f"{where}: field 'prompt' is {prompt_ids.size} tokens, expected <= "
-                     f"task.prompt_len={cfg.prompt_len}")
+    raise ValueError(
+      f"{where}: field 'prompt' is {prompt_ids.size} tokens, expected <= "
+      f"task.prompt_len={cfg.prompt_len}"
+    )
   texts = record["responses"]
   if not isinstance(texts, list) or not texts:
     raise ValueError(f"{where}: field 'responses' must be a non-empty list")
@@ -174,8 +193,9 @@ def parse(record, where: str, tokenizer, cfg, template=None) -> Rollout:
       if not text:
         raise ValueError(f"{where}: field {field} is empty")
       try:
-        ids = np.asarray(list(tokenizer.encode(text))
-                         + ([tokenizer.eos_id] if cfg.stop == "eos" else []), np.int32)
+        ids = np.asarray(
+          list(tokenizer.encode(text)) + ([tokenizer.eos_id] if cfg.stop == "eos" else []), np.int32
+        )
       except ValueError as e:
         raise ValueError(f"{where}: field {field}: {e}") from None
     else:
@@ -183,8 +203,10 @@ def parse(record, where: str, tokenizer, cfg, template=None) -> Rollout:
     if not ids.size:
       raise ValueError(f"{where}: field {field} is empty")
     if cfg.response_len and ids.size > cfg.response_len:
-      raise ValueError(f"{where}: field {field} is {ids.size} tokens, expected <= "
-                       f"task.response_len={cfg.response_len}")
+      raise ValueError(
+        f"{where}: field {field} is {ids.size} tokens, expected <= "
+        f"task.response_len={cfg.response_len}"
+      )
     responses.append(ids)
   R = len(responses)
   rewards = _numbers(record["rewards"], R, where, "'rewards'")
@@ -192,11 +214,16 @@ def parse(record, where: str, tokenizer, cfg, template=None) -> Rollout:
   if record.get("logprobs") is not None:
     value = record["logprobs"]
     if not isinstance(value, list) or len(value) != R:
-      raise ValueError(f"{where}: field 'logprobs' must be a list of {R} lists (one per "
-                       "response)")
-    logprobs = tuple(_numbers(lp, len(ids), where, f"'logprobs'[{i}] (the tokenized response"
-                              f"{', EOS included' if cfg.stop == 'eos' else ''})")
-                     for i, (lp, ids) in enumerate(zip(value, responses)))
+      raise ValueError(f"{where}: field 'logprobs' must be a list of {R} lists (one per response)")
+    logprobs = tuple(
+      _numbers(
+        lp,
+        len(ids),
+        where,
+        f"'logprobs'[{i}] (the tokenized response{', EOS included' if cfg.stop == 'eos' else ''})",
+      )
+      for i, (lp, ids) in enumerate(zip(value, responses))
+    )
   if record.get("turns") is not None:
     value = record["turns"]
     if not isinstance(value, list) or len(value) != R:
@@ -205,11 +232,12 @@ def parse(record, where: str, tokenizer, cfg, template=None) -> Rollout:
     for i, (mask, ids) in enumerate(zip(value, responses)):
       tool = _numbers(mask, len(ids), where, f"'turns'[{i}]")
       if not np.isin(tool, (0, 1)).all():
-        raise ValueError(f"{where}: field 'turns'[{i}]: expected 0 (scored) or 1 (tool or "
-                         "observation text) per token")
+        raise ValueError(
+          f"{where}: field 'turns'[{i}]: expected 0 (scored) or 1 (tool or "
+          "observation text) per token"
+        )
       if tool.all():
-        raise ValueError(f"{where}: field 'turns'[{i}]: every token is tool text: nothing "
-                         "to score")
+        raise ValueError(f"{where}: field 'turns'[{i}]: every token is tool text: nothing to score")
       scored.append(tool == 0)
     scored = tuple(scored)
   return Rollout(where, prompt_ids, tuple(responses), rewards, logprobs, scored)
@@ -220,9 +248,11 @@ def load(path: str, tokenizer, cfg, template=None) -> list:
   for where, record in jsonl_records(path, f"task.path={path!r}"):
     rollout = parse(record, where, tokenizer, cfg, template)
     if out and len(rollout.responses) != len(out[0].responses):
-      raise ValueError(f"{where}: field 'responses' has {len(rollout.responses)} entries, "
-                       f"expected {len(out[0].responses)} as on {out[0].source} (one group "
-                       "size per file)")
+      raise ValueError(
+        f"{where}: field 'responses' has {len(rollout.responses)} entries, "
+        f"expected {len(out[0].responses)} as on {out[0].source} (one group "
+        "size per file)"
+      )
     out.append(rollout)
   if not out:
     raise ValueError(f"task.path={path!r}: no rollouts (expected one JSON object per line)")
@@ -240,10 +270,22 @@ def make_batch(lines, advantages_BR, cfg, *, old_logps=None, pad_id: int = 0):
     old_logps = [list(l.logprobs) for l in lines]
   scored = None
   if any(l.scored is not None for l in lines):
-    scored = [list(l.scored) if l.scored is not None
-              else [np.ones(len(r), bool) for r in l.responses] for l in lines]
-  shared = dict(max_depth=cfg.max_depth, min_shared=cfg.min_shared) if cfg.auto_tree else dict(
-      max_depth=1, min_shared=math.inf)
-  return trie.layout([l.prompt_ids for l in lines], [list(l.responses) for l in lines],
-                     advantages_BR, scored=scored, old_logps=old_logps, pad_id=pad_id,
-                     bucket=cfg.bucket, **shared)
+    scored = [
+      list(l.scored) if l.scored is not None else [np.ones(len(r), bool) for r in l.responses]
+      for l in lines
+    ]
+  shared = (
+    dict(max_depth=cfg.max_depth, min_shared=cfg.min_shared)
+    if cfg.auto_tree
+    else dict(max_depth=1, min_shared=math.inf)
+  )
+  return trie.layout(
+    [l.prompt_ids for l in lines],
+    [list(l.responses) for l in lines],
+    advantages_BR,
+    scored=scored,
+    old_logps=old_logps,
+    pad_id=pad_id,
+    bucket=cfg.bucket,
+    **shared,
+  )

@@ -54,6 +54,7 @@ TASKS: dict[str, type] = {}  # name -> task class (its options: the class's `Opt
 def register(name: str):
   """Class decorator: make a `Task` subclass available as `task.name=<name>`. Its options are
   its nested frozen dataclass `Options` (settable as `--set=task.<field>=...`)."""
+
   def wrap(cls):
     if name in TASKS and TASKS[name] is not cls:
       raise ValueError(f"task {name!r} is already registered ({TASKS[name]})")
@@ -61,21 +62,27 @@ def register(name: str):
       raise ValueError(f"task {name!r}: {cls.__name__}.Options must be a dataclass")
     TASKS[name] = cls
     return cls
+
   return wrap
 
 
 # Built-in tasks in their own modules, imported when first named (they import this module).
-BUILTIN = {"jsonl": "branch_replay.data.jsonl_task", "tree_haystack": "branch_replay.data.tree_task",
-           "rollouts": "branch_replay.data.rollouts"}
+BUILTIN = {
+  "jsonl": "branch_replay.data.jsonl_task",
+  "tree_haystack": "branch_replay.data.tree_task",
+  "rollouts": "branch_replay.data.rollouts",
+}
 
 
 def task_class(name: str) -> type:
   if name not in TASKS and name in BUILTIN:
     importlib.import_module(BUILTIN[name])  # registers it
   if name not in TASKS:
-    raise ValueError(f"task.name={name!r}: expected one of {sorted(set(TASKS) | set(BUILTIN))} "
-                     "(a task from your own module registers itself with @tasks.register "
-                     "when imported)")
+    raise ValueError(
+      f"task.name={name!r}: expected one of {sorted(set(TASKS) | set(BUILTIN))} "
+      "(a task from your own module registers itself with @tasks.register "
+      "when imported)"
+    )
   return TASKS[name]
 
 
@@ -84,6 +91,7 @@ class TaskConfig(NamedSection):
   """`name` picks the task; `options` is that task's own frozen dataclass (`TASKS[name].Options`).
   Options are given flat, as before: TaskConfig(name="haystack", prompt_len=64) and
   `--set=task.prompt_len=64` set `options.prompt_len`; `cfg.task.prompt_len` reads it."""
+
   name: str = "haystack"
   options: Any = None
   section, default = "task", "haystack"
@@ -109,16 +117,16 @@ def exact_match(example: Example, completion: str) -> float:
 class Task:
   """What the trainer needs of a task. Subclass, give it an `Options` dataclass, register it.
 
-    max_prompt_len   prompt tokens (BOS included) of an RL / eval prompt
-    sft_prompt_len   prefix tokens of a warm-up example
-    sft_tail_len     tokens of a warm-up tail (EOS included)
-    sample(rng) -> Example                 one training prompt (deterministic given rng)
-    supervised(rng) -> (prefix, [tail, ...])  warm-up: a prefix (str or Example) and the
-                                           texts its tails must continue it with
-    rewards(examples, completions_BR) -> [B, R] floats   (default: exact match)
-    eval_examples(seed, n) -> [Example]    held-out prompts for the greedy evaluation
-    check(cfg)                             raise ValueError before compute if the run's
-                                           config asks what the task cannot give
+  max_prompt_len   prompt tokens (BOS included) of an RL / eval prompt
+  sft_prompt_len   prefix tokens of a warm-up example
+  sft_tail_len     tokens of a warm-up tail (EOS included)
+  sample(rng) -> Example                 one training prompt (deterministic given rng)
+  supervised(rng) -> (prefix, [tail, ...])  warm-up: a prefix (str or Example) and the
+                                         texts its tails must continue it with
+  rewards(examples, completions_BR) -> [B, R] floats   (default: exact match)
+  eval_examples(seed, n) -> [Example]    held-out prompts for the greedy evaluation
+  check(cfg)                             raise ValueError before compute if the run's
+                                         config asks what the task cannot give
   """
 
   Options = NoOptions
@@ -138,8 +146,10 @@ class Task:
 
   def rewards(self, examples, completions_BR) -> np.ndarray:
     from branch_replay.data import rewards
-    return rewards.compute(rewards.get(self.reward_name), examples, completions_BR,
-                           **self.reward_options)
+
+    return rewards.compute(
+      rewards.get(self.reward_name), examples, completions_BR, **self.reward_options
+    )
 
   def eval_examples(self, seed: int, n: int) -> list:
     rng = np.random.default_rng([seed, 2**31])  # a stream the training steps never use
@@ -164,16 +174,17 @@ class Haystack(Task):
       for name in ("prompt_len", "n_keys", "value_len"):
         _positive(name, getattr(self, name))
       if self.n_keys > len(string.ascii_uppercase):
-        raise ValueError(f"task.n_keys={self.n_keys}: expected <= 26 (one uppercase letter "
-                         "each)")
+        raise ValueError(f"task.n_keys={self.n_keys}: expected <= 26 (one uppercase letter each)")
       if not isinstance(self.sft_prompt_len, int) or self.sft_prompt_len < 0:
         raise ValueError(f"task.sft_prompt_len={self.sft_prompt_len!r}: expected an int >= 0")
       need = 1 + self.n_keys * (1 + self.value_len) + 2
       for name in ("prompt_len", "sft_prompt_len"):
         value = getattr(self, name)
         if value and value < need:
-          raise ValueError(f"task.{name}={value}: expected >= {need} to hold n_keys="
-                           f"{self.n_keys} records of value_len={self.value_len} + the query")
+          raise ValueError(
+            f"task.{name}={value}: expected >= {need} to hold n_keys="
+            f"{self.n_keys} records of value_len={self.value_len} + the query"
+          )
 
   def __init__(self, cfg, tokenizer=TOKENIZER):
     super().__init__(cfg, tokenizer)
@@ -192,7 +203,7 @@ class Haystack(Task):
     values = []
     for key, slot in zip(keys, slots):
       value = "".join(rng.choice(list(string.digits), size=cfg.value_len))
-      chars[slot * width:(slot + 1) * width] = [key, *value]
+      chars[slot * width : (slot + 1) * width] = [key, *value]
       values.append(value)
     ask = int(rng.integers(cfg.n_keys))
     return Example("".join(chars) + "?" + keys[ask], values[ask])
@@ -207,8 +218,10 @@ class Haystack(Task):
     ex = self.sample(rng, self.sft_prompt_len)
     haystack = ex.prompt[:-2]
     keys = [c for c in haystack if c in string.ascii_uppercase]
-    tails = [f"?{k}{haystack[haystack.index(k) + 1:haystack.index(k) + 1 + self.cfg.value_len]}"
-             for k in keys]
+    tails = [
+      f"?{k}{haystack[haystack.index(k) + 1 : haystack.index(k) + 1 + self.cfg.value_len]}"
+      for k in keys
+    ]
     return haystack, tails
 
 
@@ -233,7 +246,7 @@ class Arithmetic(Task):
     self.sft_tail_len = self.max_answer_len + 1  # the sum + EOS
 
   def sample(self, rng: np.random.Generator) -> Example:
-    a, b = (int(x) for x in rng.integers(0, 10 ** self.cfg.n_digits, size=2))
+    a, b = (int(x) for x in rng.integers(0, 10**self.cfg.n_digits, size=2))
     return Example(f"{a}+{b}=", str(a + b))
 
   reward = staticmethod(exact_match)
@@ -269,8 +282,8 @@ def encode_prompts(items, length: int, tokenizer=TOKENIZER):
       ids = tokenizer.encode(item.prompt, bos=True)
     if len(ids) > length:
       raise ValueError(f"task prompt {b}: {len(ids)} tokens, expected <= {length}")
-    ids_BL[b, length - len(ids):] = ids
-    valid_BL[b, length - len(ids):] = True
+    ids_BL[b, length - len(ids) :] = ids
+    valid_BL[b, length - len(ids) :] = True
   return ids_BL, valid_BL
 
 
@@ -295,4 +308,3 @@ def encode_left(texts, length: int, tokenizer=TOKENIZER):
 def encode_right(texts, length: int, tokenizer=TOKENIZER):
   """text + EOS, right-padded: ids and validity, numpy [B, length] (tails start aligned)."""
   return _encode(texts, length, tokenizer, left=False, what="answer")
-

@@ -34,8 +34,9 @@ class CharTokenizer:
     ids = [BOS] if bos else []
     for i, c in enumerate(text):
       if c not in self._id:
-        raise ValueError(f"tokenizer.encode: character {c!r} at index {i} is not in the "
-                         f"vocabulary {self.chars!r}")
+        raise ValueError(
+          f"tokenizer.encode: character {c!r} at index {i} is not in the vocabulary {self.chars!r}"
+        )
       ids.append(self._id[c])
     return ids + ([EOS] if eos else [])
 
@@ -70,8 +71,15 @@ class HFTokenizer:
   imported checkpoint's own vocabulary. Special ids come from the checkpoint's config.json;
   stop ids: eos_id plus generation_config.json's eos ids."""
 
-  def __init__(self, tokenizer, bos_id: int, eos_id: int, pad_id: int | None = None,
-               chat_template=None, stop_ids: Sequence[int] = ()):
+  def __init__(
+    self,
+    tokenizer,
+    bos_id: int,
+    eos_id: int,
+    pad_id: int | None = None,
+    chat_template=None,
+    stop_ids: Sequence[int] = (),
+  ):
     self._tok = tokenizer
     self.bos_id, self.eos_id = int(bos_id), int(eos_id)
     self.pad_id = self.eos_id if pad_id is None else int(pad_id)
@@ -111,43 +119,53 @@ def from_model_dir(model_dir: str, hf_config: dict, *, char_tokenizer: bool = Fa
   a vocabulary larger than the checkpoint's embedding rows is an error."""
   from models import gguf
   from models import hf  # the only place that imports `tokenizers`
+
   gguf_path = gguf.gguf_file(model_dir)  # a GGUF file: the tokenizer in its metadata
   path = gguf_path or os.path.join(model_dir, "tokenizer.json")
   if char_tokenizer:
-    if (gguf.has_tokenizer(gguf_path) if gguf_path else os.path.exists(path)):
-      raise ValueError(f"{path}: the folder has its own tokenizer; the character tokenizer "
-                       "(--char_tokenizer) would train on other ids than it was trained on")
+    if gguf.has_tokenizer(gguf_path) if gguf_path else os.path.exists(path):
+      raise ValueError(
+        f"{path}: the folder has its own tokenizer; the character tokenizer "
+        "(--char_tokenizer) would train on other ids than it was trained on"
+      )
     return TOKENIZER
   tok = gguf.load_tokenizer(gguf_path) if gguf_path else hf.load_tokenizer(model_dir)
   if tok is None:
-    raise ValueError(f"{path}: missing; the checkpoint's text needs its tokenizer (pass "
-                     "--char_tokenizer to train on the shipped character tokenizer instead)")
+    raise ValueError(
+      f"{path}: missing; the checkpoint's text needs its tokenizer (pass "
+      "--char_tokenizer to train on the shipped character tokenizer instead)"
+    )
   rows = hf_config.get("vocab_size")
   vocab = tok.get_vocab_size(with_added_tokens=True)
   if rows is not None and vocab > rows:
-    raise ValueError(f"{path}: vocabulary of {vocab} tokens exceeds {model_dir}/config.json "
-                     f"vocab_size={rows} (the embedding's rows): not this checkpoint's tokenizer")
+    raise ValueError(
+      f"{path}: vocabulary of {vocab} tokens exceeds {model_dir}/config.json "
+      f"vocab_size={rows} (the embedding's rows): not this checkpoint's tokenizer"
+    )
   first = lambda v: v[0] if isinstance(v, (list, tuple)) else v
   eos = first(hf_config.get("eos_token_id"))
   bos = first(hf_config.get("bos_token_id"))
   if eos is None:
-    raise ValueError(f"{model_dir}/config.json: eos_token_id is missing; the sampler needs a "
-                     "stop token")
+    raise ValueError(
+      f"{model_dir}/config.json: eos_token_id is missing; the sampler needs a stop token"
+    )
   from branch_replay.data import chat
+
   bos = eos if bos is None else bos
   template = gguf.chat_template(gguf_path) if gguf_path else chat.load(model_dir)
   if template is not None and template.eos_token:  # a chat model's turns end with its EOS
     eos_id = tok.token_to_id(template.eos_token)
     if eos_id is None:
-      raise ValueError(f"{template.where}: eos_token {template.eos_token!r} is not in "
-                       f"{path}")
+      raise ValueError(f"{template.where}: eos_token {template.eos_token!r} is not in {path}")
     eos = eos_id
   config_eos = hf_config.get("eos_token_id")
   config_eos = list(config_eos) if isinstance(config_eos, (list, tuple)) else [config_eos]
   stops = [*config_eos, *(() if gguf_path else hf.generation_eos_ids(model_dir))]
   for i in stops:
     if not 0 <= int(i) < (rows or vocab):
-      raise ValueError(f"{model_dir}: eos_token_id {i} is outside the vocabulary "
-                       f"[0, {rows or vocab})")
-  return HFTokenizer(tok, bos, eos, first(hf_config.get("pad_token_id")),
-                     chat_template=template, stop_ids=stops)
+      raise ValueError(
+        f"{model_dir}: eos_token_id {i} is outside the vocabulary [0, {rows or vocab})"
+      )
+  return HFTokenizer(
+    tok, bos, eos, first(hf_config.get("pad_token_id")), chat_template=template, stop_ids=stops
+  )

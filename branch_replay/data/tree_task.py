@@ -21,6 +21,7 @@ from branch_replay.data import rewards, tasks
 from branch_replay.core import tree
 from branch_replay.data.tokenizer import TOKENIZER
 
+
 @dataclasses.dataclass(frozen=True)
 class TreeExample:
   prompt: str  # text after BOS, ends with `?a`
@@ -44,8 +45,10 @@ class TreeHaystack(tasks.Task):
 
   def check(self, cfg) -> None:
     if len(cfg.tree.fanout_tuple) != 2:
-      raise ValueError(f"tree.fanouts={cfg.tree.fanouts!r}: task {cfg.task.name!r} has two "
-                       "turns; expected two fan-outs, e.g. '4x4'")
+      raise ValueError(
+        f"tree.fanouts={cfg.tree.fanouts!r}: task {cfg.task.name!r} has two "
+        "turns; expected two fan-outs, e.g. '4x4'"
+      )
 
   def stop_tokens(self, tok=TOKENIZER):
     """Per turn: EOS (turn 1 is one token; an EOS there leaves it empty, hence wrong)."""
@@ -68,7 +71,7 @@ class TreeHaystack(tasks.Task):
     `?k` unscored, the answer `K` scored), each continued by its value `v<eos>`."""
     haystack, tails = self._haystack.supervised(rng)  # tails `?Kv` per record
     n = self.cfg.value_len
-    return haystack, [(f"?{t[1].lower()}", t[1], t[2:2 + n]) for t in tails]
+    return haystack, [(f"?{t[1].lower()}", t[1], t[2 : 2 + n]) for t in tails]
 
 
 # ------------------------------------------------- the turns as trees (warm-up, DPO, rewards)
@@ -79,7 +82,7 @@ def _encode_nodes(texts, length, tok, eos):
   valid = np.zeros((len(texts), length), bool)
   for i, text in enumerate(texts):
     row = tok.encode(text, eos=eos)
-    ids[i, :len(row)], valid[i, :len(row)] = row, True
+    ids[i, : len(row)], valid[i, : len(row)] = row, True
   return ids, valid
 
 
@@ -93,15 +96,23 @@ def turn_tree(task, items, children, tok=TOKENIZER) -> tree.TreeBatch:
   query = [q + a for _, turns in items for q, a, _ in turns]
   tokens1, valid1 = _encode_nodes(query, T1, tok, eos=False)
   scored1 = valid1 & (np.arange(T1) >= 2)  # `?k` is the question, not the policy's turn
-  seconds = [c for b, (_, turns) in enumerate(items)
-             for r, (_, _, v) in enumerate(turns) for c in children(b, r, v)]
+  seconds = [
+    c
+    for b, (_, turns) in enumerate(items)
+    for r, (_, _, v) in enumerate(turns)
+    for c in children(b, r, v)
+  ]
   R2 = len(seconds) // (B * R)
   tokens2, valid2 = _encode_nodes(seconds, task.turn_lengths[1], tok, eos=True)
   shape = lambda x, n: x.reshape(B, n, -1)
-  levels = (tree.TreeLevel(shape(tokens1, R), shape(valid1, R), shape(scored1, R),
-                           np.ones((B, R), np.float32)),
-            tree.TreeLevel(shape(tokens2, R * R2), shape(valid2, R * R2), None,
-                           np.ones((B, R * R2), np.float32)))
+  levels = (
+    tree.TreeLevel(
+      shape(tokens1, R), shape(valid1, R), shape(scored1, R), np.ones((B, R), np.float32)
+    ),
+    tree.TreeLevel(
+      shape(tokens2, R * R2), shape(valid2, R * R2), None, np.ones((B, R * R2), np.float32)
+    ),
+  )
   return tree.TreeBatch(root_BP, root_valid_BP, levels, fanouts=(R, R2))
 
 
@@ -117,10 +128,17 @@ def rewards_of(task, examples, samples, fanouts, tok=TOKENIZER) -> np.ndarray:
   per = len(turn2[0]) // len(turn1[0])
   leaves = [(b, leaf) for b in range(len(examples)) for leaf in range(len(turn2[0]))]
   one = lambda b, leaf: task.reward(examples[b], turn1[b][leaf // per], turn2[b][leaf])
-  probes = [(f"example {b} leaf {leaf} (prompt {examples[b].prompt[-60:]!r}, turns "
-             f"{turn1[b][leaf // per][:30]!r} / {turn2[b][leaf][:30]!r})",
-             lambda b=b, leaf=leaf: one(b, leaf)) for b, leaf in leaves]
+  probes = [
+    (
+      f"example {b} leaf {leaf} (prompt {examples[b].prompt[-60:]!r}, turns "
+      f"{turn1[b][leaf // per][:30]!r} / {turn2[b][leaf][:30]!r})",
+      lambda b=b, leaf=leaf: one(b, leaf),
+    )
+    for b, leaf in leaves
+  ]
   values = rewards.limited(
-      f"task {type(task).__name__}'s reward on {len(leaves)} leaves",
-      lambda: [one(b, leaf) for b, leaf in leaves], probes)
+    f"task {type(task).__name__}'s reward on {len(leaves)} leaves",
+    lambda: [one(b, leaf) for b, leaf in leaves],
+    probes,
+  )
   return np.asarray(values, np.float32).reshape(len(examples), len(turn2[0]))

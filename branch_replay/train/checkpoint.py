@@ -71,29 +71,36 @@ class Checkpointer:
 
   def _manager(self):
     return ocp.CheckpointManager(
-        self.directory,
-        options=ocp.CheckpointManagerOptions(
-            max_to_keep=self.cfg.train.keep_checkpoints, create=True,
-            enable_async_checkpointing=self.cfg.train.async_checkpoints))
+      self.directory,
+      options=ocp.CheckpointManagerOptions(
+        max_to_keep=self.cfg.train.keep_checkpoints,
+        create=True,
+        enable_async_checkpointing=self.cfg.train.async_checkpoints,
+      ),
+    )
 
   def latest_step(self):
     return self.manager.latest_step()
-
 
   def check_config(self) -> None:
     """An existing checkpoint must come from a compatible config; then record ours."""
     path = os.path.join(self.workdir, "config.json")
     if self.latest_step() is not None:
       if not os.path.exists(path):
-        raise ValueError(f"--workdir={self.workdir}: holds checkpoints but no config.json; "
-                         "cannot tell whether they fit this config (use a fresh --workdir)")
+        raise ValueError(
+          f"--workdir={self.workdir}: holds checkpoints but no config.json; "
+          "cannot tell whether they fit this config (use a fresh --workdir)"
+        )
       with open(path) as f:
         saved = json.load(f)
       diffs = config_lib.incompatible(saved, self.cfg)
       if diffs:
-        raise ValueError(f"--workdir={self.workdir}: its checkpoint (step "
-                         f"{self.latest_step()}) comes from an incompatible config: "
-                         + "; ".join(diffs) + ". Use a fresh --workdir or the saved config.")
+        raise ValueError(
+          f"--workdir={self.workdir}: its checkpoint (step "
+          f"{self.latest_step()}) comes from an incompatible config: "
+          + "; ".join(diffs)
+          + ". Use a fresh --workdir or the saved config."
+        )
     tmp = f"{path}.{socket.gethostname()}.{os.getpid()}.tmp"  # processes write alike
     with open(tmp, "w") as f:
       json.dump(config_lib.to_dict(self.cfg), f, indent=2)
@@ -128,12 +135,17 @@ class Checkpointer:
     if os_error is None:
       return
     steps = [s for s in self.manager.all_steps() if s != step]
-    intact = (f"the previous checkpoint (step {max(steps)}) is intact" if steps
-              else "no earlier checkpoint exists")
-    error = StorageError(f"checkpoint save of step {step} in {self.directory} failed: "
-                         f"{describe_os_error(os_error)}; {intact} (a half-written save is "
-                         "only a temporary directory, removed at the next start); free space "
-                         "and run the same command to resume")
+    intact = (
+      f"the previous checkpoint (step {max(steps)}) is intact"
+      if steps
+      else "no earlier checkpoint exists"
+    )
+    error = StorageError(
+      f"checkpoint save of step {step} in {self.directory} failed: "
+      f"{describe_os_error(os_error)}; {intact} (a half-written save is "
+      "only a temporary directory, removed at the next start); free space "
+      "and run the same command to resume"
+    )
     error.errno = os_error.errno
     raise error from e
 
@@ -160,11 +172,12 @@ class Checkpointer:
     if failures:
       step, e = failures[0]
       raise ValueError(
-          f"--workdir={self.workdir}: checkpoint {os.path.join(self.directory, str(step))} "
-          f"does not restore ({type(e).__name__}: {str(e)[:300]}) and no older checkpoint "
-          f"does either ({', '.join(str(s) for s, _ in failures)} tried): if the files are "
-          "damaged, move checkpoints/ aside to start over from step 0; if the config "
-          "changed, use the saved config.json or a fresh --workdir") from e
+        f"--workdir={self.workdir}: checkpoint {os.path.join(self.directory, str(step))} "
+        f"does not restore ({type(e).__name__}: {str(e)[:300]}) and no older checkpoint "
+        f"does either ({', '.join(str(s) for s, _ in failures)} tried): if the files are "
+        "damaged, move checkpoints/ aside to start over from step 0; if the config "
+        "changed, use the saved config.json or a fresh --workdir"
+      ) from e
     return 0, None
 
   def _set_aside(self, failures, good_step: int) -> None:
@@ -173,16 +186,20 @@ class Checkpointer:
       source = os.path.join(self.directory, str(step))
       if multi:  # every process must agree: refuse rather than move on some of them
         raise ValueError(
-            f"--workdir={self.workdir}: checkpoint {source} does not restore "
-            f"({type(e).__name__}: {str(e)[:300]}); step {good_step} does. On several "
-            f"processes nothing is moved automatically: move {source} out of checkpoints/ "
-            "and run the same command to resume from the previous one") from e
+          f"--workdir={self.workdir}: checkpoint {source} does not restore "
+          f"({type(e).__name__}: {str(e)[:300]}); step {good_step} does. On several "
+          f"processes nothing is moved automatically: move {source} out of checkpoints/ "
+          "and run the same command to resume from the previous one"
+        ) from e
       target = os.path.join(self.workdir, DAMAGED, f"{step}.{time.strftime('%Y%m%dT%H%M%S')}")
       os.makedirs(os.path.dirname(target), exist_ok=True)
       os.replace(source, target)
-      print(f"warning: checkpoint {source} does not restore ({type(e).__name__}: "
-            f"{str(e)[:300]}): moved to {target}; resuming from step {good_step}",
-            file=sys.stderr, flush=True)
+      print(
+        f"warning: checkpoint {source} does not restore ({type(e).__name__}: "
+        f"{str(e)[:300]}): moved to {target}; resuming from step {good_step}",
+        file=sys.stderr,
+        flush=True,
+      )
     self.manager.close()
     self.manager = self._manager()  # it listed the moved steps
 

@@ -41,23 +41,28 @@ class MetricsWriter:
     self._tb = None
     if tensorboard:
       import tensorboardX
-      self._tb = tensorboardX.SummaryWriter(logdir=os.path.dirname(os.path.abspath(path)),
-                                            flush_secs=10)
+
+      self._tb = tensorboardX.SummaryWriter(
+        logdir=os.path.dirname(os.path.abspath(path)), flush_secs=10
+      )
 
   def write(self, record: dict) -> None:
-    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-             for k, v in record.items()}
+    clean = {
+      k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()
+    }
     try:
       with open(self.path, "a") as f:
         f.write(json.dumps(clean, sort_keys=True) + "\n")
         f.flush()
     except OSError as e:  # a full disk: say what was lost and what a resume does
       from branch_replay.train import checkpoint
+
       error = checkpoint.StorageError(
-          f"{self.path}: appending the {record.get('kind', 'train')} record of step "
-          f"{record.get('step')} failed: {checkpoint.describe_os_error(e)}; the checkpoints "
-          "already committed are intact (a torn last line is repaired at the next start); "
-          "free space and run the same command to resume")
+        f"{self.path}: appending the {record.get('kind', 'train')} record of step "
+        f"{record.get('step')} failed: {checkpoint.describe_os_error(e)}; the checkpoints "
+        "already committed are intact (a torn last line is repaired at the next start); "
+        "free space and run the same command to resume"
+      )
       error.errno = e.errno
       raise error from e
     if self._tb is not None:
@@ -107,11 +112,14 @@ def repair(path: str, start: int, total: int) -> str | None:
   os.replace(tmp, path)
   said = []
   if torn:
-    said.append(f"dropped {len(torn)} torn line(s) (line {', '.join(map(str, torn))}: a "
-                "write cut short)")
+    said.append(
+      f"dropped {len(torn)} torn line(s) (line {', '.join(map(str, torn))}: a write cut short)"
+    )
   if redone:
-    said.append(f"dropped {redone} record(s) of steps >= {start} (after the checkpoint "
-                "resumed from; they are computed again)")
+    said.append(
+      f"dropped {redone} record(s) of steps >= {start} (after the checkpoint "
+      "resumed from; they are computed again)"
+    )
   return f"{path}: repaired: " + "; ".join(said)
 
 
@@ -132,6 +140,7 @@ def read(path: str) -> list[dict]:
 def plot(records: list[dict], path: str) -> str:
   """Reward (RL steps) and step time against the step, to a PNG."""
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
@@ -143,18 +152,25 @@ def plot(records: list[dict], path: str) -> str:
     mean = [r["reward/mean"] for r in rl]
     ax_r.plot(steps, mean, alpha=0.35, label="reward/mean (sampled)")
     window = 10
-    smooth = [sum(mean[max(0, i - window + 1):i + 1]) / len(mean[max(0, i - window + 1):i + 1])
-              for i in range(len(mean))]
+    smooth = [
+      sum(mean[max(0, i - window + 1) : i + 1]) / len(mean[max(0, i - window + 1) : i + 1])
+      for i in range(len(mean))
+    ]
     ax_r.plot(steps, smooth, label=f"running mean ({window} steps)")
   evals = [r for r in records if r.get("kind") == "eval"]
   if evals:
-    ax_r.plot([r["step"] for r in evals], [r["eval/greedy_reward"] for r in evals], "o--",
-              label="eval/greedy_reward")
+    ax_r.plot(
+      [r["step"] for r in evals],
+      [r["eval/greedy_reward"] for r in evals],
+      "o--",
+      label="eval/greedy_reward",
+    )
   ax_r.set_xlabel("step")
   ax_r.set_ylabel("reward")
   ax_r.legend(loc="lower right")
   ax_t.plot([r["step"] for r in train], [r.get("time/step_s") for r in train], label="train step")
   from branch_replay.train import phases
+
   for phase in phases.PHASES:  # the RL step by phase (those that ran)
     seconds = [r.get(f"time/{phase}_s") or 0.0 for r in rl]
     if any(seconds):
@@ -183,8 +199,8 @@ def read_tensorboard(directory: str) -> dict:
       data = f.read()
     at = 0
     while at + 12 <= len(data):
-      (length,) = struct.unpack("<Q", data[at:at + 8])
-      event = event_pb2.Event.FromString(data[at + 12:at + 12 + length])
+      (length,) = struct.unpack("<Q", data[at : at + 8])
+      event = event_pb2.Event.FromString(data[at + 12 : at + 12 + length])
       at += 12 + length + 4
       for value in event.summary.value:
         out.setdefault(value.tag, []).append((event.step, value.simple_value))

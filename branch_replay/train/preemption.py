@@ -45,10 +45,15 @@ class Preempted(Exception):
 
   def __init__(self, step: int, signum: int, workdir: str, saved: bool = True):
     self.step, self.signum, self.workdir, self.saved = step, signum, workdir, saved
-    done = (f"stopped after step {step - 1}; checkpoint {step} written" if saved else
-            f"stopped before step {step} (nothing new to checkpoint)")
-    super().__init__(f"{signal.Signals(signum).name}: {done} in {workdir}; run the same "
-                     f"command to resume at step {step}")
+    done = (
+      f"stopped after step {step - 1}; checkpoint {step} written"
+      if saved
+      else f"stopped before step {step} (nothing new to checkpoint)"
+    )
+    super().__init__(
+      f"{signal.Signals(signum).name}: {done} in {workdir}; run the same "
+      f"command to resume at step {step}"
+    )
 
 
 class Guard:
@@ -80,28 +85,38 @@ class Guard:
     if self.signum is not None:  # a second signal: do not wait for the step
       self._exit(f"a second {signal.Signals(signum).name}")
     self.signum, self.t_signal = signum, time.time()
-    print(f"{signal.Signals(signum).name} received: finishing the step in progress, then "
-          f"checkpointing it (within train.preemption_grace_s={self.grace_s:g} s)",
-          file=sys.stderr, flush=True)
-    self._timer = threading.Timer(self.grace_s, self._exit,
-                                  (f"train.preemption_grace_s={self.grace_s:g} s ran out",))
+    print(
+      f"{signal.Signals(signum).name} received: finishing the step in progress, then "
+      f"checkpointing it (within train.preemption_grace_s={self.grace_s:g} s)",
+      file=sys.stderr,
+      flush=True,
+    )
+    self._timer = threading.Timer(
+      self.grace_s, self._exit, (f"train.preemption_grace_s={self.grace_s:g} s ran out",)
+    )
     self._timer.daemon = True
     self._timer.start()
 
   def _exit(self, why: str):
     where = self.on_timeout() if self.on_timeout else ""
-    print(f"preemption: {why}: exiting now ({EXIT_GRACE}) without a checkpoint of the step "
-          f"in progress{'; ' + where if where else ''}", file=sys.stderr, flush=True)
+    print(
+      f"preemption: {why}: exiting now ({EXIT_GRACE}) without a checkpoint of the step "
+      f"in progress{'; ' + where if where else ''}",
+      file=sys.stderr,
+      flush=True,
+    )
     os._exit(EXIT_GRACE)
 
   def agreed(self) -> bool:
     """Whether this process or any other received a signal: on several processes a
     collective every process calls at the same point of each step."""
     import jax
+
     local = np.int32(0 if self.signum is None else self.signum)
     if jax.process_count() == 1:
       return bool(local)
     from jax.experimental import multihost_utils
+
     gathered = np.asarray(multihost_utils.process_allgather(local))
     if self.signum is None and gathered.any():  # another process was signalled
       self.signum = int(gathered[gathered > 0][0])

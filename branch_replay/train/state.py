@@ -37,15 +37,21 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
   t = cfg.train
   lr = t.learning_rate
   if t.sft_steps:
-    lr = optax.join_schedules([optax.constant_schedule(t.sft_learning_rate),
-                               optax.constant_schedule(t.learning_rate)], [t.sft_steps])
-  return optax.chain(optax.clip_by_global_norm(t.grad_clip),
-                     optax.adamw(lr, b1=0.9, b2=0.99, weight_decay=t.weight_decay))
+    lr = optax.join_schedules(
+      [optax.constant_schedule(t.sft_learning_rate), optax.constant_schedule(t.learning_rate)],
+      [t.sft_steps],
+    )
+  return optax.chain(
+    optax.clip_by_global_norm(t.grad_clip),
+    optax.adamw(lr, b1=0.9, b2=0.99, weight_decay=t.weight_decay),
+  )
 
 
 def make_critic_optimizer(cfg: Config) -> optax.GradientTransformation:
-  return optax.chain(optax.clip_by_global_norm(cfg.train.grad_clip),
-                     optax.adamw(cfg.critic.learning_rate, b1=0.9, b2=0.99))
+  return optax.chain(
+    optax.clip_by_global_norm(cfg.train.grad_clip),
+    optax.adamw(cfg.critic.learning_rate, b1=0.9, b2=0.99),
+  )
 
 
 def shardings(tree, kind: str, cfg: Config):
@@ -56,15 +62,22 @@ def shardings(tree, kind: str, cfg: Config):
     mesh = sharding.make_mesh(cfg.mesh)
     if kind == "state":
       params = sharding.param_shardings(mesh, cfg.model)
-      trained = params if tree.base is None else jax.tree.map(  # LoRA: adapters replicated
-          lambda _: sharding.replicated(mesh), tree.params)
+      trained = (
+        params
+        if tree.base is None
+        else jax.tree.map(  # LoRA: adapters replicated
+          lambda _: sharding.replicated(mesh), tree.params
+        )
+      )
       return tree.replace(
-          params=trained, step=sharding.replicated(mesh), rng=sharding.replicated(mesh),
-          opt_state=sharding.opt_state_shardings(mesh, make_optimizer(cfg), tree.opt_state,
-                                                 trained),
-          ref_params=None if tree.ref_params is None else params,
-          base=None if tree.base is None else params,
-          critic=None if tree.critic is None else _critic_shardings(mesh, tree.critic, cfg))
+        params=trained,
+        step=sharding.replicated(mesh),
+        rng=sharding.replicated(mesh),
+        opt_state=sharding.opt_state_shardings(mesh, make_optimizer(cfg), tree.opt_state, trained),
+        ref_params=None if tree.ref_params is None else params,
+        base=None if tree.base is None else params,
+        critic=None if tree.critic is None else _critic_shardings(mesh, tree.critic, cfg),
+      )
     if isinstance(tree, critic.CriticBatch):
       return critic.batch_shardings(mesh, tree)
     if isinstance(tree, TreeBatch):
@@ -78,8 +91,12 @@ def _critic_shardings(mesh, value_model, cfg: Config):
   """PPO's value model on the mesh: its transformer and Adam moments like the policy's, the
   head replicated."""
   params = critic.param_shardings(mesh, cfg.model, value_model["params"])
-  return dict(params=params, opt_state=sharding.opt_state_shardings(
-      mesh, make_critic_optimizer(cfg), value_model["opt_state"], params))
+  return dict(
+    params=params,
+    opt_state=sharding.opt_state_shardings(
+      mesh, make_critic_optimizer(cfg), value_model["opt_state"], params
+    ),
+  )
 
 
 def place(tree, kind: str, cfg: Config):
@@ -99,23 +116,37 @@ def init_state(cfg: Config, init_params=None, init_adapters=None) -> TrainState:
     params = tfm.init_params(cfg.model, init_key) if init_params is None else init_params
     base = None
     if cfg.lora.enabled:  # the reference for KL is the base itself (no copy)
-      base, params = params, (lora_lib.init_adapters(cfg.model, cfg.lora,
-                                                     jax.random.fold_in(init_key, 1))
-                              if init_adapters is None else init_adapters)
+      base, params = (
+        params,
+        (
+          lora_lib.init_adapters(cfg.model, cfg.lora, jax.random.fold_in(init_key, 1))
+          if init_adapters is None
+          else init_adapters
+        ),
+      )
     ref = jax.tree.map(jnp.copy, params) if cfg.loss.kl_coef and base is None else None
     value = None
     if cfg.uses_critic:  # the value model starts as the policy (copied again at RL start)
       critic_params = critic.init_params(cfg.model, init_key, params, share=cfg.critic.share)
       value = dict(params=critic_params, opt_state=make_critic_optimizer(cfg).init(critic_params))
-    return TrainState(params, make_optimizer(cfg).init(params), jnp.zeros((), jnp.int32),
-                      jax.random.key_data(rng), ref, value, base)
+    return TrainState(
+      params,
+      make_optimizer(cfg).init(params),
+      jnp.zeros((), jnp.int32),
+      jax.random.key_data(rng),
+      ref,
+      value,
+      base,
+    )
 
   if init_params is not None:
     expected = jax.eval_shape(lambda: tfm.init_params(cfg.model, jax.random.key(0)))
     got = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), init_params)
     if jax.tree.structure(got) != jax.tree.structure(expected) or got != expected:
-      raise ValueError("init_params: the parameter tree does not match model config "
-                       f"{cfg.model} (shapes/dtypes differ)")
+      raise ValueError(
+        "init_params: the parameter tree does not match model config "
+        f"{cfg.model} (shapes/dtypes differ)"
+      )
   if init_adapters is not None:
     if not cfg.lora.enabled:
       raise ValueError("init_adapters: lora.rank=0 (LoRA off); expected lora.rank > 0")
@@ -141,7 +172,6 @@ def reference(state: TrainState, cfg: Config):
   return state.base if cfg.loss.kl_coef and state.base is not None else None
 
 
-
 def state_dict(state: TrainState) -> dict:
   """What a checkpoint holds (LoRA: the adapters and their optimizer state; the frozen base
   comes from init / --model_dir again at resume)."""
@@ -164,6 +194,9 @@ def finite_or_stop(values: dict, step: int, ckpt: checkpoint.Checkpointer):
     if not np.isfinite(values[name]):
       ckpt.wait()  # the save in flight (asynchronous) is committed before we name the last
       last = ckpt.latest_step()
-      where = (f"the last good checkpoint is step {last} in {ckpt.directory}"
-               if last is not None else "no checkpoint was written yet")
+      where = (
+        f"the last good checkpoint is step {last} in {ckpt.directory}"
+        if last is not None
+        else "no checkpoint was written yet"
+      )
       raise FloatingPointError(f"{name} is {values[name]} at step {step}: stopping; {where}")

@@ -42,11 +42,19 @@ def loss_and_grad(cfg: Config, params, batch, loss_cfg, branch_chunk=None, param
   `lora_params_fn`; params are the adapters and grads theirs)."""
   if cfg.mesh and cfg.replay.mode == "replay":
     mesh = sharding.make_mesh(cfg.mesh)
-    return sharding.sharded_loss_and_grad(mesh, params, batch, cfg.model, loss_cfg, branch_chunk,
-                                          params_fn)
+    return sharding.sharded_loss_and_grad(
+      mesh, params, batch, cfg.model, loss_cfg, branch_chunk, params_fn
+    )
   engine_ = policy if policy.is_flat(batch) else engine
-  return engine_.loss_and_grad(params, batch, cfg.model, loss_cfg, mode=cfg.replay.mode,
-                               branch_chunk=branch_chunk, params_fn=params_fn)
+  return engine_.loss_and_grad(
+    params,
+    batch,
+    cfg.model,
+    loss_cfg,
+    mode=cfg.replay.mode,
+    branch_chunk=branch_chunk,
+    params_fn=params_fn,
+  )
 
 
 def lora_params_fn(cfg: Config, state: TrainState):
@@ -67,18 +75,27 @@ def make_train_step(cfg: Config, phase: str = "rl", loss_cfg=None):
   branch_chunk = cfg.replay.branch_chunk if phase == "rl" else None
 
   def train_step(state: TrainState, batch):
-    loss, aux_BR, grads = loss_and_grad(cfg, state.params, batch, loss_cfg, branch_chunk,
-                                        lora_params_fn(cfg, state))
+    loss, aux_BR, grads = loss_and_grad(
+      cfg, state.params, batch, loss_cfg, branch_chunk, lora_params_fn(cfg, state)
+    )
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     n = jnp.maximum(aux_BR["tokens"].sum(), 1)
-    out = {"loss/policy": loss, "kl": aux_BR["kl_sum"].sum() / n,
-           "entropy": aux_BR["entropy_sum"].sum() / n, "grad/norm": optax.tree.norm(grads),
-           "logp/mean": aux_BR["logp_sum"].sum() / n}
+    out = {
+      "loss/policy": loss,
+      "kl": aux_BR["kl_sum"].sum() / n,
+      "entropy": aux_BR["entropy_sum"].sum() / n,
+      "grad/norm": optax.tree.norm(grads),
+      "logp/mean": aux_BR["logp_sum"].sum() / n,
+    }
     scored = jnp.maximum(aux_BR["scored_tokens"].sum(), 1)
-    out.update({"clip_frac": aux_BR["clip_sum"].sum() / scored,
-                "approx_kl": aux_BR["approx_kl_sum"].sum() / scored,
-                "ratio/max": aux_BR["ratio_max"].max()})
+    out.update(
+      {
+        "clip_frac": aux_BR["clip_sum"].sum() / scored,
+        "approx_kl": aux_BR["approx_kl_sum"].sum() / scored,
+        "ratio/max": aux_BR["ratio_max"].max(),
+      }
+    )
     return state.replace(params=params, opt_state=opt_state, step=state.step + 1), out
 
   return train_step
@@ -95,12 +112,21 @@ class Fns(NamedTuple):
 def compile_key(cfg: Config) -> Config:
   """The config with the fields that cannot change a compiled function reset (a tree run keeps
   its task: the turn lengths shape its sampler)."""
-  train = dataclasses.replace(cfg.train, seed=0, rl_steps=0, checkpoint_every=1,
-                              keep_checkpoints=1, eval_size=0, progress=False, plot=False,
-                              tensorboard=False)
+  train = dataclasses.replace(
+    cfg.train,
+    seed=0,
+    rl_steps=0,
+    checkpoint_every=1,
+    keep_checkpoints=1,
+    eval_size=0,
+    progress=False,
+    plot=False,
+    tensorboard=False,
+  )
   replay = dataclasses.replace(cfg.replay, auto_tree=False)  # trees dispatch at trace time
-  return dataclasses.replace(cfg, train=train, replay=replay,
-                             task=cfg.task if cfg.tree.fanouts else TaskConfig())
+  return dataclasses.replace(
+    cfg, train=train, replay=replay, task=cfg.task if cfg.tree.fanouts else TaskConfig()
+  )
 
 
 @functools.lru_cache(maxsize=8)
@@ -109,23 +135,36 @@ def compiled(cfg: Config, stop_tokens=TOKENIZER.eos_id, turn_lengths: tuple = ()
   (a notebook, the tests), so a second run of the same model does not compile again.
   stop_tokens: the stop id or ids (flat: the tokenizer's stop_ids), or one tuple per turn
   (trees, with the task's turn_lengths)."""
-  steps = dict(rl_step=jax.jit(make_train_step(cfg, "rl"), donate_argnums=0),
-               sft_step=jax.jit(make_train_step(cfg, "sft"), donate_argnums=0),
-               # log-probs of every node at the sampler's temperature (reference, DPO metrics)
-               score=jax.jit(functools.partial(engine.forward, model_cfg=cfg.model,
-                                               temperature=cfg.sampler.temperature)))
+  steps = dict(
+    rl_step=jax.jit(make_train_step(cfg, "rl"), donate_argnums=0),
+    sft_step=jax.jit(make_train_step(cfg, "sft"), donate_argnums=0),
+    # log-probs of every node at the sampler's temperature (reference, DPO metrics)
+    score=jax.jit(
+      functools.partial(engine.forward, model_cfg=cfg.model, temperature=cfg.sampler.temperature)
+    ),
+  )
   if cfg.tree.fanouts:
-    sample = functools.partial(sampler.sample_tree, model_cfg=cfg.model,
-                               fanouts=cfg.tree.fanout_tuple, lengths=turn_lengths,
-                               stop_tokens=stop_tokens)
-    return Fns(**steps, sample=jax.jit(functools.partial(sample, cfg=cfg.sampler)),
-               greedy=jax.jit(functools.partial(sample, cfg=sampler.SamplerConfig(temperature=0.0),
-                                                fanouts=(1, 1))))
+    sample = functools.partial(
+      sampler.sample_tree,
+      model_cfg=cfg.model,
+      fanouts=cfg.tree.fanout_tuple,
+      lengths=turn_lengths,
+      stop_tokens=stop_tokens,
+    )
+    return Fns(
+      **steps,
+      sample=jax.jit(functools.partial(sample, cfg=cfg.sampler)),
+      greedy=jax.jit(
+        functools.partial(sample, cfg=sampler.SamplerConfig(temperature=0.0), fanouts=(1, 1))
+      ),
+    )
   stops = (stop_tokens,) if isinstance(stop_tokens, int) else tuple(stop_tokens)
-  greedy = sampler.SamplerConfig(max_new_tokens=cfg.sampler.max_new_tokens, temperature=0.0,
-                                 trunk_len=cfg.sampler.trunk_len)
+  greedy = sampler.SamplerConfig(
+    max_new_tokens=cfg.sampler.max_new_tokens, temperature=0.0, trunk_len=cfg.sampler.trunk_len
+  )
   sample = functools.partial(sampler.sample, model_cfg=cfg.model, stop_tokens=stops)
-  return Fns(**steps,
-             sample=jax.jit(functools.partial(sample, cfg=cfg.sampler,
-                                              n_branches=cfg.train.n_branches)),
-             greedy=jax.jit(functools.partial(sample, cfg=greedy, n_branches=1)))
+  return Fns(
+    **steps,
+    sample=jax.jit(functools.partial(sample, cfg=cfg.sampler, n_branches=cfg.train.n_branches)),
+    greedy=jax.jit(functools.partial(sample, cfg=greedy, n_branches=1)),
+  )

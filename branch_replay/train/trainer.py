@@ -23,8 +23,9 @@ from branch_replay.data.tokenizer import TOKENIZER
 from models import lora as lora_lib
 
 
-def run(cfg: Config, workdir: str, algorithm=None, *, init_params=None, tokenizer=None,
-        init_adapters=None) -> dict:
+def run(
+  cfg: Config, workdir: str, algorithm=None, *, init_params=None, tokenizer=None, init_adapters=None
+) -> dict:
   """Train (resuming from `workdir` if it holds a checkpoint); returns the summary.
 
   algorithm: an `algorithms.Algorithm` class (default: the one the config selects,
@@ -40,8 +41,10 @@ def run(cfg: Config, workdir: str, algorithm=None, *, init_params=None, tokenize
   SIGTERM or SIGINT (from the main thread's handlers, installed for the call): the step in
   progress finishes, its metrics line and a checkpoint of it are written, and
   `preemption.Preempted` is raised (run.py exits 128 + the signal); the same call resumes."""
-  guard = preemption.Guard(cfg.train.preemption_grace_s, on_timeout=lambda: (
-      f"the same command resumes from the newest checkpoint in {workdir}"))
+  guard = preemption.Guard(
+    cfg.train.preemption_grace_s,
+    on_timeout=lambda: f"the same command resumes from the newest checkpoint in {workdir}",
+  )
   with guard, rewards.time_limit(cfg.train.reward_timeout_s):
     return _train(cfg, workdir, algorithm, init_params, tokenizer, init_adapters, guard)
 
@@ -49,10 +52,12 @@ def run(cfg: Config, workdir: str, algorithm=None, *, init_params=None, tokenize
 def _train(cfg, workdir, algorithm, init_params, tokenizer, init_adapters, guard):
   tok = TOKENIZER if tokenizer is None else tokenizer
   if tok.vocab_size > cfg.model.vocab_size:
-    raise ValueError(f"model.vocab_size={cfg.model.vocab_size}: expected >= the tokenizer's "
-                     f"{tok.vocab_size}")
+    raise ValueError(
+      f"model.vocab_size={cfg.model.vocab_size}: expected >= the tokenizer's {tok.vocab_size}"
+    )
   if algorithm is None:
     from branch_replay import algorithms  # the registry (it imports an algorithm when asked)
+
     algorithm = algorithms.for_config(cfg)
   t_start = time.time()
   workdir = checkpoint.check_workdir(workdir)  # before any compute
@@ -74,13 +79,17 @@ def _train(cfg, workdir, algorithm, init_params, tokenizer, init_adapters, guard
     repaired = metrics.repair(metrics_path, start, total)
     if repaired:
       print(repaired, file=sys.stderr, flush=True)
-  writer = metrics.MetricsWriter(metrics_path if chief else os.devnull,
-                                 tensorboard=cfg.train.tensorboard and chief)
+  writer = metrics.MetricsWriter(
+    metrics_path if chief else os.devnull, tensorboard=cfg.train.tensorboard and chief
+  )
   warmup = getattr(algo, "warmup_steps", t.sft_steps)  # supervised steps before the phase
   eval_examples = algo.eval_examples() if t.eval_size else []
   # The first-step self-check (replay.verify): replay == naive on the first batch, once.
-  verify_pending = (verify.enabled(cfg.replay.verify, init_params is not None)
-                    and hasattr(algo, "verify") and not cfg.mesh)
+  verify_pending = (
+    verify.enabled(cfg.replay.verify, init_params is not None)
+    and hasattr(algo, "verify")
+    and not cfg.mesh
+  )
 
   def evaluate(state, step):
     if t.eval_batch or t.eval_shared_prefix:  # per prompt: n, and 0/1 rewards' interval
@@ -89,14 +98,18 @@ def _train(cfg, workdir, algorithm, init_params, tokenizer, init_adapters, guard
       rec = {"eval/greedy_reward": algo.evaluate(state, eval_examples)}
     writer.write({"step": step, "kind": "eval", **rec})
     if "eval/ci95_low" in rec:
-      bar.write(f"step {step}: greedy accuracy {rec['eval/correct']}/{rec['eval/n']} = "
-                f"{rec['eval/greedy_reward']:.3f} (95% interval {rec['eval/ci95_low']:.3f}-"
-                f"{rec['eval/ci95_high']:.3f})")
+      bar.write(
+        f"step {step}: greedy accuracy {rec['eval/correct']}/{rec['eval/n']} = "
+        f"{rec['eval/greedy_reward']:.3f} (95% interval {rec['eval/ci95_low']:.3f}-"
+        f"{rec['eval/ci95_high']:.3f})"
+      )
     return rec["eval/greedy_reward"]
 
   from tqdm import tqdm
-  bar = tqdm(total=total, initial=start, disable=not (t.progress and chief),
-             dynamic_ncols=True, desc="train")
+
+  bar = tqdm(
+    total=total, initial=start, disable=not (t.progress and chief), dynamic_ncols=True, desc="train"
+  )
 
   def stop(step: int, saved: bool):
     ckpt.wait()  # the preemption checkpoint committed before we exit
@@ -119,8 +132,9 @@ def _train(cfg, workdir, algorithm, init_params, tokenizer, init_adapters, guard
       rec["phase"] = algo.phase
       if step == warmup:
         if eval_examples and t.eval_before:
-          bar.write(f"step {step}: greedy eval reward before {algo.phase} "
-                    f"{evaluate(state, step):.3f}")
+          bar.write(
+            f"step {step}: greedy eval reward before {algo.phase} {evaluate(state, step):.3f}"
+          )
         state = algo.start(state)
       batch, sampled = algo.batch(state, step)
       rec.update(sampled)
@@ -134,10 +148,15 @@ def _train(cfg, workdir, algorithm, init_params, tokenizer, init_adapters, guard
     train_state.finite_or_stop(out, step, ckpt)
     prefix, tails, naive = algo.token_counts(batch, rec["phase"])
     rec.update(out)
-    rec.update({"replay/prefix_tokens": prefix, "replay/tail_tokens": tails,
-                "replay/naive_equiv_tokens": naive,
-                "replay/computed_tokens": naive if cfg.replay.mode == "naive" else prefix + tails,
-                "time/step_s": time.time() - t0})
+    rec.update(
+      {
+        "replay/prefix_tokens": prefix,
+        "replay/tail_tokens": tails,
+        "replay/naive_equiv_tokens": naive,
+        "replay/computed_tokens": naive if cfg.replay.mode == "naive" else prefix + tails,
+        "time/step_s": time.time() - t0,
+      }
+    )
     writer.write(rec)
     preempted = guard.agreed()  # several processes: all of them, after the same step
     if (step + 1) % t.checkpoint_every == 0 or step + 1 == total or preempted:
@@ -159,12 +178,20 @@ def _train(cfg, workdir, algorithm, init_params, tokenizer, init_adapters, guard
     adapters = sharding.to_host(state.params)
     if chief:
       lora_lib.save_peft(adapter_dir, cfg.model, cfg.lora, adapters)
-  plot_path = (metrics.plot(records, os.path.join(workdir, "metrics.png"))
-               if t.plot and chief else None)
+  plot_path = (
+    metrics.plot(records, os.path.join(workdir, "metrics.png")) if t.plot and chief else None
+  )
   summary = algo.summarize(records)
-  summary.update(workdir=workdir, checkpoint=ckpt.directory, metrics=writer.path,
-                 plot=plot_path, wall_s=time.time() - t_start, final_params=state.params,
-                 adapter=adapter_dir, base_params=state.base)
+  summary.update(
+    workdir=workdir,
+    checkpoint=ckpt.directory,
+    metrics=writer.path,
+    plot=plot_path,
+    wall_s=time.time() - t_start,
+    final_params=state.params,
+    adapter=adapter_dir,
+    base_params=state.base,
+  )
   return summary
 
 
@@ -175,5 +202,6 @@ def final_eval_missing(records, step: int) -> bool:
   missing = not any(r.get("kind") == "eval" and r["step"] == step for r in records)
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
+
     missing = bool(multihost_utils.broadcast_one_to_all(np.int32(missing)))
   return missing

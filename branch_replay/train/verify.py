@@ -37,8 +37,9 @@ def enabled(mode: str, imported: bool) -> bool:
 
 def tolerance(model_cfg) -> float:
   """The loosest of the compute and parameter dtypes decides."""
-  return max(TOLERANCE[str(jnp.dtype(d))] for d in (model_cfg.compute_dtype,
-                                                    model_cfg.weight_dtype))
+  return max(
+    TOLERANCE[str(jnp.dtype(d))] for d in (model_cfg.compute_dtype, model_cfg.weight_dtype)
+  )
 
 
 def _errors(fast, slow):
@@ -63,9 +64,17 @@ def check(params, batch, model_cfg, loss_cfg, *, branch_chunk=None, tol=None) ->
   time/verify_s (both paths, compilation included)."""
   engine_ = policy if policy.is_flat(batch) else engine
   tol = tolerance(model_cfg) if tol is None else tol
-  run = lambda mode: jax.block_until_ready(jax.jit(functools.partial(
-      engine_.loss_and_grad, model_cfg=model_cfg, loss_cfg=loss_cfg, mode=mode,
-      branch_chunk=branch_chunk if mode == "replay" else None))(params, batch))
+  run = lambda mode: jax.block_until_ready(
+    jax.jit(
+      functools.partial(
+        engine_.loss_and_grad,
+        model_cfg=model_cfg,
+        loss_cfg=loss_cfg,
+        mode=mode,
+        branch_chunk=branch_chunk if mode == "replay" else None,
+      )
+    )(params, batch)
+  )
   t0 = time.perf_counter()
   loss_fast, _, grads_fast = run("replay")
   t1 = time.perf_counter()
@@ -76,15 +85,23 @@ def check(params, batch, model_cfg, loss_cfg, *, branch_chunk=None, tol=None) ->
   loss_err = abs(float(loss_fast) - float(loss_slow)) / max(abs(float(loss_slow)), 1e-30)
   if not err <= tol:
     raise MismatchError(
-        f"replay.verify: branch replay and the naive twin disagree on the first batch: "
-        f"gradient leaf {name}{list(index)} is {fast!r} through replay and {slow!r} through "
-        f"the naive twin (relative error {err:.3g} > tolerance {tol:g} for "
-        f"{model_cfg.dtype}); loss {float(loss_fast)!r} vs {float(loss_slow)!r}. Train with "
-        "replay.mode=naive, or report the model config and batch shapes")
+      f"replay.verify: branch replay and the naive twin disagree on the first batch: "
+      f"gradient leaf {name}{list(index)} is {fast!r} through replay and {slow!r} through "
+      f"the naive twin (relative error {err:.3g} > tolerance {tol:g} for "
+      f"{model_cfg.dtype}); loss {float(loss_fast)!r} vs {float(loss_slow)!r}. Train with "
+      "replay.mode=naive, or report the model config and batch shapes"
+    )
   if not loss_err <= tol:
-    raise MismatchError(f"replay.verify: the loss is {float(loss_fast)!r} through replay and "
-                        f"{float(loss_slow)!r} through the naive twin (relative error "
-                        f"{loss_err:.3g} > tolerance {tol:g} for {model_cfg.dtype})")
-  return {"verify/max_rel_err": err, "verify/loss_rel_err": loss_err, "verify/worst_leaf": name,
-          "time/verify_s": t2 - t0, "time/verify_replay_s": t1 - t0,
-          "time/verify_naive_s": t2 - t1}
+    raise MismatchError(
+      f"replay.verify: the loss is {float(loss_fast)!r} through replay and "
+      f"{float(loss_slow)!r} through the naive twin (relative error "
+      f"{loss_err:.3g} > tolerance {tol:g} for {model_cfg.dtype})"
+    )
+  return {
+    "verify/max_rel_err": err,
+    "verify/loss_rel_err": loss_err,
+    "verify/worst_leaf": name,
+    "time/verify_s": t2 - t0,
+    "time/verify_replay_s": t1 - t0,
+    "time/verify_naive_s": t2 - t1,
+  }

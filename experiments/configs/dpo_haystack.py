@@ -20,9 +20,10 @@ from experiments.configs import grpo_haystack
 def get_config():
   cfg = grpo_haystack.get_config()
   return dataclasses.replace(
-      cfg,
-      loss=dataclasses.replace(cfg.loss, name="dpo", beta=0.1),
-      algo=AlgoConfig(name="dpo"),
-      train=dataclasses.replace(cfg.train, rl_steps=100, n_branches=2, learning_rate=3e-4,
-                                eval_size=0),
+    cfg,
+    loss=dataclasses.replace(cfg.loss, name="dpo", beta=0.1),
+    algo=AlgoConfig(name="dpo"),
+    train=dataclasses.replace(
+      cfg.train, rl_steps=100, n_branches=2, learning_rate=3e-4, eval_size=0
+    ),
   )

@@ -17,6 +17,7 @@ from experiments.configs import base
 
 def get_config():
   return base.config(
-      TaskConfig(name="arithmetic", n_digits=2),
-      train=base.train(sft_steps=450, sft_batch_size=64, batch_size=16, learning_rate=3e-4),
-      sampler=SamplerConfig(max_new_tokens=4))
+    TaskConfig(name="arithmetic", n_digits=2),
+    train=base.train(sft_steps=450, sft_batch_size=64, batch_size=16, learning_rate=3e-4),
+    sampler=SamplerConfig(max_new_tokens=4),
+  )

@@ -19,5 +19,6 @@ from experiments.configs import base
 
 def get_config():
   return base.config(
-      TaskConfig(name="haystack", prompt_len=256, n_keys=4, value_len=1, sft_prompt_len=32),
-      sampler=SamplerConfig(max_new_tokens=3))
+    TaskConfig(name="haystack", prompt_len=256, n_keys=4, value_len=1, sft_prompt_len=32),
+    sampler=SamplerConfig(max_new_tokens=3),
+  )

@@ -20,10 +20,18 @@ from experiments.configs import base
 
 def get_config():
   return base.config(
-      TaskConfig(name="jsonl", path="experiments/data/reverse.jsonl", prompt_len=16,
-                 reward="exact_match"),
-      model=base.WIDE_MODEL,
-      train=base.train(sft_steps=1500, sft_learning_rate=1e-3, rl_steps=100,
-                       learning_rate=3e-4, weight_decay=0.1, checkpoint_every=100,
-                       eval_size=40),
-      sampler=SamplerConfig(max_new_tokens=6))
+    TaskConfig(
+      name="jsonl", path="experiments/data/reverse.jsonl", prompt_len=16, reward="exact_match"
+    ),
+    model=base.WIDE_MODEL,
+    train=base.train(
+      sft_steps=1500,
+      sft_learning_rate=1e-3,
+      rl_steps=100,
+      learning_rate=3e-4,
+      weight_decay=0.1,
+      checkpoint_every=100,
+      eval_size=40,
+    ),
+    sampler=SamplerConfig(max_new_tokens=6),
+  )

@@ -40,9 +40,11 @@ from experiments.configs import base  # noqa: E402
 DATA = os.path.join(ROOT, "experiments", "data", "math.jsonl")
 SHOTS = 2
 SEP = " | "  # between shots (the character tokenizer has no newline)
-QWEN_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-                 "{% endif %}")
+QWEN_TEMPLATE = (
+  "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+  "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+  "{% endif %}"
+)
 
 
 def shot(question: str, answer: str = "") -> str:
@@ -57,13 +59,16 @@ def build_prompts(data: str = DATA, shots: int = SHOTS, out: str = "") -> str:
     rows = [json.loads(line) for line in f if line.strip()]
   for i, row in enumerate(rows, 1):
     if not {"question", "answer"} <= set(row) or "####" not in row["answer"]:
-      raise ValueError(f"{data}:{i}: expected fields 'question' and 'answer' (ending "
-                       "'#### <number>'), GSM8K's layout")
+      raise ValueError(
+        f"{data}:{i}: expected fields 'question' and 'answer' (ending "
+        "'#### <number>'), GSM8K's layout"
+      )
   if len(rows) <= shots:
     raise ValueError(f"{data}: {len(rows)} problems, expected more than shots={shots}")
   header = SEP.join(shot(r["question"], r["answer"]) for r in rows[:shots])
-  out = out or os.path.join(tempfile.gettempdir(), "branch_replay_math",
-                            f"{os.path.basename(data)[:-6]}_{shots}shot.jsonl")
+  out = out or os.path.join(
+    tempfile.gettempdir(), "branch_replay_math", f"{os.path.basename(data)[:-6]}_{shots}shot.jsonl"
+  )
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
   with open(out, "w", encoding="utf-8") as f:
     for r in rows[shots:]:
@@ -75,12 +80,21 @@ def build_prompts(data: str = DATA, shots: int = SHOTS, out: str = "") -> str:
 def get_config():
   # No warm-up (an imported checkpoint already answers): its own short schedule.
   return base.config(
-      TaskConfig(name="jsonl", path=build_prompts(), prompt_len=768, reward="final_number"),
-      model=dataclasses.replace(base.WIDE_MODEL, n_kv_heads=2),
-      train=TrainConfig(seed=0, sft_steps=0, rl_steps=20, batch_size=2, n_branches=4,
-                        learning_rate=1e-4, checkpoint_every=20, keep_checkpoints=1,
-                        eval_size=4),
-      sampler=SamplerConfig(max_new_tokens=80))
+    TaskConfig(name="jsonl", path=build_prompts(), prompt_len=768, reward="final_number"),
+    model=dataclasses.replace(base.WIDE_MODEL, n_kv_heads=2),
+    train=TrainConfig(
+      seed=0,
+      sft_steps=0,
+      rl_steps=20,
+      batch_size=2,
+      n_branches=4,
+      learning_rate=1e-4,
+      checkpoint_every=20,
+      keep_checkpoints=1,
+      eval_size=4,
+    ),
+    sampler=SamplerConfig(max_new_tokens=80),
+  )
 
 
 def write_tiny_checkpoint(path: str, data: str = DATA, vocab: int = 384) -> str:
@@ -91,13 +105,16 @@ def write_tiny_checkpoint(path: str, data: str = DATA, vocab: int = 384) -> str:
   import tokenizers
   from models import hf
   from models import transformer as tfm
+
   specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
   tok = tokenizers.Tokenizer(tokenizers.models.BPE())
   tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = tokenizers.decoders.ByteLevel()
   trainer = tokenizers.trainers.BpeTrainer(
-      vocab_size=vocab, special_tokens=specials,
-      initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    vocab_size=vocab,
+    special_tokens=specials,
+    initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+  )
   with open(data, encoding="utf-8") as f:
     texts = [v for line in f if line.strip() for v in json.loads(line).values()]
   tok.train_from_iterator(texts + [shot("q", "a") + SEP, QWEN_TEMPLATE], trainer)
@@ -106,20 +123,43 @@ def write_tiny_checkpoint(path: str, data: str = DATA, vocab: int = 384) -> str:
   ids = {s: tok.token_to_id(s) for s in specials}
   rows = -(-tok.get_vocab_size() // 64) * 64  # embedding rows: the vocabulary rounded up
   cfg = tfm.preset("tiny", vocab_size=rows, qkv_bias=True, tie_embeddings=True)
-  hf.save(path, cfg, tfm.init_params(cfg, jax.random.key(0)), family="qwen2",
-          extra_config=dict(bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
-                            pad_token_id=ids["<|endoftext|>"]))
+  hf.save(
+    path,
+    cfg,
+    tfm.init_params(cfg, jax.random.key(0)),
+    family="qwen2",
+    extra_config=dict(
+      bos_token_id=ids["<|endoftext|>"],
+      eos_token_id=ids["<|im_end|>"],
+      pad_token_id=ids["<|endoftext|>"],
+    ),
+  )
   with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-    json.dump({"chat_template": QWEN_TEMPLATE, "eos_token": "<|im_end|>",
-               "pad_token": "<|endoftext|>", "bos_token": None}, f, indent=2)
+    json.dump(
+      {
+        "chat_template": QWEN_TEMPLATE,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+      },
+      f,
+      indent=2,
+    )
   with open(os.path.join(path, "generation_config.json"), "w") as f:
-    json.dump({"eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
-               "pad_token_id": ids["<|endoftext|>"]}, f, indent=2)
+    json.dump(
+      {
+        "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+        "pad_token_id": ids["<|endoftext|>"],
+      },
+      f,
+      indent=2,
+    )
   return path
 
 
 if __name__ == "__main__":
   import argparse
+
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--data", default=DATA, help="GSM8K-layout JSON lines")
   parser.add_argument("--shots", type=int, default=SHOTS)

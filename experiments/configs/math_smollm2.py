@@ -53,8 +53,13 @@ def shot(question: str, answer: str = "") -> str:
   return f"Question: {question}\nAnswer:" + (f" {answer}" if answer else "")
 
 
-def build_prompts(data: str = DATA, shots: int = SHOTS, n_train: int = N_TRAIN,
-                  n_eval: int = N_EVAL, out_dir: str = "") -> tuple[str, str]:
+def build_prompts(
+  data: str = DATA,
+  shots: int = SHOTS,
+  n_train: int = N_TRAIN,
+  n_eval: int = N_EVAL,
+  out_dir: str = "",
+) -> tuple[str, str]:
   """A GSM8K-layout file -> (train, eval) JSON-lines files of k-shot prompts (`prompt`,
   `answer`): the first `shots` records are the examples, the next `n_train` the training
   prompts, the last `n_eval` the held-out ones (disjoint; a file too short is a ValueError)."""
@@ -62,21 +67,30 @@ def build_prompts(data: str = DATA, shots: int = SHOTS, n_train: int = N_TRAIN,
     rows = [json.loads(line) for line in f if line.strip()]
   for i, row in enumerate(rows, 1):
     if not {"question", "answer"} <= set(row) or "####" not in row["answer"]:
-      raise ValueError(f"{data}:{i}: expected fields 'question' and 'answer' (ending "
-                       "'#### <number>'), GSM8K's layout")
+      raise ValueError(
+        f"{data}:{i}: expected fields 'question' and 'answer' (ending "
+        "'#### <number>'), GSM8K's layout"
+      )
   if len(rows) < shots + n_train + n_eval:
-    raise ValueError(f"{data}: {len(rows)} problems, expected >= shots + n_train + n_eval = "
-                     f"{shots + n_train + n_eval}")
+    raise ValueError(
+      f"{data}: {len(rows)} problems, expected >= shots + n_train + n_eval = "
+      f"{shots + n_train + n_eval}"
+    )
   header = SEP.join(shot(r["question"], r["answer"]) for r in rows[:shots])
   out_dir = out_dir or os.path.join(tempfile.gettempdir(), "branch_replay_math")
   os.makedirs(out_dir, exist_ok=True)
   paths = []
-  for name, part in (("train", rows[shots:shots + n_train]), ("eval", rows[len(rows) - n_eval:])):
+  for name, part in (
+    ("train", rows[shots : shots + n_train]),
+    ("eval", rows[len(rows) - n_eval :]),
+  ):
     path = os.path.join(out_dir, f"{os.path.basename(data)[:-6]}_{shots}shot_{name}.jsonl")
     with open(path + ".tmp", "w", encoding="utf-8") as f:
       for r in part:
-        f.write(json.dumps({"prompt": header + SEP + shot(r["question"]),
-                            "answer": " " + r["answer"]}) + "\n")
+        f.write(
+          json.dumps({"prompt": header + SEP + shot(r["question"]), "answer": " " + r["answer"]})
+          + "\n"
+        )
     os.replace(path + ".tmp", path)  # atomic: a concurrent run never reads half a file
     paths.append(path)
   return tuple(paths)
@@ -85,19 +99,39 @@ def build_prompts(data: str = DATA, shots: int = SHOTS, n_train: int = N_TRAIN,
 def get_config():
   train_path, eval_path = build_prompts()
   cfg = base.config(
-      TaskConfig(name="jsonl", path=train_path, eval_path=eval_path, prompt_len=PROMPT_LEN,
-                 overlong="reject", reward="final_number"),
-      model=base.WIDE_MODEL,  # replaced by --model_dir's
-      train=TrainConfig(seed=0, sft_steps=0, rl_steps=STEPS, batch_size=BATCH,
-                        n_branches=BRANCHES, learning_rate=LEARNING_RATE, checkpoint_every=6,
-                        keep_checkpoints=1, eval_size=N_EVAL, eval_batch=67,
-                        eval_shared_prefix=True, tensorboard=False),
-      sampler=SamplerConfig(max_new_tokens=MAX_NEW_TOKENS, temperature=TEMPERATURE),
-      lora=LoraConfig(rank=LORA_RANK))
+    TaskConfig(
+      name="jsonl",
+      path=train_path,
+      eval_path=eval_path,
+      prompt_len=PROMPT_LEN,
+      overlong="reject",
+      reward="final_number",
+    ),
+    model=base.WIDE_MODEL,  # replaced by --model_dir's
+    train=TrainConfig(
+      seed=0,
+      sft_steps=0,
+      rl_steps=STEPS,
+      batch_size=BATCH,
+      n_branches=BRANCHES,
+      learning_rate=LEARNING_RATE,
+      checkpoint_every=6,
+      keep_checkpoints=1,
+      eval_size=N_EVAL,
+      eval_batch=67,
+      eval_shared_prefix=True,
+      tensorboard=False,
+    ),
+    sampler=SamplerConfig(max_new_tokens=MAX_NEW_TOKENS, temperature=TEMPERATURE),
+    lora=LoraConfig(rank=LORA_RANK),
+  )
   # replay.verify off: the first-step replay == naive check compiles the naive twin of a
   # 135M model (minutes here); experiments/recipe_twin.py compares them over a few steps.
-  return dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, kl_coef=KL_COEF),
-                             replay=dataclasses.replace(cfg.replay, verify="off"))
+  return dataclasses.replace(
+    cfg,
+    loss=dataclasses.replace(cfg.loss, kl_coef=KL_COEF),
+    replay=dataclasses.replace(cfg.replay, verify="off"),
+  )
 
 
 if __name__ == "__main__":

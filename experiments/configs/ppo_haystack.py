@@ -23,9 +23,9 @@ from experiments.configs import grpo_haystack
 def get_config():
   cfg = grpo_haystack.get_config()
   return dataclasses.replace(
-      cfg,
-      loss=dataclasses.replace(cfg.loss, name="ppo", epsilon=0.2),
-      train=dataclasses.replace(cfg.train, rl_steps=100),
-      algo=AlgoConfig(name="ppo", ppo_epochs=2, minibatches=2),
-      critic=CriticConfig(learning_rate=3e-3, value_clip=0.2, gamma=1.0, lam=0.95),
+    cfg,
+    loss=dataclasses.replace(cfg.loss, name="ppo", epsilon=0.2),
+    train=dataclasses.replace(cfg.train, rl_steps=100),
+    algo=AlgoConfig(name="ppo", ppo_epochs=2, minibatches=2),
+    critic=CriticConfig(learning_rate=3e-3, value_clip=0.2, gamma=1.0, lam=0.95),
   )

@@ -22,6 +22,6 @@ from experiments.configs import base
 
 def get_config():
   return base.config(
-      TaskConfig(name="tree_haystack", prompt_len=256, n_keys=4, value_len=1,
-                 sft_prompt_len=32),
-      tree=TreeConfig(fanouts="4x4"))
+    TaskConfig(name="tree_haystack", prompt_len=256, n_keys=4, value_len=1, sft_prompt_len=32),
+    tree=TreeConfig(fanouts="4x4"),
+  )

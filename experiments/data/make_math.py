@@ -24,19 +24,25 @@ def problem(rng):
   a, b = int(rng.integers(2, 10)), int(rng.integers(2, 13))
   if kind == 0:
     c = int(rng.integers(1, a * b))
-    q = (f"{name} has {a} boxes with {b} {thing} each. {name} gives away {c} {thing}. "
-         f"How many {thing} are left?")
+    q = (
+      f"{name} has {a} boxes with {b} {thing} each. {name} gives away {c} {thing}. "
+      f"How many {thing} are left?"
+    )
     s = f"{name} has {a}*{b}={a * b} {thing}. After giving away {c}: {a * b}-{c}={a * b - c}."
     return q, s, a * b - c
   if kind == 1:
     c = int(rng.integers(2, 20))
-    q = (f"{name} buys {a} packs of {thing} at {b} coins each and pays {c} coins for the bus. "
-         f"How many coins does {name} spend?")
+    q = (
+      f"{name} buys {a} packs of {thing} at {b} coins each and pays {c} coins for the bus. "
+      f"How many coins does {name} spend?"
+    )
     s = f"The packs cost {a}*{b}={a * b} coins. With the bus: {a * b}+{c}={a * b + c} coins."
     return q, s, a * b + c
   total = a * b
-  q = (f"{name} shares {total} {thing} equally among {a} friends, then each friend gets 2 more. "
-       f"How many {thing} does each friend have?")
+  q = (
+    f"{name} shares {total} {thing} equally among {a} friends, then each friend gets 2 more. "
+    f"How many {thing} does each friend have?"
+  )
   s = f"Each friend first gets {total} : {a} = {b}. Then {b}+2={b + 2}."
   return q, s, b + 2
 
@@ -59,6 +65,7 @@ def main(path=os.path.join(os.path.dirname(os.path.abspath(__file__)), "math.jso
 
 if __name__ == "__main__":
   import argparse
+
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--n", type=int, default=N, help="problems")
   parser.add_argument("--out", default="", help="default: experiments/data/math.jsonl")

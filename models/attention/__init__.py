@@ -35,14 +35,20 @@ from jax import lax
 import jax.numpy as jnp
 
 from models.attention.segments import IMPLS, KeySegment  # noqa: F401 (attention.KeySegment, .IMPLS)
-from models.attention.segments import (acc_dtype as _acc_dtype, check, check_masks, merge,
-    segment_mask)
+from models.attention.segments import (
+  acc_dtype as _acc_dtype,
+  check,
+  check_masks,
+  merge,
+  segment_mask,
+)
 
 Array = jax.Array
 
 
-def attend_dense(q_BTNH, q_pos_BT, q_valid_BT, segments, *, scale=None, softcap=None,
-                 window=None) -> Array:
+def attend_dense(
+  q_BTNH, q_pos_BT, q_valid_BT, segments, *, scale=None, softcap=None, window=None
+) -> Array:
   """The oracle: materialised scores, one joint softmax over every segment's keys."""
   Bq, T, N, H = q_BTNH.shape
   K = segments[0].k_BSKH.shape[2]
@@ -57,8 +63,9 @@ def attend_dense(q_BTNH, q_pos_BT, q_valid_BT, segments, *, scale=None, softcap=
     g = Bq // Bk
     # The g query rows of a key row read it in one contraction (no per-row copy of K or V).
     q_BgTKGH = q_BTKGH.reshape(Bk, g, *q_BTKGH.shape[1:])
-    s_BKTGS = jnp.einsum("BgTKGH,BSKH->BgKTGS", q_BgTKGH, seg.k_BSKH,
-                         preferred_element_type=acc).reshape(Bq, K, T, N // K, S)
+    s_BKTGS = jnp.einsum(
+      "BgTKGH,BSKH->BgKTGS", q_BgTKGH, seg.k_BSKH, preferred_element_type=acc
+    ).reshape(Bq, K, T, N // K, S)
     if softcap is not None:
       s_BKTGS = jnp.tanh(s_BKTGS / softcap) * softcap
     allowed_BTS = segment_mask(q_pos_BT, q_valid_BT, seg, window)
@@ -71,10 +78,11 @@ def attend_dense(q_BTNH, q_pos_BT, q_valid_BT, segments, *, scale=None, softcap=
   out_BTKGH, start = 0.0, 0
   for v_BSKH in values:
     Bk, S = v_BSKH.shape[:2]
-    p_seg = p_BKTGS[..., start:start + S].astype(v_BSKH.dtype)
+    p_seg = p_BKTGS[..., start : start + S].astype(v_BSKH.dtype)
     p_BgKTGS = p_seg.reshape(Bk, Bq // Bk, *p_seg.shape[1:])
-    out_BTKGH = out_BTKGH + jnp.einsum("BgKTGS,BSKH->BgTKGH", p_BgKTGS, v_BSKH,
-                                       preferred_element_type=acc).reshape(Bq, T, K, N // K, H)
+    out_BTKGH = out_BTKGH + jnp.einsum(
+      "BgKTGS,BSKH->BgTKGH", p_BgKTGS, v_BSKH, preferred_element_type=acc
+    ).reshape(Bq, T, K, N // K, H)
     start += S
   any_BT = jnp.any(jnp.concatenate(masks, axis=-1), axis=-1)
   out_BTKGH = jnp.where(any_BT[:, :, None, None, None], out_BTKGH, 0.0)
@@ -144,13 +152,14 @@ def _unfold(x_BKQ_, g: int, T: int, G: int):
   """Inverse of `_fold` (drops the padded positions): -> [Bk*g, T, K*G, *rest]."""
   Bk, K, QG = x_BKQ_.shape[:3]
   rest = x_BKQ_.shape[3:]
-  x = x_BKQ_.reshape(Bk, K, QG // G, G, *rest)[:, :, :g * T]
+  x = x_BKQ_.reshape(Bk, K, QG // G, G, *rest)[:, :, : g * T]
   x = jnp.moveaxis(x, 1, 2)
   return x.reshape(Bk * g, T, K * G, *rest)
 
 
 class _Seg(NamedTuple):
   """One segment in the canonical layout, with its tile schedule."""
+
   q_BKQH: Array  # scaled queries
   qpos_BQ: Array
   qvalid_BQ: Array
@@ -212,8 +221,24 @@ def _prepare(st: _Static, qs_BTNH, q_pos_BT, q_valid_BT, k, v, kpos, kvalid, cau
     full_IJ &= (j + 1) * bk - 1 <= i * bq
   lo_I, hi_I = _ranges(need_IJ)
   qlo_J, qhi_J = _ranges(need_IJ.T)
-  return _Seg(q_BKQH, qpos_BQ, qvalid_BQ, k_BKSH, v_BKSH, kpos_BS, kvalid_BS, lo_I, hi_I,
-              full_IJ, qlo_J, qhi_J, g, bq, bk, causal)
+  return _Seg(
+    q_BKQH,
+    qpos_BQ,
+    qvalid_BQ,
+    k_BKSH,
+    v_BKSH,
+    kpos_BS,
+    kvalid_BS,
+    lo_I,
+    hi_I,
+    full_IJ,
+    qlo_J,
+    qhi_J,
+    g,
+    bq,
+    bk,
+    causal,
+  )
 
 
 def _ranges(need_IJ):
@@ -289,19 +314,25 @@ def _segment_fwd(st: _Static, sg: _Seg, acc):
       p_BKRS = jnp.exp(s_BKRS - m_safe[..., None])
       alpha = jnp.exp(m_BKR - m_safe)
       v_BKSH = lax.dynamic_slice_in_dim(sg.v_BKSH, j * sg.bk, sg.bk, axis=2)
-      pv_BKRH = jnp.einsum("BKRS,BKSH->BKRH", p_BKRS.astype(vdt), v_BKSH,
-                           preferred_element_type=acc)
+      pv_BKRH = jnp.einsum(
+        "BKRS,BKSH->BKRH", p_BKRS.astype(vdt), v_BKSH, preferred_element_type=acc
+      )
       return m_new, alpha * l_BKR + p_BKRS.sum(-1), alpha[..., None] * a_BKRH + pv_BKRH
 
-    init = (jnp.full((B, K, R), -jnp.inf, acc), jnp.zeros((B, K, R), acc),
-            jnp.zeros((B, K, R, H), acc))
+    init = (
+      jnp.full((B, K, R), -jnp.inf, acc),
+      jnp.zeros((B, K, R), acc),
+      jnp.zeros((B, K, R, H), acc),
+    )
     m_BKR, l_BKR, a_BKRH = lax.fori_loop(sg.lo_I[i], sg.hi_I[i], k_block, init)
     some = l_BKR > 0
     l_safe = jnp.where(some, l_BKR, 1.0)
     o_BKRH = jnp.where(some[..., None], a_BKRH / l_safe[..., None], 0.0)
     lse_BKR = jnp.where(some, m_BKR + jnp.log(l_safe), -jnp.inf)
-    return (lax.dynamic_update_slice_in_dim(o_BKQH, o_BKRH, i * R, axis=2),
-            lax.dynamic_update_slice_in_dim(lse_BKQ, lse_BKR, i * R, axis=2))
+    return (
+      lax.dynamic_update_slice_in_dim(o_BKQH, o_BKRH, i * R, axis=2),
+      lax.dynamic_update_slice_in_dim(lse_BKQ, lse_BKR, i * R, axis=2),
+    )
 
   init = (jnp.zeros((B, K, Q, H), acc), jnp.full((B, K, Q), -jnp.inf, acc))
   return lax.fori_loop(0, nq, q_block, init)
@@ -315,8 +346,9 @@ def _tile_grads(st: _Static, sg: _Seg, i, j, q_BKRH, do_BKRH, lse_BKR, d_BKR, ac
   p_BKSR = jnp.exp(s_BKSR - lse_BKR[:, :, None, :])
   k_BKsH = lax.dynamic_slice_in_dim(sg.k_BKSH, j * bk, bk, axis=2)
   v_BKsH = lax.dynamic_slice_in_dim(sg.v_BKSH, j * bk, bk, axis=2)
-  dv_BKsH = jnp.einsum("BKSR,BKRH->BKSH", p_BKSR.astype(do_BKRH.dtype), do_BKRH,
-                       preferred_element_type=acc)
+  dv_BKsH = jnp.einsum(
+    "BKSR,BKRH->BKSH", p_BKSR.astype(do_BKRH.dtype), do_BKRH, preferred_element_type=acc
+  )
   dp_BKSR = jnp.einsum("BKSH,BKRH->BKSR", v_BKsH, do_BKRH, preferred_element_type=acc)
   ds_BKSR = p_BKSR * (dp_BKSR - d_BKR[:, :, None, :])
   if st.softcap is not None:  # through s = cap * tanh(s_raw / cap)
@@ -341,13 +373,13 @@ def _segment_bwd(st: _Static, sg: _Seg, lse_BKQ, do_BKQH, d_BKQ, acc):
 
   def rows_of(i):
     """Query block i's rows: (q, do, lse, d)."""
-    return tuple(lax.dynamic_slice_in_dim(x, i * R, R, axis=2)
-                 for x in (sg.q_BKQH, do_BKQH, lse_BKQ, d_BKQ))
+    return tuple(
+      lax.dynamic_slice_in_dim(x, i * R, R, axis=2) for x in (sg.q_BKQH, do_BKQH, lse_BKQ, d_BKQ)
+    )
 
   def grads(i, j, rows):
     """Tile (i, j)'s (dq, dk, dv), in acc."""
-    return _mask_if_needed(sg, i, j, lambda masked: _tile_grads(st, sg, i, j, *rows, acc,
-                                                                  masked))
+    return _mask_if_needed(sg, i, j, lambda masked: _tile_grads(st, sg, i, j, *rows, acc, masked))
 
   def q_block(i, carry):
     dq_BKQH, dk_BKSH, dv_BKSH = carry
@@ -357,7 +389,8 @@ def _segment_bwd(st: _Static, sg: _Seg, lse_BKQ, do_BKQH, d_BKQ, acc):
       dq_BKRH, dk_BKSH, dv_BKSH = c
       dq_tile, dk_BKsH, dv_BKsH = grads(i, j, rows)
       add = lambda buf, x: lax.dynamic_update_slice_in_dim(
-          buf, lax.dynamic_slice_in_dim(buf, j * bk, bk, axis=2) + x, j * bk, axis=2)
+        buf, lax.dynamic_slice_in_dim(buf, j * bk, bk, axis=2) + x, j * bk, axis=2
+      )
       return dq_BKRH + dq_tile, add(dk_BKSH, dk_BKsH), add(dv_BKSH, dv_BKsH)
 
     init = (jnp.zeros((B, K, R, H), acc), dk_BKSH, dv_BKSH)
@@ -373,21 +406,29 @@ def _segment_bwd(st: _Static, sg: _Seg, lse_BKQ, do_BKQH, d_BKQ, acc):
       dq_BKQH, dk_BKsH, dv_BKsH = c
       dq_tile, dk_tile, dv_tile = grads(i, j, rows_of(i))
       dq_BKQH = lax.dynamic_update_slice_in_dim(
-          dq_BKQH, lax.dynamic_slice_in_dim(dq_BKQH, i * R, R, axis=2) + dq_tile, i * R, axis=2)
+        dq_BKQH, lax.dynamic_slice_in_dim(dq_BKQH, i * R, R, axis=2) + dq_tile, i * R, axis=2
+      )
       return dq_BKQH, dk_BKsH + dk_tile, dv_BKsH + dv_tile
 
     zeros = jnp.zeros((B, K, bk, H), acc)
-    dq_BKQH, dk_BKsH, dv_BKsH = lax.fori_loop(sg.qlo_J[j], sg.qhi_J[j], q_step,
-                                              (dq_BKQH, zeros, zeros))
-    put = lambda buf, x: lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), j * bk,
-                                                         axis=2)
+    dq_BKQH, dk_BKsH, dv_BKsH = lax.fori_loop(
+      sg.qlo_J[j], sg.qhi_J[j], q_step, (dq_BKQH, zeros, zeros)
+    )
+    put = lambda buf, x: lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), j * bk, axis=2)
     return dq_BKQH, put(dk_BKSH, dk_BKsH), put(dv_BKSH, dv_BKsH)
 
   if st.key_major_bwd:
     nk = sg.k_BKSH.shape[2] // bk
-    return lax.fori_loop(0, nk, k_major, (jnp.zeros((B, K, Q, H), acc),
-                                          jnp.zeros(sg.k_BKSH.shape, sg.k_BKSH.dtype),
-                                          jnp.zeros(sg.v_BKSH.shape, sg.v_BKSH.dtype)))
+    return lax.fori_loop(
+      0,
+      nk,
+      k_major,
+      (
+        jnp.zeros((B, K, Q, H), acc),
+        jnp.zeros(sg.k_BKSH.shape, sg.k_BKSH.dtype),
+        jnp.zeros(sg.v_BKSH.shape, sg.v_BKSH.dtype),
+      ),
+    )
   zeros_k = jnp.zeros(sg.k_BKSH.shape, acc)
   return lax.fori_loop(0, nq, q_block, (jnp.zeros((B, K, Q, H), acc), zeros_k, zeros_k))
 
@@ -398,8 +439,10 @@ def _scaled(st: _Static, q_BTNH):
 
 def _prepare_all(st: _Static, q_BTNH, q_pos_BT, q_valid_BT, segs):
   qs_BTNH = _scaled(st, q_BTNH)
-  return [_prepare(st, qs_BTNH, q_pos_BT, q_valid_BT, *seg, causal)
-          for seg, causal in zip(segs, st.causal)]
+  return [
+    _prepare(st, qs_BTNH, q_pos_BT, q_valid_BT, *seg, causal)
+    for seg, causal in zip(segs, st.causal)
+  ]
 
 
 def _blockwise_fwd(st: _Static, q_BTNH, q_pos_BT, q_valid_BT, segs):
@@ -432,17 +475,22 @@ def _blockwise_vjp_bwd(st, res, do_BTNH):
   d_BTN = jnp.sum(do_BTNH.astype(acc) * o_BTNH.astype(acc), axis=-1)
   dq_BTNH = jnp.zeros(q_BTNH.shape, acc)
   dsegs = []
-  for sg, (k_BSKH, v_BSKH, _, _) in zip(_prepare_all(st, q_BTNH, q_pos_BT, q_valid_BT, segs),
-                                        segs):
+  for sg, (k_BSKH, v_BSKH, _, _) in zip(_prepare_all(st, q_BTNH, q_pos_BT, q_valid_BT, segs), segs):
     K, Tp = k_BSKH.shape[2], sg.qvalid_BQ.shape[1]
     fold = lambda x: _fold(x, sg.g, K, Tp)
-    dq_BKQH, dk_BKSH, dv_BKSH = _segment_bwd(st, sg, fold(lse_BTN),
-                                             fold(do_BTNH.astype(q_BTNH.dtype)),
-                                             fold(d_BTN), acc)
+    dq_BKQH, dk_BKSH, dv_BKSH = _segment_bwd(
+      st, sg, fold(lse_BTN), fold(do_BTNH.astype(q_BTNH.dtype)), fold(d_BTN), acc
+    )
     dq_BTNH = dq_BTNH + _unfold(dq_BKQH, sg.g, T, N // K)
     S = k_BSKH.shape[1]
-    dsegs.append((jnp.moveaxis(dk_BKSH, 1, 2)[:, :S].astype(k_BSKH.dtype),
-                  jnp.moveaxis(dv_BKSH, 1, 2)[:, :S].astype(v_BSKH.dtype), None, None))
+    dsegs.append(
+      (
+        jnp.moveaxis(dk_BKSH, 1, 2)[:, :S].astype(k_BSKH.dtype),
+        jnp.moveaxis(dv_BKSH, 1, 2)[:, :S].astype(v_BSKH.dtype),
+        None,
+        None,
+      )
+    )
   dq_BTNH = (dq_BTNH * st.scale).astype(q_BTNH.dtype)
   return dq_BTNH, None, None, tuple(dsegs)
 
@@ -453,24 +501,37 @@ _blockwise.defvjp(_blockwise_vjp_fwd, _blockwise_vjp_bwd)
 def _check_blocks(block_q, block_k) -> None:
   for name, b in (("model.attention_block_q", block_q), ("model.attention_block_k", block_k)):
     if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-      raise ValueError(f"{name}={b!r}: expected a positive integer (query/key positions per "
-                       "attention tile)")
+      raise ValueError(
+        f"{name}={b!r}: expected a positive integer (query/key positions per attention tile)"
+      )
 
 
-def attend(q_BTNH, q_pos_BT, q_valid_BT, segments: Sequence[KeySegment], *,
-           scale: Optional[float] = None, softcap: Optional[float] = None,
-           window: Optional[int] = None, impl: str = "blockwise", block_q: int = 128,
-           block_k: int = 64, key_major_bwd: bool = False) -> Array:
+def attend(
+  q_BTNH,
+  q_pos_BT,
+  q_valid_BT,
+  segments: Sequence[KeySegment],
+  *,
+  scale: Optional[float] = None,
+  softcap: Optional[float] = None,
+  window: Optional[int] = None,
+  impl: str = "blockwise",
+  block_q: int = 128,
+  block_k: int = 64,
+  key_major_bwd: bool = False,
+) -> Array:
   """Attention of q over the concatenation of `segments` (see the module docstring).
   key_major_bwd: the blockwise backward loops over key blocks outside (see _Static)."""
   check(q_BTNH, segments, impl)
   check_masks(q_BTNH, q_pos_BT, q_valid_BT, segments)
   _check_blocks(block_q, block_k)
   if impl == "dense":
-    return attend_dense(q_BTNH, q_pos_BT, q_valid_BT, segments, scale=scale, softcap=softcap,
-                        window=window)
+    return attend_dense(
+      q_BTNH, q_pos_BT, q_valid_BT, segments, scale=scale, softcap=softcap, window=window
+    )
   if impl == "fused":  # refuses (ValueError) without tokamax and a supported GPU
     from models.attention import fused as attention_fused
+
     attention_fused.check_available()
   segments = [s for s in segments if s.k_BSKH.shape[1]]  # an empty segment adds no key
   if not segments or not q_BTNH.size:
@@ -478,12 +539,23 @@ def attend(q_BTNH, q_pos_BT, q_valid_BT, segments: Sequence[KeySegment], *,
   H = q_BTNH.shape[-1]
   if impl == "fused":
     return attention_fused.attend_fused(
-        q_BTNH, q_pos_BT, q_valid_BT, segments, softcap=softcap, window=window,
-        scale=1.0 / math.sqrt(H) if scale is None else scale)
-  st = _Static(causal=tuple(bool(s.causal) for s in segments),
-               scale=float(1.0 / math.sqrt(H) if scale is None else scale),
-               softcap=None if softcap is None else float(softcap),
-               window=None if window is None else int(window), block_q=block_q,
-               block_k=block_k, min_tile=MIN_TILE, key_major_bwd=bool(key_major_bwd))
+      q_BTNH,
+      q_pos_BT,
+      q_valid_BT,
+      segments,
+      softcap=softcap,
+      window=window,
+      scale=1.0 / math.sqrt(H) if scale is None else scale,
+    )
+  st = _Static(
+    causal=tuple(bool(s.causal) for s in segments),
+    scale=float(1.0 / math.sqrt(H) if scale is None else scale),
+    softcap=None if softcap is None else float(softcap),
+    window=None if window is None else int(window),
+    block_q=block_q,
+    block_k=block_k,
+    min_tile=MIN_TILE,
+    key_major_bwd=bool(key_major_bwd),
+  )
   segs = tuple((s.k_BSKH, s.v_BSKH, s.pos_BS, s.valid_BS) for s in segments)
   return _blockwise(st, q_BTNH, q_pos_BT, q_valid_BT, segs)

@@ -65,6 +65,7 @@ PREFIX_SCOPE, TAILS_SCOPE = "cp_prefix_kv", "cp_tails_kv"
 class TailsLayout(NamedTuple):
   """Where the tails run: the mesh and the logical rules whose `batch` / `seq` / `heads` /
   `kv_heads` entries place the tails' rows, the cache's sequence and the heads."""
+
   mesh: Any  # jax.sharding.Mesh (or AbstractMesh)
   rules: tuple
 
@@ -102,28 +103,38 @@ def check_prefix(P: int, axes: Sequence[str]) -> int:
   mesh = jax.sharding.get_abstract_mesh()
   C = math.prod(mesh.shape[a] for a in axes)
   if P % C:
-    raise ValueError(f"prefix length P={P} is not divisible by the context-parallel mesh "
-                     f"axes {tuple(axes)} of size {C}: expected a multiple of {C} (left-pad "
-                     f"the prefixes)")
+    raise ValueError(
+      f"prefix length P={P} is not divisible by the context-parallel mesh "
+      f"axes {tuple(axes)} of size {C}: expected a multiple of {C} (left-pad "
+      f"the prefixes)"
+    )
   return C
 
 
-def attend(q_BTNH, q_pos_BT, q_valid_BT, segments: Sequence[KeySegment], *,
-           scheme: str = "all_gather", **kwargs) -> Array:
+def attend(
+  q_BTNH,
+  q_pos_BT,
+  q_valid_BT,
+  segments: Sequence[KeySegment],
+  *,
+  scheme: str = "all_gather",
+  **kwargs,
+) -> Array:
   """`attention.attend` (same arguments, kwargs passed through), context-parallel for the
   prefix: one causal segment (no context) while `seq` is split over the mesh."""
   if scheme not in SCHEMES:
     raise ValueError(f"model.context_parallel={scheme!r}: expected one of {SCHEMES}")
   axes = seq_axes()
-  if (scheme == "all_gather" and axes is not None and len(segments) == 1
-      and segments[0].causal):
+  if scheme == "all_gather" and axes is not None and len(segments) == 1 and segments[0].causal:
     return _all_gather_attend(q_BTNH, q_pos_BT, q_valid_BT, segments[0], axes, **kwargs)
   if scheme == "all_gather" and axes is None and _TAILS:
     out = _tails_attend(q_BTNH, q_pos_BT, q_valid_BT, segments, _TAILS[-1], **kwargs)
     if out is not None:
       return out
-  segments = [seg._replace(k_BSKH=_gathered(seg.k_BSKH), v_BSKH=_gathered(seg.v_BSKH))
-              if seg.causal else seg for seg in segments]
+  segments = [
+    seg._replace(k_BSKH=_gathered(seg.k_BSKH), v_BSKH=_gathered(seg.v_BSKH)) if seg.causal else seg
+    for seg in segments
+  ]
   return attention.attend(q_BTNH, q_pos_BT, q_valid_BT, segments, **kwargs)
 
 
@@ -142,25 +153,32 @@ def _all_gather_attend(q_BTNH, q_pos_BT, q_valid_BT, own: KeySegment, axes, **kw
 
   def local(q_BTNH, q_pos_BT, q_valid_BT, k_BTKH, v_BTKH, k_pos_BT, k_valid_BT):
     Tl = q_BTNH.shape[1]  # this device's slice: positions [c*Tl, (c+1)*Tl)
-    k_BPKH, v_BPKH, pos_BP, valid_BP = _gather_seq((k_BTKH, v_BTKH, k_pos_BT, k_valid_BT),
-                                                   axis, PREFIX_SCOPE)
+    k_BPKH, v_BPKH, pos_BP, valid_BP = _gather_seq(
+      (k_BTKH, v_BTKH, k_pos_BT, k_valid_BT), axis, PREFIX_SCOPE
+    )
     start = jax.lax.axis_index(axis) * Tl
     earlier_BP = valid_BP & (jnp.arange(C * Tl) < start)[None]
-    segments = [KeySegment(k_BPKH, v_BPKH, pos_BP, earlier_BP),
-                KeySegment(k_BTKH, v_BTKH, k_pos_BT, k_valid_BT, causal=True)]
-    return attention.attend(q_BTNH, q_pos_BT, q_valid_BT, segments, key_major_bwd=True,
-                            **kwargs)
+    segments = [
+      KeySegment(k_BPKH, v_BPKH, pos_BP, earlier_BP),
+      KeySegment(k_BTKH, v_BTKH, k_pos_BT, k_valid_BT, causal=True),
+    ]
+    return attention.attend(q_BTNH, q_pos_BT, q_valid_BT, segments, key_major_bwd=True, **kwargs)
 
   # check_vma=False: the kernel's loop carries are not typed per device. Sound here because
   # every input is split over every mesh axis (asserted): no replicated input whose
   # cotangent would need a psum.
   mesh = jax.sharding.get_abstract_mesh()
-  used = {a for entry in (*q_spec, *kv_spec) if entry is not None
-          for a in (entry if isinstance(entry, tuple) else (entry,))}
+  used = {
+    a
+    for entry in (*q_spec, *kv_spec)
+    if entry is not None
+    for a in (entry if isinstance(entry, tuple) else (entry,))
+  }
   assert used >= {a for a in mesh.axis_names if mesh.shape[a] > 1}, (q_spec, kv_spec, mesh)
   in_specs = (q_spec, bt_spec, bt_spec) + (kv_spec,) * 2 + (bt_spec,) * 2
   return jax.shard_map(local, in_specs=in_specs, out_specs=q_spec, check_vma=False)(
-      q_BTNH, q_pos_BT, q_valid_BT, *own[:4])
+    q_BTNH, q_pos_BT, q_valid_BT, *own[:4]
+  )
 
 
 def _gather_seq(arrays, axis, scope):
@@ -181,8 +199,9 @@ def _entry(axes: Sequence[str]):
   return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
 
 
-def _tails_attend(q_BTNH, q_pos_BT, q_valid_BT, segments: Sequence[KeySegment],
-                  layout: TailsLayout, **kwargs) -> Optional[Array]:
+def _tails_attend(
+  q_BTNH, q_pos_BT, q_valid_BT, segments: Sequence[KeySegment], layout: TailsLayout, **kwargs
+) -> Optional[Array]:
   """The tails' attention with the prefix cache (segments[0], [Bk, P, K, H] split over
   `seq`) gathered once under shard_map; None where the shapes do not split (the caller
   falls back to the partitioner). Rows of the queries (and of their own causal keys) are
@@ -194,8 +213,15 @@ def _tails_attend(q_BTNH, q_pos_BT, q_valid_BT, segments: Sequence[KeySegment],
   C, nb = size(ctx), size(batch)
   Bq, _, N, _ = q_BTNH.shape
   K = root.k_BSKH.shape[2]
-  if (C == 1 or root.causal or len(segments) < 2 or set(ctx) & set(batch) or
-      root.k_BSKH.shape[1] % C or N % size(heads) or K % size(kv_heads)):
+  if (
+    C == 1
+    or root.causal
+    or len(segments) < 2
+    or set(ctx) & set(batch)
+    or root.k_BSKH.shape[1] % C
+    or N % size(heads)
+    or K % size(kv_heads)
+  ):
     return None
   cq = C if Bq % (nb * C) == 0 else 1  # the queries' rows split over `context` too
   if Bq % (nb * cq):
@@ -220,8 +246,7 @@ def _tails_attend(q_BTNH, q_pos_BT, q_valid_BT, segments: Sequence[KeySegment],
   for i, seg in enumerate(segments):
     seq = _entry(ctx) if i == 0 else None
     r = q_rows if seg.causal else _entry(batch)
-    in_specs += ([PartitionSpec(r, seq, _entry(kv_heads), None)] * 2 +
-                 [PartitionSpec(r, seq)] * 2)
+    in_specs += [PartitionSpec(r, seq, _entry(kv_heads), None)] * 2 + [PartitionSpec(r, seq)] * 2
   axis = _entry(ctx)
   causal = [seg.causal for seg in segments]
 
@@ -229,7 +254,7 @@ def _tails_attend(q_BTNH, q_pos_BT, q_valid_BT, segments: Sequence[KeySegment],
     c = jax.lax.axis_index(axis) if cq > 1 else 0
     local_segments = []
     for i, (is_causal, seg_rows) in enumerate(zip(causal, rows)):
-      seg = arrays[4 * i:4 * i + 4]
+      seg = arrays[4 * i : 4 * i + 4]
       if i == 0:
         seg = _gather_seq(seg, axis, TAILS_SCOPE)
       if seg_rows is not None and cq > 1:  # the key rows this device's queries read
@@ -238,11 +263,13 @@ def _tails_attend(q_BTNH, q_pos_BT, q_valid_BT, segments: Sequence[KeySegment],
         start = c * n // g
         seg = tuple(jax.lax.dynamic_slice_in_dim(x, start, count, axis=0) for x in seg)
       local_segments.append(KeySegment(*seg, causal=is_causal))
-    return attention.attend(q_BTNH, q_pos_BT, q_valid_BT, local_segments, key_major_bwd=True,
-                            **kwargs)
+    return attention.attend(
+      q_BTNH, q_pos_BT, q_valid_BT, local_segments, key_major_bwd=True, **kwargs
+    )
 
   # check_vma=False as for the prefix; an input replicated over `context` (the inner levels'
   # K/V, or queries that do not split) gets its cotangent psummed over it by the transpose.
   flat = [x for seg in segments for x in seg[:4]]
-  return jax.shard_map(local, mesh=layout.mesh, in_specs=tuple(in_specs), out_specs=q_spec,
-                       check_vma=False)(q_BTNH, q_pos_BT, q_valid_BT, *flat)
+  return jax.shard_map(
+    local, mesh=layout.mesh, in_specs=tuple(in_specs), out_specs=q_spec, check_vma=False
+  )(q_BTNH, q_pos_BT, q_valid_BT, *flat)

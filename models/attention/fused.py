@@ -59,26 +59,52 @@ def check_available() -> None:
   """ValueError (at trace time, before any compilation) where the kernel cannot run."""
   reason = unavailable_reason()
   if reason is not None:
-    raise ValueError(f"model.attention='fused': {reason}; device found: {device_found()}; "
-                     f"expected a supported GPU, or the fallback model.attention='{FALLBACK}'")
+    raise ValueError(
+      f"model.attention='fused': {reason}; device found: {device_found()}; "
+      f"expected a supported GPU, or the fallback model.attention='{FALLBACK}'"
+    )
 
 
 def tokamax_kernel() -> Kernel:
   from tokamax._src.ops.attention import base
   from tokamax._src.ops.attention import pallas_mosaic_gpu
+
   op = pallas_mosaic_gpu.PallasMosaicGpuFlashAttention()
 
   def fwd(q, k, v, mask, scale, softcap):
-    return op(q, k, v, mask=mask, logits_scale=scale, logits_soft_cap=softcap,
-              precision=jax.lax.DotAlgorithmPreset.DEFAULT, return_residuals=True)
+    return op(
+      q,
+      k,
+      v,
+      mask=mask,
+      logits_scale=scale,
+      logits_soft_cap=softcap,
+      precision=jax.lax.DotAlgorithmPreset.DEFAULT,
+      return_residuals=True,
+    )
 
   def vjp(residuals, o, do, q, k, v, mask, scale, softcap):
     preset = jax.lax.DotAlgorithmPreset.DEFAULT
-    grads = op.vjp(residuals, o, do, q, k, v, precision=(preset, preset),
-                   logits_dtype=jnp.float32, logits_scale=scale, bias=None,
-                   logits_soft_cap=softcap, mask=base.Mask(mask), dropout_mask=None,
-                   dropout_rate=0.0, paging_info=None, q_indices=None, k_indices=None,
-                   normalize_output=True)
+    grads = op.vjp(
+      residuals,
+      o,
+      do,
+      q,
+      k,
+      v,
+      precision=(preset, preset),
+      logits_dtype=jnp.float32,
+      logits_scale=scale,
+      bias=None,
+      logits_soft_cap=softcap,
+      mask=base.Mask(mask),
+      dropout_mask=None,
+      dropout_rate=0.0,
+      paging_info=None,
+      q_indices=None,
+      k_indices=None,
+      normalize_output=True,
+    )
     grads = grads[0] if isinstance(grads, tuple) else grads
     return grads["q"], grads["k"], grads["v"]
 
@@ -90,8 +116,12 @@ def _scores(q, k, mask, scale, softcap):
   B, T, N, H = q.shape
   K = k.shape[2]
   acc = jnp.promote_types(q.dtype, jnp.float32)
-  s = jnp.einsum("BTKGH,BSKH->BKGTS", q.reshape(B, T, K, N // K, H), k,
-                 preferred_element_type=acc).reshape(B, N, T, -1) * scale
+  s = (
+    jnp.einsum(
+      "BTKGH,BSKH->BKGTS", q.reshape(B, T, K, N // K, H), k, preferred_element_type=acc
+    ).reshape(B, N, T, -1)
+    * scale
+  )
   capped = s if softcap is None else jnp.tanh(s / softcap) * softcap
   return s, capped, jnp.where(mask, capped, -jnp.inf)
 
@@ -158,8 +188,9 @@ def _segment_inputs(st, q_BTNH, q_pos_BT, q_valid_BT, seg, causal):
   Bq, T, N, H = q_BTNH.shape
   Bk, S = k.shape[:2]
   g = Bq // Bk
-  mask_BTS = segments.segment_mask(q_pos_BT, q_valid_BT,
-                                   segments.KeySegment(k, v, kpos, kvalid, causal), st.window)
+  mask_BTS = segments.segment_mask(
+    q_pos_BT, q_valid_BT, segments.KeySegment(k, v, kpos, kvalid, causal), st.window
+  )
   fold = lambda x: x.reshape(Bk, g * T, *x.shape[2:])
   return fold(q_BTNH), k, v, fold(mask_BTS)[:, None]
 
@@ -204,8 +235,9 @@ def _vjp_bwd(st, res, do_BTNH):
     fold = lambda x: x.reshape(Bk, (Bq // Bk) * T, *x.shape[2:])
     m_BNQ = fold(m_BTN).swapaxes(1, 2)
     residuals = (m_BNQ, jnp.ones_like(m_BNQ))  # the global statistics: p is the joint softmax
-    dq, dk, dv = st.kernel.vjp(residuals, fold(o_BTNH), fold(do_BTNH), q, k, v, mask,
-                               st.scale, st.softcap)
+    dq, dk, dv = st.kernel.vjp(
+      residuals, fold(o_BTNH), fold(do_BTNH), q, k, v, mask, st.scale, st.softcap
+    )
     dq_BTNH = dq_BTNH + dq.reshape(Bq, T, N, H)
     dsegs.append((dk.astype(k.dtype), dv.astype(v.dtype), None, None))
   return dq_BTNH.astype(q_BTNH.dtype), None, None, tuple(dsegs)
@@ -217,8 +249,12 @@ fused.defvjp(_vjp_fwd, _vjp_bwd)
 def attend_fused(q_BTNH, q_pos_BT, q_valid_BT, key_segments, *, scale, softcap, window):
   """attention.attend(impl='fused') after its checks: the kernel per segment, merged."""
   check_available()
-  st = _Static(causal=tuple(bool(s.causal) for s in key_segments), scale=float(scale),
-               softcap=None if softcap is None else float(softcap),
-               window=None if window is None else int(window), kernel=kernel())
+  st = _Static(
+    causal=tuple(bool(s.causal) for s in key_segments),
+    scale=float(scale),
+    softcap=None if softcap is None else float(softcap),
+    window=None if window is None else int(window),
+    kernel=kernel(),
+  )
   segs = tuple((s.k_BSKH, s.v_BSKH, s.pos_BS, s.valid_BS) for s in key_segments)
   return fused(st, q_BTNH, q_pos_BT, q_valid_BT, segs)

@@ -15,6 +15,7 @@ IMPLS = ("blockwise", "dense", "fused")  # fused: attention_fused.py (tokamax, G
 
 class KeySegment(NamedTuple):
   """Keys a block of queries may attend to. Rows Bk divide the queries' rows Bq."""
+
   k_BSKH: Array
   v_BSKH: Array
   pos_BS: Array  # int RoPE positions (for sliding windows)
@@ -35,12 +36,16 @@ def check(q_BTNH: Array, segments: Sequence[KeySegment], impl: str) -> None:
   for i, seg in enumerate(segments):
     Bk, S, K, Hk = seg.k_BSKH.shape
     if Hk != H or N % K or Bq % Bk or seg.v_BSKH.shape != seg.k_BSKH.shape:
-      raise ValueError(f"attention segment {i}: k {seg.k_BSKH.shape}, v {seg.v_BSKH.shape} "
-                       f"against queries {q_BTNH.shape}: expected [Bk, S, K, {H}] with Bk "
-                       f"dividing {Bq} and K dividing {N}")
+      raise ValueError(
+        f"attention segment {i}: k {seg.k_BSKH.shape}, v {seg.v_BSKH.shape} "
+        f"against queries {q_BTNH.shape}: expected [Bk, S, K, {H}] with Bk "
+        f"dividing {Bq} and K dividing {N}"
+      )
     if seg.causal and (Bk != Bq or S != T):
-      raise ValueError(f"attention segment {i}: causal keys {seg.k_BSKH.shape} must match "
-                       f"the queries' rows and length {(Bq, T)}")
+      raise ValueError(
+        f"attention segment {i}: causal keys {seg.k_BSKH.shape} must match "
+        f"the queries' rows and length {(Bq, T)}"
+      )
 
 
 def segment_mask(q_pos_BT, q_valid_BT, seg: KeySegment, window: Optional[int]) -> Array:
@@ -62,14 +67,17 @@ def check_masks(q_BTNH, q_pos_BT, q_valid_BT, segments) -> None:
   want = q_BTNH.shape[:2]
   for name, x in (("q_pos_BT", q_pos_BT), ("q_valid_BT", q_valid_BT)):
     if tuple(x.shape) != tuple(want):
-      raise ValueError(f"attention {name}: shape {x.shape}, expected {want} (queries "
-                       f"{q_BTNH.shape})")
+      raise ValueError(
+        f"attention {name}: shape {x.shape}, expected {want} (queries {q_BTNH.shape})"
+      )
   for i, seg in enumerate(segments):
     want = seg.k_BSKH.shape[:2]
     for name, x in (("pos_BS", seg.pos_BS), ("valid_BS", seg.valid_BS)):
       if tuple(x.shape) != tuple(want):
-        raise ValueError(f"attention segment {i} {name}: shape {x.shape}, expected {want} "
-                         f"(keys {seg.k_BSKH.shape})")
+        raise ValueError(
+          f"attention segment {i} {name}: shape {x.shape}, expected {want} "
+          f"(keys {seg.k_BSKH.shape})"
+        )
 
 
 def merge(o_parts, lse_parts):

@@ -31,27 +31,42 @@ def sampled_batch(B=2, opening=4, trunk=2):
   tokens (trunk included) and, within groups of two, more."""
   prompts, responses, adv, old = rollouts(2, B=B, opening=opening)
   ref = [[o - 0.25 for o in rs] for rs in old]
-  flat = trie.flat_batch(prompts, [[r[trunk:] for r in rs] for rs in responses], adv,
-                         old_logps=[[o[trunk:] for o in rs] for rs in old],
-                         ref_logps=[[o[trunk:] for o in rs] for rs in ref])
+  flat = trie.flat_batch(
+    prompts,
+    [[r[trunk:] for r in rs] for rs in responses],
+    adv,
+    old_logps=[[o[trunk:] for o in rs] for rs in old],
+    ref_logps=[[o[trunk:] for o in rs] for rs in ref],
+  )
   f = lambda xs: jnp.asarray(np.stack([rs[0][:trunk] for rs in xs]))
   return flat.replace(
-      root_BP=jnp.concatenate([flat.root_BP, f(responses).astype(jnp.int32)], 1),
-      root_valid_BP=jnp.concatenate([flat.root_valid_BP, jnp.ones((B, trunk), bool)], 1),
-      trunk_old_logp_BW=f(old), trunk_ref_logp_BW=f(ref), trunk_len=trunk)
+    root_BP=jnp.concatenate([flat.root_BP, f(responses).astype(jnp.int32)], 1),
+    root_valid_BP=jnp.concatenate([flat.root_valid_BP, jnp.ones((B, trunk), bool)], 1),
+    trunk_old_logp_BW=f(old),
+    trunk_ref_logp_BW=f(ref),
+    trunk_len=trunk,
+  )
 
 
-@pytest.mark.parametrize("overrides", [
-    (), pytest.param(("replay.branch_chunk=2", "loss.name=gspo"), marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+  "overrides",
+  [(), pytest.param(("replay.branch_chunk=2", "loss.name=gspo"), marks=pytest.mark.slow)],
+)
 def test_auto_tree_batch_trains_as_the_flat_batch_float64(overrides):
   """The trainer's loss and gradient (steps.loss_and_grad, what its jitted step
   differentiates) on the sampled batch and on its automatic tree: equal loss and every
   gradient leaf. (The step itself on both layouts: the trainer test below.)"""
   with jax.enable_x64(True):
-    cfg = apply_overrides(Config(model=tfm.preset("tiny", dtype="float64",
-                                                  param_dtype="float64")),
-                          ["replay.auto_tree=true", "train.n_branches=4", "loss.kl_coef=0.1",
-                           "train.batch_size=2", *overrides])
+    cfg = apply_overrides(
+      Config(model=tfm.preset("tiny", dtype="float64", param_dtype="float64")),
+      [
+        "replay.auto_tree=true",
+        "train.n_branches=4",
+        "loss.kl_coef=0.1",
+        "train.batch_size=2",
+        *overrides,
+      ],
+    )
     flat = sampled_batch()
     batch, stats = grpo.auto_tree(flat, cfg)
     assert isinstance(batch, tree.TreeBatch)
@@ -62,21 +77,26 @@ def test_auto_tree_batch_trains_as_the_flat_batch_float64(overrides):
     prefix, tails, _ = flat.token_counts()
     assert stats["replay/tree_token_ratio"] > 1 and sum(batch.token_counts()[:2]) < prefix + tails
     params = train_state.init_state(cfg).params
-    fn = jax.jit(lambda p, b: steps.loss_and_grad(cfg, p, b, steps.rl_loss_config(cfg),
-                                                  cfg.replay.branch_chunk))
+    fn = jax.jit(
+      lambda p, b: steps.loss_and_grad(
+        cfg, p, b, steps.rl_loss_config(cfg), cfg.replay.branch_chunk
+      )
+    )
     (lf, aux_f, gf), (lt, aux_t, gt) = fn(params, flat), fn(params, batch)
     assert abs(float(lt) - float(lf)) <= 1e-10 * abs(float(lf))
     assert max_rel_err(gt, gf) < 1e-10
     assert min(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(gf)) > 0
     # Per-path diagnostics (trunk and tail alike) do not depend on the layout.
     for k in ("scored_tokens", "clip_sum", "approx_kl_sum", "ratio_max"):
-      np.testing.assert_allclose(float(aux_t[k].sum()), float(aux_f[k].sum()), rtol=1e-10,
-                                 err_msg=k)
+      np.testing.assert_allclose(
+        float(aux_t[k].sum()), float(aux_f[k].sum()), rtol=1e-10, err_msg=k
+      )
 
 
 def _records(workdir):
-  return [r for r in metrics.read(os.path.join(workdir, "metrics.jsonl"))
-          if r.get("kind") == "train"]
+  return [
+    r for r in metrics.read(os.path.join(workdir, "metrics.jsonl")) if r.get("kind") == "train"
+  ]
 
 
 def char_sum(examples, completions):
@@ -94,16 +114,34 @@ def test_trainer_with_auto_tree_on_and_off(tmp_path):
   (temperature 0.1) give the openings; old and reference log-probs travel with them into
   the tree."""
   path = tmp_path / "prompts.jsonl"
-  path.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n"
-                          for i in range(8)))
-  common = ("task.name=jsonl", f"task.path={path}", "task.prompt_len=8",
-            f"task.reward={__name__}:char_sum", "train.sft_steps=0",
-            "sampler.temperature=0.1", "sampler.max_new_tokens=4", "sampler.trunk_len=2",
-            "loss.kl_coef=0.05")
+  path.write_text(
+    "".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(8))
+  )
+  common = (
+    "task.name=jsonl",
+    f"task.path={path}",
+    "task.prompt_len=8",
+    f"task.reward={__name__}:char_sum",
+    "train.sft_steps=0",
+    "sampler.temperature=0.1",
+    "sampler.max_new_tokens=4",
+    "sampler.trunk_len=2",
+    "loss.kl_coef=0.05",
+  )
   model = tfm.preset("tiny", dtype="float64", param_dtype="float64")
-  cfg = lambda *more: apply_overrides(Config(model=model), [
-      *common, "train.rl_steps=2", "train.batch_size=2", "train.n_branches=4",
-      "train.eval_size=0", "train.progress=false", "train.plot=false", *more])
+  cfg = lambda *more: apply_overrides(
+    Config(model=model),
+    [
+      *common,
+      "train.rl_steps=2",
+      "train.batch_size=2",
+      "train.n_branches=4",
+      "train.eval_size=0",
+      "train.progress=false",
+      "train.plot=false",
+      *more,
+    ],
+  )
   with jax.enable_x64(True):
     off = trainer.run(cfg(), str(tmp_path / "off"))
     on = trainer.run(cfg("replay.auto_tree=true"), str(tmp_path / "on"))
@@ -128,9 +166,14 @@ def test_trainer_with_auto_tree_on_and_off(tmp_path):
   assert "time by phase (RL steps): sample" in grpo.format_summary(on)
 
 
-@pytest.mark.parametrize("override,field", [
-    ("tree.fanouts=2x2", "tree.fanouts"), ("algo.name=ppo", "algo.name"),
-    ("algo.name=rollouts;task.name=rollouts", "task.name")])
+@pytest.mark.parametrize(
+  "override,field",
+  [
+    ("tree.fanouts=2x2", "tree.fanouts"),
+    ("algo.name=ppo", "algo.name"),
+    ("algo.name=rollouts;task.name=rollouts", "task.name"),
+  ],
+)
 def test_config_refuses_what_the_tree_layout_cannot_serve(override, field):
   with pytest.raises(ValueError, match=f"{field}=.* with replay.auto_tree=true: .*expected"):
     apply_overrides(Config(), ["replay.auto_tree=true", *override.split(";")])
@@ -139,5 +182,6 @@ def test_config_refuses_what_the_tree_layout_cannot_serve(override, field):
 
 def test_dpo_is_refused():
   with pytest.raises(ValueError, match="loss.name='dpo' with replay.auto_tree=true"):
-    apply_overrides(Config(), ["train.n_branches=2", "algo.name=dpo", "loss.name=dpo",
-                                "replay.auto_tree=true"])
+    apply_overrides(
+      Config(), ["train.n_branches=2", "algo.name=dpo", "loss.name=dpo", "replay.auto_tree=true"]
+    )

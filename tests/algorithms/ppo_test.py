@@ -20,8 +20,10 @@ FANOUTS = (2, 3)  # depth 2, ragged tails, unscored holes in the inner nodes
 
 
 def random_head(cfg, seed=2):
-  return {"w_D": jax.random.normal(jax.random.key(seed), (cfg.d_model,), jnp.float64),
-          "b": jnp.asarray(0.1, jnp.float64)}
+  return {
+    "w_D": jax.random.normal(jax.random.key(seed), (cfg.d_model,), jnp.float64),
+    "b": jnp.asarray(0.1, jnp.float64),
+  }
 
 
 def tree_critic_batch(seed, W=0, fanouts=FANOUTS, P=7):
@@ -29,9 +31,11 @@ def tree_critic_batch(seed, W=0, fanouts=FANOUTS, P=7):
   rng = np.random.default_rng(seed + 1)
   mask = critic.scored_mask(t)
   # per-path targets: an inner node's differ between the paths through it
-  return critic.CriticBatch(t, jnp.asarray(np.where(mask, rng.normal(size=mask.shape), 0.0)),
-                            jnp.asarray(np.where(mask, rng.normal(scale=0.1, size=mask.shape),
-                                                 0.0)))
+  return critic.CriticBatch(
+    t,
+    jnp.asarray(np.where(mask, rng.normal(size=mask.shape), 0.0)),
+    jnp.asarray(np.where(mask, rng.normal(scale=0.1, size=mask.shape), 0.0)),
+  )
 
 
 def critic_params(cfg, params, share):
@@ -51,20 +55,22 @@ def test_tree_critic_replay_equals_naive_float64(share, W):
     cb = tree_critic_batch(3, W=W)
     critic.validate(cb)
     ccfg = critic.CriticConfig(value_clip=0.5, share=share)
-    run = jax.jit(lambda p, b, body, mode: critic.loss_and_grad(p, b, cfg, ccfg, mode,
-                                                                body_params=body),
-                  static_argnums=3)
+    run = jax.jit(
+      lambda p, b, body, mode: critic.loss_and_grad(p, b, cfg, ccfg, mode, body_params=body),
+      static_argnums=3,
+    )
     fast, slow = run(cparams, cb, body, "replay"), run(cparams, cb, body, "naive")
     assert_equal_f64(fast, slow)
     assert int(slow[1]["clip_sum"].sum()) > 0  # the value clip binds somewhere
     mask = critic.scored_mask(cb.batch)
     got = critic.values(cparams, cfg, cb.batch, body_params=body)
     want = critic.naive_values(cparams, cb.batch, cfg, body_params=body)
-    np.testing.assert_allclose(np.where(mask, got, 0), np.where(mask, want, 0), rtol=1e-11,
-                               atol=1e-12)
+    np.testing.assert_allclose(
+      np.where(mask, got, 0), np.where(mask, want, 0), rtol=1e-11, atol=1e-12
+    )
     # an inner node's value is one on every path through it (it depends on its past only)
     T1 = cb.batch.levels[0].tokens_BRT.shape[2]
-    inner = np.asarray(got)[:, :, W:W + T1].reshape(2, 2, 3, T1)
+    inner = np.asarray(got)[:, :, W : W + T1].reshape(2, 2, 3, T1)
     np.testing.assert_array_equal(inner, np.broadcast_to(inner[:, :, :1], inner.shape))
 
 
@@ -74,17 +80,26 @@ def per_token_tree(seed, W=0):
   t = make_tree(seed, FANOUTS, W=W, holes=True, logps=True)
   if W:
     rng = np.random.default_rng(seed)
-    t = t.replace(trunk_old_logp_BW=jnp.asarray(-rng.uniform(0.5, 6, (2, W))),
-                  trunk_ref_logp_BW=jnp.asarray(-rng.uniform(0.5, 6, (2, W))))
+    t = t.replace(
+      trunk_old_logp_BW=jnp.asarray(-rng.uniform(0.5, 6, (2, W))),
+      trunk_ref_logp_BW=jnp.asarray(-rng.uniform(0.5, 6, (2, W))),
+    )
   mask = critic.scored_mask(t)
   adv = np.where(mask, np.random.default_rng(seed + 7).normal(size=mask.shape), 0.0)
   adv = adv.astype(np.float32).astype(np.float64)  # as with_token_advantages stores them
   t = ppo.with_token_advantages(t, adv)
   f64 = lambda x: None if x is None else jnp.asarray(x, jnp.float64)
-  t = t.replace(trunk_advantages_BRW=f64(t.trunk_advantages_BRW), levels=tuple(
-      level.replace(advantages_BR=f64(level.advantages_BR), advantages_BRT=f64(
-          level.advantages_BRT), path_advantages_BLT=f64(level.path_advantages_BLT))
-      for level in t.levels))
+  t = t.replace(
+    trunk_advantages_BRW=f64(t.trunk_advantages_BRW),
+    levels=tuple(
+      level.replace(
+        advantages_BR=f64(level.advantages_BR),
+        advantages_BRT=f64(level.advantages_BRT),
+        path_advantages_BLT=f64(level.path_advantages_BLT),
+      )
+      for level in t.levels
+    ),
+  )
   return t, adv, mask
 
 
@@ -97,8 +112,7 @@ def test_tree_ppo_policy_loss_per_token_replay_equals_naive_float64(W):
     t, adv, mask = per_token_tree(5, W)
     tree.validate(t, cfg.vocab_size)
     lc = losses.LossConfig(name="ppo", kl_coef=0.1, epsilon=0.2)
-    run = jax.jit(lambda p, b, mode: engine.loss_and_grad(p, b, cfg, lc, mode),
-                  static_argnums=2)
+    run = jax.jit(lambda p, b, mode: engine.loss_and_grad(p, b, cfg, lc, mode), static_argnums=2)
     fast, slow = run(params, t, "replay"), run(params, t, "naive")
     assert_equal_f64(fast, slow)
     assert int(slow[1]["clip_sum"].sum()) > 0
@@ -118,10 +132,14 @@ def test_tree_ppo_on_policy_loss_is_the_hand_computation(W):
 
 
 def _assert_on_policy_loss_is_the_hand_computation(cfg, params, t, adv, mask):
-  on_policy = t.replace(trunk_old_logp_BW=None, trunk_ref_logp_BW=None, levels=tuple(
-      level.replace(old_logp_BRT=None, ref_logp_BRT=None) for level in t.levels))
-  loss, _, _ = jax.jit(lambda p, b: engine.loss_and_grad(
-      p, b, cfg, losses.LossConfig(name="ppo")))(params, on_policy)
+  on_policy = t.replace(
+    trunk_old_logp_BW=None,
+    trunk_ref_logp_BW=None,
+    levels=tuple(level.replace(old_logp_BRT=None, ref_logp_BRT=None) for level in t.levels),
+  )
+  loss, _, _ = jax.jit(lambda p, b: engine.loss_and_grad(p, b, cfg, losses.LossConfig(name="ppo")))(
+    params, on_policy
+  )
   want = -np.sum(adv * mask) / mask.sum()  # token_mean over every path's scored tokens
   np.testing.assert_allclose(float(loss), want, rtol=1e-12)
 
@@ -155,8 +173,11 @@ def test_gae_over_tree_paths_equals_a_per_path_loop(gamma, lam):
   rng = np.random.default_rng(0)
   per_node = [rng.normal(size=np.shape(level.valid_BRT)) for level in t.levels]
   L = t.n_leaves  # values: one per token (shared by a node's paths), as the critic gives
-  values = np.concatenate([np.broadcast_to(rng.normal(size=(2, 1, 2)), (2, L, 2))] + [
-      np.repeat(v, L // v.shape[1], axis=1) for v in per_node], -1)
+  values = np.concatenate(
+    [np.broadcast_to(rng.normal(size=(2, 1, 2)), (2, L, 2))]
+    + [np.repeat(v, L // v.shape[1], axis=1) for v in per_node],
+    -1,
+  )
   rewards = rng.normal(size=(2, L))
   adv, ret = critic.gae(rewards, values, mask, gamma, lam)
   adv2, ret2 = gae_per_path(t, rewards, values, gamma, lam)
@@ -169,6 +190,7 @@ def test_gae_over_tree_paths_equals_a_per_path_loop(gamma, lam):
 
 class _Spy(ppo.PPO):
   """PPO keeping its sampled batches and the critic's params before/after each update."""
+
   seen = []
 
   def update(self, state, batch, step):
@@ -184,17 +206,31 @@ def test_tree_ppo_run_trains_its_critic(tmp_path):
   step's metrics carry the value keys (finite loss/value, value/tokens = every path's
   scored tokens)."""
   from branch_replay import algorithms
-  cfg = tiny_tree("algo.name=ppo", "loss.name=ppo", "train.sft_steps=0",
-                  "train.rl_steps=1", "train.eval_size=0", "algo.ppo_epochs=2",
-                  "algo.minibatches=2", "algo.overlong_buffer=1")
+
+  cfg = tiny_tree(
+    "algo.name=ppo",
+    "loss.name=ppo",
+    "train.sft_steps=0",
+    "train.rl_steps=1",
+    "train.eval_size=0",
+    "algo.ppo_epochs=2",
+    "algo.minibatches=2",
+    "algo.overlong_buffer=1",
+  )
   assert algorithms.for_config(cfg) is ppo.PPO
   _Spy.seen = []
   s = trainer.run(cfg, str(tmp_path / "run"), _Spy)
   recs = [r for r in metrics.read(s["metrics"]) if r.get("kind") == "train"]
   assert len(recs) == 1 and len(_Spy.seen) == 1
   for r, ((batch, cb), before, after) in zip(recs, _Spy.seen):
-    for key in ("loss/value", "value/clip_frac", "value/grad_norm", "value/mean",
-                "loss/policy", "clip_frac"):
+    for key in (
+      "loss/value",
+      "value/clip_frac",
+      "value/grad_norm",
+      "value/mean",
+      "loss/policy",
+      "clip_frac",
+    ):
       assert np.isfinite(r[key]), (key, r)
     assert "value/explained_variance" in r
     assert r["value/tokens"] == int(critic.scored_mask(batch).sum())
@@ -202,11 +238,13 @@ def test_tree_ppo_run_trains_its_critic(tmp_path):
     assert inner.advantages_BR is None and inner.path_advantages_BLT.shape[1] == 4
     assert leaves.advantages_BRT is not None and not np.any(leaves.advantages_BR)
     assert np.any(inner.path_advantages_BLT)
-    moved = max(float(np.max(np.abs(a - b)))
-                for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before)))
+    moved = max(
+      float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before))
+    )
     assert moved > 0, "the critic did not train"
   assert "value_ev_before" in s and "value/explained_variance (pooled" in (
-      ppo.PPO.format_summary(s))
+    ppo.PPO.format_summary(s)
+  )
 
 
 def test_tree_critic_on_a_mesh_equals_one_device_float64():
@@ -219,38 +257,56 @@ def test_tree_critic_on_a_mesh_equals_one_device_float64():
     cb = tree_critic_batch(3, fanouts=(2, 2), P=8)
     one = jax.jit(lambda p, b: critic.loss_and_grad(p, b, cfg, ccfg))(cparams, cb)
     mesh = sharding.make_mesh("data:2,context:4")
-    placed = (sharding.put(cparams, critic.param_shardings(mesh, cfg, cparams)),
-              sharding.put(cb, critic.batch_shardings(mesh, cb)))
+    placed = (
+      sharding.put(cparams, critic.param_shardings(mesh, cfg, cparams)),
+      sharding.put(cb, critic.batch_shardings(mesh, cb)),
+    )
     on_mesh = jax.jit(lambda p, b: critic.loss_and_grad(p, b, cfg, ccfg, mesh=mesh))(*placed)
     assert_equal_f64(jax.tree.map(np.asarray, on_mesh), jax.tree.map(np.asarray, one))
     values = jax.jit(functools.partial(critic.values, model_cfg=cfg))
-    np.testing.assert_allclose(sharding.to_host(values(placed[0], batch=placed[1].batch)),
-                               values(cparams, batch=cb.batch), rtol=1e-11, atol=1e-12)
+    np.testing.assert_allclose(
+      sharding.to_host(values(placed[0], batch=placed[1].batch)),
+      values(cparams, batch=cb.batch),
+      rtol=1e-11,
+      atol=1e-12,
+    )
 
 
 def test_bad_tree_ppo_input_names_the_field():
   cb = tree_critic_batch(3)
-  with pytest.raises(ValueError, match=r"critic_batch.returns_BRX: shape \(2, 6, 6\): "
-                     r"expected \(2, 6, 7\) \(\[B, leaves=6, X = trunk_len 0 \+ level lengths"):
+  with pytest.raises(
+    ValueError,
+    match=r"critic_batch.returns_BRX: shape \(2, 6, 6\): "
+    r"expected \(2, 6, 7\) \(\[B, leaves=6, X = trunk_len 0 \+ level lengths",
+  ):
     critic.validate(cb.replace(returns_BRX=cb.returns_BRX[..., 1:]))
   # a leaf path with no scored token: GAE has nowhere to put its reward
   t = cb.batch
   lv0, lv1 = t.levels
   unscored = lv0.replace(scored_BRT=lv0.scored_BRT.at[0, 0].set(False))
   leaves = lv1.replace(scored_BRT=jnp.asarray(lv1.valid_BRT).at[0, 0].set(False))
-  with pytest.raises(ValueError, match=r"levels\[1\]\.scored_BRT: path to leaf 0 of prompt 0 "
-                     r"has no scored token"):
+  with pytest.raises(
+    ValueError,
+    match=r"levels\[1\]\.scored_BRT: path to leaf 0 of prompt 0 "
+    r"has no scored token",
+  ):
     critic.validate(cb.replace(batch=t.replace(levels=(unscored, leaves))))
   # per-token advantages on the leaves need them on the inner level too, per path
   good, _, _ = per_token_tree(5)
   tree.validate(good, 128)
   inner, last = good.levels
-  with pytest.raises(ValueError, match=r"levels\[0\] \(level 1\)\.path_advantages_BLT: None: "
-                     r"expected it exactly when the leaves' advantages_BRT are given.*"
-                     r"shape \(2, 6, 4\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"levels\[0\] \(level 1\)\.path_advantages_BLT: None: "
+    r"expected it exactly when the leaves' advantages_BRT are given.*"
+    r"shape \(2, 6, 4\)",
+  ):
     tree.validate(good.replace(levels=(inner.replace(path_advantages_BLT=None), last)), 128)
-  with pytest.raises(ValueError, match=r"levels\[0\] \(level 1, fan-out 2\)\.path_advantages_"
-                     r"BLT: shape \(2, 2, 4\): expected shape \(2, 6, 4\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"levels\[0\] \(level 1, fan-out 2\)\.path_advantages_"
+    r"BLT: shape \(2, 2, 4\): expected shape \(2, 6, 4\)",
+  ):
     bad = inner.replace(path_advantages_BLT=inner.path_advantages_BLT[:, :2])
     tree.validate(good.replace(levels=(bad, last)), 128)
   with pytest.raises(ValueError, match=r"rewards_BR: shape \(2, 3\): expected \(2, 6\)"):

@@ -16,31 +16,45 @@ from helpers import assert_equal_f64, make_batch, make_tree, tiny_model
 
 # Tree shapes: every one ragged (nodes of 1..T tokens) with a left-padded prompt 1.
 SHAPES = {
-    "flat": dict(fanouts=(4,), W=2),  # depth 1 with a scored root tail (a trunk)
-    "trunk": dict(fanouts=(1, 4), T=(3, 4)),  # a fan-out-1 level: a shared response trunk
-    "depth2": dict(fanouts=(2, 3), W=1, holes=True, node_advantages=True),  # unscored holes
-    "depth3": dict(fanouts=(2, 1, 2), T=(1, 2, 3), P=5),  # single-token nodes, short prompts
+  "flat": dict(fanouts=(4,), W=2),  # depth 1 with a scored root tail (a trunk)
+  "trunk": dict(fanouts=(1, 4), T=(3, 4)),  # a fan-out-1 level: a shared response trunk
+  "depth2": dict(fanouts=(2, 3), W=1, holes=True, node_advantages=True),  # unscored holes
+  "depth3": dict(fanouts=(2, 1, 2), T=(1, 2, 3), P=5),  # single-token nodes, short prompts
 }
 
 # Objectives: (loss config, off-policy/reference log-probs given, per-token advantages).
 OBJECTIVES = {
-    # GRPO: off-policy ratios clipped on both sides, KL to the reference
-    "grpo": (losses.LossConfig(epsilon=0.1, epsilon_high=0.3, kl_coef=0.05), True, False),
-    # PPO-clip with GAE-style per-token (per-path) advantages, KL, at the sampler's temperature
-    "ppo": (losses.LossConfig(name="ppo", kl_coef=0.1, temperature=0.7,
-                              aggregation="seq_mean"), True, True),
-    "pg": (losses.LossConfig(name="pg", aggregation="sum"), False, False),  # on-policy
-    "gspo": (losses.LossConfig(name="gspo", epsilon=0.01, kl_coef=0.1, aggregation="seq_mean"),
-             True, False),  # sequence-level: the path's ratio, clipped per path
-    "dpo": (losses.LossConfig(name="dpo", beta=0.3), True, False),  # last fan-out 2
-    "critic": (None, False, False),  # PPO's value head on the engine
+  # GRPO: off-policy ratios clipped on both sides, KL to the reference
+  "grpo": (losses.LossConfig(epsilon=0.1, epsilon_high=0.3, kl_coef=0.05), True, False),
+  # PPO-clip with GAE-style per-token (per-path) advantages, KL, at the sampler's temperature
+  "ppo": (
+    losses.LossConfig(name="ppo", kl_coef=0.1, temperature=0.7, aggregation="seq_mean"),
+    True,
+    True,
+  ),
+  "pg": (losses.LossConfig(name="pg", aggregation="sum"), False, False),  # on-policy
+  "gspo": (
+    losses.LossConfig(name="gspo", epsilon=0.01, kl_coef=0.1, aggregation="seq_mean"),
+    True,
+    False,
+  ),  # sequence-level: the path's ratio, clipped per path
+  "dpo": (losses.LossConfig(name="dpo", beta=0.3), True, False),  # last fan-out 2
+  "critic": (None, False, False),  # PPO's value head on the engine
 }
 CRITIC = critic.CriticConfig(value_clip=0.2)
 
 # Streaming over the last fan-out (branch_chunk) in half the cells: the additive objectives,
 # a chunk dividing the last fan-out (DPO combines its pair, the critic does not stream).
-CHUNK = {("flat", "grpo"): 2, ("flat", "gspo"): 1, ("trunk", "ppo"): 2, ("trunk", "pg"): 1,
-         ("depth2", "grpo"): 3, ("depth2", "gspo"): 1, ("depth3", "pg"): 1, ("depth3", "ppo"): 2}
+CHUNK = {
+  ("flat", "grpo"): 2,
+  ("flat", "gspo"): 1,
+  ("trunk", "ppo"): 2,
+  ("trunk", "pg"): 1,
+  ("depth2", "grpo"): 3,
+  ("depth2", "gspo"): 1,
+  ("depth3", "pg"): 1,
+  ("depth3", "ppo"): 2,
+}
 
 
 def grid_batch(shape: str, objective: str, dtype=jnp.float64) -> tree.TreeBatch:
@@ -63,8 +77,9 @@ def with_per_token_advantages(batch: tree.TreeBatch, seed: int) -> tree.TreeBatc
   rng = np.random.default_rng(seed)
   B, L, dt = batch.root_BP.shape[0], batch.n_leaves, batch.leaves.advantages_BR.dtype
   normal = lambda *shape: jnp.asarray(rng.normal(size=shape), dt)
-  levels = [l.replace(path_advantages_BLT=normal(B, L, l.tokens_BRT.shape[2]))
-            for l in batch.levels[:-1]]
+  levels = [
+    l.replace(path_advantages_BLT=normal(B, L, l.tokens_BRT.shape[2])) for l in batch.levels[:-1]
+  ]
   leaf = batch.leaves
   levels.append(leaf.replace(advantages_BRT=normal(*leaf.tokens_BRT.shape)))
   return batch.replace(levels=tuple(levels), trunk_advantages_BRW=normal(B, L, batch.trunk_len))
@@ -73,13 +88,18 @@ def with_per_token_advantages(batch: tree.TreeBatch, seed: int) -> tree.TreeBatc
 def critic_inputs(cfg, params, batch: tree.TreeBatch, seed: int):
   """A separate value model (the policy's transformer, a random head) and random targets on
   every path's scored positions (old values near 0: the value clip binds on both sides)."""
-  head = {"w_D": jax.random.normal(jax.random.key(seed), (cfg.d_model,), params["embed"][
-      "embedding"].dtype), "b": jnp.asarray(0.1, params["embed"]["embedding"].dtype)}
+  head = {
+    "w_D": jax.random.normal(
+      jax.random.key(seed), (cfg.d_model,), params["embed"]["embedding"].dtype
+    ),
+    "b": jnp.asarray(0.1, params["embed"]["embedding"].dtype),
+  }
   mask = critic.scored_mask(batch)
   rng = np.random.default_rng(seed)
   dt = head["b"].dtype
-  targets = lambda scale: jnp.asarray(np.where(mask, rng.normal(scale=scale, size=mask.shape),
-                                               0.0), dt)
+  targets = lambda scale: jnp.asarray(
+    np.where(mask, rng.normal(scale=scale, size=mask.shape), 0.0), dt
+  )
   cb = critic.CriticBatch(batch, targets(1.0), targets(0.1))
   critic.validate(cb)
   return {"model": params, "head": head}, cb
@@ -88,16 +108,21 @@ def critic_inputs(cfg, params, batch: tree.TreeBatch, seed: int):
 @functools.partial(jax.jit, static_argnums=(2, 3, 4))
 def policy_runs(params, batch, cfg, loss_cfg, chunk):
   """(replay, the tree's naive twin, the flat naive twin at depth 1 else None)."""
-  flat = (policy.loss_and_grad(params, batch, cfg, loss_cfg, "naive")
-          if batch.depth == 1 else None)
-  return (engine.loss_and_grad(params, batch, cfg, loss_cfg, "replay", chunk),
-          engine.loss_and_grad(params, batch, cfg, loss_cfg, "naive"), flat)
+  flat = policy.loss_and_grad(params, batch, cfg, loss_cfg, "naive") if batch.depth == 1 else None
+  return (
+    engine.loss_and_grad(params, batch, cfg, loss_cfg, "replay", chunk),
+    engine.loss_and_grad(params, batch, cfg, loss_cfg, "naive"),
+    flat,
+  )
 
 
 @functools.partial(jax.jit, static_argnums=(2,))
 def critic_runs(cparams, cb, cfg):
-  return (critic.loss_and_grad(cparams, cb, cfg, CRITIC, "replay"),
-          critic.loss_and_grad(cparams, cb, cfg, CRITIC, "naive"), None)
+  return (
+    critic.loss_and_grad(cparams, cb, cfg, CRITIC, "replay"),
+    critic.loss_and_grad(cparams, cb, cfg, CRITIC, "naive"),
+    None,
+  )
 
 
 def run_cell(shape, objective, dtype):
@@ -114,17 +139,23 @@ def run_cell(shape, objective, dtype):
 # The default suite runs seven cells (every objective and every shape at least once, three of
 # them streamed: GSPO on a depth-2 tree among them, the place of issue 16's bug 2); `-m slow`
 # runs the other seventeen, i.e. every objective on every shape.
-DEFAULT = {"flat": ("grpo", "dpo"), "trunk": ("ppo", "critic"), "depth2": ("gspo", "pg"),
-           "depth3": ("grpo",)}
+DEFAULT = {
+  "flat": ("grpo", "dpo"),
+  "trunk": ("ppo", "critic"),
+  "depth2": ("gspo", "pg"),
+  "depth3": ("grpo",),
+}
 
 
 def cells(pairs, default):
-  return [pytest.param(s, o, marks=() if o in default.get(s, ()) else pytest.mark.slow)
-          for s, o in pairs]
+  return [
+    pytest.param(s, o, marks=() if o in default.get(s, ()) else pytest.mark.slow) for s, o in pairs
+  ]
 
 
-@pytest.mark.parametrize("shape, objective", cells([(s, o) for s in SHAPES for o in OBJECTIVES],
-                                                   DEFAULT))
+@pytest.mark.parametrize(
+  "shape, objective", cells([(s, o) for s in SHAPES for o in OBJECTIVES], DEFAULT)
+)
 def test_replay_equals_naive_float64(shape, objective, x64):
   fast, slow, flat = run_cell(shape, objective, "float64")
   assert set(fast[1]) == set(slow[1])  # replay reports every per-path sum the twin does
@@ -151,8 +182,14 @@ def test_flat_edge_shapes_float64(B, R, P, x64):
 
 
 # float32: every objective once, every shape at least once (two in the default suite).
-F32_CELLS = [("flat", "dpo"), ("flat", "pg"), ("trunk", "ppo"), ("depth2", "grpo"),
-             ("depth2", "critic"), ("depth3", "gspo")]
+F32_CELLS = [
+  ("flat", "dpo"),
+  ("flat", "pg"),
+  ("trunk", "ppo"),
+  ("depth2", "grpo"),
+  ("depth2", "critic"),
+  ("depth3", "gspo"),
+]
 F32_DEFAULT = {"trunk": ("ppo",), "depth2": ("grpo",)}
 
 
@@ -168,10 +205,12 @@ def test_replay_equals_naive_float32(shape, objective):
     np.testing.assert_allclose(fast[0], want[0], rtol=1e-5)
     scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(want[2]))
     assert scale > 1e-3
-    for (path, g), ref in zip(jax.tree_util.tree_leaves_with_path(fast[2]),
-                              jax.tree.leaves(want[2])):
-      np.testing.assert_allclose(g, ref, rtol=1e-5, atol=1e-5 * scale,
-                                 err_msg=jax.tree_util.keystr(path))
+    for (path, g), ref in zip(
+      jax.tree_util.tree_leaves_with_path(fast[2]), jax.tree.leaves(want[2])
+    ):
+      np.testing.assert_allclose(
+        g, ref, rtol=1e-5, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path)
+      )
 
 
 def test_objectives_the_shape_cannot_serve_raise_before_compilation(x64):
@@ -179,12 +218,19 @@ def test_objectives_the_shape_cannot_serve_raise_before_compilation(x64):
   dpo = OBJECTIVES["dpo"][0]
   batch = grid_batch("depth2", "dpo")
   wide = grid_batch("depth2", "grpo")  # last fan-out 3
-  with pytest.raises(ValueError, match=r"levels\[1\]\.tokens_BRT: shape \(2, 6, 3\): loss.name="
-                     r"'dpo' expects a last fan-out of 2"):
+  with pytest.raises(
+    ValueError,
+    match=r"levels\[1\]\.tokens_BRT: shape \(2, 6, 3\): loss.name="
+    r"'dpo' expects a last fan-out of 2",
+  ):
     jax.eval_shape(lambda p: engine.loss_and_grad(p, wide, cfg, dpo), params)
   with pytest.raises(ValueError, match="branch_chunk"):  # DPO combines its pair: no stream
     jax.eval_shape(lambda p: engine.loss_and_grad(p, batch, cfg, dpo, "replay", 1), params)
-  with pytest.raises(ValueError, match=r"branch_chunk=2: expected a divisor of the last "
-                     r"fan-out R_2=3"):
-    jax.eval_shape(lambda p: engine.loss_and_grad(p, wide, cfg, OBJECTIVES["grpo"][0],
-                                                  "replay", 2), params)
+  with pytest.raises(
+    ValueError,
+    match=r"branch_chunk=2: expected a divisor of the last "
+    r"fan-out R_2=3",
+  ):
+    jax.eval_shape(
+      lambda p: engine.loss_and_grad(p, wide, cfg, OBJECTIVES["grpo"][0], "replay", 2), params
+    )

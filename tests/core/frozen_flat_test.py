@@ -35,8 +35,11 @@ def test_flat_engine_matches_frozen(stored, name, production_compile):
     for key, value in frozen.flatten("params/", params).items():  # the same model
       np.testing.assert_array_equal(value, stored[key])
     loss, aux, grads = frozen.run_case(params, cfg, list(frozen.CASES).index(name), name)
-    got = {f"{name}/loss": np.asarray(loss), **frozen.flatten(f"{name}/aux", aux),
-           **frozen.flatten(f"{name}/grads", grads)}
+    got = {
+      f"{name}/loss": np.asarray(loss),
+      **frozen.flatten(f"{name}/aux", aux),
+      **frozen.flatten(f"{name}/grads", grads),
+    }
     want = {k: v for k, v in stored.items() if k.startswith(name + "/")}
     assert sorted(got) == sorted(want)
     for key in want:

@@ -15,9 +15,18 @@ from branch_replay.train import state as train_state
 from models import transformer as tfm
 from helpers import assert_equal_f64, make_batch, max_rel_err
 
-GEMMA2 = dict(post_norms=True, scale_embeddings=True, norm_offset=1.0, activation="gelu_tanh",
-              query_pre_attn_scalar=8.0, attn_logit_softcap=5.0, final_logit_softcap=3.0,
-              tie_embeddings=True, sliding_window=4, local_layers=(0, 2))
+GEMMA2 = dict(
+  post_norms=True,
+  scale_embeddings=True,
+  norm_offset=1.0,
+  activation="gelu_tanh",
+  query_pre_attn_scalar=8.0,
+  attn_logit_softcap=5.0,
+  final_logit_softcap=3.0,
+  tie_embeddings=True,
+  sliding_window=4,
+  local_layers=(0, 2),
+)
 
 
 @pytest.fixture
@@ -45,7 +54,8 @@ def test_chunked_logps_equal_unchunked(x64):
   def f(c):
     def loss(p, h):
       logp, ent = tfm.token_logps(p, c, h, targets_BT)
-      return jnp.sum(logp * jnp.arange(10)) + jnp.sum(ent ** 2), (logp, ent)
+      return jnp.sum(logp * jnp.arange(10)) + jnp.sum(ent**2), (logp, ent)
+
     return jax.value_and_grad(loss, (0, 1), has_aux=True)(params, h_BTD)
 
   (l1, (lp1, e1)), g1 = f(cfg)
@@ -66,7 +76,8 @@ def test_row_chunked_logps_equal_unchunked(x64):
   def f(c):
     def loss(p, h):
       logp, ent = tfm.token_logps(p, c, h, targets_BT)
-      return jnp.sum(logp * jnp.arange(12.0).reshape(3, 4)) + jnp.sum(ent ** 2), (logp, ent)
+      return jnp.sum(logp * jnp.arange(12.0).reshape(3, 4)) + jnp.sum(ent**2), (logp, ent)
+
     return jax.value_and_grad(loss, (0, 1), has_aux=True)(params, h_BTD)
 
   (l1, (lp1, e1)), g1 = f(cfg)
@@ -104,19 +115,26 @@ def test_scanned_layers_equal_unrolled(family, x64):
 def test_remat_policies_equal_none(remat, x64):
   cfg, params = tiny(remat=remat)
   batch = make_batch(1, 2, 3, 9, 4, dtype=jnp.float64)
-  assert_equal_f64(replay_grad(cfg, params, batch),
-                   replay_grad(dataclasses.replace(cfg, remat="none"), params, batch))
+  assert_equal_f64(
+    replay_grad(cfg, params, batch),
+    replay_grad(dataclasses.replace(cfg, remat="none"), params, batch),
+  )
 
 
 def test_bfloat16_compute_moves_float32_masters_at_small_lr():
   """bf16 compute, float32 parameters and AdamW state: an update at lr 1e-6 changes the
   parameters (in bf16 most such updates round to nothing: |update| << bf16 spacing)."""
-  cfg = config_lib.Config(model=tfm.preset("tiny", dtype="bfloat16", param_dtype="float32"),
-                          train=config_lib.TrainConfig(learning_rate=1e-6, rl_steps=1))
+  cfg = config_lib.Config(
+    model=tfm.preset("tiny", dtype="bfloat16", param_dtype="float32"),
+    train=config_lib.TrainConfig(learning_rate=1e-6, rl_steps=1),
+  )
   state = train_state.init_state(cfg)
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.params))
-  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.opt_state)
-             if jnp.issubdtype(x.dtype, jnp.floating))
+  assert all(
+    x.dtype == jnp.float32
+    for x in jax.tree.leaves(state.opt_state)
+    if jnp.issubdtype(x.dtype, jnp.floating)
+  )
   batch = make_batch(2, 2, 4, 12, 5, vocab=cfg.model.vocab_size)
   new, metrics = jax.jit(steps.make_train_step(cfg))(state, batch)
   assert np.isfinite(float(metrics["loss/policy"]))
@@ -136,8 +154,15 @@ def test_tail_memory_does_not_grow_with_branches(attention):
   """At fixed R*T, the tails' compiled temporary memory is flat in R: the prefix K/V
   cotangent is one [S, K, H] per layer, summed inside the attention contraction, never an
   [R, S, K, H] per-branch copy (which at R=32 here would add ~2x the whole temp)."""
-  cfg, params = tiny("float32", attention=attention, attention_block_q=64,
-                     attention_block_k=64, n_kv_heads=4, head_dim=16, n_heads=4)
+  cfg, params = tiny(
+    "float32",
+    attention=attention,
+    attention_block_q=64,
+    attention_block_k=64,
+    n_kv_heads=4,
+    head_dim=16,
+    n_heads=4,
+  )
   P = 1024
 
   def temp_bytes(R, T):
@@ -151,13 +176,15 @@ def test_tail_memory_does_not_grow_with_branches(attention):
 
 
 def test_bad_model_options_name_the_field():
-  for overrides, field in [(dict(attention="flash"), "model.attention"),
-                           (dict(attention_block_q=0), "model.attention_block_q"),
-                           (dict(attention_block_k=-4), "model.attention_block_k"),
-                           (dict(logits_chunk=0), "model.logits_chunk"),
-                           (dict(mlp_chunk=0), "model.mlp_chunk"),
-                           (dict(logits_chunk_rows=1), "model.logits_chunk_rows"),
-                           (dict(remat="sometimes"), "model.remat")]:
+  for overrides, field in [
+    (dict(attention="flash"), "model.attention"),
+    (dict(attention_block_q=0), "model.attention_block_q"),
+    (dict(attention_block_k=-4), "model.attention_block_k"),
+    (dict(logits_chunk=0), "model.logits_chunk"),
+    (dict(mlp_chunk=0), "model.mlp_chunk"),
+    (dict(logits_chunk_rows=1), "model.logits_chunk_rows"),
+    (dict(remat="sometimes"), "model.remat"),
+  ]:
     with pytest.raises(ValueError, match=field):
       tfm.preset("tiny", **overrides)
 

@@ -29,8 +29,9 @@ def model_and_adapters(dtype="float64", lora_cfg=LORA, **overrides):
   adapters = lora.init_adapters(cfg, lora_cfg, jax.random.key(1))
   # B = 0 at init would make every A gradient zero: give B values so both halves matter.
   keys = iter(jax.random.split(jax.random.key(2), 64))
-  adapters = jax.tree.map(lambda x: x + 0.2 * jax.random.normal(next(keys), x.shape, x.dtype),
-                          adapters)
+  adapters = jax.tree.map(
+    lambda x: x + 0.2 * jax.random.normal(next(keys), x.shape, x.dtype), adapters
+  )
   return cfg, base, adapters
 
 
@@ -41,8 +42,9 @@ def test_lora_replay_equals_naive_float64(loss_name, W, logps):
     batch = make_batch(5, B=2, R=3, P=7, T=4, W=W, logps=logps, dtype=jnp.float64)
     tree.validate(batch, cfg.vocab_size)
     loss_cfg = losses.LossConfig(name=loss_name, kl_coef=0.1 if logps else 0.0)
-    run = lambda mode: jax.jit(lambda a, b: lora_train.loss_and_grad(
-        base, a, b, cfg, loss_cfg, LORA, mode))(adapters, batch)
+    run = lambda mode: jax.jit(
+      lambda a, b: lora_train.loss_and_grad(base, a, b, cfg, loss_cfg, LORA, mode)
+    )(adapters, batch)
     (l1, aux1, g1), (l2, aux2, g2) = run("replay"), run("naive")
     assert abs(float(l1) - float(l2)) <= 1e-10 * max(abs(float(l2)), 1e-3)
     assert jax.tree.structure(g1) == jax.tree.structure(adapters)  # adapters only, no base
@@ -57,15 +59,18 @@ def test_lora_replay_equals_naive_with_the_one_gpu_plans_options():
   and row-chunked log-probs, the base frozen; replay == the naive twin with the default
   options (float64, every adapter leaf)."""
   with jax.enable_x64(True):
-    cfg, base, adapters = model_and_adapters(remat="full", scan_layers=True, mlp_chunk=4,
-                                             logits_chunk=5, logits_chunk_rows=True)
+    cfg, base, adapters = model_and_adapters(
+      remat="full", scan_layers=True, mlp_chunk=4, logits_chunk=5, logits_chunk_rows=True
+    )
     plain = dataclasses.replace(cfg, remat="none", mlp_chunk=None, logits_chunk_rows=False)
     batch = make_batch(7, B=1, R=4, P=10, T=3, dtype=jnp.float64)
     loss_cfg = losses.LossConfig(name="grpo")
-    l1, _, g1 = jax.jit(lambda a: lora_train.loss_and_grad(base, a, batch, cfg, loss_cfg, LORA,
-                                                           "replay"))(adapters)
-    l2, _, g2 = jax.jit(lambda a: lora_train.loss_and_grad(base, a, batch, plain, loss_cfg,
-                                                           LORA, "naive"))(adapters)
+    l1, _, g1 = jax.jit(
+      lambda a: lora_train.loss_and_grad(base, a, batch, cfg, loss_cfg, LORA, "replay")
+    )(adapters)
+    l2, _, g2 = jax.jit(
+      lambda a: lora_train.loss_and_grad(base, a, batch, plain, loss_cfg, LORA, "naive")
+    )(adapters)
     assert abs(float(l1) - float(l2)) <= 1e-10 * max(abs(float(l2)), 1e-3)
     assert max_rel_err(g1, g2) < 1e-10
 
@@ -76,8 +81,9 @@ def test_adapter_gradient_is_the_full_gradient_projected():
     cfg, base, adapters = model_and_adapters()
     batch = make_batch(6, B=2, R=2, P=6, T=3, dtype=jnp.float64)
     loss_cfg = losses.LossConfig(name="grpo")
-    _, _, g_adapters = jax.jit(lambda a: lora_train.loss_and_grad(
-        base, a, batch, cfg, loss_cfg, LORA, "replay"))(adapters)
+    _, _, g_adapters = jax.jit(
+      lambda a: lora_train.loss_and_grad(base, a, batch, cfg, loss_cfg, LORA, "replay")
+    )(adapters)
     merged = lora.merge(base, adapters, LORA)
     g_full = jax.jit(jax.grad(lambda p: policy.naive_loss(p, batch, cfg, loss_cfg)[0]))(merged)
     s = LORA.scale
@@ -144,16 +150,22 @@ def test_peft_round_trip_and_bad_adapters(tmp_path):
     lora.load_peft(str(tmp_path / "a"), cfg, lora.LoraConfig(rank=8, alpha=8.0))
   # the same adapter on a wider model: a tensor's shape names the mismatch
   wide = tfm.preset("tiny", d_model=48, qkv_bias=True)
-  with pytest.raises(ValueError, match=r"q_proj.lora_A.weight has shape \(4, 32\), expected "
-                                       r"\(4, 48\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"q_proj.lora_A.weight has shape \(4, 32\), expected "
+    r"\(4, 48\)",
+  ):
     lora.load_peft(str(tmp_path / "a"), wide)
   # a GPT-2 adapter: module names of another architecture
   config = json.load(open(tmp_path / "a" / lora.CONFIG_FILE))
   config["target_modules"] = ["c_attn"]
   os.makedirs(tmp_path / "gpt2")
   json.dump(config, open(tmp_path / "gpt2" / lora.CONFIG_FILE, "w"))
-  with pytest.raises(ValueError, match=r"adapter_config.json: target_modules \['c_attn'\] "
-                                       "name no layer"):
+  with pytest.raises(
+    ValueError,
+    match=r"adapter_config.json: target_modules \['c_attn'\] "
+    "name no layer",
+  ):
     lora.load_peft(str(tmp_path / "gpt2"), cfg)
   tensors = safetensors.numpy.load_file(str(tmp_path / "a" / lora.WEIGHTS_FILE))
   tensors["base_model.model.transformer.h.0.attn.c_attn.lora_A.weight"] = np.zeros((4, 32))
@@ -174,13 +186,16 @@ def test_peft_loads_our_adapter_same_logits(tmp_path, family):
   """Our adapter on transformers' model through peft == our merged model (float32); and
   `--merge`'s full checkpoint gives the same logits in transformers."""
   cfg, base, adapters = model_and_adapters(
-      dtype="float32", qkv_bias=family == "qwen2",
-      lora_cfg=lora.LoraConfig(rank=4, alpha=8.0, targets=("q", "v", "o", "up", "down")))
+    dtype="float32",
+    qkv_bias=family == "qwen2",
+    lora_cfg=lora.LoraConfig(rank=4, alpha=8.0, targets=("q", "v", "o", "up", "down")),
+  )
   lora_cfg = lora.LoraConfig(rank=4, alpha=8.0, targets=("q", "v", "o", "up", "down"))
   hf.save(str(tmp_path / "base"), cfg, base, family=family)
   lora.save_peft(str(tmp_path / "adapter"), cfg, lora_cfg, adapters, family=family)
-  model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"),
-                                                            attn_implementation="eager")
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+    str(tmp_path / "base"), attn_implementation="eager"
+  )
   model = peft.PeftModel.from_pretrained(model, str(tmp_path / "adapter")).eval()
   tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9))
   with torch.no_grad():
@@ -188,19 +203,24 @@ def test_peft_loads_our_adapter_same_logits(tmp_path, family):
     plain = model.get_base_model()
     with model.disable_adapter():
       base_ref = plain(input_ids=torch.tensor(tokens)).logits.numpy()
-  logits = lambda p: np.asarray(jax.jit(lambda p, t: tfm.logits(
-      p, cfg, tfm.forward(p, cfg, t, jnp.ones(t.shape, bool))))(p, jnp.asarray(tokens)))
+  logits = lambda p: np.asarray(
+    jax.jit(lambda p, t: tfm.logits(p, cfg, tfm.forward(p, cfg, t, jnp.ones(t.shape, bool))))(
+      p, jnp.asarray(tokens)
+    )
+  )
   ours = logits(lora.merge(base, adapters, lora_cfg))
   assert np.abs(ours - logits(base)).max() > 1e-2  # the adapter changes the logits
   np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4)
   np.testing.assert_allclose(logits(base), base_ref, rtol=1e-4, atol=1e-4)
   # --merge: full weights that transformers loads as the adapted model
   lora.save_merged(str(tmp_path / "merged"), cfg, base, adapters, lora_cfg, family=family)
-  merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"),
-                                                             attn_implementation="eager")
+  merged = transformers.AutoModelForCausalLM.from_pretrained(
+    str(tmp_path / "merged"), attn_implementation="eager"
+  )
   with torch.no_grad():
-    np.testing.assert_allclose(merged(input_ids=torch.tensor(tokens)).logits.numpy(), ref,
-                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+      merged(input_ids=torch.tensor(tokens)).logits.numpy(), ref, rtol=1e-4, atol=1e-4
+    )
 
 
 def test_import_a_peft_adapter_to_continue_training(tmp_path):
@@ -209,9 +229,9 @@ def test_import_a_peft_adapter_to_continue_training(tmp_path):
   base = tfm.init_params(cfg, jax.random.key(0))
   hf.save(str(tmp_path / "base"), cfg, base, family="llama")
   model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"))
-  peft_cfg = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "k_proj",
-                                                                  "gate_proj"],
-                             init_lora_weights=False)  # random B: not the base
+  peft_cfg = peft.LoraConfig(
+    r=4, lora_alpha=16, target_modules=["q_proj", "k_proj", "gate_proj"], init_lora_weights=False
+  )  # random B: not the base
   pm = peft.get_peft_model(model, peft_cfg)
   pm.save_pretrained(str(tmp_path / "adapter"))
   tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 7))
@@ -220,22 +240,37 @@ def test_import_a_peft_adapter_to_continue_training(tmp_path):
   lora_cfg, adapters = lora.load_peft(str(tmp_path / "adapter"), cfg)
   assert (lora_cfg.rank, lora_cfg.alpha, lora_cfg.targets) == (4, 16.0, ("q", "k", "gate"))
   merged = lora.merge(base, adapters, lora_cfg)
-  ours = tfm.logits(merged, cfg, tfm.forward(merged, cfg, jnp.asarray(tokens),
-                                             jnp.ones(tokens.shape, bool)))
+  ours = tfm.logits(
+    merged, cfg, tfm.forward(merged, cfg, jnp.asarray(tokens), jnp.ones(tokens.shape, bool))
+  )
   np.testing.assert_allclose(np.asarray(ours), ref, rtol=1e-4, atol=1e-4)
   batch = make_batch(1, B=1, R=2, P=5, T=3)
-  loss, _, grads = jax.jit(lambda a: lora_train.loss_and_grad(
-      base, a, batch, cfg, losses.LossConfig(name="grpo"), lora_cfg))(adapters)
+  loss, _, grads = jax.jit(
+    lambda a: lora_train.loss_and_grad(
+      base, a, batch, cfg, losses.LossConfig(name="grpo"), lora_cfg
+    )
+  )(adapters)
   assert np.isfinite(float(loss)) and optax.tree.norm(grads) > 0
 
 
 def test_merge_command(tmp_path):
   cfg, base, adapters = model_and_adapters(dtype="float32")
-  hf.save(str(tmp_path / "base"), cfg, base, family="llama",
-          extra_config=dict(eos_token_id=2, bos_token_id=1))
+  hf.save(
+    str(tmp_path / "base"),
+    cfg,
+    base,
+    family="llama",
+    extra_config=dict(eos_token_id=2, bos_token_id=1),
+  )
   lora.save_peft(str(tmp_path / "adapter"), cfg, LORA, adapters, family="llama")
-  lora.main([f"--base={tmp_path / 'base'}", f"--adapter={tmp_path / 'adapter'}", "--merge",
-             f"--out={tmp_path / 'merged'}"])
+  lora.main(
+    [
+      f"--base={tmp_path / 'base'}",
+      f"--adapter={tmp_path / 'adapter'}",
+      "--merge",
+      f"--out={tmp_path / 'merged'}",
+    ]
+  )
   merged_cfg, merged = hf.load(str(tmp_path / "merged"))
   want = lora.merge(base, adapters, LORA)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), merged, want)
@@ -250,24 +285,69 @@ def test_memory_table_takes_a_later_inputs_row_and_the_speedups(tmp_path):
   import json as json_lib
   import subprocess
   import sys
+
   mem = lambda method, total, **kw: dict(
-      experiment="lora_memory", preset="large", P=32768, R=16, T=128, B=1, method=method,
-      mode="replay", rank=16, n_params=10, trainable_params=10, frozen_base_bytes=0,
-      trainable_bytes=40, optimizer_bytes=80, trainable_state_bytes=kw.get("state", 160),
-      argument_bytes=0, temp_bytes=total, output_bytes=0, alias_bytes=0,
-      compiled_total_bytes=total)
-  speed = lambda method, mode, cpu: dict(experiment="lora_speed", preset="small", P=2048, R=16,
-                                         T=128, method=method, mode=mode, cpu_s=cpu, wall_s=cpu)
+    experiment="lora_memory",
+    preset="large",
+    P=32768,
+    R=16,
+    T=128,
+    B=1,
+    method=method,
+    mode="replay",
+    rank=16,
+    n_params=10,
+    trainable_params=10,
+    frozen_base_bytes=0,
+    trainable_bytes=40,
+    optimizer_bytes=80,
+    trainable_state_bytes=kw.get("state", 160),
+    argument_bytes=0,
+    temp_bytes=total,
+    output_bytes=0,
+    alias_bytes=0,
+    compiled_total_bytes=total,
+  )
+  speed = lambda method, mode, cpu: dict(
+    experiment="lora_speed",
+    preset="small",
+    P=2048,
+    R=16,
+    T=128,
+    method=method,
+    mode=mode,
+    cpu_s=cpu,
+    wall_s=cpu,
+  )
   old, new = tmp_path / "old.jsonl", tmp_path / "new.jsonl"
-  old.write_text(json_lib.dumps(mem("full", 2 ** 20)) + "\n")
-  new.write_text("\n".join(json_lib.dumps(r) for r in [
-      mem("full", 3 * 2 ** 20), mem("lora", 2 ** 20, state=16), speed("full", "replay", 2.0),
-      speed("full", "naive", 20.0), speed("lora", "replay", 2.0),
-      speed("lora", "naive", 18.0)]) + "\n")
+  old.write_text(json_lib.dumps(mem("full", 2**20)) + "\n")
+  new.write_text(
+    "\n".join(
+      json_lib.dumps(r)
+      for r in [
+        mem("full", 3 * 2**20),
+        mem("lora", 2**20, state=16),
+        speed("full", "replay", 2.0),
+        speed("full", "naive", 20.0),
+        speed("lora", "replay", 2.0),
+        speed("lora", "naive", 18.0),
+      ]
+    )
+    + "\n"
+  )
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   table = subprocess.run(  # a subprocess: the experiments' absl flags share names
-      [sys.executable, os.path.join(root, "experiments", "lora_memory.py"), "--what=table",
-       f"--inputs={old},{new}"], capture_output=True, text=True, check=True, cwd=root).stdout
+    [
+      sys.executable,
+      os.path.join(root, "experiments", "lora_memory.py"),
+      "--what=table",
+      f"--inputs={old},{new}",
+    ],
+    capture_output=True,
+    text=True,
+    check=True,
+    cwd=root,
+  ).stdout
   rows = [line for line in table.splitlines() if line.startswith("| large")]
   assert len(rows) == 2 and "| 3.0 |" in rows[0] and "| 10.00% |" in rows[1]
   assert "| 10.00x |" in table and "| 9.00x |" in table

@@ -18,7 +18,9 @@ from helpers import make_batch, tiny_model
 EPS, EPS_HIGH = 0.2, 0.28
 
 
-@pytest.mark.parametrize("ratio, adv, loss, dloss_dlogp", [
+@pytest.mark.parametrize(
+  "ratio, adv, loss, dloss_dlogp",
+  [
     (1.1, 1.0, -1.1, -1.1),  # inside the band: -r A, gradient -r A
     (1.1, -1.0, 1.1, 1.1),
     (1.5, 1.0, -1.28, 0.0),  # above 1+eps_high with A>0: clipped, no gradient
@@ -26,7 +28,8 @@ EPS, EPS_HIGH = 0.2, 0.28
     (0.5, 1.0, -0.5, -0.5),  # below 1-eps with A>0: unclipped
     (0.5, -1.0, 0.8, 0.0),  # below the band with A<0: clipped at 1-eps, no gradient
     (1.25, 1.0, -1.25, -1.25),  # inside [1-eps, 1+eps_high] though outside 1+eps
-])
+  ],
+)
 def test_ppo_clip_hand_values(ratio, adv, loss, dloss_dlogp):
   with jax.enable_x64(True):
     cfg = losses.LossConfig(name="ppo", epsilon=EPS, epsilon_high=EPS_HIGH)
@@ -90,10 +93,13 @@ def model_logps(cfg, params, batch, temperature=1.0):
   the log-softmax and the token picking done in numpy (independent of policy.py)."""
   B, R, T = batch.leaves.tokens_BRT.shape
   P, W = batch.root_BP.shape[1], batch.trunk_len
-  tokens = np.concatenate([np.repeat(np.asarray(batch.root_BP)[:, None], R, 1),
-                           np.asarray(batch.leaves.tokens_BRT)], -1).reshape(B * R, P + T)
-  valid = np.concatenate([np.repeat(np.asarray(batch.root_valid_BP)[:, None], R, 1),
-                          np.asarray(batch.leaves.valid_BRT)], -1).reshape(B * R, P + T)
+  tokens = np.concatenate(
+    [np.repeat(np.asarray(batch.root_BP)[:, None], R, 1), np.asarray(batch.leaves.tokens_BRT)], -1
+  ).reshape(B * R, P + T)
+  valid = np.concatenate(
+    [np.repeat(np.asarray(batch.root_valid_BP)[:, None], R, 1), np.asarray(batch.leaves.valid_BRT)],
+    -1,
+  ).reshape(B * R, P + T)
   logits = np.asarray(_logits(params, cfg, jnp.asarray(tokens), jnp.asarray(valid)))
   lp = np_log_softmax(logits / temperature)
   out = np.zeros((B * R, W + T))
@@ -118,18 +124,22 @@ def np_loss(cfg: losses.LossConfig, batch, logp_BRX):
   B, R, T = batch.leaves.tokens_BRT.shape
   W = batch.trunk_len
   cat = lambda trunk_BW, tail_BRT: np.concatenate(
-      [np.broadcast_to(np.asarray(trunk_BW)[:, None], (B, R, W)), np.asarray(tail_BRT)], -1)
+    [np.broadcast_to(np.asarray(trunk_BW)[:, None], (B, R, W)), np.asarray(tail_BRT)], -1
+  )
   valid = np.concatenate([np.ones((B, R, W), bool), np.asarray(batch.leaves.valid_BRT)], -1)
   leaves = batch.leaves
-  old = logp_BRX if leaves.old_logp_BRT is None else cat(batch.trunk_old_logp_BW,
-                                                         leaves.old_logp_BRT)
-  ref = logp_BRX if leaves.ref_logp_BRT is None else cat(batch.trunk_ref_logp_BW,
-                                                         leaves.ref_logp_BRT)
+  old = (
+    logp_BRX if leaves.old_logp_BRT is None else cat(batch.trunk_old_logp_BW, leaves.old_logp_BRT)
+  )
+  ref = (
+    logp_BRX if leaves.ref_logp_BRT is None else cat(batch.trunk_ref_logp_BW, leaves.ref_logp_BRT)
+  )
   if batch.leaves.advantages_BRT is None:
     adv = np.broadcast_to(np.asarray(batch.leaves.advantages_BR)[..., None], valid.shape)
   else:
-    adv = np.concatenate([np.asarray(batch.trunk_advantages_BRW),
-                          np.asarray(batch.leaves.advantages_BRT)], -1)
+    adv = np.concatenate(
+      [np.asarray(batch.trunk_advantages_BRW), np.asarray(batch.leaves.advantages_BRT)], -1
+    )
   mode = "sum" if cfg.name == "dpo" else cfg.aggregation
   n_total = valid.sum()
   values = np.zeros((B, R))
@@ -138,8 +148,10 @@ def np_loss(cfg: losses.LossConfig, batch, logp_BRX):
       n = valid[b, r].sum()
       w = {"token_mean": 1.0 / n_total, "seq_mean": 1.0 / (B * R * n), "sum": 1.0}[mode]
       toks = [x for x in range(W + T) if valid[b, r, x]]
-      kl = sum(math.exp(ref[b, r, x] - logp_BRX[b, r, x]) - (ref[b, r, x] - logp_BRX[b, r, x])
-               - 1 for x in toks)
+      kl = sum(
+        math.exp(ref[b, r, x] - logp_BRX[b, r, x]) - (ref[b, r, x] - logp_BRX[b, r, x]) - 1
+        for x in toks
+      )
       if cfg.name in ("grpo", "ppo"):
         v = 0.0
         for x in toks:
@@ -149,8 +161,7 @@ def np_loss(cfg: losses.LossConfig, batch, logp_BRX):
           v += -min(ratio * a, clipped * a)
         values[b, r] = w * (v + cfg.kl_coef * kl)
       elif cfg.name == "pg":
-        values[b, r] = w * (sum(-adv[b, r, x] * logp_BRX[b, r, x] for x in toks)
-                            + cfg.kl_coef * kl)
+        values[b, r] = w * (sum(-adv[b, r, x] * logp_BRX[b, r, x] for x in toks) + cfg.kl_coef * kl)
       elif cfg.name == "gspo":
         s = math.exp(sum(logp_BRX[b, r, x] - old[b, r, x] for x in toks) / n)
         a = sum(adv[b, r, x] for x in toks) / n
@@ -165,13 +176,13 @@ def np_loss(cfg: losses.LossConfig, batch, logp_BRX):
 
 
 CASES = [
-    dict(name="grpo", aggregation="token_mean"),
-    dict(name="grpo", aggregation="seq_mean", kl_coef=0.1),
-    dict(name="ppo", aggregation="sum", epsilon=0.1, epsilon_high=0.3, kl_coef=0.05),
-    dict(name="pg", aggregation="seq_mean", kl_coef=0.2),
-    dict(name="gspo", aggregation="seq_mean", epsilon=3e-3, epsilon_high=4e-3),
-    dict(name="gspo", aggregation="token_mean", epsilon=0.5, kl_coef=0.1),
-    dict(name="dpo", beta=0.3),
+  dict(name="grpo", aggregation="token_mean"),
+  dict(name="grpo", aggregation="seq_mean", kl_coef=0.1),
+  dict(name="ppo", aggregation="sum", epsilon=0.1, epsilon_high=0.3, kl_coef=0.05),
+  dict(name="pg", aggregation="seq_mean", kl_coef=0.2),
+  dict(name="gspo", aggregation="seq_mean", epsilon=3e-3, epsilon_high=4e-3),
+  dict(name="gspo", aggregation="token_mean", epsilon=0.5, kl_coef=0.1),
+  dict(name="dpo", beta=0.3),
 ]
 
 
@@ -190,10 +201,12 @@ def test_loss_equals_numpy_reference(case):
     W = 2
     valid = batch.leaves.valid_BRT
     batch = batch.with_leaves(
-        old_logp_BRT=jnp.asarray(np.where(valid, logp[..., W:] + noise(2, R, 4), 0.0)),
-        ref_logp_BRT=jnp.asarray(np.where(valid, logp[..., W:] + noise(2, R, 4), 0.0))).replace(
-        trunk_old_logp_BW=jnp.asarray(logp[:, 0, :W] + noise(2, W)),
-        trunk_ref_logp_BW=jnp.asarray(logp[:, 0, :W] + noise(2, W)))
+      old_logp_BRT=jnp.asarray(np.where(valid, logp[..., W:] + noise(2, R, 4), 0.0)),
+      ref_logp_BRT=jnp.asarray(np.where(valid, logp[..., W:] + noise(2, R, 4), 0.0)),
+    ).replace(
+      trunk_old_logp_BW=jnp.asarray(logp[:, 0, :W] + noise(2, W)),
+      trunk_ref_logp_BW=jnp.asarray(logp[:, 0, :W] + noise(2, W)),
+    )
     lc = losses.LossConfig(**case)
     loss = naive_loss(params, batch, cfg, lc)
     assert float(loss) == pytest.approx(np_loss(lc, batch, logp), rel=1e-10, abs=1e-13)
@@ -208,7 +221,8 @@ def test_per_token_advantages_equal_numpy_reference():
     batch = make_batch(22, B=2, R=3, P=8, T=4, W=2, logps=True, dtype=jnp.float64)
     rng = np.random.default_rng(2)
     batch = batch.with_leaves(advantages_BRT=jnp.asarray(rng.normal(size=(2, 3, 4)))).replace(
-        trunk_advantages_BRW=jnp.asarray(rng.normal(size=(2, 3, 2))))
+      trunk_advantages_BRW=jnp.asarray(rng.normal(size=(2, 3, 2)))
+    )
     lc = losses.LossConfig(name="ppo", aggregation="token_mean", kl_coef=0.1)
     expected = np_loss(lc, batch, model_logps(cfg, params, batch))
     assert float(naive_loss(params, batch, cfg, lc)) == pytest.approx(expected, rel=1e-10)
@@ -228,26 +242,29 @@ def test_temperature_logps_equal_numpy_reference():
 # ----------------------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize("case, match", [
+@pytest.mark.parametrize(
+  "case, match",
+  [
     (dict(name="dpo"), "needs reference log-probs"),
     (dict(name="grpo", kl_coef=0.1), r"needs reference log-probs \(kl_coef > 0\)"),
-])
+  ],
+)
 def test_missing_reference_raises(case, match):
   cfg, params = tiny_model(dtype="float32", perturb=0.0)
   R = 2 if case["name"] == "dpo" else 3
   batch = make_batch(0, B=2, R=R, P=6, T=3)
   for mode in ("replay", "naive"):
     with pytest.raises(ValueError, match=match):
-      jax.eval_shape(lambda p: policy.loss_and_grad(p, batch, cfg, losses.LossConfig(**case),
-                                                    mode), params)
+      jax.eval_shape(
+        lambda p: policy.loss_and_grad(p, batch, cfg, losses.LossConfig(**case), mode), params
+      )
 
 
 def test_dpo_needs_two_branches():
   cfg, params = tiny_model(dtype="float32", perturb=0.0)
   batch = make_batch(0, B=2, R=3, P=6, T=3, logps=True)
   with pytest.raises(ValueError, match=r"expects R=2"):
-    jax.eval_shape(lambda p: policy.loss_and_grad(p, batch, cfg, losses.LossConfig("dpo")),
-                   params)
+    jax.eval_shape(lambda p: policy.loss_and_grad(p, batch, cfg, losses.LossConfig("dpo")), params)
 
 
 def test_unknown_objective_lists_choices():
@@ -263,8 +280,12 @@ def test_register_a_new_objective():
     cfg, params = tiny_model(dtype="float64", perturb=0.0)
     batch = make_batch(3, B=1, R=2, P=5, T=3, dtype=jnp.float64)
     a = naive_loss(params, batch, cfg, losses.LossConfig(name=name, aggregation="sum"))
-    b = naive_loss(params, batch.with_leaves(advantages_BR=jnp.ones((1, 2))), cfg,
-                   losses.LossConfig(name="pg", aggregation="sum"))
+    b = naive_loss(
+      params,
+      batch.with_leaves(advantages_BR=jnp.ones((1, 2))),
+      cfg,
+      losses.LossConfig(name="pg", aggregation="sum"),
+    )
     assert float(a) == pytest.approx(float(b), rel=1e-12)
   with pytest.raises(ValueError, match="already registered"):
     losses.register(name)(lambda *a: 0)

@@ -2,7 +2,6 @@
 forward, causality, tail padding, bad input. Replay == naive over shapes and objectives is
 tests/core/equivalence_test.py."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,8 +20,9 @@ def test_staged_jits_equal_fused_and_prefix_compiles_once():
     traces = []
 
     def stages(batch):  # the engine's depth-1 functions: root, (no inner levels), leaves
-      root_fn, _, leaf_loss_fn, leaves_R = engine.replay_fns(batch, cfg,
-                                                             engine.policy_head(batch, cfg, lc))
+      root_fn, _, leaf_loss_fn, leaves_R = engine.replay_fns(
+        batch, cfg, engine.policy_head(batch, cfg, lc)
+      )
       return root_fn, leaf_loss_fn, leaves_R
 
     @jax.jit
@@ -45,8 +45,9 @@ def test_staged_jits_equal_fused_and_prefix_compiles_once():
       cache, prefix_vjp = prefix_stage(params, batch)
       loss, _, dparams_tail, dcache = tail_stage(params, cache, batch)
       grads = jax.tree.map(jnp.add, dparams_tail, prefix_backward(prefix_vjp, dcache[0]))
-      fused_loss, _, fused = jax.jit(lambda p, b: policy.loss_and_grad(p, b, cfg, lc))(params,
-                                                                                     batch)
+      fused_loss, _, fused = jax.jit(lambda p, b: policy.loss_and_grad(p, b, cfg, lc))(
+        params, batch
+      )
       assert abs(float(loss - fused_loss)) < 1e-12
       assert max_rel_err(grads, fused) < 1e-12
     assert len(traces) == 1  # same shapes: one trace, one compile of the prefix
@@ -63,8 +64,12 @@ def test_prefill_plus_tail_equals_full_forward():
     def split_and_full(params):
       cache = tfm.prefill(params, cfg, batch.root_BP, batch.root_valid_BP)
       h_tail = tfm.tail(params, cfg, cache, batch.root_valid_BP, tails_BT, tail_valid_BT)
-      h_full = tfm.forward(params, cfg, jnp.concatenate([batch.root_BP, tails_BT], 1),
-                           jnp.concatenate([batch.root_valid_BP, tail_valid_BT], 1))
+      h_full = tfm.forward(
+        params,
+        cfg,
+        jnp.concatenate([batch.root_BP, tails_BT], 1),
+        jnp.concatenate([batch.root_valid_BP, tail_valid_BT], 1),
+      )
       return tfm.logits(params, cfg, h_tail), tfm.logits(params, cfg, h_full[:, 9:])
 
     split, full = split_and_full(params)
@@ -97,8 +102,9 @@ def test_tail_padding_does_not_change_loss():
     cfg, params = tiny_model()
     batch = make_batch(8, B=2, R=3, P=6, T=5, dtype=jnp.float64)
     l = batch.leaves
-    other = batch.with_leaves(tokens_BRT=jnp.where(l.valid_BRT, l.tokens_BRT,
-                                                   (l.tokens_BRT + 17) % cfg.vocab_size))
+    other = batch.with_leaves(
+      tokens_BRT=jnp.where(l.valid_BRT, l.tokens_BRT, (l.tokens_BRT + 17) % cfg.vocab_size)
+    )
     f = jax.jit(lambda b: policy.loss_and_grad(params, b, cfg, losses.LossConfig()))
     assert_equal_f64(f(other), f(batch), tol=1e-13)
 
@@ -106,50 +112,92 @@ def test_tail_padding_does_not_change_loss():
 L = "tree.levels\\[0\\] \\(level 1, fan-out 3\\)"  # the leaves of a flat batch, in messages
 
 
-@pytest.mark.parametrize("mutate, match", [
-    (lambda b: b.with_leaves(tokens_BRT=b.leaves.tokens_BRT[:, :, :0],
-                             valid_BRT=b.leaves.valid_BRT[..., :0]),
-     L + r"\.tokens_BRT: shape \(2, 3, 0\): expected \[B=2, R=3 .*T >= 1\]"),
-    (lambda b: b.replace(root_BP=b.root_BP[:, :0], root_valid_BP=b.root_valid_BP[:, :0]),
-     r"tree.root_BP: shape \(2, 0\): expected \[B >= 1, P >= 1\]"),
-    (lambda b: b.replace(root_BP=b.root_BP[:0], root_valid_BP=b.root_valid_BP[:0]),
-     r"tree.root_BP: shape \(0, 9\): expected \[B >= 1, P >= 1\]"),
-    (lambda b: tree.flat(b.root_BP, b.root_valid_BP, b.leaves.tokens_BRT[:, :0],
-                         b.leaves.valid_BRT[:, :0], b.leaves.advantages_BR[:, :0]),
-     r"tree.fanouts=\(0,\): expected .*ints >= 1 \(leaf tokens_BRT shape \(2, 0, 4\)\)"),
-    (lambda b: b.with_leaves(tokens_BRT=b.leaves.tokens_BRT.at[0, 0, 0].set(128)),
-     L + r"\.tokens_BRT: shape \(2, 3, 4\): expected token ids in \[0, 128\)"),
-    (lambda b: b.with_leaves(tokens_BRT=b.leaves.tokens_BRT.astype(jnp.float32)),
-     L + r"\.tokens_BRT: shape \(2, 3, 4\): expected integer token ids, got dtype float32"),
+@pytest.mark.parametrize(
+  "mutate, match",
+  [
+    (
+      lambda b: b.with_leaves(
+        tokens_BRT=b.leaves.tokens_BRT[:, :, :0], valid_BRT=b.leaves.valid_BRT[..., :0]
+      ),
+      L + r"\.tokens_BRT: shape \(2, 3, 0\): expected \[B=2, R=3 .*T >= 1\]",
+    ),
+    (
+      lambda b: b.replace(root_BP=b.root_BP[:, :0], root_valid_BP=b.root_valid_BP[:, :0]),
+      r"tree.root_BP: shape \(2, 0\): expected \[B >= 1, P >= 1\]",
+    ),
+    (
+      lambda b: b.replace(root_BP=b.root_BP[:0], root_valid_BP=b.root_valid_BP[:0]),
+      r"tree.root_BP: shape \(0, 9\): expected \[B >= 1, P >= 1\]",
+    ),
+    (
+      lambda b: tree.flat(
+        b.root_BP,
+        b.root_valid_BP,
+        b.leaves.tokens_BRT[:, :0],
+        b.leaves.valid_BRT[:, :0],
+        b.leaves.advantages_BR[:, :0],
+      ),
+      r"tree.fanouts=\(0,\): expected .*ints >= 1 \(leaf tokens_BRT shape \(2, 0, 4\)\)",
+    ),
+    (
+      lambda b: b.with_leaves(tokens_BRT=b.leaves.tokens_BRT.at[0, 0, 0].set(128)),
+      L + r"\.tokens_BRT: shape \(2, 3, 4\): expected token ids in \[0, 128\)",
+    ),
+    (
+      lambda b: b.with_leaves(tokens_BRT=b.leaves.tokens_BRT.astype(jnp.float32)),
+      L + r"\.tokens_BRT: shape \(2, 3, 4\): expected integer token ids, got dtype float32",
+    ),
     (lambda b: b.replace(root_BP=b.root_BP.at[0, 0].set(-1)), r"root_BP.*\[0, 128\)"),
-    (lambda b: b.with_leaves(advantages_BR=b.leaves.advantages_BR.at[1, 2].set(jnp.nan)),
-     L + r"\.advantages_BR: shape \(2, 3\): expected finite"),
-    (lambda b: b.with_leaves(advantages_BR=b.leaves.advantages_BR.at[0, 0].set(jnp.inf)),
-     "finite"),
-    (lambda b: b.with_leaves(advantages_BR=b.leaves.advantages_BR[:, :2]),
-     L + r"\.advantages_BR: shape \(2, 2\): expected shape \(2, 3\)"),
-    (lambda b: b.with_leaves(old_logp_BRT=jnp.full((2, 3, 4), jnp.nan)),
-     L + r"\.old_logp_BRT: shape \(2, 3, 4\): expected finite"),
-    (lambda b: b.with_leaves(ref_logp_BRT=jnp.zeros((2, 3, 5))),
-     L + r"\.ref_logp_BRT: shape \(2, 3, 5\): expected shape \(2, 3, 4\)"),
-    (lambda b: b.with_leaves(tokens_BRT=b.leaves.tokens_BRT[:1]),
-     L + r"\.tokens_BRT: shape \(1, 3, 4\): expected \[B=2"),
-    (lambda b: b.with_leaves(valid_BRT=b.leaves.valid_BRT.at[0, 1, :].set(False)),
-     "node 1 of prompt 0 is empty"),
-    (lambda b: b.with_leaves(valid_BRT=b.leaves.valid_BRT.at[0, 1, 1].set(False)),
-     L + r"\.valid_BRT: shape \(2, 3, 4\): expected right padding"),
+    (
+      lambda b: b.with_leaves(advantages_BR=b.leaves.advantages_BR.at[1, 2].set(jnp.nan)),
+      L + r"\.advantages_BR: shape \(2, 3\): expected finite",
+    ),
+    (lambda b: b.with_leaves(advantages_BR=b.leaves.advantages_BR.at[0, 0].set(jnp.inf)), "finite"),
+    (
+      lambda b: b.with_leaves(advantages_BR=b.leaves.advantages_BR[:, :2]),
+      L + r"\.advantages_BR: shape \(2, 2\): expected shape \(2, 3\)",
+    ),
+    (
+      lambda b: b.with_leaves(old_logp_BRT=jnp.full((2, 3, 4), jnp.nan)),
+      L + r"\.old_logp_BRT: shape \(2, 3, 4\): expected finite",
+    ),
+    (
+      lambda b: b.with_leaves(ref_logp_BRT=jnp.zeros((2, 3, 5))),
+      L + r"\.ref_logp_BRT: shape \(2, 3, 5\): expected shape \(2, 3, 4\)",
+    ),
+    (
+      lambda b: b.with_leaves(tokens_BRT=b.leaves.tokens_BRT[:1]),
+      L + r"\.tokens_BRT: shape \(1, 3, 4\): expected \[B=2",
+    ),
+    (
+      lambda b: b.with_leaves(valid_BRT=b.leaves.valid_BRT.at[0, 1, :].set(False)),
+      "node 1 of prompt 0 is empty",
+    ),
+    (
+      lambda b: b.with_leaves(valid_BRT=b.leaves.valid_BRT.at[0, 1, 1].set(False)),
+      L + r"\.valid_BRT: shape \(2, 3, 4\): expected right padding",
+    ),
     (lambda b: b.replace(root_valid_BP=b.root_valid_BP.at[0, -1].set(False)), "left padding"),
     (lambda b: b.replace(root_valid_BP=b.root_valid_BP.at[0, 3].set(False)), "left padding"),
     (lambda b: b.replace(trunk_len=9), r"trunk_len=9: expected 0 <= trunk_len < P=9"),
-    (lambda b: b.replace(trunk_len=2, root_valid_BP=b.root_valid_BP.at[1, :7].set(False)),
-     r"root_valid_BP: shape \(2, 9\): expected every prompt longer than trunk_len=2"),
-    (lambda b: b.replace(trunk_len=2, trunk_old_logp_BW=jnp.zeros((2, 2))),
-     r"old_logp_BRT \(and trunk_old_logp_BW with a trunk\) must be given on every level"),
-    (lambda b: b.replace(trunk_len=2).with_leaves(advantages_BRT=jnp.zeros((2, 3, 4))),
-     r"trunk_advantages_BRW: give it exactly when the leaves' advantages_BRT are given"),
-    (lambda b: b.replace(trunk_advantages_BRW=jnp.zeros((2, 3, 1))),
-     r"tree.trunk_advantages_BRW: shape \(2, 3, 1\): expected shape \(2, 3, 0\)"),
-])
+    (
+      lambda b: b.replace(trunk_len=2, root_valid_BP=b.root_valid_BP.at[1, :7].set(False)),
+      r"root_valid_BP: shape \(2, 9\): expected every prompt longer than trunk_len=2",
+    ),
+    (
+      lambda b: b.replace(trunk_len=2, trunk_old_logp_BW=jnp.zeros((2, 2))),
+      r"old_logp_BRT \(and trunk_old_logp_BW with a trunk\) must be given on every level",
+    ),
+    (
+      lambda b: b.replace(trunk_len=2).with_leaves(advantages_BRT=jnp.zeros((2, 3, 4))),
+      r"trunk_advantages_BRW: give it exactly when the leaves' advantages_BRT are given",
+    ),
+    (
+      lambda b: b.replace(trunk_advantages_BRW=jnp.zeros((2, 3, 1))),
+      r"tree.trunk_advantages_BRW: shape \(2, 3, 1\): expected shape \(2, 3, 0\)",
+    ),
+  ],
+)
 def test_bad_input_raises_before_compilation(mutate, match):
   batch = make_batch(0, B=2, R=3, P=9, T=4, ragged=False)
   with pytest.raises(ValueError, match=match):
@@ -158,8 +206,11 @@ def test_bad_input_raises_before_compilation(mutate, match):
 
 def test_chunk_must_divide_branches():
   batch = make_batch(0, B=2, R=3, P=9, T=4)
-  with pytest.raises(ValueError, match=r"branch_chunk=2: expected a divisor of the last fan-out "
-                     r"R_1=3"):
+  with pytest.raises(
+    ValueError,
+    match=r"branch_chunk=2: expected a divisor of the last fan-out "
+    r"R_1=3",
+  ):
     tree.validate(batch, vocab_size=128, branch_chunk=2)
 
 

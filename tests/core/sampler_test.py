@@ -25,8 +25,11 @@ def _prompts(B=2, P=7, seed=0):
 
 @functools.lru_cache(maxsize=None)
 def _sample_fn(cfg, n_branches, stop_tokens=()):
-  return jax.jit(functools.partial(sampler.sample, model_cfg=CFG, cfg=cfg,
-                                   n_branches=n_branches, stop_tokens=stop_tokens))
+  return jax.jit(
+    functools.partial(
+      sampler.sample, model_cfg=CFG, cfg=cfg, n_branches=n_branches, stop_tokens=stop_tokens
+    )
+  )
 
 
 def _argmax_loop(params, tokens_BP, valid_BP, n):
@@ -61,33 +64,45 @@ def test_sampling_logps_equal_training_forward(trunk_len):
   params = tfm.init_params(CFG, jax.random.key(2))
   prompt, valid = _prompts(B=3, P=6, seed=1)
   cfg = sampler.SamplerConfig(max_new_tokens=5, temperature=1.0, trunk_len=trunk_len)
-  s = _sample_fn(cfg, 4, (5, 6, 7))(params, prompt_BP=prompt, prompt_valid_BP=valid,
-                                     key=jax.random.key(3))
+  s = _sample_fn(cfg, 4, (5, 6, 7))(
+    params, prompt_BP=prompt, prompt_valid_BP=valid, key=jax.random.key(3)
+  )
   B, R, T = s.tokens_BRT.shape
   W = trunk_len
   # The naive training forward: every branch as its own [P+W+T] sequence.
-  seq = np.concatenate([np.repeat(np.asarray(prompt)[:, None], R, 1),
-                        np.repeat(np.asarray(s.trunk_BW)[:, None], R, 1),
-                        np.asarray(s.tokens_BRT)], -1).reshape(B * R, -1)
-  seq_valid = np.concatenate([np.repeat(np.asarray(valid)[:, None], R, 1),
-                              np.ones((B, R, W), bool), np.asarray(s.valid_BRT)],
-                             -1).reshape(B * R, -1)
+  seq = np.concatenate(
+    [
+      np.repeat(np.asarray(prompt)[:, None], R, 1),
+      np.repeat(np.asarray(s.trunk_BW)[:, None], R, 1),
+      np.asarray(s.tokens_BRT),
+    ],
+    -1,
+  ).reshape(B * R, -1)
+  seq_valid = np.concatenate(
+    [
+      np.repeat(np.asarray(valid)[:, None], R, 1),
+      np.ones((B, R, W), bool),
+      np.asarray(s.valid_BRT),
+    ],
+    -1,
+  ).reshape(B * R, -1)
   P = prompt.shape[1]
   h = tfm.forward(params, CFG, jnp.asarray(seq), jnp.asarray(seq_valid))
-  logp, _ = tfm.token_logps(params, CFG, h[:, P - 1:-1], jnp.asarray(seq[:, P:]))
+  logp, _ = tfm.token_logps(params, CFG, h[:, P - 1 : -1], jnp.asarray(seq[:, P:]))
   logp = np.asarray(logp).reshape(B, R, W + T)
   m = np.asarray(s.valid_BRT)
-  np.testing.assert_allclose(np.where(m, logp[..., W:], 0), np.asarray(s.logp_BRT),
-                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(
+    np.where(m, logp[..., W:], 0), np.asarray(s.logp_BRT), rtol=1e-5, atol=1e-5
+  )
   if W:
     np.testing.assert_allclose(logp[:, 0, :W], np.asarray(s.trunk_logp_BW), rtol=1e-5, atol=1e-5)
   # `score` (one shared-prefix forward, used for the reference policy) agrees too.
   batch = sampler.to_batch(prompt, valid, s, jnp.zeros((B, R)))
   score_logp, score_trunk = jax.jit(sampler.score, static_argnums=1)(params, CFG, batch)
-  np.testing.assert_allclose(np.asarray(score_logp), np.asarray(s.logp_BRT), rtol=1e-5,
-                             atol=1e-5)
-  np.testing.assert_allclose(np.asarray(score_trunk), np.asarray(s.trunk_logp_BW), rtol=1e-5,
-                             atol=1e-5)
+  np.testing.assert_allclose(np.asarray(score_logp), np.asarray(s.logp_BRT), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(
+    np.asarray(score_trunk), np.asarray(s.trunk_logp_BW), rtol=1e-5, atol=1e-5
+  )
   # Branches differ (different keys) and stop tokens end a branch (the stop token is valid).
   assert len({tuple(np.asarray(s.tokens_BRT[b, r])) for b in range(B) for r in range(R)}) > 1
   toks, valid_brt = np.asarray(s.tokens_BRT), np.asarray(s.valid_BRT)
@@ -107,11 +122,12 @@ def test_stop_token_ends_greedy_branch():
   want = _argmax_loop(params, prompt, valid, 4)
   stop = int(want[0, 1])  # the second greedy token of prompt 0 becomes a stop token
   cfg = sampler.SamplerConfig(max_new_tokens=4, temperature=0.0)
-  s = _sample_fn(cfg, 1, (stop,))(params, prompt_BP=prompt, prompt_valid_BP=valid,
-                                  key=jax.random.key(0))
+  s = _sample_fn(cfg, 1, (stop,))(
+    params, prompt_BP=prompt, prompt_valid_BP=valid, key=jax.random.key(0)
+  )
   first = int(np.argmax(want[0] == stop))
   np.testing.assert_array_equal(np.asarray(s.valid_BRT[0, 0]), np.arange(4) <= first)
-  np.testing.assert_array_equal(np.asarray(s.tokens_BRT[0, 0, :first + 1]), want[0, :first + 1])
+  np.testing.assert_array_equal(np.asarray(s.tokens_BRT[0, 0, : first + 1]), want[0, : first + 1])
 
 
 def test_top_k_and_top_p_filters():
@@ -138,7 +154,8 @@ def test_prefix_kv_is_not_copied_per_branch():
   valid = jnp.ones((2, P), bool)
   cfg = sampler.SamplerConfig(max_new_tokens=T)
   jaxpr = jax.make_jaxpr(functools.partial(sampler.sample, model_cfg=CFG, cfg=cfg, n_branches=R))(
-      params, prompt_BP=prompt, prompt_valid_BP=valid, key=jax.random.key(0))
+    params, prompt_BP=prompt, prompt_valid_BP=valid, key=jax.random.key(0)
+  )
   shapes = set()
 
   def visit(jx):
@@ -149,6 +166,7 @@ def test_prefix_kv_is_not_copied_per_branch():
         inner = getattr(val, "jaxpr", None)
         if inner is not None:
           visit(getattr(inner, "jaxpr", inner))
+
   visit(jaxpr.jaxpr)
   K, H = CFG.n_kv_heads, CFG.head_dim
   assert (2, P, K, H) in shapes  # the prefix K/V, once

@@ -47,17 +47,21 @@ def sharded(spec, devices=None, branch_chunk=None):
   mesh = sharding.make_mesh(spec, devices)
   params = sharding.put(params, sharding.param_shardings(mesh, cfg))
   batch = sharding.put(batch, sharding.batch_shardings(mesh, batch))
-  step = jax.jit(lambda p, b: sharding.sharded_loss_and_grad(mesh, p, b, cfg, LOSS,
-                                                            branch_chunk=branch_chunk))
+  step = jax.jit(
+    lambda p, b: sharding.sharded_loss_and_grad(mesh, p, b, cfg, LOSS, branch_chunk=branch_chunk)
+  )
   return mesh, step(params, batch)
 
 
-@pytest.mark.parametrize("spec, branch_chunk", [
+@pytest.mark.parametrize(
+  "spec, branch_chunk",
+  [
     ("context:8", None),  # branch-parallel tails (R over 8), context-parallel prefix
     ("data:4,context:2", None),  # prompts x branches
     ("fsdp:4,tensor:2", None),  # FSDP + tensor-parallel heads/mlp/vocab, no branch sharding
     ("data:2,fsdp:2,context:2", 4),  # mixed, tails streamed in 2 chunks of 4 branches
-])
+  ],
+)
 def test_sharded_equals_single_device(spec, branch_chunk):
   mesh, (loss, aux, grads) = sharded(spec, branch_chunk=branch_chunk)
   ref_loss, ref_aux, ref_grads = single_device()
@@ -65,8 +69,7 @@ def test_sharded_equals_single_device(spec, branch_chunk):
   for name in ref_aux:
     np.testing.assert_allclose(aux[name], ref_aux[name], rtol=1e-5, atol=1e-5)
   assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
-  for (path, g), ref in zip(jax.tree_util.tree_leaves_with_path(grads),
-                            jax.tree.leaves(ref_grads)):
+  for (path, g), ref in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
     np.testing.assert_allclose(g, ref, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
   # The test can fail: gradients are not trivially zero.
   assert max(float(np.abs(g).max()) for g in jax.tree.leaves(ref_grads)) > 1e-3
@@ -88,8 +91,10 @@ def test_branch_parallel_step_splits_the_work():
   cfg, params = model()
   batch = make_batch(0, **BATCH)
   mesh = sharding.make_mesh("context:8")
-  placed = (sharding.put(params, sharding.param_shardings(mesh, cfg)),
-            sharding.put(batch, sharding.batch_shardings(mesh, batch)))
+  placed = (
+    sharding.put(params, sharding.param_shardings(mesh, cfg)),
+    sharding.put(batch, sharding.batch_shardings(mesh, batch)),
+  )
   flops = lambda fn, *args: _first(jax.jit(fn).lower(*args).compile().cost_analysis())["flops"]
   one = flops(lambda p, b: policy.loss_and_grad(p, b, cfg, LOSS), params, batch)
   per_device = flops(lambda p, b: sharding.sharded_loss_and_grad(mesh, p, b, cfg, LOSS), *placed)
@@ -155,7 +160,9 @@ def test_context_parallel_prefix_with_remat_holds_no_whole_sequence():
     entry = (tuple(x.sharding.spec) + (None, None))[1]
     axes = entry if isinstance(entry, tuple) else (entry,)
     assert "context" in axes and all(mesh.shape[a] == 1 for a in axes if a != "context"), (
-        x.shape, x.sharding)
+      x.shape,
+      x.sharding,
+    )
 
 
 def test_memory_report_keys():
@@ -168,21 +175,25 @@ def test_memory_report_keys():
 
 def test_mesh_spec_parsing():
   assert sharding.parse_mesh_spec("data:2,fsdp:2,context:2", 8) == dict(
-      data=2, fsdp=2, tensor=1, context=2)
+    data=2, fsdp=2, tensor=1, context=2
+  )
   assert sharding.parse_mesh_spec("fsdp:-1,tensor:2", 8)["fsdp"] == 4
   mesh = sharding.make_mesh("data:2,context:4")
   assert dict(mesh.shape) == dict(data=2, fsdp=1, tensor=1, context=4)
   assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
 
 
-@pytest.mark.parametrize("spec, message", [
+@pytest.mark.parametrize(
+  "spec, message",
+  [
     ("data:2,fsdp:2", "multiply to 4, but there are 8 devices"),
     ("data:3,fsdp:-1", "multiply to 3, which does not divide the 8 devices"),
     ("data:2,pipeline:4", "bad entry 'pipeline:4'"),
     ("data:2,data:4", "'data' given twice"),
     ("data:two", "expected an int"),
     ("data:-1,fsdp:-1", "at most one axis may be -1"),
-])
+  ],
+)
 def test_bad_mesh_spec(spec, message):
   with pytest.raises(ValueError, match=message):
     sharding.make_mesh(spec)
@@ -191,27 +202,43 @@ def test_bad_mesh_spec(spec, message):
 def test_dimension_not_dividing_its_axis():
   cfg, _ = model()
   batch = make_batch(0, **BATCH)  # B=4 prompts
-  with pytest.raises(ValueError, match=r"tree.root_BP: dimension 0 has size 4, not "
-                     r"divisible by the 8 devices of mesh axes \('data', 'fsdp'\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"tree.root_BP: dimension 0 has size 4, not "
+    r"divisible by the 8 devices of mesh axes \('data', 'fsdp'\)",
+  ):
     sharding.batch_shardings(sharding.make_mesh("data:8"), batch)
   few_branches = make_batch(0, B=4, R=4, P=16, T=3)  # R=4 branches over an 8-way context
-  with pytest.raises(ValueError, match=r"tree.levels\[0\] \(level 1\).tokens_BRT: dimension 1 "
-                     r"has size 4, not divisible by the 8 devices of mesh axes context"):
+  with pytest.raises(
+    ValueError,
+    match=r"tree.levels\[0\] \(level 1\).tokens_BRT: dimension 1 "
+    r"has size 4, not divisible by the 8 devices of mesh axes context",
+  ):
     sharding.batch_shardings(sharding.make_mesh("context:8"), few_branches)
   # kv_heads=2 cannot split 4 ways over `tensor`: the error names the parameter leaf.
-  with pytest.raises(ValueError, match=r"params\['layer_0'\]\['k'\]: dimension 1 has size 2, "
-                     r"not divisible by the 4 devices of mesh axes tensor"):
+  with pytest.raises(
+    ValueError,
+    match=r"params\['layer_0'\]\['k'\]: dimension 1 has size 2, "
+    r"not divisible by the 4 devices of mesh axes tensor",
+  ):
     sharding.param_shardings(sharding.make_mesh("fsdp:2,tensor:4"), cfg)
-
 
 
 # ----------------------------------------------------------------------------- the trainer
 
 
 def tiny_config(tmp_path, mesh, *extra):
-  return tiny_run("train.sft_steps=1", "train.rl_steps=1", "train.batch_size=4",
-                  "train.n_branches=4", "train.sft_batch_size=4", "sampler.max_new_tokens=2",
-                  "train.checkpoint_every=1", f"mesh={mesh}", *extra)
+  return tiny_run(
+    "train.sft_steps=1",
+    "train.rl_steps=1",
+    "train.batch_size=4",
+    "train.n_branches=4",
+    "train.sft_batch_size=4",
+    "sampler.max_new_tokens=2",
+    "train.checkpoint_every=1",
+    f"mesh={mesh}",
+    *extra,
+  )
 
 
 @pytest.mark.slow
@@ -220,6 +247,7 @@ def test_trainer_on_a_mesh_matches_one_device(tmp_path):
   the same SFT and RL steps as one device, leaves FSDP-sharded parameters and a checkpoint."""
   from branch_replay.train import metrics
   from branch_replay.train import trainer
+
   runs = {}
   for mesh in ("", "data:2,fsdp:2,tensor:2"):
     workdir = str(tmp_path / (mesh.replace(":", "").replace(",", "_") or "one"))
@@ -232,8 +260,9 @@ def test_trainer_on_a_mesh_matches_one_device(tmp_path):
   assert sharded_records[1]["reward/mean"] == one_records[1]["reward/mean"]
   for a, b in zip(sharded_records, one_records):
     for name in ("loss/policy", "grad/norm", "entropy"):
-      np.testing.assert_allclose(a[name], b[name], rtol=1e-4, atol=1e-6,
-                                 err_msg=f"step {a['step']}: {name}")
+      np.testing.assert_allclose(
+        a[name], b[name], rtol=1e-4, atol=1e-6, err_msg=f"step {a['step']}: {name}"
+      )
   mesh = sharding.make_mesh("data:2,fsdp:2,tensor:2")
   expected = sharding.param_shardings(mesh, tfm.preset("tiny"))
   for p, s in zip(jax.tree.leaves(sharded["final_params"]), jax.tree.leaves(expected)):

@@ -24,27 +24,37 @@ def _prompts(B=2, P=6, seed=0):
 
 
 def _sample(cfg, fanouts, lengths, stops=()):
-  return jax.jit(functools.partial(sampler.sample_tree, model_cfg=CFG, cfg=cfg,
-                                   fanouts=fanouts, lengths=lengths, stop_tokens=stops))
+  return jax.jit(
+    functools.partial(
+      sampler.sample_tree,
+      model_cfg=CFG,
+      cfg=cfg,
+      fanouts=fanouts,
+      lengths=lengths,
+      stop_tokens=stops,
+    )
+  )
 
 
 def test_greedy_tree_equals_argmax_loop():
   params = tfm.init_params(CFG, jax.random.key(1))
   prompt, valid = _prompts()
   s = _sample(SamplerConfig(temperature=0.0), (2, 2), (3, 2))(
-      params, prompt_BP=prompt, prompt_valid_BP=valid, key=jax.random.key(0))
+    params, prompt_BP=prompt, prompt_valid_BP=valid, key=jax.random.key(0)
+  )
   fwd = jax.jit(lambda t, v: tfm.logits(params, CFG, tfm.forward(params, CFG, t, v)))
   B, P = prompt.shape
   tokens = np.concatenate([np.asarray(prompt), np.zeros((B, 5), np.int32)], 1)
   seq_valid = np.concatenate([np.asarray(valid), np.zeros((B, 5), bool)], 1)
   for i in range(5):
-    tokens[:, P + i] = np.asarray(jnp.argmax(fwd(jnp.asarray(tokens),
-                                                 jnp.asarray(seq_valid))[:, P + i - 1], -1))
+    tokens[:, P + i] = np.asarray(
+      jnp.argmax(fwd(jnp.asarray(tokens), jnp.asarray(seq_valid))[:, P + i - 1], -1)
+    )
     seq_valid[:, P + i] = True
   for r in range(2):
-    np.testing.assert_array_equal(np.asarray(s.tokens[0][:, r]), tokens[:, P:P + 3])
+    np.testing.assert_array_equal(np.asarray(s.tokens[0][:, r]), tokens[:, P : P + 3])
   for r in range(4):
-    np.testing.assert_array_equal(np.asarray(s.tokens[1][:, r]), tokens[:, P + 3:])
+    np.testing.assert_array_equal(np.asarray(s.tokens[1][:, r]), tokens[:, P + 3 :])
   assert all(np.asarray(v).all() for v in s.valid)
 
 
@@ -55,10 +65,11 @@ def test_sampled_logps_equal_training_forward():
   stops = tuple(range(3, CFG.vocab_size, 3))
   fanouts, lengths = (2, 3, 2), (4, 3, 3)
   s = _sample(SamplerConfig(temperature=1.0), fanouts, lengths, (stops, stops, stops))(
-      params, prompt_BP=prompt, prompt_valid_BP=valid, key=jax.random.key(5))
+    params, prompt_BP=prompt, prompt_valid_BP=valid, key=jax.random.key(5)
+  )
   for d, v in enumerate(s.valid):
     v = np.asarray(v)
-    assert v.shape == (2, int(np.prod(fanouts[:d + 1])), lengths[d])
+    assert v.shape == (2, int(np.prod(fanouts[: d + 1])), lengths[d])
     assert v[..., 0].all() and not v.all()  # ragged nodes, none empty
   leaf_adv = np.zeros(s.tokens[-1].shape[:2], np.float32)
   batch = sampler.to_tree_batch(prompt, valid, s, fanouts, [None, None, leaf_adv])

@@ -3,7 +3,6 @@ hand-written numpy reference; tree advantages; bad trees fail on the host with e
 the level and the field. Replay == naive over shapes and objectives is
 tests/core/equivalence_test.py."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,8 +28,9 @@ def test_objective_matches_numpy_reference():
   log-probs from one unpadded forward, the clipped-ratio + k3 objective in numpy."""
   with jax.enable_x64(True):
     cfg, params = tiny_model()
-    batch = make_tree(21, (2, 2), B=2, P=6, T=(3, 3), W=1, logps=True, node_advantages=True,
-                      holes=True)
+    batch = make_tree(
+      21, (2, 2), B=2, P=6, T=(3, 3), W=1, logps=True, node_advantages=True, holes=True
+    )
     loss_cfg = losses.LossConfig(kl_coef=0.2, epsilon=0.2, aggregation="token_mean")
     loss, _, _ = jax.jit(lambda p: engine.loss_and_grad(p, batch, cfg, loss_cfg))(params)
     b_ = jax.tree.map(np.asarray, batch)
@@ -43,15 +43,27 @@ def test_objective_matches_numpy_reference():
           if b_.root_valid_BP[b, p]:
             toks.append(b_.root_BP[b, p])
             trunk = p == 5
-            rows.append((trunk, b_.levels[1].advantages_BR[b, leaf],
-                         b_.trunk_old_logp_BW[b, 0], b_.trunk_ref_logp_BW[b, 0]))
+            rows.append(
+              (
+                trunk,
+                b_.levels[1].advantages_BR[b, leaf],
+                b_.trunk_old_logp_BW[b, 0],
+                b_.trunk_ref_logp_BW[b, 0],
+              )
+            )
         for d, node in ((0, leaf // R2), (1, leaf)):
           lv = b_.levels[d]
           for t in range(3):
             if lv.valid_BRT[b, node, t]:
               toks.append(lv.tokens_BRT[b, node, t])
-              rows.append((lv.scored()[b, node, t], lv.advantages_BR[b, node],
-                           lv.old_logp_BRT[b, node, t], lv.ref_logp_BRT[b, node, t]))
+              rows.append(
+                (
+                  lv.scored()[b, node, t],
+                  lv.advantages_BR[b, node],
+                  lv.old_logp_BRT[b, node, t],
+                  lv.ref_logp_BRT[b, node, t],
+                )
+              )
         paths.append((np.array(toks), rows))
     n_scored = sum(sum(r[0] for r in rows) for _, rows in paths)
     total = 0.0
@@ -89,26 +101,42 @@ def test_bad_trees_fail_naming_level_and_field():
   ok = make_tree(0, (2, 3), dtype=jnp.float32)
   tree.validate(ok, 128)
   lv0, lv1 = ok.levels
-  _bad(ok.replace(fanouts=(3, 2)), r"levels\[0\] \(level 1, fan-out 3\)\.tokens_BRT: shape "
-       r"\(2, 2, 4\): expected \[B=2, R=3")
+  _bad(
+    ok.replace(fanouts=(3, 2)),
+    r"levels\[0\] \(level 1, fan-out 3\)\.tokens_BRT: shape "
+    r"\(2, 2, 4\): expected \[B=2, R=3",
+  )
   _bad(ok.replace(fanouts=(2,)), r"tree.levels: 2 levels, expected one per fan-out")
   empty = lv1.replace(valid_BRT=lv1.valid_BRT.at[1, 4].set(False))
-  _bad(ok.replace(levels=(lv0, empty)), r"levels\[1\] \(level 2.*valid_BRT.*node 4 of "
-       r"prompt 1 is empty")
+  _bad(
+    ok.replace(levels=(lv0, empty)),
+    r"levels\[1\] \(level 2.*valid_BRT.*node 4 of "
+    r"prompt 1 is empty",
+  )
   _bad(ok.replace(trunk_len=6), r"root_valid_BP.*a scored token needs a predecessor")
   holes = lv0.replace(scored_BRT=jnp.ones_like(lv0.valid_BRT))
   _bad(ok.replace(levels=(holes, lv1)), r"levels\[0\].*scored_BRT.*only where valid")
-  _bad(ok.replace(levels=(lv0, lv1.replace(advantages_BR=None))),
-       r"levels\[1\].*advantages_BR: None: expected the leaves'")
-  _bad(ok.replace(levels=(lv0, lv1.replace(advantages_BR=jnp.zeros((2, 3))))),
-       r"levels\[1\].*advantages_BR: shape \(2, 3\): expected shape \(2, 6\)")
-  _bad(ok, r"6 leaves per prompt .* cannot be split over the 4 devices of mesh axis "
-       r"context", leaf_shards=4)
+  _bad(
+    ok.replace(levels=(lv0, lv1.replace(advantages_BR=None))),
+    r"levels\[1\].*advantages_BR: None: expected the leaves'",
+  )
+  _bad(
+    ok.replace(levels=(lv0, lv1.replace(advantages_BR=jnp.zeros((2, 3))))),
+    r"levels\[1\].*advantages_BR: shape \(2, 3\): expected shape \(2, 6\)",
+  )
+  _bad(
+    ok,
+    r"6 leaves per prompt .* cannot be split over the 4 devices of mesh axis "
+    r"context",
+    leaf_shards=4,
+  )
   _bad(ok, r"branch_chunk=2: expected a divisor of the last fan-out R_2=3", branch_chunk=2)
   gap = lv1.replace(valid_BRT=lv1.valid_BRT.at[0, 0, 0].set(False))
   _bad(ok.replace(levels=(lv0, gap)), r"levels\[1\].*valid_BRT.*right padding")
-  _bad(ok.replace(levels=(lv0.replace(old_logp_BRT=jnp.zeros((2, 2, 4))), lv1)),
-       r"old_logp_BRT .* on every level or on none")
+  _bad(
+    ok.replace(levels=(lv0.replace(old_logp_BRT=jnp.zeros((2, 2, 4))), lv1)),
+    r"old_logp_BRT .* on every level or on none",
+  )
   with jax.enable_x64(True):
     cfg, params = tiny_model()
     # DPO runs on trees (engine_test), but not without its reference log-probs

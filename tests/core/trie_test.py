@@ -20,16 +20,21 @@ def shape(node):
 
 def test_trie_of_hand_made_responses():
   root = trie.build(RESPONSES)
-  assert shape(root) == (0, 0, [(0, 2, [(2, 3, [(3, 4, []), (3, 4, [])]), (2, 4, [])]),
-                                (0, 2, [])])
+  assert shape(root) == (0, 0, [(0, 2, [(2, 3, [(3, 4, []), (3, 4, [])]), (2, 4, [])]), (0, 2, [])])
   assert root.positions() == 2 + 1 + 1 + 1 + 2 + 2
   assert trie.order(root) == [0, 1, 2, 3]
   # min_shared=2: the one-token node [3] is not a node; its token stays with its leaves.
   assert shape(trie.build(RESPONSES, min_shared=2)) == (
-      0, 0, [(0, 2, [(2, 4, []), (2, 4, []), (2, 4, [])]), (0, 2, [])])
+    0,
+    0,
+    [(0, 2, [(2, 4, []), (2, 4, []), (2, 4, [])]), (0, 2, [])],
+  )
   # max_depth=1: nodes below the first level are not split.
   assert shape(trie.build(RESPONSES, max_depth=1)) == (
-      0, 0, [(0, 2, [(2, 4, []), (2, 4, []), (2, 4, [])]), (0, 2, [])])
+    0,
+    0,
+    [(0, 2, [(2, 4, []), (2, 4, []), (2, 4, [])]), (0, 2, [])],
+  )
   # A shared opening of everyone is the root; a response never loses its last token.
   assert shape(trie.build([[5, 6, 7], [5, 6]])) == (0, 1, [(1, 3, []), (1, 2, [])])
 
@@ -49,21 +54,24 @@ def rollouts(seed, B=2, R=4, opening=3, group=2, vocab=128, logps=True):
     rs = [rs[i] for i in order]
     responses.append([np.array(r) for r in rs])
     # Behaviour log-probs depend on the prefix only (as a sampler's), so shared tokens agree.
-    old.append([np.array([-(1 + (sum(r[:t + 1]) * 7919) % 97 / 20) for t in range(len(r))])
-                for r in rs])
+    old.append(
+      [np.array([-(1 + (sum(r[: t + 1]) * 7919) % 97 / 20) for t in range(len(r))]) for r in rs]
+    )
   adv = rng.normal(size=(B, R))
   return prompts, responses, adv, (old if logps else None)
 
 
 def run_tree(params, cfg, batch, loss_cfg, mode="replay"):
   tree.validate(batch, cfg.vocab_size)
-  return jax.jit(functools.partial(engine.loss_and_grad, model_cfg=cfg, loss_cfg=loss_cfg,
-                                   mode=mode))(params, batch)
+  return jax.jit(
+    functools.partial(engine.loss_and_grad, model_cfg=cfg, loss_cfg=loss_cfg, mode=mode)
+  )(params, batch)
 
 
 def run_flat(params, cfg, batch, loss_cfg, mode="naive"):
-  return jax.jit(functools.partial(policy.loss_and_grad, model_cfg=cfg, loss_cfg=loss_cfg,
-                                   mode=mode))(params, batch)
+  return jax.jit(
+    functools.partial(policy.loss_and_grad, model_cfg=cfg, loss_cfg=loss_cfg, mode=mode)
+  )(params, batch)
 
 
 def assert_same(a, b, tol=1e-10):
@@ -72,9 +80,14 @@ def assert_same(a, b, tol=1e-10):
   assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(b[2])) > 1e-6
 
 
-@pytest.mark.parametrize("max_depth,aggregation,name", [
-    (2, "token_mean", "grpo"), pytest.param(2, "seq_mean", "ppo", marks=pytest.mark.slow),
-    pytest.param(1, "sum", "pg", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+  "max_depth,aggregation,name",
+  [
+    (2, "token_mean", "grpo"),
+    pytest.param(2, "seq_mean", "ppo", marks=pytest.mark.slow),
+    pytest.param(1, "sum", "pg", marks=pytest.mark.slow),
+  ],
+)
 def test_trie_batch_equals_flat_batch_float64(max_depth, aggregation, name):
   with jax.enable_x64(True):
     cfg, params = tiny_model()
@@ -97,11 +110,13 @@ def test_unscored_turn_tokens_float64():
     scored = [[(np.arange(len(r)) % 3) != 1 for r in rs] for rs in responses]
     batch, stats = trie.layout(prompts, responses, adv, scored=scored, old_logps=old)
     assert stats["fanouts"] == (2, 2) and stats["trunk_len"] == 1  # token 2 is unscored
-    flat, _ = trie.layout(prompts, responses, adv, scored=scored, old_logps=old, max_depth=1,
-                          min_shared=10**6)
+    flat, _ = trie.layout(
+      prompts, responses, adv, scored=scored, old_logps=old, max_depth=1, min_shared=10**6
+    )
     assert flat.fanouts == (4,) and flat.trunk_len == 0
-    assert_same(run_tree(params, cfg, batch, loss_cfg),
-                run_tree(params, cfg, flat, loss_cfg, mode="naive"))
+    assert_same(
+      run_tree(params, cfg, batch, loss_cfg), run_tree(params, cfg, flat, loss_cfg, mode="naive")
+    )
 
 
 def test_auto_tree_of_a_sampled_batch_float64():
@@ -112,17 +127,22 @@ def test_auto_tree_of_a_sampled_batch_float64():
     prompts, responses, adv, old = rollouts(2, opening=4)
     ref = [[o - 0.25 for o in rs] for rs in old]
     # Put the first two tokens of every response into the sampled batch's trunk.
-    flat = trie.flat_batch(prompts, [[r[2:] for r in rs] for rs in responses], adv,
-                           old_logps=[[o[2:] for o in rs] for rs in old],
-                           ref_logps=[[o[2:] for o in rs] for rs in ref])
+    flat = trie.flat_batch(
+      prompts,
+      [[r[2:] for r in rs] for rs in responses],
+      adv,
+      old_logps=[[o[2:] for o in rs] for rs in old],
+      ref_logps=[[o[2:] for o in rs] for rs in ref],
+    )
     P = flat.root_BP.shape[1]
     head = jnp.asarray(np.stack([rs[0][:2] for rs in responses]))
-    flat = flat.replace(root_BP=jnp.concatenate([flat.root_BP, head], 1).astype(jnp.int32),
-                        root_valid_BP=jnp.concatenate([flat.root_valid_BP,
-                                                         jnp.ones((2, 2), bool)], 1),
-                        trunk_old_logp_BW=jnp.asarray(np.stack([rs[0][:2] for rs in old])),
-                        trunk_ref_logp_BW=jnp.asarray(np.stack([rs[0][:2] for rs in ref])),
-                        trunk_len=2)
+    flat = flat.replace(
+      root_BP=jnp.concatenate([flat.root_BP, head], 1).astype(jnp.int32),
+      root_valid_BP=jnp.concatenate([flat.root_valid_BP, jnp.ones((2, 2), bool)], 1),
+      trunk_old_logp_BW=jnp.asarray(np.stack([rs[0][:2] for rs in old])),
+      trunk_ref_logp_BW=jnp.asarray(np.stack([rs[0][:2] for rs in ref])),
+      trunk_len=2,
+    )
     assert flat.root_BP.shape[1] == P + 2
     batch, stats = trie.auto_tree(flat)
     assert stats["trunk_len"] == 4 and stats["fanouts"] == (2, 2)

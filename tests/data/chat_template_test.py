@@ -16,8 +16,10 @@ from models import hf
 tokenizers = pytest.importorskip("tokenizers")
 from model_dir_test import make_folder  # noqa: E402
 
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'][0] | upper }}:{{ m['content'] }};"
-            "{% endfor %}{% if add_generation_prompt %}A:{% endif %}")
+TEMPLATE = (
+  "{{ bos_token }}{% for m in messages %}{{ m['role'][0] | upper }}:{{ m['content'] }};"
+  "{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
+)
 END = 79  # the end-of-turn token's id: the char vocabulary takes 0..78
 
 
@@ -38,8 +40,12 @@ def checkpoint(path, template=TEMPLATE, as_file=False):
 
 
 def data(path):
-  path.write_text(json.dumps({"prompt": "ab", "answer": "ba"}) + "\n" +
-                  json.dumps({"prompt": "xyz", "answer": "zyx"}) + "\n")
+  path.write_text(
+    json.dumps({"prompt": "ab", "answer": "ba"})
+    + "\n"
+    + json.dumps({"prompt": "xyz", "answer": "zyx"})
+    + "\n"
+  )
   return str(path)
 
 
@@ -53,12 +59,15 @@ def test_template_renders_prompts_with_bos_once_and_its_eos(tmp_path, as_file):
   ab = task.train[0]
   assert list(ab.prompt_ids) == [1] + tok.encode("U:ab;A:")
   assert list(ab.prompt_ids).count(1) == 1 and tok.decode(ab.prompt_ids) == "U:ab;A:"
-  plain = tasks.make(tasks.TaskConfig(name="jsonl", path=path, eval_fraction=0.0,
-                                      chat_template="none"), tok)
+  plain = tasks.make(
+    tasks.TaskConfig(name="jsonl", path=path, eval_fraction=0.0, chat_template="none"), tok
+  )
   assert list(plain.train[0].prompt_ids) == tok.encode("ab", bos=True)
   # Warm-up tails end with the template's EOS; the prefixes are the rendered prompts.
-  cfg = apply_overrides(Config(), ["task.name=jsonl", f"task.path={path}",
-                                   "task.eval_fraction=0", "train.sft_batch_size=2"])
+  cfg = apply_overrides(
+    Config(),
+    ["task.name=jsonl", f"task.path={path}", "task.eval_fraction=0", "train.sft_batch_size=2"],
+  )
   batch = sft.sft_batch(task, np.random.default_rng(0), cfg, tok)
   for b in range(2):
     valid = batch.leaves.valid_BRT[b, 0]
@@ -69,11 +78,15 @@ def test_template_renders_prompts_with_bos_once_and_its_eos(tmp_path, as_file):
 
 def test_template_without_bos_gets_no_bos_and_errors_name_the_file(tmp_path):
   tok = checkpoint(tmp_path / "hf", template="{{ messages[0]['content'] }}=")
-  task = tasks.make(tasks.TaskConfig(name="jsonl", path=data(tmp_path / "d.jsonl"),
-                                     eval_fraction=0.0), tok)
+  task = tasks.make(
+    tasks.TaskConfig(name="jsonl", path=data(tmp_path / "d.jsonl"), eval_fraction=0.0), tok
+  )
   assert list(task.train[0].prompt_ids) == tok.encode("ab=")  # no BOS id
   tok = checkpoint(tmp_path / "bad", template="{{ raise_exception('no system role') }}")
-  with pytest.raises(ValueError, match=r"d.jsonl:1: .*tokenizer_config.json: chat template: "
-                     "no system role"):
+  with pytest.raises(
+    ValueError,
+    match=r"d.jsonl:1: .*tokenizer_config.json: chat template: "
+    "no system role",
+  ):
     tasks.make(tasks.TaskConfig(name="jsonl", path=data(tmp_path / "d.jsonl")), tok)
   assert chat.load(str(tmp_path)) is None  # no tokenizer_config.json: no template

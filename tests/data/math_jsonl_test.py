@@ -17,8 +17,9 @@ from models import hf
 
 def test_final_number_reward():
   ex = [Example("q", "so 3*7=21. #### 1,234")] * 5
-  got = rewards.final_number(ex, ["work #### 1234", "1,234", "answer 7 then 1234.0",
-                                  "#### 1235", "no number"])
+  got = rewards.final_number(
+    ex, ["work #### 1234", "1,234", "answer 7 then 1234.0", "#### 1235", "no number"]
+  )
   assert got == [1.0, 1.0, 1.0, 0.0, 0.0]
   assert rewards.final_number([Example("q", "#### -3")], ["x #### -3 and 5"]) == [1.0]
   with pytest.raises(ValueError, match="holds no number"):
@@ -49,15 +50,25 @@ def test_math_recipe_end_to_end_on_a_tiny_checkpoint(tmp_path, caplog):
   im_end, endoftext = tok._tok.token_to_id("<|im_end|>"), tok._tok.token_to_id("<|endoftext|>")
   assert tok.eos_id == im_end and set(tok.stop_ids) == {im_end, endoftext}
   base = math_jsonl.get_config()
-  cfg = apply_overrides(base.__class__(**{**base.__dict__, "model": model_cfg}), [
-      "train.rl_steps=1", "train.batch_size=2", "train.n_branches=2", "train.eval_size=0",
-      "train.progress=false", "train.plot=false", "sampler.max_new_tokens=8",
-      "task.prompt_len=400"])
+  cfg = apply_overrides(
+    base.__class__(**{**base.__dict__, "model": model_cfg}),
+    [
+      "train.rl_steps=1",
+      "train.batch_size=2",
+      "train.n_branches=2",
+      "train.eval_size=0",
+      "train.progress=false",
+      "train.plot=false",
+      "sampler.max_new_tokens=8",
+      "task.prompt_len=400",
+    ],
+  )
   task = tasks.make(cfg.task, tok)
   ids = task.train[0].prompt_ids
   text = tok._tok.decode(list(ids), skip_special_tokens=False)
   assert text.startswith("<|im_start|>user\nQuestion:") and text.endswith(
-      "<|im_start|>assistant\n")  # the checkpoint's chat template
+    "<|im_start|>assistant\n"
+  )  # the checkpoint's chat template
   assert text.count("####") == math_jsonl.SHOTS  # the k shots' answers, before the question
   assert len(ids) > 100 and task.n_truncated == 0  # a long shared prefix, not cut
   with caplog.at_level("WARNING"):

@@ -32,16 +32,18 @@ def test_builtins():
   r = rewards.compute(exact, [ex("ab"), ex("7")], [["ab", "ab ", "b"], ["7", "", "77"]])
   assert r.dtype == np.float32 and r.tolist() == [[1, 0, 0], [1, 0, 0]]
   num = rewards.get("numeric")
-  r = rewards.compute(num, [ex("3.14"), ex("-2")], [["3.1400", "x=3.15", "no"],
-                                                     ["-2.0", "2", "-1,999.9"]])
+  r = rewards.compute(
+    num, [ex("3.14"), ex("-2")], [["3.1400", "x=3.15", "no"], ["-2.0", "2", "-1,999.9"]]
+  )
   assert r.tolist() == [[1, 0, 0], [1, 0, 0]]
   r = rewards.compute(num, [ex("3.14")], [["3.1400", "3.15", "3.2"]], tolerance=0.02)
   assert r.tolist() == [[1, 1, 0]]
   r = rewards.compute(num, [ex("1000")], [["1009", "1011"]], tolerance=0.01, relative=True)
   assert r.tolist() == [[1, 0]]
   rx = rewards.get("regex")
-  r = rewards.compute(rx, [ex("", pattern=r"a+b"), ex("")], [["aab", "ab!"], ["x1", "xx"]],
-                      pattern=r"x\d")
+  r = rewards.compute(
+    rx, [ex("", pattern=r"a+b"), ex("")], [["aab", "ab!"], ["x1", "xx"]], pattern=r"x\d"
+  )
   assert r.tolist() == [[1, 0], [1, 0]]  # the example's own pattern wins over the option
   has = rewards.get("contains")
   assert rewards.compute(has, [ex("Cat")], [["a Cat!", "cat"]]).tolist() == [[1, 0]]
@@ -69,12 +71,18 @@ def test_register_a_new_reward():
     rewards.REWARDS.pop("test_length_only")
 
 
-@pytest.mark.parametrize("spec, match", [
-    ("exact", r"task.reward='exact': unknown reward; expected one of \['contains', "
-              r"'exact_match', 'final_number', 'numeric', 'regex'\] or 'module:function'"),
+@pytest.mark.parametrize(
+  "spec, match",
+  [
+    (
+      "exact",
+      r"task.reward='exact': unknown reward; expected one of \['contains', "
+      r"'exact_match', 'final_number', 'numeric', 'regex'\] or 'module:function'",
+    ),
     ("no_such_module:f", "cannot import 'f' from 'no_such_module'"),
     ("rewards_test:missing", "cannot import 'missing' from 'rewards_test'"),
-])
+  ],
+)
 def test_unknown_rewards(spec, match):
   with pytest.raises(ValueError, match=match):
     rewards.get(spec)
@@ -82,13 +90,19 @@ def test_unknown_rewards(spec, match):
 
 def test_garbage_stops_naming_the_example():
   exs = [ex("a"), ex("b")]
-  with pytest.raises(ValueError, match=r"returned nan for f:a example 0 branch 1 .*completion "
-                     r"'y'.*expected a finite number"):
+  with pytest.raises(
+    ValueError,
+    match=r"returned nan for f:a example 0 branch 1 .*completion "
+    r"'y'.*expected a finite number",
+  ):
     rewards.compute(rewards.get("rewards_test:nan_on_second"), exs, [["x", "y"], ["z", "w"]])
   with pytest.raises(ValueError, match=r"reward 'rewards_test:broken' raised: KeyError"):
     rewards.compute(rewards.get("rewards_test:broken"), exs, [["x"], ["z"]])
-  with pytest.raises(ValueError, match=r"reward 'numeric' raised on example 1 \(f:oops prompt "
-                     r"'q oops'\): .*answer 'oops' holds no number"):
+  with pytest.raises(
+    ValueError,
+    match=r"reward 'numeric' raised on example 1 \(f:oops prompt "
+    r"'q oops'\): .*answer 'oops' holds no number",
+  ):
     rewards.compute(rewards.get("numeric"), [ex("1"), ex("oops")], [["1"], ["2"]])
   with pytest.raises(ValueError, match="returned 1 values for 4 completions"):
     rewards.compute(rewards.Reward("short", lambda e, c: [1.0]), exs, [["x", "y"], ["z", "w"]])

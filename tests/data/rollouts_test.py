@@ -29,18 +29,20 @@ def make(path, **options):
 
 
 BAD = [
-    ({"responses": ["a"], "rewards": [1]}, "missing field 'prompt'"),
-    ({"prompt": "a", "rewards": [1]}, "missing field 'responses'"),
-    ({"prompt": "a", "responses": ["a"]}, "missing field 'rewards'"),
-    ({**GOOD, "rewards": [1, 0, 0]}, "field 'rewards' has 3 entries, expected 4"),
-    ({**GOOD, "rewards": [1, 0, float("nan"), 0]}, "field 'rewards' holds a non-finite"),
-    ({**GOOD, "responses": ["cba", "", "xy", "c"]}, "field 'responses'[1] is empty"),
-    ({**GOOD, "responses": [[5, 6], [], [7], [8]]}, "field 'responses'[1] is empty"),
-    ({**GOOD, "logprobs": [[-1.0] * 4, [-1.0] * 3, [-1.0] * 3, [-1.0] * 5]},
-     "field 'logprobs'[1] (the tokenized response, EOS included) has 3 entries, expected 4"),
-    ({**GOOD, "turns": [[0] * 4, [0] * 4, [1] * 3, [0] * 5]}, "field 'turns'[2]: every token"),
-    ({**GOOD, "responses": [[5, 6], [10 ** 6], [7], [8]]}, "field 'responses'[1]: token ids"),
-    ("{not json", "not valid JSON"),
+  ({"responses": ["a"], "rewards": [1]}, "missing field 'prompt'"),
+  ({"prompt": "a", "rewards": [1]}, "missing field 'responses'"),
+  ({"prompt": "a", "responses": ["a"]}, "missing field 'rewards'"),
+  ({**GOOD, "rewards": [1, 0, 0]}, "field 'rewards' has 3 entries, expected 4"),
+  ({**GOOD, "rewards": [1, 0, float("nan"), 0]}, "field 'rewards' holds a non-finite"),
+  ({**GOOD, "responses": ["cba", "", "xy", "c"]}, "field 'responses'[1] is empty"),
+  ({**GOOD, "responses": [[5, 6], [], [7], [8]]}, "field 'responses'[1] is empty"),
+  (
+    {**GOOD, "logprobs": [[-1.0] * 4, [-1.0] * 3, [-1.0] * 3, [-1.0] * 5]},
+    "field 'logprobs'[1] (the tokenized response, EOS included) has 3 entries, expected 4",
+  ),
+  ({**GOOD, "turns": [[0] * 4, [0] * 4, [1] * 3, [0] * 5]}, "field 'turns'[2]: every token"),
+  ({**GOOD, "responses": [[5, 6], [10**6], [7], [8]]}, "field 'responses'[1]: token ids"),
+  ("{not json", "not valid JSON"),
 ]
 
 
@@ -53,8 +55,10 @@ def test_bad_line_names_file_line_and_field(tmp_path, line, message):
 
 
 def test_lines_tokenized_as_the_sampler_stops(tmp_path):
-  path = write(tmp_path / "r.jsonl", [GOOD, {**GOOD, "responses": [[5, 6], [5, 7], [9], [4]],
-                                             "prompt": [1, 8, 9]}])
+  path = write(
+    tmp_path / "r.jsonl",
+    [GOOD, {**GOOD, "responses": [[5, 6], [5, 7], [9], [4]], "prompt": [1, 8, 9]}],
+  )
   task = make(path)
   text, ids = task.lines
   assert list(text.prompt_ids) == TOKENIZER.encode("ab=", bos=True)
@@ -76,24 +80,41 @@ def lines(n=4):
     line = {"prompt": f"q{i}=", "responses": rs, "rewards": rng.normal(size=4).tolist()}
     if i % 2:  # half the lines carry behaviour log-probs, half are scored by us
       # A sampler's log-probs depend on the prefix only: shared openings agree.
-      line["logprobs"] = [[-0.1 - (sum(map(ord, (r + "$")[:t + 1])) * 7919 % 97) / 40
-                           for t in range(len(r) + 1)] for r in rs]
+      line["logprobs"] = [
+        [-0.1 - (sum(map(ord, (r + "$")[: t + 1])) * 7919 % 97) / 40 for t in range(len(r) + 1)]
+        for r in rs
+      ]
     out.append(line)
   return out
 
 
 def config(path, *overrides):
-  return apply_overrides(Config(model=tfm.preset("tiny")), [
-      "algo.name=rollouts", "task.name=rollouts", f"task.path={path}", "task.epochs=2",
+  return apply_overrides(
+    Config(model=tfm.preset("tiny")),
+    [
+      "algo.name=rollouts",
+      "task.name=rollouts",
+      f"task.path={path}",
+      "task.epochs=2",
       "train.batch_size=2",
-      "train.sft_steps=0", "train.rl_steps=100", "train.eval_size=0", "train.progress=false",
-      "train.plot=false", "train.tensorboard=false", "train.checkpoint_every=1",
-      "algo.ppo_epochs=2", "loss.kl_coef=0.05", *overrides])
+      "train.sft_steps=0",
+      "train.rl_steps=100",
+      "train.eval_size=0",
+      "train.progress=false",
+      "train.plot=false",
+      "train.tensorboard=false",
+      "train.checkpoint_every=1",
+      "algo.ppo_epochs=2",
+      "loss.kl_coef=0.05",
+      *overrides,
+    ],
+  )
 
 
 def _records(workdir):
-  return [r for r in metrics.read(os.path.join(workdir, "metrics.jsonl"))
-          if r.get("kind") == "train"]
+  return [
+    r for r in metrics.read(os.path.join(workdir, "metrics.jsonl")) if r.get("kind") == "train"
+  ]
 
 
 def test_rollouts_run_epochs_resume_and_phases(tmp_path):
@@ -117,10 +138,14 @@ def test_rollouts_run_epochs_resume_and_phases(tmp_path):
   trainer.run(config(path, "train.rl_steps=1"), workdir)
   resumed = trainer.run(config(path), workdir)
   assert [r["step"] for r in _records(workdir)] == [0, 1, 2, 3]
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6),
-               full["final_params"], resumed["final_params"])
-  strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith(("time/", "verify/"))}
-                      for r in rs]
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6),
+    full["final_params"],
+    resumed["final_params"],
+  )
+  strip = lambda rs: [
+    {k: v for k, v in r.items() if not k.startswith(("time/", "verify/"))} for r in rs
+  ]
   assert strip(_records(workdir)) == strip(recs)
 
 
@@ -128,6 +153,7 @@ def test_rollouts_config_selects_the_rollouts_algorithm(tmp_path):
   """run.py hands trainer.run the algorithm the config selects: a rollouts task gets the
   rollouts algorithm (no sampling), whatever the loss."""
   from branch_replay import algorithms
+
   path = write(tmp_path / "r.jsonl", lines())
   for loss in ("grpo", "ppo", "pg"):
     cfg = config(path, f"loss.name={loss}")

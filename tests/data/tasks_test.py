@@ -41,7 +41,7 @@ def test_haystack_examples_and_reward():
     body = ex.prompt[:-2]
     assert body.count(key) == 1 and sum(c.isupper() for c in body) == 5
     i = body.index(key)
-    assert body[i + 1:i + 3] == ex.answer and ex.answer.isdigit() and len(ex.answer) == 2
+    assert body[i + 1 : i + 3] == ex.answer and ex.answer.isdigit() and len(ex.answer) == 2
     assert task.reward(ex, ex.answer) == 1.0
     assert task.reward(ex, ex.answer + "1") == 0.0 and task.reward(ex, "") == 0.0
   # Deterministic per generator seed.
@@ -53,7 +53,7 @@ def test_haystack_examples_and_reward():
   assert len(prefix) == 24 - 3 and len(tails) == 5
   for tail in tails:
     i = prefix.index(tail[1])
-    assert tail == "?" + prefix[i:i + 3]
+    assert tail == "?" + prefix[i : i + 3]
 
 
 def test_arithmetic_examples_and_reward():
@@ -89,17 +89,28 @@ def test_bad_task_config():
 
 
 def test_overrides_parse_types_and_validate():
-  cfg = config_lib.apply_overrides(config_lib.Config(), [
-      "train.n_branches=4", "loss.epsilon_high=0.28", "replay.branch_chunk=2",
-      "algo.advantage_std=false", "task.name=arithmetic", "model.d_model=32", "mesh=data:2",
-      "loss.epsilon_high=none"])
+  cfg = config_lib.apply_overrides(
+    config_lib.Config(),
+    [
+      "train.n_branches=4",
+      "loss.epsilon_high=0.28",
+      "replay.branch_chunk=2",
+      "algo.advantage_std=false",
+      "task.name=arithmetic",
+      "model.d_model=32",
+      "mesh=data:2",
+      "loss.epsilon_high=none",
+    ],
+  )
   assert cfg.train.n_branches == 4 and cfg.replay.branch_chunk == 2
   assert cfg.loss.epsilon_high is None and cfg.algo.advantage_std is False
   assert cfg.task.name == "arithmetic" and cfg.model.d_model == 32 and cfg.mesh == "data:2"
   assert config_lib.from_dict(config_lib.to_dict(cfg)) == cfg
 
 
-@pytest.mark.parametrize("override, match", [
+@pytest.mark.parametrize(
+  "override, match",
+  [
     ("train.n_branchez=8", "unknown field 'n_branchez' of train"),
     ("trian.n_branches=8", "unknown config section 'trian'"),
     ("train.n_branches=eight", "train.n_branches='eight': expected int"),
@@ -108,11 +119,15 @@ def test_overrides_parse_types_and_validate():
     ("replay.mode=fast", "replay.mode='fast'"),
     ("replay.branch_chunk=3", "replay.branch_chunk=3: expected a divisor"),
     ("train.learning_rate=0", "train.learning_rate=0.0"),
-    ("algo.name=dpo;loss.name=dpo", "train.n_branches=8: DPO trains on \\(chosen, rejected\\) pairs"),
+    (
+      "algo.name=dpo;loss.name=dpo",
+      "train.n_branches=8: DPO trains on \\(chosen, rejected\\) pairs",
+    ),
     ("model.vocab_size=10", "model.vocab_size=10"),
     ("mesh=data", "mesh='data'"),
     ("train.progress=maybe", "expected true or false"),
-])
+  ],
+)
 def test_bad_overrides_name_the_field(override, match):
   with pytest.raises(ValueError, match=match):
     config_lib.apply_overrides(config_lib.Config(), override.split(";"))

@@ -32,8 +32,9 @@ def test_two_turn_task():
   assert len(turns) == 3
   for q, a, v in turns:
     assert q == "?" + a.lower() and len(a) == 1 and a + v in root
-  batch = sft.sft_batch(task, np.random.default_rng(2),
-                               Config(task=task_cfg, tree=tree.TreeConfig("3x1")), TOKENIZER)
+  batch = sft.sft_batch(
+    task, np.random.default_rng(2), Config(task=task_cfg, tree=tree.TreeConfig("3x1")), TOKENIZER
+  )
   tree.validate(batch, TOKENIZER.vocab_size)
   assert batch.fanouts == (3, 1)
   scored = np.asarray(batch.levels[0].scored_BRT)
@@ -42,12 +43,26 @@ def test_two_turn_task():
 
 @pytest.mark.slow  # ~1 min of compiles on an idle 2-core CPU
 def test_tree_run_end_to_end(tmp_path):
-  cfg = apply_overrides(Config(model=tfm.preset("tiny", vocab_size=TOKENIZER.vocab_size)), [
-      "task.name=tree_haystack", "task.prompt_len=24", "task.n_keys=2",
-      "task.sft_prompt_len=16", "tree.fanouts=2x2", "train.sft_steps=2", "train.rl_steps=2",
-      "train.batch_size=2", "train.sft_batch_size=2", "train.eval_size=2",
-      "train.progress=false", "train.plot=false", "train.checkpoint_every=2"])
+  cfg = apply_overrides(
+    Config(model=tfm.preset("tiny", vocab_size=TOKENIZER.vocab_size)),
+    [
+      "task.name=tree_haystack",
+      "task.prompt_len=24",
+      "task.n_keys=2",
+      "task.sft_prompt_len=16",
+      "tree.fanouts=2x2",
+      "train.sft_steps=2",
+      "train.rl_steps=2",
+      "train.batch_size=2",
+      "train.sft_batch_size=2",
+      "train.eval_size=2",
+      "train.progress=false",
+      "train.plot=false",
+      "train.checkpoint_every=2",
+    ],
+  )
   from branch_replay.train import trainer
+
   out = trainer.run(cfg, str(tmp_path / "run"))
   records = [json.loads(l) for l in open(out["metrics"])]
   train_recs = [r for r in records if r["kind"] == "train"]
@@ -68,12 +83,17 @@ def test_tree_run_end_to_end(tmp_path):
 def test_tree_overlong_shaping_counts_every_turn_of_the_path():
   """A leaf's length is its ancestors' valid tokens plus its own (a hand loop over paths)."""
   from branch_replay.core import sampler
+
   rng = np.random.default_rng(0)
   B, lengths = 2, (3, 4)  # fan-outs (2, 3): 2 nodes, then 6
-  valid = [np.arange(T)[None, None] < rng.integers(0, T + 1, (B, n, 1))
-           for T, n in zip(lengths, (2, 6))]
-  samples = sampler.TreeSamples(tuple(np.zeros(v.shape, np.int32) for v in valid),
-                                     tuple(valid), tuple(np.zeros(v.shape) for v in valid))
+  valid = [
+    np.arange(T)[None, None] < rng.integers(0, T + 1, (B, n, 1)) for T, n in zip(lengths, (2, 6))
+  ]
+  samples = sampler.TreeSamples(
+    tuple(np.zeros(v.shape, np.int32) for v in valid),
+    tuple(valid),
+    tuple(np.zeros(v.shape) for v in valid),
+  )
   got = dapo.path_overlong(samples, lengths, buffer=3, penalty=0.5)
   for b in range(B):
     for leaf in range(6):
@@ -88,23 +108,42 @@ def test_tree_dynamic_sampling_and_overlong_shaping(tmp_path, monkeypatch):
   prompts' trees; the advantages are the tree-aware ones of the kept prompts' shaped rewards
   (raw reward + the path-length penalty)."""
   from branch_replay.train import metrics, trainer
+
   seen = []
   dynamic_sample = dapo.dynamic_sample
-  monkeypatch.setattr(dapo, "dynamic_sample", lambda *a: seen.append(dynamic_sample(*a))
-                      or seen[-1])
+  monkeypatch.setattr(
+    dapo, "dynamic_sample", lambda *a: seen.append(dynamic_sample(*a)) or seen[-1]
+  )
   advantages_of = []
   tree_advantages = tree.tree_advantages
-  monkeypatch.setattr(tree, "tree_advantages", lambda r, *a, **k: advantages_of.append(r)
-                      or tree_advantages(r, *a, **k))
-  cfg = apply_overrides(Config(model=tfm.preset("tiny", vocab_size=TOKENIZER.vocab_size)), [
-      "task.name=tree_haystack", "task.prompt_len=16", "task.n_keys=2", "tree.fanouts=2x2",
-      "train.sft_steps=0", "train.rl_steps=1", "train.batch_size=2", "train.eval_size=0",
-      "train.progress=false", "train.plot=false", "algo.dynamic_sampling=true",
-      "algo.max_sample_rounds=3", "algo.overlong_buffer=2", "sampler.temperature=1.0",
-      "algo.advantage=rloo"])
+  monkeypatch.setattr(
+    tree,
+    "tree_advantages",
+    lambda r, *a, **k: advantages_of.append(r) or tree_advantages(r, *a, **k),
+  )
+  cfg = apply_overrides(
+    Config(model=tfm.preset("tiny", vocab_size=TOKENIZER.vocab_size)),
+    [
+      "task.name=tree_haystack",
+      "task.prompt_len=16",
+      "task.n_keys=2",
+      "tree.fanouts=2x2",
+      "train.sft_steps=0",
+      "train.rl_steps=1",
+      "train.batch_size=2",
+      "train.eval_size=0",
+      "train.progress=false",
+      "train.plot=false",
+      "algo.dynamic_sampling=true",
+      "algo.max_sample_rounds=3",
+      "algo.overlong_buffer=2",
+      "sampler.temperature=1.0",
+      "algo.advantage=rloo",
+    ],
+  )
   s = trainer.run(cfg, str(tmp_path / "dapo"))
   (rec,) = [r for r in metrics.read(s["metrics"]) if r.get("kind") == "train"]
-  (rows, rewards_BR, stats), = seen
+  ((rows, rewards_BR, stats),) = seen
   assert 1 <= rec["dapo/rounds"] == stats["dapo/rounds"] <= 3
   np.testing.assert_array_equal(advantages_of[-1], rewards_BR)  # shaped, kept first
   informative = rewards_BR.max(1) > rewards_BR.min(1)
@@ -120,20 +159,23 @@ def test_tree_rloo_is_leave_one_out_among_siblings():
   """algo.advantage=rloo on a tree: every node's value (its leaves' mean reward) minus the
   mean of its siblings' values, each sibling left out of its own baseline (a hand loop)."""
   from branch_replay.core import advantages
+
   rng = np.random.default_rng(1)
   B, fanouts = 2, (3, 2)
   rewards_BR = rng.normal(size=(B, 6))
-  got = tree.tree_advantages(rewards_BR, fanouts, estimator=lambda g: advantages.compute(
-      "rloo", g, None))
+  got = tree.tree_advantages(
+    rewards_BR, fanouts, estimator=lambda g: advantages.compute("rloo", g, None)
+  )
   for b in range(B):
-    first = [rewards_BR[b, 2 * i:2 * i + 2].mean() for i in range(3)]
+    first = [rewards_BR[b, 2 * i : 2 * i + 2].mean() for i in range(3)]
     for i in range(3):
       others = [first[j] for j in range(3) if j != i]
       assert got[0][b, i] == pytest.approx(first[i] - np.mean(others), rel=1e-6)
     for leaf in range(6):
       sibling = leaf ^ 1
-      assert got[1][b, leaf] == pytest.approx(rewards_BR[b, leaf] - rewards_BR[b, sibling],
-                                              rel=1e-6)
+      assert got[1][b, leaf] == pytest.approx(
+        rewards_BR[b, leaf] - rewards_BR[b, sibling], rel=1e-6
+      )
 
 
 def test_tree_reward_within_the_time_limit():
@@ -143,6 +185,7 @@ def test_tree_reward_within_the_time_limit():
   from types import SimpleNamespace
 
   from branch_replay.data import rewards, tree_task
+
   task_cfg = tasks.TaskConfig(name="tree_haystack", prompt_len=40, n_keys=3, sft_prompt_len=20)
   task = tasks.make(task_cfg)
   rng = np.random.default_rng(0)
@@ -150,8 +193,9 @@ def test_tree_reward_within_the_time_limit():
   enc = lambda s: [TOKENIZER.encode(ch)[-1] for ch in s]
   # Turn 1 per (example, branch) [B, 2, 1], turn 2 per leaf [B, 4, T2] (2 x 2 tree).
   t1 = np.asarray([[enc(ex.key), enc("Z")] for ex in examples])
-  t2 = np.asarray([[enc(ex.value), enc("0" * len(ex.value)), enc(ex.value), enc(ex.value)]
-                   for ex in examples])
+  t2 = np.asarray(
+    [[enc(ex.value), enc("0" * len(ex.value)), enc(ex.value), enc(ex.value)] for ex in examples]
+  )
   samples = SimpleNamespace(tokens=(t1, t2))
   plain = tree_task.rewards_of(task, examples, samples, (2, 2))
   expected = [[1.0, float(ex.value == "0" * len(ex.value)), 0.0, 0.0] for ex in examples]
@@ -167,6 +211,9 @@ def test_tree_reward_within_the_time_limit():
 
   hangs = Hangs(task_cfg)
   with rewards.time_limit(0.3):
-    with pytest.raises(rewards.RewardTimeout, match=r"task Hangs's reward on 8 leaves did not "
-                       r"return within train.reward_timeout_s=0.3 s; example 1 leaf 2 "):
+    with pytest.raises(
+      rewards.RewardTimeout,
+      match=r"task Hangs's reward on 8 leaves did not "
+      r"return within train.reward_timeout_s=0.3 s; example 1 leaf 2 ",
+    ):
       tree_task.rewards_of(hangs, examples, samples, (2, 2))

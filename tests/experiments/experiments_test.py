@@ -8,10 +8,22 @@ import pytest
 from experiments import provenance, q1_wallclock, q2_convergence, q3_memory_frontier
 from experiments import q5_objectives, rl_step
 
-TINY = ["model.d_model=16", "model.n_layers=1", "model.n_kv_heads=2", "model.n_heads=2",
-        "model.head_dim=8", "model.mlp_hidden=32", "train.batch_size=2", "train.n_branches=2",
-        "task.n_keys=2", "task.prompt_len=24", "task.sft_prompt_len=16",
-        "train.sft_batch_size=2", "train.eval_size=2", "sampler.max_new_tokens=2"]
+TINY = [
+  "model.d_model=16",
+  "model.n_layers=1",
+  "model.n_kv_heads=2",
+  "model.n_heads=2",
+  "model.head_dim=8",
+  "model.mlp_hidden=32",
+  "train.batch_size=2",
+  "train.n_branches=2",
+  "task.n_keys=2",
+  "task.prompt_len=24",
+  "task.sft_prompt_len=16",
+  "train.sft_batch_size=2",
+  "train.eval_size=2",
+  "sampler.max_new_tokens=2",
+]
 
 
 def writer(tmp_path, name):
@@ -19,8 +31,9 @@ def writer(tmp_path, name):
 
 
 def test_q1_times_every_phase_of_both_modes(tmp_path):
-  rows = q1_wallclock.run([24], ["replay", "naive"], 1, "grpo_haystack", TINY,
-                          writer(tmp_path, "q1"))
+  rows = q1_wallclock.run(
+    [24], ["replay", "naive"], 1, "grpo_haystack", TINY, writer(tmp_path, "q1")
+  )
   assert [(r["P"], r["mode"]) for r in rows] == [(24, "replay"), (24, "naive")]
   phases = ("data_s", "sample_s", "reward_s", "assemble_s", "update_s")
   for r in rows:
@@ -47,13 +60,30 @@ def test_identical_batch_gradients_agree_and_the_cosine_is_computed_from_them():
 def synthetic_curves():
   """Two seeds per mode; naive's band is [0, 1] everywhere, replay's mean leaves it at step 3."""
   rows = []
-  for seed, (n, r) in enumerate([((0.0, 0.0, 0.0, 0.0), (0.2, 0.4, 0.5, 1.5)),
-                                 ((1.0, 1.0, 1.0, 1.0), (0.4, 0.6, 0.7, 1.5))]):
+  for seed, (n, r) in enumerate(
+    [((0.0, 0.0, 0.0, 0.0), (0.2, 0.4, 0.5, 1.5)), ((1.0, 1.0, 1.0, 1.0), (0.4, 0.6, 0.7, 1.5))]
+  ):
     for step in range(4):
-      rows.append({"mode": "naive", "seed": seed, "step": step, "phase": "rl",
-                   "reward/mean": n[step], "loss/policy": 0.1})
-      rows.append({"mode": "replay", "seed": seed, "step": step, "phase": "rl",
-                   "reward/mean": r[step], "loss/policy": 0.1})
+      rows.append(
+        {
+          "mode": "naive",
+          "seed": seed,
+          "step": step,
+          "phase": "rl",
+          "reward/mean": n[step],
+          "loss/policy": 0.1,
+        }
+      )
+      rows.append(
+        {
+          "mode": "replay",
+          "seed": seed,
+          "step": step,
+          "phase": "rl",
+          "reward/mean": r[step],
+          "loss/policy": 0.1,
+        }
+      )
   return rows
 
 
@@ -67,8 +97,10 @@ def test_q2_verdict_bands_and_plot_from_curves(tmp_path):
   assert v["final_reward_replay"] == 1.5 and v["final_reward_naive"] == 0.5
   smooth = q2_convergence.verdict(rows, 2)  # running mean over 2 steps: replay 1.05 at the end
   assert smooth["replay_mean_inside_naive_band"] == 0.75
-  cos = [{"step": 0, "grad_cosine": 1.0 - 1e-13, "one_minus_cosine": 1e-13, "grad_rel_diff": 1e-6},
-         {"step": 1, "grad_cosine": None, "one_minus_cosine": None, "grad_rel_diff": None}]
+  cos = [
+    {"step": 0, "grad_cosine": 1.0 - 1e-13, "one_minus_cosine": 1e-13, "grad_rel_diff": 1e-6},
+    {"step": 1, "grad_cosine": None, "one_minus_cosine": None, "grad_rel_diff": None},
+  ]
   png = q2_convergence.plot(rows, cos, str(tmp_path / "q2.png"), 1)
   assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
@@ -77,10 +109,12 @@ def test_q2_verdict_bands_and_plot_from_curves(tmp_path):
 def test_q2_trains_both_modes_and_compares_gradients(tmp_path):
   w = writer(tmp_path, "q2")
   overrides = TINY + ["train.sft_steps=2", "train.eval_size=0"]
-  rows = q2_convergence.curves("grpo_haystack", overrides, [0, 1], ["replay", "naive"], 2,
-                               str(tmp_path / "runs"), w)
-  assert {(r["mode"], r["seed"]) for r in rows} == {(m, s) for m in ("replay", "naive")
-                                                    for s in (0, 1)}
+  rows = q2_convergence.curves(
+    "grpo_haystack", overrides, [0, 1], ["replay", "naive"], 2, str(tmp_path / "runs"), w
+  )
+  assert {(r["mode"], r["seed"]) for r in rows} == {
+    (m, s) for m in ("replay", "naive") for s in (0, 1)
+  }
   cos = q2_convergence.cosines("grpo_haystack", overrides, 0, 2, str(tmp_path / "runs"), w)
   assert [r["step"] for r in cos] == [0, 1]
   assert all(r["grad_cosine"] is None or 1 - r["grad_cosine"] < 1e-5 for r in cos)
@@ -98,14 +132,23 @@ def test_q3_bisection_finds_the_frontier(tmp_path):
   row = q3_memory_frontier.frontier("replay", 4, opts, writer(tmp_path, "q3"), fake)
   assert row["longest_prefix"] == 248 and row["first_failing"] == 256  # 250 rounded to 8
   assert calls[:5] == [16, 32, 64, 128, 256] and row["peak_mb_at_longest"] == 248
-  capped = q3_memory_frontier.frontier("replay", 1, dict(opts, max_prefix_len=64),
-                                       writer(tmp_path, "q3"), fake)
+  capped = q3_memory_frontier.frontier(
+    "replay", 1, dict(opts, max_prefix_len=64), writer(tmp_path, "q3"), fake
+  )
   assert capped["longest_prefix"] == 64 and capped["capped_by_max"]
 
 
 def test_q3_one_real_trial_in_a_subprocess():
-  opts = dict(tail_len=4, prompts=1, preset="tiny", dtype="float32", remat=False,
-              branch_chunk=0, cap_mb=4000.0, timeout_s=600)
+  opts = dict(
+    tail_len=4,
+    prompts=1,
+    preset="tiny",
+    dtype="float32",
+    remat=False,
+    branch_chunk=0,
+    cap_mb=4000.0,
+    timeout_s=600,
+  )
   res = q3_memory_frontier.trial("replay", 16, 2, opts)
   assert res["fits"] and res["compiled_mb"] > 0 and res["seconds"] > 0
   assert res["measured"] == "run"
@@ -115,18 +158,26 @@ def test_q3_one_real_trial_in_a_subprocess():
 
 
 def test_q5_critic_step_through_replay_matches_naive():
-  (row,) = q5_objectives.measure("value", 16, dict(tail_len=4, branches=3, prompts=1, reps=1,
-                                                   preset="tiny", dtype="float32",
-                                                   memory_cap_mb=4000))
+  (row,) = q5_objectives.measure(
+    "value",
+    16,
+    dict(
+      tail_len=4, branches=3, prompts=1, reps=1, preset="tiny", dtype="float32", memory_cap_mb=4000
+    ),
+  )
   assert row["objective"] == row["loss"] == "value" and row["branches"] == 3
   assert row["grad_max_rel_err"] < 1e-5 and row["loss_abs_err"] < 1e-5 and row["speedup"] > 0
 
 
 @pytest.mark.slow
 def test_q5_dpo_through_replay_matches_naive():
-  (row,) = q5_objectives.measure("dpo", 16, dict(tail_len=4, branches=4, prompts=1, reps=1,
-                                                 preset="tiny", dtype="float32",
-                                                 memory_cap_mb=4000))
+  (row,) = q5_objectives.measure(
+    "dpo",
+    16,
+    dict(
+      tail_len=4, branches=4, prompts=1, reps=1, preset="tiny", dtype="float32", memory_cap_mb=4000
+    ),
+  )
   assert row["objective"] == row["loss"] == "dpo" and row["branches"] == 2
   assert row["grad_max_rel_err"] < 1e-5 and row["speedup"] > 0
 
@@ -137,14 +188,28 @@ def test_q2_verdict_over_runs_from_several_files(tmp_path):
     for mode in ("replay", "naive"):
       for seed in seeds:
         for step in range(12):
-          w.write({"kind": "curve", "mode": mode, "seed": seed, "step": step, "phase": "rl",
-                   "reward/mean": 0.5 + 0.01 * step + offset * seed})
+          w.write(
+            {
+              "kind": "curve",
+              "mode": mode,
+              "seed": seed,
+              "step": step,
+              "phase": "rl",
+              "reward/mean": 0.5 + 0.01 * step + offset * seed,
+            }
+          )
     return str(tmp_path / f"{name}.jsonl")
 
   a, b = curve_file("a", [0, 1], 0.01), curve_file("b", [2], 0.01)
   rows, cos_rows = q2_convergence.from_results([a, b])
   assert sorted({(r["mode"], r["seed"]) for r in rows}) == [
-      ("naive", 0), ("naive", 1), ("naive", 2), ("replay", 0), ("replay", 1), ("replay", 2)]
+    ("naive", 0),
+    ("naive", 1),
+    ("naive", 2),
+    ("replay", 0),
+    ("replay", 1),
+    ("replay", 2),
+  ]
   assert cos_rows == []
   v = q2_convergence.verdict(rows, window=3)  # identical curves: each inside the other's band
   assert v["steps_compared"] == 12 and v["replay_mean_inside_naive_band"] == 1.0
@@ -156,9 +221,15 @@ def test_every_experiment_script_is_in_exactly_one_kind_and_configs_have_get_con
   import glob
   import os
   from experiments import registry
-  root = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "experiments")
-  scripts = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(root, "[!_]*.py"))
-             + glob.glob(os.path.join(root, "configs", "[!_]*.py"))}
+
+  root = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "experiments"
+  )
+  scripts = {
+    os.path.basename(p)[:-3]
+    for p in glob.glob(os.path.join(root, "[!_]*.py"))
+    + glob.glob(os.path.join(root, "configs", "[!_]*.py"))
+  }
   listed = [n for names in registry.KINDS.values() for n in names]
   assert len(listed) == len(set(listed)), "a script listed under two kinds"
   assert scripts == set(listed), (sorted(scripts - set(listed)), sorted(set(listed) - scripts))
@@ -166,11 +237,15 @@ def test_every_experiment_script_is_in_exactly_one_kind_and_configs_have_get_con
   assert configs - {"__init__", "base"} == set(registry.CONFIGS)  # base: what they share
   for name in registry.CONFIGS:
     assert "def get_config(" in open(os.path.join(root, "configs", f"{name}.py")).read(), name
-  others = [n for n in scripts - set(registry.CONFIGS) - {"registry", "base"}
-            if "def get_config(" in open(os.path.join(root, f"{n}.py")).read()]
+  others = [
+    n
+    for n in scripts - set(registry.CONFIGS) - {"registry", "base"}
+    if "def get_config(" in open(os.path.join(root, f"{n}.py")).read()
+  ]
   assert not others, f"scripts with get_config() outside experiments/configs/: {others}"
   from experiments import grpo_haystack  # the old module path, kept importable
   from experiments.configs import grpo_haystack as moved
+
   assert grpo_haystack is moved
   with pytest.raises(ValueError, match=r"--experiment='nope': unknown; expected one of \["):
     registry.config_module("nope")

@@ -9,11 +9,15 @@ import pytest
 from experiments import flops, registry
 from models import transformer as tfm
 
-RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                       "experiments", "results")
+RESULTS = os.path.join(
+  os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+  "experiments",
+  "results",
+)
 # D=4, N=2 query heads, K=1 kv head, H=2, F=3, V=5, L=1.
-TINY = tfm.ModelConfig(vocab_size=5, d_model=4, n_layers=1, n_heads=2, n_kv_heads=1,
-                       head_dim=2, mlp_hidden=3)
+TINY = tfm.ModelConfig(
+  vocab_size=5, d_model=4, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=2, mlp_hidden=3
+)
 
 
 def rows(name):
@@ -45,8 +49,11 @@ def test_a_tiny_model_counted_by_hand():
 def test_a_tiny_tree_counted_by_hand():
   # P=3, fan-outs 2x2, lengths 2 then 1: 2 openings of 2 tokens, 4 leaves of 1 token.
   tree = flops.tree(1, 3, (2, 2), (2, 1), "tree")
-  assert [(s.n, s.tokens, s.context, s.scored) for s in tree] == [(1, 3, 0, 0), (2, 2, 3, 2),
-                                                                 (4, 1, 5, 1)]
+  assert [(s.n, s.tokens, s.context, s.scored) for s in tree] == [
+    (1, 3, 0, 0),
+    (2, 2, 3, 2),
+    (4, 1, 5, 1),
+  ]
   # root 300; openings 2 * (168 + 9*8 + 40) = 560; leaves: pairs 1*5 + 1 = 6,
   # 4 * (84 + 48 + 20) = 608
   assert flops.forward_macs(TINY, tree) == 300 + 560 + 608 == 1468
@@ -96,23 +103,33 @@ def test_bench_tree_ratios_of_its_results_files():
   assert (row["flat_flop_ratio"], row["tree_flop_ratio"]) == (4.775, 7.847)
   (row,) = rows("superseded/tree_cpu_2026-12-02.jsonl")
   assert (row["flat_flop_ratio"], row["tree_flop_ratio"]) == (4.775, 7.847)
-  for row in rows("superseded/tree_cpu_2026-12-01.jsonl") + rows("superseded/tree_cpu_2026-11-30.jsonl"):
+  for row in rows("superseded/tree_cpu_2026-12-01.jsonl") + rows(
+    "superseded/tree_cpu_2026-11-30.jsonl"
+  ):
     fanouts, lengths = (tuple(map(int, row[k].split("x"))) for k in ("fanouts", "lengths"))
-    got = flops.tree_flop_ratios(tfm.preset(row["preset"]), row["prompts"], row["prefix_len"],
-                                 fanouts, lengths)
-    assert (round(got["flat"], 3), round(got["tree"], 3)) == (row["flat_flop_ratio"],
-                                                              row["tree_flop_ratio"])
+    got = flops.tree_flop_ratios(
+      tfm.preset(row["preset"]), row["prompts"], row["prefix_len"], fanouts, lengths
+    )
+    assert (round(got["flat"], 3), round(got["tree"], 3)) == (
+      row["flat_flop_ratio"],
+      row["tree_flop_ratio"],
+    )
 
 
 # bench_replay's (and bench_hybrid's, q5's) rows: useful (causal) FLOPs since the blockwise
 # engine; the dense engine's files counted dense (every score computed).
-REPLAY_FILES = {"cpu_sweep_blockwise_2026-11-30.jsonl": False,
-                "cpu_long_context_2026-11-30.jsonl": False,
-                "replay_naive_cpu_P8192_2026-12-02.jsonl": False,
-                "hybrid_cpu_2026-12-01.jsonl": False, "hybrid_remat_cpu_2026-12-01.jsonl": False,
-                "hybrid_speed_cpu_2026-12-01.jsonl": False, "q5_cpu_2026-11-30.jsonl": False,
-                "q5_haystack_cpu_2026-11-30.jsonl": False, "gpu_h200_2026-11-30.jsonl": True,
-                "superseded/cpu_sweep_2026-11-30.jsonl": True}
+REPLAY_FILES = {
+  "cpu_sweep_blockwise_2026-11-30.jsonl": False,
+  "cpu_long_context_2026-11-30.jsonl": False,
+  "replay_naive_cpu_P8192_2026-12-02.jsonl": False,
+  "hybrid_cpu_2026-12-01.jsonl": False,
+  "hybrid_remat_cpu_2026-12-01.jsonl": False,
+  "hybrid_speed_cpu_2026-12-01.jsonl": False,
+  "q5_cpu_2026-11-30.jsonl": False,
+  "q5_haystack_cpu_2026-11-30.jsonl": False,
+  "gpu_h200_2026-11-30.jsonl": True,
+  "superseded/cpu_sweep_2026-11-30.jsonl": True,
+}
 
 
 @pytest.mark.parametrize("name", sorted(REPLAY_FILES))
@@ -121,12 +138,19 @@ def test_bench_replay_flop_ratio_of_every_row(name):
   for row in rows(name):
     if "flop_ratio" not in row:
       continue
-    cfg = (registry.get_config(row["model_from"]).model if row.get("model_from")
-           else tfm.preset(row["preset"]))
+    cfg = (
+      registry.get_config(row["model_from"]).model
+      if row.get("model_from")
+      else tfm.preset(row["preset"])
+    )
     B, R, P, T = row.get("prompts", 1), row["branches"], row["prefix_len"], row["tail_len"]
-    got = flops.useful_flop_ratio(cfg, flops.flat(B, R, P, T, "naive"),
-                                  flops.flat(B, R, P, T, "replay"), dense=REPLAY_FILES[name],
-                                  value_head=row.get("loss") == "value")
+    got = flops.useful_flop_ratio(
+      cfg,
+      flops.flat(B, R, P, T, "naive"),
+      flops.flat(B, R, P, T, "replay"),
+      dense=REPLAY_FILES[name],
+      value_head=row.get("loss") == "value",
+    )
     assert round(got, 3) == row["flop_ratio"], (name, P, T, R)
     checked += 1
   assert checked > 0
@@ -135,11 +159,17 @@ def test_bench_replay_flop_ratio_of_every_row(name):
 def test_rollout_strategies_flop_ratio_of_every_row():
   """Flat replay over the automatic tree (as executed): the shared opening (trunk_len tokens)
   joins the root, the R branches' remaining tokens are one level."""
-  for name in ("rollout_strategies_cpu_2026-12-01.jsonl",
-               "rollout_strategies_target_cpu_2026-12-01.jsonl"):
+  for name in (
+    "rollout_strategies_cpu_2026-12-01.jsonl",
+    "rollout_strategies_target_cpu_2026-12-01.jsonl",
+  ):
     for row in rows(name):
       B, R, P, T, W = row["B"], row["R"], row["P"], row["T"], row["trunk_len"]
       assert row["fanouts"] == str(R)
-      got = flops.useful_flop_ratio(tfm.preset(row["preset"]), flops.flat(B, R, P, T, "replay"),
-                                    flops.levels(B, P + W, [(R, T - W)]), dense=True)
+      got = flops.useful_flop_ratio(
+        tfm.preset(row["preset"]),
+        flops.flat(B, R, P, T, "replay"),
+        flops.levels(B, P + W, [(R, T - W)]),
+        dense=True,
+      )
       assert round(got, 3) == row["flop_ratio"], (name, row["strategy"])

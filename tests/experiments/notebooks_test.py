@@ -22,8 +22,9 @@ def test_there_are_notebooks():
 def test_notebook_executes(path, monkeypatch):
   monkeypatch.setenv("BRANCH_REPLAY_SMALL", "1")
   nb = nbformat.read(path, as_version=4)
-  client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                                   resources={"metadata": {"path": os.path.dirname(path)}})
+  client = nbclient.NotebookClient(
+    nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": os.path.dirname(path)}}
+  )
   client.execute()  # raises CellExecutionError naming the cell on any error
   outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
   assert not [o for o in outputs if o.get("output_type") == "error"]

@@ -48,9 +48,19 @@ def test_gpu_check_one_gpu_row_smoke_on_cpu(tmp_path):
   """gpu_check.sh with SMOKE=1 ONE_GPU_ONLY=1: the fused check, then the one-GPU row at tiny
   shapes writes the card's report and a run row with finite losses, step time and MFU
   fields (memory_stats: None on the CPU)."""
-  out = subprocess.run(["bash", "experiments/gpu_check.sh"], cwd=ROOT, capture_output=True,
-                       text=True, env={**os.environ, "SMOKE": "1", "ONE_GPU_ONLY": "1",
-                                       "OUT": str(tmp_path), "JAX_PLATFORMS": "cpu"})
+  out = subprocess.run(
+    ["bash", "experiments/gpu_check.sh"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    env={
+      **os.environ,
+      "SMOKE": "1",
+      "ONE_GPU_ONLY": "1",
+      "OUT": str(tmp_path),
+      "JAX_PLATFORMS": "cpu",
+    },
+  )
   assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
   (check,) = [json.loads(l) for l in open(tmp_path / "fused_check.jsonl")]
   assert check["passed"]
@@ -71,10 +81,22 @@ def test_gpu_check_one_gpu_row_smoke_on_cpu(tmp_path):
 @pytest.mark.slow
 def test_compile_row_in_a_subprocess(tmp_path):
   path = tmp_path / "plan.jsonl"
-  out = subprocess.run([sys.executable, "experiments/plan_1gpu.py", "--model=tiny",
-                        "--prefix_len=64", "--tail_len=8", "--branches=4", "--rank=2",
-                        "--mlp_chunk=16", f"--out={path}"], cwd=ROOT, capture_output=True,
-                       text=True)
+  out = subprocess.run(
+    [
+      sys.executable,
+      "experiments/plan_1gpu.py",
+      "--model=tiny",
+      "--prefix_len=64",
+      "--tail_len=8",
+      "--branches=4",
+      "--rank=2",
+      "--mlp_chunk=16",
+      f"--out={path}",
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   (row,) = [json.loads(l) for l in open(path)]
   assert "error" not in row, row

@@ -48,11 +48,17 @@ def test_collectives_counted_through_loops():
 def test_bad_input_before_compilation():
   with pytest.raises(ValueError, match=r"axis sizes multiply to 4, but there are 8 devices"):
     plan_8gpu.check_row(131072, "context:4", "fsdp_context", 1)
-  with pytest.raises(ValueError, match=r"prefix_len P=1004 is not divisible by the mesh's "
-                     r"context axis of size 8 \(mesh 'context:8'\): expected a multiple of 8"):
+  with pytest.raises(
+    ValueError,
+    match=r"prefix_len P=1004 is not divisible by the mesh's "
+    r"context axis of size 8 \(mesh 'context:8'\): expected a multiple of 8",
+  ):
     plan_8gpu.check_row(1004, "context:8", "fsdp_context", 1)
-  with pytest.raises(ValueError, match=r"prompts B=1 is not divisible by data\*fsdp=2 \(mesh "
-                     r"'fsdp:2,context:4'\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"prompts B=1 is not divisible by data\*fsdp=2 \(mesh "
+    r"'fsdp:2,context:4'\)",
+  ):
     plan_8gpu.check_row(131072, "fsdp:2,context:4", "fsdp", 1)
   with pytest.raises(ValueError, match=r"params='zero': expected one of"):
     plan_8gpu.check_row(131072, "context:8", "zero", 1)
@@ -75,9 +81,7 @@ def test_toy_row_kv_traffic_matches_compiled_step():
     assert hlo[cat] == formula[cat], (cat, hlo, formula)
     assert row["hlo_comm_ops"][cat] == 2 * 2 * 3, (cat, row["hlo_comm_ops"])
   assert hlo["weights"] > 0  # parameters sharded over context: gathered per layer
-  assert row["param_opt_gb"] < 1e-3 and row["fits"] == {"H20": True, "H100": True,
-                                                          "H200": True}
+  assert row["param_opt_gb"] < 1e-3 and row["fits"] == {"H20": True, "H100": True, "H200": True}
   row = dict(row, kind="row", prediction=plan_8gpu.predict(row))
   table = plan_8gpu.markdown([row])
   assert "| 64 | context:4 | fsdp_context |" in table
-

@@ -21,8 +21,9 @@ def test_writer_lines_carry_commit_command_jax_machine_and_date(tmp_path):
   rows = provenance.read(str(path))
   assert [r["P"] for r in rows] == [4, 8]
   p = rows[0]["provenance"]
-  head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                        text=True).stdout.strip()
+  head = subprocess.run(
+    ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+  ).stdout.strip()
   assert p["git_commit"] == head and isinstance(p["git_dirty"], bool)
   assert p["command"] == "python exp.py '--flag=a b'"
   assert p["backend"] == "cpu" and p["device_count"] == 8 and p["jax"]
@@ -35,19 +36,28 @@ def test_writer_lines_carry_commit_command_jax_machine_and_date(tmp_path):
 def _fake_workdir(tmp_path):
   from branch_replay import config as config_lib
   from experiments.configs import grpo_haystack
+
   cfg = grpo_haystack.get_config()
   workdir = tmp_path / "run"
   workdir.mkdir()
   (workdir / "config.json").write_text(json.dumps(config_lib.to_dict(cfg)))
   recs = []
   for step in range(cfg.train.total_steps):
-    rec = {"step": step, "kind": "train", "phase": "sft" if step < 600 else "rl",
-           "time/step_s": 0.1, "replay/computed_tokens": 10, "replay/naive_equiv_tokens": 40}
+    rec = {
+      "step": step,
+      "kind": "train",
+      "phase": "sft" if step < 600 else "rl",
+      "time/step_s": 0.1,
+      "replay/computed_tokens": 10,
+      "replay/naive_equiv_tokens": 40,
+    }
     if step >= 600:
       rec["reward/mean"] = 0.5 if step < 610 else 0.75
     recs.append(rec)
-  recs += [{"step": 600, "kind": "eval", "eval/greedy_reward": 0.25},
-           {"step": 750, "kind": "eval", "eval/greedy_reward": 0.5}]
+  recs += [
+    {"step": 600, "kind": "eval", "eval/greedy_reward": 0.25},
+    {"step": 750, "kind": "eval", "eval/greedy_reward": 0.5},
+  ]
   (workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
   return workdir
 
@@ -56,9 +66,19 @@ def test_workdir_metrics_become_a_results_file_with_its_command(tmp_path):
   workdir = _fake_workdir(tmp_path)
   out = tmp_path / "default_run.jsonl"
   proc = subprocess.run(
-      [sys.executable, "experiments/provenance.py", f"--workdir={workdir}", f"--out={out}",
-       "--command=python run.py --workdir=X", '--run_info={"git_commit": "abc"}'],
-      cwd=ROOT, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    [
+      sys.executable,
+      "experiments/provenance.py",
+      f"--workdir={workdir}",
+      f"--out={out}",
+      "--command=python run.py --workdir=X",
+      '--run_info={"git_commit": "abc"}',
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
   assert proc.returncode == 0, proc.stderr[-2000:]
   rows = provenance.read(str(out))
   header, summary = rows[0], rows[-1]
@@ -81,11 +101,17 @@ def test_missing_workdir_files_fail_naming_them(tmp_path):
 
 
 def test_results_table_renders_bench_and_generic_files():
-  bench = results_table.load([os.path.join(ROOT, "experiments/results/superseded/cpu_sweep_2026-11-30.jsonl")])
+  bench = results_table.load(
+    [os.path.join(ROOT, "experiments/results/superseded/cpu_sweep_2026-11-30.jsonl")]
+  )
   md = results_table.table(bench).splitlines()
   assert md[0].startswith("| P | T | R |") and len(md) == 2 + len(bench)
   assert "| 4096 | 64 | 8 | small | float32 | oom |" in md[2 + 12]
   rows = [{"a": 1, "b": 0.5, "nested": {"x": 1}}, {"a": 2, "c": "x|y"}]
   assert results_table.table(rows).splitlines() == [
-      "| a | b | c |", "|---|---|---|", "| 1 | 0.5 | - |", "| 2 | - | x\\|y |"]
+    "| a | b | c |",
+    "|---|---|---|",
+    "| 1 | 0.5 | - |",
+    "| 2 | - | x\\|y |",
+  ]
   assert results_table.table(rows, ["c"]).splitlines()[2:] == ["| - |", "| x\\|y |"]

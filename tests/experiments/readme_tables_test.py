@@ -27,8 +27,10 @@ def test_every_marker_names_a_spec_and_every_spec_is_shown():
 
 
 def test_every_cited_results_file_exists():
-  cited = re.compile(r"(?:experiments/results/)?((?:superseded/)?[\w.-]+_20\d\d-\d\d-\d\d"
-                     r"[\w.-]*\.(?:jsonl|md|png|txt))")
+  cited = re.compile(
+    r"(?:experiments/results/)?((?:superseded/)?[\w.-]+_20\d\d-\d\d-\d\d"
+    r"[\w.-]*\.(?:jsonl|md|png|txt))"
+  )
   missing = []
   for path in tables.documents():
     for n, line in enumerate(open(path), 1):
@@ -36,8 +38,10 @@ def test_every_cited_results_file_exists():
         text = m.group(1) or m.group(2) or ""
         for f in cited.findall(text):
           base = os.path.join(ROOT, tables.RESULTS)
-          if not (os.path.exists(os.path.join(base, f))
-                  or os.path.exists(os.path.join(base, "superseded", f))):
+          if not (
+            os.path.exists(os.path.join(base, f))
+            or os.path.exists(os.path.join(base, "superseded", f))
+          ):
             missing.append(f"{os.path.relpath(path, ROOT)}:{n}: {f}")
   assert not missing, missing
 
@@ -64,6 +68,7 @@ def test_index_lists_every_file_once_and_superseded_ones_under_superseded():
 
 
 # ---- the renderer on files of the test's own ----
+
 
 def _root(tmp_path, lines, md="<!-- table: t -->\n<!-- /table -->\n"):
   results = tmp_path / tables.RESULTS
@@ -96,39 +101,54 @@ def test_a_typed_cell_that_differs_from_the_file_fails_the_check(tmp_path):
 
 
 def test_a_line_without_provenance_is_named_by_file_and_line(tmp_path):
-  root = _root(tmp_path, [{"P": 8, "s": 1.0, "provenance": PROV},
-                          {"P": 16, "s": 2.0, "provenance": {"git_commit": "abc"}}])
-  with pytest.raises(ValueError, match=r"experiments/results/r\.jsonl:2: no provenance .*"
-                     r"README\.md:3: table 't'"):
+  root = _root(
+    tmp_path,
+    [
+      {"P": 8, "s": 1.0, "provenance": PROV},
+      {"P": 16, "s": 2.0, "provenance": {"git_commit": "abc"}},
+    ],
+  )
+  with pytest.raises(
+    ValueError,
+    match=r"experiments/results/r\.jsonl:2: no provenance .*"
+    r"README\.md:3: table 't'",
+  ):
     tables.rewrite(os.path.join(root, "README.md"), TABLE, root)
 
 
 def test_top_level_provenance_is_accepted(tmp_path):
-  root = _root(tmp_path, [{"P": 8, "s": 1.0, "git_commit": "1234567", "command": "x",
-                           "machine": "vm"}])
+  root = _root(
+    tmp_path, [{"P": 8, "s": 1.0, "git_commit": "1234567", "command": "x", "machine": "vm"}]
+  )
   _, new = tables.rewrite(os.path.join(root, "README.md"), TABLE, root)
   assert "(commit 1234567)" in new
 
 
 def test_a_column_naming_a_missing_field_is_named_by_file_and_line(tmp_path):
-  root = _root(tmp_path, [{"P": 8, "s": 1.0, "provenance": PROV},
-                          {"P": 16, "provenance": PROV}])
-  with pytest.raises(ValueError, match=r"README\.md:3: table 't': column 's' reads field 's', "
-                     r"which experiments/results/r\.jsonl:2 does not have"):
+  root = _root(tmp_path, [{"P": 8, "s": 1.0, "provenance": PROV}, {"P": 16, "provenance": PROV}])
+  with pytest.raises(
+    ValueError,
+    match=r"README\.md:3: table 't': column 's' reads field 's', "
+    r"which experiments/results/r\.jsonl:2 does not have",
+  ):
     tables.rewrite(os.path.join(root, "README.md"), TABLE, root)
 
 
 def test_a_missing_results_file_is_named(tmp_path):
   root = _root(tmp_path, [{"P": 8, "s": 1.0, "provenance": PROV}])
   spec = {"t": Table(("P",), (Source("gone.jsonl", ("{P}",)),))}
-  with pytest.raises(ValueError, match=r"README\.md:3: table 't': results file "
-                     r"experiments/results/gone\.jsonl does not exist"):
+  with pytest.raises(
+    ValueError,
+    match=r"README\.md:3: table 't': results file "
+    r"experiments/results/gone\.jsonl does not exist",
+  ):
     tables.rewrite(os.path.join(root, "README.md"), spec, root)
 
 
 def test_unknown_table_unclosed_marker_and_bad_json_are_named(tmp_path):
-  root = _root(tmp_path, [{"P": 8, "s": 1.0, "provenance": PROV}],
-               md="<!-- table: nope -->\n<!-- /table -->\n")
+  root = _root(
+    tmp_path, [{"P": 8, "s": 1.0, "provenance": PROV}], md="<!-- table: nope -->\n<!-- /table -->\n"
+  )
   with pytest.raises(ValueError, match=r"README\.md:3: table 'nope' is not in"):
     tables.rewrite(os.path.join(root, "README.md"), TABLE, root)
   (tmp_path / "README.md").write_text("<!-- table: t -->\n| typed |\n")
@@ -141,8 +161,9 @@ def test_unknown_table_unclosed_marker_and_bad_json_are_named(tmp_path):
 
 
 def test_a_source_matching_the_wrong_number_of_rows_is_an_error(tmp_path):
-  root = _root(tmp_path, [{"P": 8, "s": 1.0, "provenance": PROV},
-                          {"P": 8, "s": 2.0, "provenance": PROV}])
+  root = _root(
+    tmp_path, [{"P": 8, "s": 1.0, "provenance": PROV}, {"P": 8, "s": 2.0, "provenance": PROV}]
+  )
   spec = {"t": Table(("s",), (Source("r.jsonl", ("{s}",), ("P=8",), count=1),))}
   with pytest.raises(ValueError, match=r"r\.jsonl: 2 rows match \['P=8'\], expected 1"):
     tables.rewrite(os.path.join(root, "README.md"), spec, root)

@@ -5,6 +5,7 @@ and (2) with `unavailable_reason` and `kernel` substituted by `reference_kernel`
 contract in plain jax), the per-segment forward + the hand merge + the backward with the
 global log-sum-exp match the dense oracle at float64 1e-10, on every attention_test case.
 """
+
 import sys
 import types
 
@@ -40,8 +41,7 @@ def test_refused_on_cpu_with_tokamax_present(monkeypatch):
 
 def test_refused_at_trace_time_before_compilation(monkeypatch):
   compiled = []
-  monkeypatch.setattr(jax.stages.Lowered, "compile",
-                      lambda self, *a, **k: compiled.append(1))
+  monkeypatch.setattr(jax.stages.Lowered, "compile", lambda self, *a, **k: compiled.append(1))
   cfg = tfm.preset("tiny", attention="fused")  # the config itself is valid anywhere
   params = jax.eval_shape(lambda: tfm.init_params(tfm.preset("tiny"), jax.random.key(0)))
   tokens = jnp.zeros((1, 4), jnp.int32)
@@ -68,43 +68,53 @@ def _assert_fused_matches_dense(case, rtol, **kw):
 
 
 DEFAULT_CASES = ("softcap_window_gqa4", "three_segments", "empty_rows")  # the rest: -m slow
-case_params = lambda cases: [n if n in DEFAULT_CASES else pytest.param(n, marks=pytest.mark.slow)
-                             for n in sorted(cases)]
+case_params = lambda cases: [
+  n if n in DEFAULT_CASES else pytest.param(n, marks=pytest.mark.slow) for n in sorted(cases)
+]
 
 
 @pytest.mark.parametrize("name", case_params(at.PREFIX_CASES))
 def test_fused_prefix_matches_dense_float64(reference, name):
   case_kw, kw = at.PREFIX_CASES[name]
   with jax.enable_x64(True):
-    _assert_fused_matches_dense(at._prefix_case(np.random.default_rng(0), jnp.float64,
-                                                **case_kw), 1e-10, **kw)
+    _assert_fused_matches_dense(
+      at._prefix_case(np.random.default_rng(0), jnp.float64, **case_kw), 1e-10, **kw
+    )
 
 
 @pytest.mark.parametrize("name", case_params(at.TAIL_CASES))
 def test_fused_tail_merge_matches_dense_float64(reference, name):
   case_kw, kw = at.TAIL_CASES[name]
   with jax.enable_x64(True):
-    _assert_fused_matches_dense(at._tail_case(np.random.default_rng(1), jnp.float64,
-                                              **case_kw), 1e-10, **kw)
+    _assert_fused_matches_dense(
+      at._tail_case(np.random.default_rng(1), jnp.float64, **case_kw), 1e-10, **kw
+    )
 
 
 def test_fused_replay_gradient_matches_blockwise_float64(reference):
   """The whole replay step (prefix cache, folded tails) with the fused dispatch."""
   from branch_replay.core import losses, policy, tree
+
   with jax.enable_x64(True):
-    cfgs = {impl: tfm.preset("tiny", attention=impl, dtype="float64", param_dtype="float64")
-            for impl in ("blockwise", "fused")}
+    cfgs = {
+      impl: tfm.preset("tiny", attention=impl, dtype="float64", param_dtype="float64")
+      for impl in ("blockwise", "fused")
+    }
     params = tfm.init_params(cfgs["fused"], jax.random.key(0))
     rng = np.random.default_rng(0)
     batch = tree.flat(
-        prefix_BP=jnp.asarray(rng.integers(0, 128, (2, 9)), jnp.int32),
-        prefix_valid_BP=jnp.asarray(np.arange(9)[None] >= np.array([[0], [3]])),
-        tails_BRT=jnp.asarray(rng.integers(0, 128, (2, 3, 4)), jnp.int32),
-        tail_valid_BRT=jnp.asarray(np.arange(4)[None, None] < rng.integers(1, 5, (2, 3, 1))),
-        advantages_BR=jnp.asarray(rng.normal(size=(2, 3))))
-    out = {impl: jax.jit(lambda p, b, c=c: policy.loss_and_grad(
-        p, b, c, losses.LossConfig("grpo"), "replay")[::2])(params, batch)
-        for impl, c in cfgs.items()}
+      prefix_BP=jnp.asarray(rng.integers(0, 128, (2, 9)), jnp.int32),
+      prefix_valid_BP=jnp.asarray(np.arange(9)[None] >= np.array([[0], [3]])),
+      tails_BRT=jnp.asarray(rng.integers(0, 128, (2, 3, 4)), jnp.int32),
+      tail_valid_BRT=jnp.asarray(np.arange(4)[None, None] < rng.integers(1, 5, (2, 3, 1))),
+      advantages_BR=jnp.asarray(rng.normal(size=(2, 3))),
+    )
+    out = {
+      impl: jax.jit(
+        lambda p, b, c=c: policy.loss_and_grad(p, b, c, losses.LossConfig("grpo"), "replay")[::2]
+      )(params, batch)
+      for impl, c in cfgs.items()
+    }
   (loss_b, grads_b), (loss_f, grads_f) = out["blockwise"], out["fused"]
   np.testing.assert_allclose(loss_f, loss_b, rtol=1e-10)
   for a, b in zip(jax.tree.leaves(grads_b), jax.tree.leaves(grads_f), strict=True):
@@ -118,10 +128,15 @@ def test_gpu_check_smoke_on_cpu(tmp_path):
   import json
   import os
   import subprocess
+
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  out = subprocess.run(["bash", "experiments/gpu_check.sh"], cwd=root, capture_output=True,
-                       text=True, env={**os.environ, "SMOKE": "1", "OUT": str(tmp_path),
-                                       "JAX_PLATFORMS": "cpu"})
+  out = subprocess.run(
+    ["bash", "experiments/gpu_check.sh"],
+    cwd=root,
+    capture_output=True,
+    text=True,
+    env={**os.environ, "SMOKE": "1", "OUT": str(tmp_path), "JAX_PLATFORMS": "cpu"},
+  )
   assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
   (check,) = [json.loads(l) for l in open(tmp_path / "fused_check.jsonl")]
   assert check["passed"] and check["kernel"] == "reference" and check["max_rel_err"] < 1e-3

@@ -5,6 +5,7 @@ prefix folded over g branch rows + the branch's own causal keys, right padding),
 smaller and larger than a block, soft-cap, GQA groups 1/2/4, T=1, lengths the blocks do not
 divide and rows with no allowed key. Gradients of q and of every segment's k, v.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,12 +34,17 @@ def _prefix_case(rng, dtype, *, B=2, P=37, N=4, K=2, H=8, pad_left=(5, 0)):
   pos_BP = _positions(valid_BP)
   q = jnp.asarray(rng.normal(size=(B, P, N, H)), dtype)
   k, v = (jnp.asarray(rng.normal(size=(B, P, K, H)), dtype) for _ in range(2))
-  return q, jnp.asarray(pos_BP), jnp.asarray(valid_BP), [
-      KS(k, v, jnp.asarray(pos_BP), jnp.asarray(valid_BP), causal=True)]
+  return (
+    q,
+    jnp.asarray(pos_BP),
+    jnp.asarray(valid_BP),
+    [KS(k, v, jnp.asarray(pos_BP), jnp.asarray(valid_BP), causal=True)],
+  )
 
 
-def _tail_case(rng, dtype, *, B=2, R=3, T=5, P=19, N=4, K=2, H=8, pad_left=(4, 0),
-               tail_len=None, generated=0):
+def _tail_case(
+  rng, dtype, *, B=2, R=3, T=5, P=19, N=4, K=2, H=8, pad_left=(4, 0), tail_len=None, generated=0
+):
   """Tails: R branch rows per prompt read the prompt's prefix (folded, g=R), optionally a
   non-causal segment of `generated` earlier branch tokens, then their own keys causally."""
   valid_BP = np.arange(P)[None] >= np.asarray(pad_left)[:, None]
@@ -53,12 +59,25 @@ def _tail_case(rng, dtype, *, B=2, R=3, T=5, P=19, N=4, K=2, H=8, pad_left=(4, 0
   if generated:
     gvalid_BS = np.ones((rows, generated), bool)
     gvalid_BS[0, -2:] = False
-    segments.append(KS(new(rows, generated, K, H), new(rows, generated, K, H),
-                       jnp.asarray(_positions(gvalid_BS, start)), jnp.asarray(gvalid_BS)))
+    segments.append(
+      KS(
+        new(rows, generated, K, H),
+        new(rows, generated, K, H),
+        jnp.asarray(_positions(gvalid_BS, start)),
+        jnp.asarray(gvalid_BS),
+      )
+    )
     start = start + gvalid_BS.sum(1)
   tpos_BT = _positions(tvalid_BT, start)
-  segments.append(KS(new(rows, T, K, H), new(rows, T, K, H), jnp.asarray(tpos_BT),
-                     jnp.asarray(tvalid_BT), causal=True))
+  segments.append(
+    KS(
+      new(rows, T, K, H),
+      new(rows, T, K, H),
+      jnp.asarray(tpos_BT),
+      jnp.asarray(tvalid_BT),
+      causal=True,
+    )
+  )
   return new(rows, T, N, H), jnp.asarray(tpos_BT), jnp.asarray(tvalid_BT), segments
 
 
@@ -69,8 +88,9 @@ def _value_and_grads(impl, case, **kw):
     segs = [s._replace(k_BSKH=k, v_BSKH=v) for s, (k, v) in zip(segments, kvs)]
     o_BTNH = attention.attend(q, q_pos, q_valid, segs, impl=impl, **kw)
     w = jnp.cos(jnp.arange(o_BTNH.size, dtype=jnp.float32).reshape(o_BTNH.shape))
-    return jnp.sum(o_BTNH.astype(w.dtype if o_BTNH.dtype != jnp.float64 else o_BTNH.dtype)
-                   * w), o_BTNH
+    return jnp.sum(
+      o_BTNH.astype(w.dtype if o_BTNH.dtype != jnp.float64 else o_BTNH.dtype) * w
+    ), o_BTNH
 
   kvs = [(s.k_BSKH, s.v_BSKH) for s in segments]
   (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(q, kvs)
@@ -90,31 +110,30 @@ def _assert_match(case, rtol, atol=0.0, **kw):
 
 
 PREFIX_CASES = {  # name: (case kwargs, attend kwargs)
-    "gqa1_blocks8": (dict(N=4, K=4), dict(block_q=8, block_k=8)),
-    "gqa2_blocks16x8": (dict(N=4, K=2), dict(block_q=16, block_k=8)),
-    "gqa4_blocks8x16": (dict(N=4, K=1), dict(block_q=8, block_k=16)),
-    "one_block": (dict(), dict(block_q=64, block_k=64)),
-    "odd_blocks": (dict(P=29, pad_left=(3, 11)), dict(block_q=7, block_k=5)),
-    "window_below_block": (dict(), dict(window=4, block_q=8, block_k=8)),
-    "window_above_block": (dict(), dict(window=20, block_q=8, block_k=8)),
-    "softcap": (dict(), dict(softcap=2.0, block_q=16, block_k=8)),
-    "softcap_window_gqa4": (dict(K=1), dict(softcap=2.0, window=11, block_q=8, block_k=16)),
+  "gqa1_blocks8": (dict(N=4, K=4), dict(block_q=8, block_k=8)),
+  "gqa2_blocks16x8": (dict(N=4, K=2), dict(block_q=16, block_k=8)),
+  "gqa4_blocks8x16": (dict(N=4, K=1), dict(block_q=8, block_k=16)),
+  "one_block": (dict(), dict(block_q=64, block_k=64)),
+  "odd_blocks": (dict(P=29, pad_left=(3, 11)), dict(block_q=7, block_k=5)),
+  "window_below_block": (dict(), dict(window=4, block_q=8, block_k=8)),
+  "window_above_block": (dict(), dict(window=20, block_q=8, block_k=8)),
+  "softcap": (dict(), dict(softcap=2.0, block_q=16, block_k=8)),
+  "softcap_window_gqa4": (dict(K=1), dict(softcap=2.0, window=11, block_q=8, block_k=16)),
 }
 
 TAIL_CASES = {
-    "merge_g3": (dict(), dict(block_q=8, block_k=8)),
-    "merge_right_pad": (dict(T=9, tail_len=[9, 3, 1, 0, 9, 5]), dict(block_q=4, block_k=8)),
-    "merge_window": (dict(T=9, P=30), dict(window=6, block_q=8, block_k=4)),
-    "merge_window_large": (dict(T=9, P=30), dict(window=25, block_q=8, block_k=4)),
-    "merge_softcap_gqa4": (dict(K=1), dict(softcap=2.0, block_q=4, block_k=4)),
-    "merge_gqa1": (dict(K=4, T=7), dict(block_q=16, block_k=16)),
-    "decode_t1": (dict(T=1), dict(block_q=2, block_k=8)),
-    "decode_t1_window": (dict(T=1, P=30), dict(window=7, block_q=8, block_k=8)),
-    "three_segments": (dict(T=6, generated=7), dict(window=9, block_q=8, block_k=4)),
-    # Prompt 0's prefix is all padding and tail row 3 holds no valid query: rows with no
-    # allowed key in a segment, and rows with no allowed key at all.
-    "empty_rows": (dict(pad_left=(19, 0), tail_len=[5, 5, 5, 0, 2, 5]),
-                   dict(block_q=8, block_k=8)),
+  "merge_g3": (dict(), dict(block_q=8, block_k=8)),
+  "merge_right_pad": (dict(T=9, tail_len=[9, 3, 1, 0, 9, 5]), dict(block_q=4, block_k=8)),
+  "merge_window": (dict(T=9, P=30), dict(window=6, block_q=8, block_k=4)),
+  "merge_window_large": (dict(T=9, P=30), dict(window=25, block_q=8, block_k=4)),
+  "merge_softcap_gqa4": (dict(K=1), dict(softcap=2.0, block_q=4, block_k=4)),
+  "merge_gqa1": (dict(K=4, T=7), dict(block_q=16, block_k=16)),
+  "decode_t1": (dict(T=1), dict(block_q=2, block_k=8)),
+  "decode_t1_window": (dict(T=1, P=30), dict(window=7, block_q=8, block_k=8)),
+  "three_segments": (dict(T=6, generated=7), dict(window=9, block_q=8, block_k=4)),
+  # Prompt 0's prefix is all padding and tail row 3 holds no valid query: rows with no
+  # allowed key in a segment, and rows with no allowed key at all.
+  "empty_rows": (dict(pad_left=(19, 0), tail_len=[5, 5, 5, 0, 2, 5]), dict(block_q=8, block_k=8)),
 }
 
 
@@ -159,8 +178,9 @@ def test_bfloat16_close_to_dense():
   dense, _ = _value_and_grads("dense", case)
   block, grads = _value_and_grads("blockwise", case, block_q=8, block_k=8)
   assert block.dtype == jnp.bfloat16 and grads[0].dtype == jnp.bfloat16
-  np.testing.assert_allclose(np.asarray(block, np.float32), np.asarray(dense, np.float32),
-                             atol=2e-2)
+  np.testing.assert_allclose(
+    np.asarray(block, np.float32), np.asarray(dense, np.float32), atol=2e-2
+  )
 
 
 @pytest.mark.parametrize("min_tile", [0, 1 << 14])
@@ -168,27 +188,39 @@ def test_vmap_over_branches_with_shared_prefix_unbatched(min_tile, monkeypatch):
   """The sampler's decode step: vmapped over branches, the prefix segment unbatched
   (min_tile > 0: the key blocks grow to one tile, as they do by default when decoding)."""
   monkeypatch.setattr(attention, "MIN_TILE", min_tile)
-  q, q_pos, q_valid, segs = _tail_case(np.random.default_rng(5), jnp.float32, B=1, R=4, T=1,
-                                       pad_left=(4,))
+  q, q_pos, q_valid, segs = _tail_case(
+    np.random.default_rng(5), jnp.float32, B=1, R=4, T=1, pad_left=(4,)
+  )
   prefix, own = segs
   own_R = jax.tree.map(lambda x: x[:, None], own._replace(causal=None))
 
   def step(impl, q, q_pos, q_valid, k, v, pos, valid):
     own = KS(k, v, pos, valid, causal=True)
-    return attention.attend(q, q_pos, q_valid, [prefix, own], impl=impl, window=5,
-                            block_q=4, block_k=8)
+    return attention.attend(
+      q, q_pos, q_valid, [prefix, own], impl=impl, window=5, block_q=4, block_k=8
+    )
 
-  outs = {impl: jax.jit(jax.vmap(lambda *a: step(impl, *a)))(
-      q[:, None], q_pos[:, None], q_valid[:, None], own_R.k_BSKH, own_R.v_BSKH, own_R.pos_BS,
-      own_R.valid_BS) for impl in ("dense", "blockwise")}
+  outs = {
+    impl: jax.jit(jax.vmap(lambda *a: step(impl, *a)))(
+      q[:, None],
+      q_pos[:, None],
+      q_valid[:, None],
+      own_R.k_BSKH,
+      own_R.v_BSKH,
+      own_R.pos_BS,
+      own_R.valid_BS,
+    )
+    for impl in ("dense", "blockwise")
+  }
   np.testing.assert_allclose(outs["blockwise"], outs["dense"], rtol=1e-5, atol=1e-6)
 
 
 def test_schedule_skips_masked_tiles():
   """Causal: key blocks after the query block are skipped; windows skip blocks before it."""
   P, bq = 64, 8
-  q, q_pos, q_valid, (seg,) = _prefix_case(np.random.default_rng(6), jnp.float32, P=P,
-                                            pad_left=(0, 0))
+  q, q_pos, q_valid, (seg,) = _prefix_case(
+    np.random.default_rng(6), jnp.float32, P=P, pad_left=(0, 0)
+  )
   st = lambda window: attention._Static((True,), 1.0, None, window, bq, bq)
   sg = attention._prepare(st(None), q, q_pos, q_valid, *seg[:4], True)
   np.testing.assert_array_equal(sg.lo_I, np.zeros(P // bq))
@@ -197,8 +229,9 @@ def test_schedule_skips_masked_tiles():
   # query block i (positions 8i..8i+7) needs keys >= 8i - 8: blocks i-1 and i.
   np.testing.assert_array_equal(sg.lo_I, np.maximum(np.arange(P // bq) - 1, 0))
   # left padding: all-padding key blocks are skipped too.
-  q, q_pos, q_valid, (seg,) = _prefix_case(np.random.default_rng(6), jnp.float32, P=P,
-                                            pad_left=(20, 17))
+  q, q_pos, q_valid, (seg,) = _prefix_case(
+    np.random.default_rng(6), jnp.float32, P=P, pad_left=(20, 17)
+  )
   sg = attention._prepare(st(None), q, q_pos, q_valid, *seg[:4], True)
   np.testing.assert_array_equal(sg.lo_I, [0, 0, 2, 2, 2, 2, 2, 2])
   np.testing.assert_array_equal(sg.hi_I, [0, 0, 3, 4, 5, 6, 7, 8])
@@ -209,8 +242,9 @@ def _tail_temp_bytes(g, vmapped=False):
   vmapped: the trap, the kernel vmapped over branches with the prefix K/V unbatched."""
   B, P, N, K, H = 1, 1024, 4, 2, 64
   T = 96 // g
-  q, q_pos, q_valid, segs = _tail_case(np.random.default_rng(7), jnp.float32, B=B, R=g, T=T,
-                                       P=P, N=N, K=K, H=H, pad_left=(0,))
+  q, q_pos, q_valid, segs = _tail_case(
+    np.random.default_rng(7), jnp.float32, B=B, R=g, T=T, P=P, N=N, K=K, H=H, pad_left=(0,)
+  )
   kw = dict(block_q=32, block_k=128)
 
   def loss(q, k, v):
@@ -218,12 +252,17 @@ def _tail_temp_bytes(g, vmapped=False):
     if not vmapped:
       return attention.attend(q, q_pos, q_valid, [prefix, own], **kw).sum()
     one = lambda q, pos, valid, k, v: attention.attend(
-        q[None], pos[None], valid[None], [prefix, KS(k[None], v[None], pos[None], valid[None],
-                                                     causal=True)], **kw).sum()
+      q[None],
+      pos[None],
+      valid[None],
+      [prefix, KS(k[None], v[None], pos[None], valid[None], causal=True)],
+      **kw,
+    ).sum()
     return jax.vmap(one)(q, q_pos, q_valid, own.k_BSKH, own.v_BSKH).sum()
 
-  compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(
-      q, segs[0].k_BSKH, segs[0].v_BSKH).compile()
+  compiled = (
+    jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, segs[0].k_BSKH, segs[0].v_BSKH).compile()
+  )
   return compiled.memory_analysis().temp_size_in_bytes
 
 
@@ -236,13 +275,16 @@ def test_tail_temp_memory_flat_in_branches():
   assert block[8] <= 1.1 * block[1], block
 
 
-@pytest.mark.parametrize("field,kw", [
+@pytest.mark.parametrize(
+  "field,kw",
+  [
     ("model.attention_block_q", dict(block_q=0)),
     ("model.attention_block_k", dict(block_k=-4)),
     ("model.attention", dict(impl="flash")),
     ("q_valid_BT", dict(q_valid=np.ones((2, 36), bool))),
     ("segment 0 pos_BS", dict(pos=np.zeros((1, 37), np.int32))),
-])
+  ],
+)
 def test_bad_input(field, kw):
   q, q_pos, q_valid, segs = _prefix_case(np.random.default_rng(8), jnp.float32)
   q_valid = kw.pop("q_valid", q_valid)
@@ -257,7 +299,10 @@ def test_empty_segment_adds_no_key():
   with jax.enable_x64(True):
     q, q_pos, q_valid, segs = _tail_case(np.random.default_rng(9), jnp.float64, T=4)
     B, _, K, H = segs[1].k_BSKH.shape
-    empty = KS(jnp.zeros((B, 0, K, H)), jnp.zeros((B, 0, K, H)), jnp.zeros((B, 0), int),
-               jnp.zeros((B, 0), bool))
-    _assert_match((q, q_pos, q_valid, [segs[0], empty, segs[1]]), 1e-10, block_q=4,
-                  block_k=8)
+    empty = KS(
+      jnp.zeros((B, 0, K, H)),
+      jnp.zeros((B, 0, K, H)),
+      jnp.zeros((B, 0), int),
+      jnp.zeros((B, 0), bool),
+    )
+    _assert_match((q, q_pos, q_valid, [segs[0], empty, segs[1]]), 1e-10, block_q=4, block_k=8)

@@ -19,8 +19,7 @@ from models import attention
 from models.attention import context_parallel
 from models import transformer as tfm
 import attention_test
-from helpers import (assert_equal_f64, cache_per_x64, make_batch, make_tree, max_rel_err,
-                     tiny_model)
+from helpers import assert_equal_f64, cache_per_x64, make_batch, make_tree, max_rel_err, tiny_model
 
 LOSS = losses.LossConfig(name="grpo", kl_coef=0.05, epsilon=0.1)
 # Gemma 2 (tests/models/families_test.py): layer 0 slides with window 4, soft-capped scores, GQA
@@ -36,24 +35,33 @@ def setup():
   cfg, params = tiny_model(FAMILY)
   batch = make_batch(0, **BATCH, vocab=cfg.vocab_size, logps=True, dtype=jnp.float64)
   tree.validate(batch, cfg.vocab_size)
-  ref = {mode: jax.jit(lambda p, b, mode=mode: policy.loss_and_grad(p, b, cfg, LOSS, mode))(
-      params, batch) for mode in policy.MODES}
+  ref = {
+    mode: jax.jit(lambda p, b, mode=mode: policy.loss_and_grad(p, b, cfg, LOSS, mode))(
+      params, batch
+    )
+    for mode in policy.MODES
+  }
   return cfg, params, batch, ref
 
 
 def on_mesh(mesh, cfg, params, batch):
-  placed = (sharding.put(params, sharding.param_shardings(mesh, cfg)),
-            sharding.put(batch, sharding.batch_shardings(mesh, batch)))
+  placed = (
+    sharding.put(params, sharding.param_shardings(mesh, cfg)),
+    sharding.put(batch, sharding.batch_shardings(mesh, batch)),
+  )
   return jax.jit(lambda p, b: sharding.sharded_loss_and_grad(mesh, p, b, cfg, LOSS))(*placed)
 
 
-@pytest.mark.parametrize("spec", [
+@pytest.mark.parametrize(
+  "spec",
+  [
     "context:4",
     "fsdp:2,context:4",
     pytest.param("context:2", marks=pytest.mark.slow),
     pytest.param("context:8", marks=pytest.mark.slow),
     pytest.param("data:2,context:4", marks=pytest.mark.slow),
-])
+  ],
+)
 def test_context_parallel_replay_equals_single_device_and_naive(spec):
   with jax.enable_x64(True):
     cfg, params, batch, ref = setup()
@@ -62,8 +70,11 @@ def test_context_parallel_replay_equals_single_device_and_naive(spec):
     n = math.prod(int(item.split(":")[1]) for item in spec.split(","))
     mesh = sharding.make_mesh(spec, jax.devices()[:n])
     # The default on a context mesh: parameters over fsdp x context (param_rules).
-    assert all("context" in str(s.spec) for s in jax.tree.leaves(
-        sharding.param_shardings(mesh, cfg)) if "fsdp" in str(s.spec))
+    assert all(
+      "context" in str(s.spec)
+      for s in jax.tree.leaves(sharding.param_shardings(mesh, cfg))
+      if "fsdp" in str(s.spec)
+    )
     got = on_mesh(mesh, cfg, params, batch)
     assert_equal_f64(got, ref["replay"])
     assert_equal_f64(got, ref["naive"])
@@ -75,21 +86,25 @@ def test_context_parallel_tree_equals_single_device():
   context-parallel, the 8 leaves split over the 4 devices."""
   with jax.enable_x64(True):
     cfg, params, _, _ = setup()
-    batch = make_tree(1, (2, 4), B=2, P=16, T=(3, 3), W=1, logps=True,
-                                node_advantages=True, vocab=cfg.vocab_size)
+    batch = make_tree(
+      1, (2, 4), B=2, P=16, T=(3, 3), W=1, logps=True, node_advantages=True, vocab=cfg.vocab_size
+    )
     mesh = sharding.make_mesh("context:4", jax.devices()[:4])
     tree.validate(batch, cfg.vocab_size, None, leaf_shards=4)
     ref = jax.jit(lambda p, b: engine.loss_and_grad(p, b, cfg, LOSS))(params, batch)
-    placed = (sharding.put(params, sharding.param_shardings(mesh, cfg)),
-              sharding.put(batch, sharding.batch_shardings(mesh, batch)))
+    placed = (
+      sharding.put(params, sharding.param_shardings(mesh, cfg)),
+      sharding.put(batch, sharding.batch_shardings(mesh, batch)),
+    )
     got = jax.jit(lambda p, b: sharding.sharded_loss_and_grad(mesh, p, b, cfg, LOSS))(*placed)
     assert abs(float(got[0]) - float(ref[0])) <= 1e-10 * abs(float(ref[0]))
     assert max_rel_err(got[2], ref[2]) < 1e-10
     assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(ref[2])) > 1e-6
 
 
-@pytest.mark.parametrize("name", list(attention_test.PREFIX_CASES) +
-                         list(attention_test.TAIL_CASES))
+@pytest.mark.parametrize(
+  "name", list(attention_test.PREFIX_CASES) + list(attention_test.TAIL_CASES)
+)
 def test_key_major_backward_matches_dense_float64(name, monkeypatch):
   """The blockwise backward the context-parallel paths use (key_major_bwd: key blocks
   outside, each block's dK/dV finished and stored in the keys' dtype) on attention_test's
@@ -113,8 +128,10 @@ def test_key_major_backward_matches_dense_float64(name, monkeypatch):
 
 # ----------------------------------------------------------------------------- communication
 
-COLLECTIVE = re.compile(r"=\s*(\w+)\[([\d,]*)\]\S*\s+(all-gather|reduce-scatter|all-reduce|"
-                        r"collective-permute|all-to-all)(?:-start)?\(")
+COLLECTIVE = re.compile(
+  r"=\s*(\w+)\[([\d,]*)\]\S*\s+(all-gather|reduce-scatter|all-reduce|"
+  r"collective-permute|all-to-all)(?:-start)?\("
+)
 
 
 def prefix_collectives(scheme, B=2, P=256, C=4):
@@ -132,11 +149,15 @@ def prefix_collectives(scheme, B=2, P=256, C=4):
     return prefix_vjp(jax.tree.map(jnp.ones_like, cache))
 
   with mock.patch.object(sharding, "param_rules", lambda mesh: sharding.RULES):
-    placed = (sharding.put(params, sharding.param_shardings(mesh, cfg)),
-              sharding.put(batch, sharding.batch_shardings(mesh, batch)))
+    placed = (
+      sharding.put(params, sharding.param_shardings(mesh, cfg)),
+      sharding.put(batch, sharding.batch_shardings(mesh, batch)),
+    )
     hlo = jax.jit(prefix_step).lower(*placed).compile().as_text()
-  found = [(kind, dtype, tuple(int(d) for d in dims.split(",") if d))
-           for dtype, dims, kind in COLLECTIVE.findall(hlo)]
+  found = [
+    (kind, dtype, tuple(int(d) for d in dims.split(",") if d))
+    for dtype, dims, kind in COLLECTIVE.findall(hlo)
+  ]
   return cfg, found
 
 
@@ -185,20 +206,29 @@ def test_prefix_the_context_axis_cannot_split():
   batch = make_batch(0, B=2, R=8, P=18, T=3, logps=True)  # 18 positions over context:4
   mesh = sharding.make_mesh("context:4", jax.devices()[:4])
   step = jax.jit(lambda p, b: sharding.sharded_loss_and_grad(mesh, p, b, cfg, LOSS))
-  with pytest.raises(ValueError, match=r"tree.root_BP: dimension 1 has size 18, not "
-                     r"divisible by the 4 devices of mesh axes context"):
+  with pytest.raises(
+    ValueError,
+    match=r"tree.root_BP: dimension 1 has size 18, not "
+    r"divisible by the 4 devices of mesh axes context",
+  ):
     step.lower(params, batch)
   # The attention's own check (a caller that skips the batch shardings): names P and C.
   with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-    with pytest.raises(ValueError, match=r"prefix length P=18 is not divisible by the "
-                       r"context-parallel mesh axes \('context',\) of size 4"):
+    with pytest.raises(
+      ValueError,
+      match=r"prefix length P=18 is not divisible by the "
+      r"context-parallel mesh axes \('context',\) of size 4",
+    ):
       context_parallel.check_prefix(18, ("context",))
 
 
 def test_schemes_not_built_are_refused():
   for scheme in ("ring", "zigzag"):
-    with pytest.raises(ValueError, match=rf"model.context_parallel='{scheme}': expected one "
-                       r"of \('all_gather', 'gspmd'\)"):
+    with pytest.raises(
+      ValueError,
+      match=rf"model.context_parallel='{scheme}': expected one "
+      r"of \('all_gather', 'gspmd'\)",
+    ):
       tfm.preset("tiny", context_parallel=scheme)
 
 
@@ -206,8 +236,7 @@ def test_parameters_split_over_context_only_on_a_context_mesh():
   """param_rules: d_model over fsdp x context where the mesh has a context axis; meshes
   without one (one device, data or fsdp parallel) keep RULES' specs."""
   cfg = tfm.preset("tiny")
-  q_spec = lambda spec: sharding.param_shardings(sharding.make_mesh(spec), cfg)["layer_0"][
-      "q"].spec
+  q_spec = lambda spec: sharding.param_shardings(sharding.make_mesh(spec), cfg)["layer_0"]["q"].spec
   assert q_spec("fsdp:2,context:4") == PartitionSpec(("fsdp", "context"), "tensor", None)
   assert q_spec("context:8") == PartitionSpec(("fsdp", "context"), "tensor", None)
   for spec in ("data:8", "fsdp:4,tensor:2", "data:2,fsdp:2,tensor:2"):

@@ -26,13 +26,21 @@ transformers = pytest.importorskip("transformers")
 Q = gguf_lib.GGMLQuantizationType
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 USER_DEFINED = "<think>"
-TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
-            "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
-            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-TEXT = ("<|im_start|>user\nWhat is 17 + 25?  Answer 1234567 with\tjust ünïcödé 日本語 🙂 "
-        "numbers<|im_end|>\n<think>  x<|endoftext|>")
-CORPUS = ["What is 17 + 25? Answer with just the number.", "The answer is 42.",
-          "12 + 30 = 42, 100 - 58 = 42; numbers and   spaces", "ünïcödé text 日本語 here"] * 4
+TEMPLATE = (
+  "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
+  "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+  "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+TEXT = (
+  "<|im_start|>user\nWhat is 17 + 25?  Answer 1234567 with\tjust ünïcödé 日本語 🙂 "
+  "numbers<|im_end|>\n<think>  x<|endoftext|>"
+)
+CORPUS = [
+  "What is 17 + 25? Answer with just the number.",
+  "The answer is 42.",
+  "12 + 30 = 42, 100 - 58 = 42; numbers and   spaces",
+  "ünïcödé text 日本語 here",
+] * 4
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +50,14 @@ def vocab():
   tok = tokenizers.Tokenizer(tokenizers.models.BPE())
   tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
   trainer = tokenizers.trainers.BpeTrainer(
-      vocab_size=420, special_tokens=SPECIALS + [USER_DEFINED], show_progress=False,
-      initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    vocab_size=420,
+    special_tokens=SPECIALS + [USER_DEFINED],
+    show_progress=False,
+    initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+  )
   tok.train_from_iterator(CORPUS, trainer)
   import json
+
   model = json.loads(tok.to_str())["model"]
   merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
   tokens = [tok.id_to_token(i) for i in range(tok.get_vocab_size())]
@@ -54,12 +66,26 @@ def vocab():
 
 
 def hf_model(family, V):
-  common = dict(vocab_size=V, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
-                rope_theta=10000.0, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
-                pad_token_id=2)
-  config = (transformers.LlamaConfig(**common, tie_word_embeddings=True) if family == "llama"
-            else transformers.Qwen2Config(**common, tie_word_embeddings=False))
+  common = dict(
+    vocab_size=V,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+  )
+  config = (
+    transformers.LlamaConfig(**common, tie_word_embeddings=True)
+    if family == "llama"
+    else transformers.Qwen2Config(**common, tie_word_embeddings=False)
+  )
   torch.manual_seed(0)
   model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
   with torch.no_grad():
@@ -72,19 +98,30 @@ def permute(w, n_head, n_head_kv):
   """convert_hf_to_gguf.py's LlamaModel.permute (HF rotate-half rows -> llama.cpp's)."""
   if n_head_kv is not None and n_head != n_head_kv:
     n_head = n_head_kv
-  return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-          .swapaxes(1, 2).reshape(w.shape))
+  return (
+    w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+  )
 
 
-GGUF_NAMES = {"model.embed_tokens.weight": "token_embd.weight",
-              "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
-LAYER = {"input_layernorm.weight": "attn_norm.weight",
-         "post_attention_layernorm.weight": "ffn_norm.weight",
-         "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-         "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-         "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
-         "self_attn.v_proj.bias": "attn_v.bias", "mlp.gate_proj.weight": "ffn_gate.weight",
-         "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+GGUF_NAMES = {
+  "model.embed_tokens.weight": "token_embd.weight",
+  "model.norm.weight": "output_norm.weight",
+  "lm_head.weight": "output.weight",
+}
+LAYER = {
+  "input_layernorm.weight": "attn_norm.weight",
+  "post_attention_layernorm.weight": "ffn_norm.weight",
+  "self_attn.q_proj.weight": "attn_q.weight",
+  "self_attn.k_proj.weight": "attn_k.weight",
+  "self_attn.v_proj.weight": "attn_v.weight",
+  "self_attn.o_proj.weight": "attn_output.weight",
+  "self_attn.q_proj.bias": "attn_q.bias",
+  "self_attn.k_proj.bias": "attn_k.bias",
+  "self_attn.v_proj.bias": "attn_v.bias",
+  "mlp.gate_proj.weight": "ffn_gate.weight",
+  "mlp.up_proj.weight": "ffn_up.weight",
+  "mlp.down_proj.weight": "ffn_down.weight",
+}
 
 
 def gguf_name(name):
@@ -99,8 +136,7 @@ def raw_blocks(shape, qtype, rng):
   set to small finite values, so the weights are O(0.1-1)."""
   block, size = gguf_lib.GGML_QUANT_SIZES[qtype]
   raw = rng.integers(0, 256, (shape[0], shape[1] // block, size), dtype=np.uint8)
-  scale = lambda n, v: np.frombuffer(np.full(n, v, np.float16).tobytes(), np.uint8).reshape(
-      -1, 2)
+  scale = lambda n, v: np.frombuffer(np.full(n, v, np.float16).tobytes(), np.uint8).reshape(-1, 2)
   n = raw.shape[0] * raw.shape[1]
   if qtype == Q.Q4_K:  # d, dmin first
     raw[..., 0:2] = scale(n, 2e-3).reshape(raw.shape[:2] + (2,))
@@ -112,8 +148,17 @@ def raw_blocks(shape, qtype, rng):
   return raw.reshape(shape[0], -1)
 
 
-def write_gguf(path, model, vocab, qtype=Q.F32, arch=None, tokenizer=True, pre="smollm",
-               tensor_types=None, tokenizer_model="gpt2"):
+def write_gguf(
+  path,
+  model,
+  vocab,
+  qtype=Q.F32,
+  arch=None,
+  tokenizer=True,
+  pre="smollm",
+  tensor_types=None,
+  tokenizer_model="gpt2",
+):
   """The HF model as a GGUF file, as llama.cpp's converter writes one: q/k permuted (Llama),
   1-D tensors in F32, the others in `qtype` (or tensor_types[name])."""
   c = model.config
@@ -127,8 +172,9 @@ def write_gguf(path, model, vocab, qtype=Q.F32, arch=None, tokenizer=True, pre="
   w.add_head_count(c.num_attention_heads)
   w.add_head_count_kv(c.num_key_value_heads)
   w.add_rope_dimension_count(c.head_dim)
-  w.add_rope_freq_base(c.rope_parameters["rope_theta"] if getattr(c, "rope_parameters", None)
-                       else c.rope_theta)
+  w.add_rope_freq_base(
+    c.rope_parameters["rope_theta"] if getattr(c, "rope_parameters", None) else c.rope_theta
+  )
   w.add_layer_norm_rms_eps(c.rms_norm_eps)
   w.add_vocab_size(c.vocab_size)
   if tokenizer:
@@ -188,15 +234,19 @@ _LOGITS = {}
 
 def our_logits(cfg, params, tokens):
   if cfg not in _LOGITS:
-    _LOGITS[cfg] = jax.jit(lambda p, t: tfm.logits(p, cfg, tfm.forward(
-        p, cfg, t, jnp.ones(t.shape, bool))))
+    _LOGITS[cfg] = jax.jit(
+      lambda p, t: tfm.logits(p, cfg, tfm.forward(p, cfg, t, jnp.ones(t.shape, bool)))
+    )
   return np.asarray(_LOGITS[cfg](params, jnp.asarray(tokens)))
 
 
 def transformers_logits(path, tokens):
   model = transformers.AutoModelForCausalLM.from_pretrained(
-      os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32,
-      attn_implementation="eager").eval()
+    os.path.dirname(path),
+    gguf_file=os.path.basename(path),
+    dtype=torch.float32,
+    attn_implementation="eager",
+  ).eval()
   with torch.no_grad():
     return model(input_ids=torch.tensor(tokens)).logits.numpy()
 
@@ -263,6 +313,7 @@ def test_run_and_export_see_what_an_hf_folder_gives(models, vocab, tmp_path):
   """run.py --model_dir=FILE.gguf, a folder holding it, and its HF export: the same model
   config, parameters, tokenizer ids, special ids, stops and chat template."""
   import run
+
   os.makedirs(tmp_path / "g")
   path = write_gguf(tmp_path / "g" / "m.gguf", models["llama"], vocab, qtype=Q.Q8_0)
   gguf.to_hf(path, str(tmp_path / "hf"))
@@ -275,7 +326,12 @@ def test_run_and_export_see_what_an_hf_folder_gives(models, vocab, tmp_path):
     assert cfg == c0
     jax.tree.map(np.testing.assert_array_equal, params, p0)
     assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.stop_ids, tok.vocab_size) == (
-        t0.bos_id, t0.eos_id, t0.pad_id, t0.stop_ids, t0.vocab_size)
+      t0.bos_id,
+      t0.eos_id,
+      t0.pad_id,
+      t0.stop_ids,
+      t0.vocab_size,
+    )
     assert tok.encode(TEXT) == t0.encode(TEXT)
     assert tok.chat_template.render("hi") == t0.chat_template.render("hi")
   assert (t0.bos_id, t0.eos_id, t0.pad_id, t0.stop_ids) == (1, 2, 2, (2,))
@@ -298,10 +354,14 @@ def test_unsupported_architecture_is_named(models, vocab, tmp_path):
 
 
 def test_unsupported_quantization_type_is_named(models, vocab, tmp_path):
-  path = write_gguf(tmp_path / "m.gguf", models["llama"], vocab,
-                    tensor_types={"blk.1.ffn_up.weight": Q.TQ1_0})
-  with pytest.raises(ValueError, match=r"tensor blk.1.ffn_up.weight has type TQ1_0: "
-                     r"unsupported quantization type \(supported: F32, F16, BF16"):
+  path = write_gguf(
+    tmp_path / "m.gguf", models["llama"], vocab, tensor_types={"blk.1.ffn_up.weight": Q.TQ1_0}
+  )
+  with pytest.raises(
+    ValueError,
+    match=r"tensor blk.1.ffn_up.weight has type TQ1_0: "
+    r"unsupported quantization type \(supported: F32, F16, BF16",
+  ):
     gguf.load(path)
 
 
@@ -309,10 +369,15 @@ def test_truncated_file_is_named(models, vocab, tmp_path):
   path = write_gguf(tmp_path / "m.gguf", models["llama"], vocab, qtype=Q.Q8_0)
   with open(path, "rb") as f:
     data = f.read()
-  for cut, match in ((len(data) - 1000, r"truncated: tensor \S+ .* ends at byte \d+, the file "
-                      rf"has {len(data) - 1000}"),
-                     (2000, r"not a readable GGUF file .*truncated or not GGUF\? \(2000 bytes\)"),
-                     (0, r"not a readable GGUF file")):
+  for cut, match in (
+    (
+      len(data) - 1000,
+      r"truncated: tensor \S+ .* ends at byte \d+, the file "
+      rf"has {len(data) - 1000}",
+    ),
+    (2000, r"not a readable GGUF file .*truncated or not GGUF\? \(2000 bytes\)"),
+    (0, r"not a readable GGUF file"),
+  ):
     short = tmp_path / f"cut{cut}.gguf"
     short.write_bytes(data[:cut])
     with pytest.raises(ValueError, match=match):
@@ -322,6 +387,7 @@ def test_truncated_file_is_named(models, vocab, tmp_path):
 def test_missing_tokenizer_metadata_is_named(models, vocab, tmp_path):
   import run
   from absl import app
+
   path = write_gguf(tmp_path / "m.gguf", models["llama"], vocab, tokenizer=False)
   with pytest.raises(ValueError, match=r"no tokenizer metadata \(tokenizer.ggml.model is missing"):
     gguf.load_tokenizer(path)
@@ -357,8 +423,11 @@ def test_smollm2_path_names_the_install_command(monkeypatch):
 # ----------------------------------------------------------------------------- the real file
 
 
-PROMPTS = ["What is 17 + 25? Answer with just the number.", "Name the capital of France.",
-           "Write a haiku about the sea."]
+PROMPTS = [
+  "What is 17 + 25? Answer with just the number.",
+  "Name the capital of France.",
+  "Write a haiku about the sea.",
+]
 
 
 @pytest.mark.slow
@@ -366,6 +435,7 @@ def test_smollm2_greedy_tokens_equal_transformers():
   """The packaged SmolLM2-135M-Instruct Q4_1: greedy tokens of three chat prompts through our
   sampler (32, no stop) equal transformers' generate on its GGUF load, up to its eos or 32."""
   from branch_replay.core import sampler
+
   try:
     path = gguf.smollm2_path()
   except FileNotFoundError as e:
@@ -380,16 +450,24 @@ def test_smollm2_greedy_tokens_equal_transformers():
   ids_BP = np.full((len(prompts), P), tok.pad_id, np.int32)
   valid_BP = np.zeros((len(prompts), P), bool)
   for b, ids in enumerate(prompts):
-    ids_BP[b, P - len(ids):], valid_BP[b, P - len(ids):] = ids, True
-  s = sampler.sample(params, cfg.model, sampler.SamplerConfig(max_new_tokens=32, temperature=0.0),
-                     jnp.asarray(ids_BP), jnp.asarray(valid_BP), jax.random.key(0), 1,
-                     stop_tokens=())
+    ids_BP[b, P - len(ids) :], valid_BP[b, P - len(ids) :] = ids, True
+  s = sampler.sample(
+    params,
+    cfg.model,
+    sampler.SamplerConfig(max_new_tokens=32, temperature=0.0),
+    jnp.asarray(ids_BP),
+    jnp.asarray(valid_BP),
+    jax.random.key(0),
+    1,
+    stop_tokens=(),
+  )
   ours_BT = np.asarray(s.tokens_BRT)[:, 0]
   model = transformers.AutoModelForCausalLM.from_pretrained(
-      os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+    os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+  ).eval()
   for b, prompt in enumerate(prompts):
     ids = torch.tensor([prompt])
     with torch.no_grad():  # stops after its eos (<|im_end|>, 2): compare up to it
-      out = model.generate(ids, max_new_tokens=32, do_sample=False)[0, ids.shape[1]:].numpy()
+      out = model.generate(ids, max_new_tokens=32, do_sample=False)[0, ids.shape[1] :].numpy()
     assert len(out) >= 8 and (len(out) == 32 or out[-1] == tok.eos_id), (PROMPTS[b], out)
-    np.testing.assert_array_equal(ours_BT[b, :len(out)], out, err_msg=PROMPTS[b])
+    np.testing.assert_array_equal(ours_BT[b, : len(out)], out, err_msg=PROMPTS[b])

@@ -15,14 +15,24 @@ from models import transformer as tfm
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2,
-            linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
-            linear_conv_kernel_dim=3, rms_norm_eps=1e-6, tie_word_embeddings=False,
-            rope_parameters=dict(rope_type="default", rope_theta=10000.0,
-                                 partial_rotary_factor=0.5),
-            layer_types=["linear_attention", "full_attention", "linear_attention",
-                         "full_attention"])
+TINY = dict(
+  vocab_size=96,
+  hidden_size=32,
+  intermediate_size=48,
+  num_hidden_layers=4,
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  head_dim=8,
+  linear_num_key_heads=2,
+  linear_num_value_heads=4,
+  linear_key_head_dim=8,
+  linear_value_head_dim=6,
+  linear_conv_kernel_dim=3,
+  rms_norm_eps=1e-6,
+  tie_word_embeddings=False,
+  rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
+  layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+)
 
 
 def torch_model(seed=0, **overrides):
@@ -62,8 +72,11 @@ def test_logits_equal_transformers_with_left_padding(checkpoint):
   ours = np.asarray(tfm.logits(params, cfg, h))
   position_ids = np.maximum(np.cumsum(valid, 1) - 1, 0)
   with torch.no_grad():
-    theirs = model(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(valid.astype(int)),
-                   position_ids=torch.tensor(position_ids)).logits.numpy()
+    theirs = model(
+      input_ids=torch.tensor(tokens),
+      attention_mask=torch.tensor(valid.astype(int)),
+      position_ids=torch.tensor(position_ids),
+    ).logits.numpy()
   np.testing.assert_allclose(ours[valid], theirs[valid], rtol=1e-4, atol=1e-4)
   assert np.abs(theirs[valid]).max() > 0.1
 
@@ -81,15 +94,19 @@ def test_save_round_trip_loads_in_transformers(checkpoint, tmp_path):
     np.testing.assert_array_equal(x.numpy(), ref[name].numpy(), err_msg=name)
 
 
-@pytest.mark.parametrize("change, field", [
-    (dict(layer_types=["linear_attention", "mamba", "full_attention", "full_attention"]),
-     "layer_types"),
+@pytest.mark.parametrize(
+  "change, field",
+  [
+    (
+      dict(layer_types=["linear_attention", "mamba", "full_attention", "full_attention"]),
+      "layer_types",
+    ),
     (dict(linear_num_key_heads=3, linear_num_value_heads=6), "linear_key_heads"),
     (dict(sliding_window=4), None),
-])
+  ],
+)
 def test_bad_checkpoints_name_the_field(tmp_path, change, field):
-  config = {**TINY, **change, "architectures": ["Qwen3_5ForCausalLM"],
-            "model_type": "qwen3_5_text"}
+  config = {**TINY, **change, "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text"}
   if field is None:  # a window on a hybrid's layers: only full-attention windows exist
     config["layer_types"] = ["sliding_attention"] * 4
     field = "layer_types"
@@ -106,6 +123,7 @@ def test_replay_grpo_gradient_matches_torch_autograd(checkpoint):
   path, which runs its delta rule, norms and RoPE in float32 whatever the model dtype)."""
   from branch_replay.core import losses, policy, tree
   from tests.models.hf_test import full_sequences, make_batch
+
   path, model = checkpoint
   batch = make_batch(B=2, R=3, P=9, T=5, W=2, vocab=TINY["vocab_size"])
   ours = {}
@@ -114,8 +132,9 @@ def test_replay_grpo_gradient_matches_torch_autograd(checkpoint):
       cfg, params = hf.load(path, dtype=dtype, param_dtype=dtype)
       b = batch.with_leaves(advantages_BR=batch.leaves.advantages_BR.astype(dtype))
       tree.validate(b, cfg.vocab_size)
-      loss, _, grads = jax.jit(lambda p, b: policy.loss_and_grad(
-          p, b, cfg, losses.LossConfig("grpo"), "replay"))(params, b)
+      loss, _, grads = jax.jit(
+        lambda p, b: policy.loss_and_grad(p, b, cfg, losses.LossConfig("grpo"), "replay")
+      )(params, b)
       ours[dtype] = float(loss), hf.tensors_from_params(cfg, grads)
 
   # The same loss written out in torch: the token mean over every scored token (the W trunk
@@ -124,14 +143,16 @@ def test_replay_grpo_gradient_matches_torch_autograd(checkpoint):
   P, W = batch.root_BP.shape[1], batch.trunk_len
   tokens, valid, positions = full_sequences(batch)
   model.zero_grad()
-  logits = model(input_ids=torch.tensor(tokens),
-                 attention_mask=torch.tensor(valid.astype(np.int64)),
-                 position_ids=torch.tensor(positions)).logits
+  logits = model(
+    input_ids=torch.tensor(tokens),
+    attention_mask=torch.tensor(valid.astype(np.int64)),
+    position_ids=torch.tensor(positions),
+  ).logits
   logp_NSV = torch.log_softmax(logits, -1)
   logp_NS = torch.gather(logp_NSV[:, :-1], -1, torch.tensor(tokens[:, 1:, None]))[..., 0]
   scored = np.zeros((B * R, P + T - 1), bool)  # logit s predicts token s+1
-  scored[:, P - W - 1:P - 1] = True
-  scored[:, P - 1:] = np.asarray(batch.leaves.valid_BRT).reshape(B * R, T)
+  scored[:, P - W - 1 : P - 1] = True
+  scored[:, P - 1 :] = np.asarray(batch.leaves.valid_BRT).reshape(B * R, T)
   advantage_N1 = torch.tensor(np.asarray(batch.leaves.advantages_BR).reshape(B * R, 1))
   per_token = (-advantage_N1 * torch.exp(logp_NS - logp_NS.detach()))[torch.tensor(scored)]
   torch_loss = per_token.sum() / scored.sum()
@@ -151,6 +172,7 @@ def test_replay_grpo_gradient_matches_torch_autograd(checkpoint):
     scale = np.abs(exact[name]).max()
     assert scale > 1e-9, f"{name}: zero gradient"
     rounding = np.abs(f32[name] - exact[name]).max()
-    np.testing.assert_allclose(g, exact[name], rtol=1e-4,
-                               atol=max(1e-4 * scale, 10 * rounding), err_msg=name)
+    np.testing.assert_allclose(
+      g, exact[name], rtol=1e-4, atol=max(1e-4 * scale, 10 * rounding), err_msg=name
+    )
     assert np.abs(g - exact[name]).max() < 0.1 * scale, name

@@ -21,26 +21,52 @@ from models import hf  # noqa: E402
 from models import transformer as tfm  # noqa: E402
 
 V = 64
-COMMON = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+COMMON = dict(
+  vocab_size=V,
+  hidden_size=32,
+  intermediate_size=48,
+  num_hidden_layers=2,
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  head_dim=8,
+)
 # Windows of 4 < the 8-token prefix; soft-caps small enough to bite; llama3 RoPE with a short
 # original context so all three frequency bands (kept, ramped, divided) occur.
 HF_CONFIGS = {
-    "llama": lambda: transformers.LlamaConfig(
-        **COMMON, rope_theta=500000.0, rope_scaling=dict(
-            rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-            original_max_position_embeddings=16)),
-    "qwen2": lambda: transformers.Qwen2Config(
-        **{k: v for k, v in COMMON.items() if k != "head_dim"}, use_sliding_window=True,
-        sliding_window=4, max_window_layers=1, tie_word_embeddings=True),
-    "qwen3": lambda: transformers.Qwen3Config(**COMMON),
-    "mistral": lambda: transformers.MistralConfig(**COMMON, sliding_window=4),
-    "gemma2": lambda: transformers.Gemma2Config(
-        **COMMON, sliding_window=4, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
-        query_pre_attn_scalar=12),
-    "gemma3": lambda: transformers.Gemma3TextConfig(
-        **COMMON, sliding_window=4, sliding_window_pattern=2, rope_local_base_freq=100.0,
-        rope_scaling=dict(rope_type="linear", factor=2.0)),
+  "llama": lambda: transformers.LlamaConfig(
+    **COMMON,
+    rope_theta=500000.0,
+    rope_scaling=dict(
+      rope_type="llama3",
+      factor=8.0,
+      low_freq_factor=1.0,
+      high_freq_factor=4.0,
+      original_max_position_embeddings=16,
+    ),
+  ),
+  "qwen2": lambda: transformers.Qwen2Config(
+    **{k: v for k, v in COMMON.items() if k != "head_dim"},
+    use_sliding_window=True,
+    sliding_window=4,
+    max_window_layers=1,
+    tie_word_embeddings=True,
+  ),
+  "qwen3": lambda: transformers.Qwen3Config(**COMMON),
+  "mistral": lambda: transformers.MistralConfig(**COMMON, sliding_window=4),
+  "gemma2": lambda: transformers.Gemma2Config(
+    **COMMON,
+    sliding_window=4,
+    attn_logit_softcapping=2.0,
+    final_logit_softcapping=3.0,
+    query_pre_attn_scalar=12,
+  ),
+  "gemma3": lambda: transformers.Gemma3TextConfig(
+    **COMMON,
+    sliding_window=4,
+    sliding_window_pattern=2,
+    rope_local_base_freq=100.0,
+    rope_scaling=dict(rope_type="linear", factor=2.0),
+  ),
 }
 FAMILIES = sorted(HF_CONFIGS)
 
@@ -51,8 +77,9 @@ def checkpoints(tmp_path_factory):
   out = {}
   for family in FAMILIES:
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(HF_CONFIGS[family](),
-                                                          attn_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_config(
+      HF_CONFIGS[family](), attn_implementation="eager"
+    )
     with torch.no_grad():  # weights big enough that every part matters (norms, biases...)
       for p in model.parameters():
         p.normal_(0.0, 0.3)
@@ -69,11 +96,13 @@ def make_batch(B=2, R=2, P=8, T=4, W=1, vocab=V):
   lengths = rng.integers(1, T + 1, (B, R))
   lengths[0, 0] = T
   return tree.flat(
-      prefix_BP=jnp.asarray(rng.integers(0, vocab, (B, P)), jnp.int32),
-      prefix_valid_BP=jnp.asarray(prefix_valid),
-      tails_BRT=jnp.asarray(rng.integers(0, vocab, (B, R, T)), jnp.int32),
-      tail_valid_BRT=jnp.asarray(np.arange(T)[None, None] < lengths[..., None]),
-      advantages_BR=jnp.asarray(rng.normal(size=(B, R)), jnp.float32), trunk_len=W)
+    prefix_BP=jnp.asarray(rng.integers(0, vocab, (B, P)), jnp.int32),
+    prefix_valid_BP=jnp.asarray(prefix_valid),
+    tails_BRT=jnp.asarray(rng.integers(0, vocab, (B, R, T)), jnp.int32),
+    tail_valid_BRT=jnp.asarray(np.arange(T)[None, None] < lengths[..., None]),
+    advantages_BR=jnp.asarray(rng.normal(size=(B, R)), jnp.float32),
+    trunk_len=W,
+  )
 
 
 def full_sequences(batch):
@@ -81,8 +110,8 @@ def full_sequences(batch):
   B, R, T = batch.leaves.tokens_BRT.shape
   P = batch.root_BP.shape[1]
   seq = lambda prefix, tails: np.concatenate(
-      [np.broadcast_to(np.asarray(prefix)[:, None], (B, R, P)), np.asarray(tails)],
-      -1).reshape(B * R, P + T)
+    [np.broadcast_to(np.asarray(prefix)[:, None], (B, R, P)), np.asarray(tails)], -1
+  ).reshape(B * R, P + T)
   tokens = seq(batch.root_BP, batch.leaves.tokens_BRT)
   valid = seq(batch.root_valid_BP, batch.leaves.valid_BRT)
   return tokens, valid, np.maximum(np.cumsum(valid, 1) - 1, 0)
@@ -91,8 +120,9 @@ def full_sequences(batch):
 def torch_logits(model, tokens, valid=None, positions=None):
   kwargs = {}
   if valid is not None:
-    kwargs = dict(attention_mask=torch.tensor(valid.astype(np.int64)),
-                  position_ids=torch.tensor(positions))
+    kwargs = dict(
+      attention_mask=torch.tensor(valid.astype(np.int64)), position_ids=torch.tensor(positions)
+    )
   return model(input_ids=torch.tensor(tokens), **kwargs).logits
 
 
@@ -103,8 +133,9 @@ def test_logits_match_transformers(checkpoints, family):
   tokens = np.random.default_rng(1).integers(0, V, (2, 12))  # 12 > window: windows bite
   with torch.no_grad():
     ref = torch_logits(model, tokens).numpy()
-  ours = jax.jit(lambda p, t: tfm.logits(p, cfg, tfm.forward(p, cfg, t, jnp.ones(t.shape, bool)))
-                 )(params, jnp.asarray(tokens))
+  ours = jax.jit(lambda p, t: tfm.logits(p, cfg, tfm.forward(p, cfg, t, jnp.ones(t.shape, bool))))(
+    params, jnp.asarray(tokens)
+  )
   assert np.abs(ref).max() > 1.0  # not trivially small
   assert np.abs(np.asarray(ours) - ref).max() <= 1e-4
 
@@ -117,8 +148,9 @@ def test_replay_grpo_gradient_matches_torch_autograd(checkpoints, family):
   cfg, params = hf.load(folder)
   batch = make_batch()
   tree.validate(batch, cfg.vocab_size)
-  loss, _, grads = jax.jit(lambda p, b: policy.loss_and_grad(
-      p, b, cfg, losses.LossConfig("grpo"), "replay"))(params, batch)
+  loss, _, grads = jax.jit(
+    lambda p, b: policy.loss_and_grad(p, b, cfg, losses.LossConfig("grpo"), "replay")
+  )(params, batch)
 
   # The torch side, written out: token-mean over every scored token (the W trunk tokens of
   # each branch and its valid tail tokens) of -A * ratio, ratio = exp(logp - sg(logp)) = 1:
@@ -130,8 +162,8 @@ def test_replay_grpo_gradient_matches_torch_autograd(checkpoints, family):
   logp_NSV = torch.log_softmax(torch_logits(model, tokens, valid, positions), -1)
   logp_NS = torch.gather(logp_NSV[:, :-1], -1, torch.tensor(tokens[:, 1:, None]))[..., 0]
   scored = np.zeros((B * R, P + T - 1), bool)  # logit s predicts token s+1
-  scored[:, P - W - 1:P - 1] = True
-  scored[:, P - 1:] = np.asarray(batch.leaves.valid_BRT).reshape(B * R, T)
+  scored[:, P - W - 1 : P - 1] = True
+  scored[:, P - 1 :] = np.asarray(batch.leaves.valid_BRT).reshape(B * R, T)
   advantage_N1 = torch.tensor(np.asarray(batch.leaves.advantages_BR).reshape(B * R, 1))
   ratio = torch.exp(logp_NS - logp_NS.detach())
   per_token = (-advantage_N1 * ratio)[torch.tensor(scored)]
@@ -149,8 +181,7 @@ def test_replay_grpo_gradient_matches_torch_autograd(checkpoints, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_export_reimport_is_bit_exact_and_transformers_loads_it(checkpoints, family,
-                                                                  tmp_path):
+def test_export_reimport_is_bit_exact_and_transformers_loads_it(checkpoints, family, tmp_path):
   folder, model = checkpoints[family]
   cfg, params = hf.load(folder)
   # As a trained policy is exported: the imported config.json's other keys kept.
@@ -166,13 +197,15 @@ def test_export_reimport_is_bit_exact_and_transformers_loads_it(checkpoints, fam
   for name, x in exported.items():
     assert x.dtype == original[name].dtype and np.array_equal(x, original[name]), name
   # transformers reads our config.json and tensors back into the same model.
-  reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path),
-                                                               attn_implementation="eager")
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+    str(tmp_path), attn_implementation="eager"
+  )
   assert type(reloaded) is type(model)
   tokens = np.random.default_rng(2).integers(0, V, (1, 10))
   with torch.no_grad():
-    np.testing.assert_array_equal(torch_logits(reloaded, tokens).numpy(),
-                                  torch_logits(model, tokens).numpy())
+    np.testing.assert_array_equal(
+      torch_logits(reloaded, tokens).numpy(), torch_logits(model, tokens).numpy()
+    )
 
 
 def test_bfloat16_import_export_round_trip(checkpoints, tmp_path):
@@ -181,19 +214,29 @@ def test_bfloat16_import_export_round_trip(checkpoints, tmp_path):
   # bfloat16 compute on float32 master weights: the checkpoint's values, unrounded.
   assert (cfg.dtype, cfg.param_dtype) == ("bfloat16", "float32")
   _, f32 = hf.load(folder)
-  assert all(jax.tree.leaves(jax.tree.map(
-      lambda a, b: a.dtype == jnp.float32 and np.array_equal(a, b), params, f32)))
+  assert all(
+    jax.tree.leaves(
+      jax.tree.map(lambda a, b: a.dtype == jnp.float32 and np.array_equal(a, b), params, f32)
+    )
+  )
   # Export writes the compute dtype; bf16 -> f32 masters -> bf16 is then bit-exact.
   hf.save(str(tmp_path / "a"), cfg, params, extra_config=hf.read_config(folder))
   assert json.load(open(tmp_path / "a" / "config.json"))["torch_dtype"] == "bfloat16"
   _, params_a = hf.load(str(tmp_path / "a"), dtype="bfloat16")
-  assert all(jax.tree.leaves(jax.tree.map(
-      lambda a, b: np.array_equal(a, b.astype(jnp.bfloat16).astype(jnp.float32)), params_a,
-      params)))
+  assert all(
+    jax.tree.leaves(
+      jax.tree.map(
+        lambda a, b: np.array_equal(a, b.astype(jnp.bfloat16).astype(jnp.float32)), params_a, params
+      )
+    )
+  )
   hf.save(str(tmp_path), cfg, params_a, extra_config=hf.read_config(folder))
   _, params2 = hf.load(str(tmp_path), dtype="bfloat16")
-  assert all(jax.tree.leaves(jax.tree.map(
-      lambda a, b: a.dtype == b.dtype and np.array_equal(a, b), params_a, params2)))
+  assert all(
+    jax.tree.leaves(
+      jax.tree.map(lambda a, b: a.dtype == b.dtype and np.array_equal(a, b), params_a, params2)
+    )
+  )
   params = params_a
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
   assert reloaded.dtype == torch.bfloat16
@@ -216,12 +259,14 @@ def test_sharded_checkpoints(checkpoints, tmp_path):
   for sub in ("theirs", "ours"):
     _, p = hf.load(str(tmp_path / sub))
     assert all(jax.tree.leaves(jax.tree.map(np.array_equal, params, p))), sub
-  reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "ours"),
-                                                               attn_implementation="eager")
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+    str(tmp_path / "ours"), attn_implementation="eager"
+  )
   tokens = np.arange(10)[None]
   with torch.no_grad():
-    np.testing.assert_array_equal(torch_logits(reloaded, tokens).numpy(),
-                                  torch_logits(model, tokens).numpy())
+    np.testing.assert_array_equal(
+      torch_logits(reloaded, tokens).numpy(), torch_logits(model, tokens).numpy()
+    )
 
 
 def legacy(hf_config: dict) -> dict:
@@ -269,6 +314,7 @@ def edit_tensors(folder, edit):
 def test_unsupported_architecture_lists_the_supported_ones(checkpoints, tmp_path):
   def gpt2(cfg):
     cfg.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
+
   folder = copy_checkpoint(checkpoints, "llama", tmp_path, gpt2)
   with pytest.raises(ValueError, match="GPT2LMHeadModel") as e:
     hf.load(str(folder))
@@ -288,9 +334,13 @@ def test_shape_mismatch_names_the_tensor_and_both_shapes(checkpoints, tmp_path):
 
   def shrink(t):
     t["model.layers.0.mlp.up_proj.weight"] = t["model.layers.0.mlp.up_proj.weight"][:40]
+
   edit_tensors(folder, shrink)
-  with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.up_proj\.weight has shape "
-                                       r"\(40, 32\), expected \(48, 32\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"model\.layers\.0\.mlp\.up_proj\.weight has shape "
+    r"\(40, 32\), expected \(48, 32\)",
+  ):
     hf.load(str(folder))
 
 
@@ -299,27 +349,45 @@ def test_unexpected_tensor_is_an_error(checkpoints, tmp_path):
 
   def add_bias(t):
     t["model.layers.0.self_attn.o_proj.bias"] = np.zeros(32, np.float32)
+
   edit_tensors(folder, add_bias)
   with pytest.raises(ValueError, match=r"o_proj\.bias"):
     hf.load(str(folder))
 
 
-@pytest.mark.parametrize("family, edit, match", [
-    ("llama", lambda c: c.update(rope_parameters=dict(rope_type="yarn", factor=4.0,
-                                                      rope_theta=1e4)), "'yarn'"),
-    ("llama", lambda c: (c.pop("rope_parameters"),
-                         c.update(rope_theta=1e4, rope_scaling=dict(type="dynamic",
-                                                                    factor=2.0))),
-     "'dynamic'"),
+@pytest.mark.parametrize(
+  "family, edit, match",
+  [
+    (
+      "llama",
+      lambda c: c.update(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=1e4)),
+      "'yarn'",
+    ),
+    (
+      "llama",
+      lambda c: (
+        c.pop("rope_parameters"),
+        c.update(rope_theta=1e4, rope_scaling=dict(type="dynamic", factor=2.0)),
+      ),
+      "'dynamic'",
+    ),
     ("llama", lambda c: c.update(hidden_act="gelu"), "hidden_act='gelu'"),
     ("llama", lambda c: c.update(attention_bias=True), "attention_bias=True"),
     ("llama", lambda c: c.update(mlp_bias=True), "mlp_bias=True"),
-    ("qwen3", lambda c: c.update(rope_parameters=dict(rope_type="default", rope_theta=1e4,
-                                                      partial_rotary_factor=0.5)),
-     "partial_rotary_factor=0.5"),
-    ("gemma2", lambda c: c.update(layer_types=["chunked_attention", "full_attention"]),
-     "chunked_attention"),
-])
+    (
+      "qwen3",
+      lambda c: c.update(
+        rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5)
+      ),
+      "partial_rotary_factor=0.5",
+    ),
+    (
+      "gemma2",
+      lambda c: c.update(layer_types=["chunked_attention", "full_attention"]),
+      "chunked_attention",
+    ),
+  ],
+)
 def test_unsupported_config_values_are_named(checkpoints, tmp_path, family, edit, match):
   folder = copy_checkpoint(checkpoints, family, tmp_path, edit)
   with pytest.raises(ValueError, match=match.replace("(", r"\(").replace(")", r"\)")):
@@ -327,15 +395,28 @@ def test_unsupported_config_values_are_named(checkpoints, tmp_path, family, edit
 
 
 def test_inexpressible_export_is_an_error(tmp_path):
-  cfg = tfm.ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                        head_dim=8, mlp_hidden=48, final_logit_softcap=5.0)
+  cfg = tfm.ModelConfig(
+    vocab_size=V,
+    d_model=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    mlp_hidden=48,
+    final_logit_softcap=5.0,
+  )
   params = jax.jit(lambda k: tfm.init_params(cfg, k))(jax.random.key(0))
   with pytest.raises(ValueError, match="final_logit_softcap"):
     hf.save(str(tmp_path), cfg, params)
   with pytest.raises(ValueError, match="family='gpt2'"):
-    hf.save(str(tmp_path), tfm.ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4,
-                                           n_kv_heads=2, head_dim=8, mlp_hidden=48),
-            params, family="gpt2")
+    hf.save(
+      str(tmp_path),
+      tfm.ModelConfig(
+        vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_hidden=48
+      ),
+      params,
+      family="gpt2",
+    )
 
 
 def test_tokenizer_json_is_used_when_present(checkpoints, tmp_path):

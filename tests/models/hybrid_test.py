@@ -13,8 +13,7 @@ import pytest
 from branch_replay.core import engine, losses
 from models import deltanet as dn
 from models import transformer as tfm
-from helpers import (assert_equal_f64, both_paths, cache_per_x64, make_batch, make_tree,
-                     max_rel_err)
+from helpers import assert_equal_f64, both_paths, cache_per_x64, make_batch, make_tree, max_rel_err
 
 
 @cache_per_x64
@@ -30,7 +29,7 @@ def hybrid(dtype="float64", **overrides):
 
 def rule_inputs(seed, B=2, T=11, N=4, H=8, J=6):
   rng = np.random.default_rng(seed)
-  q = dn.l2norm(jnp.asarray(rng.normal(size=(B, T, N, H)))) * H ** -0.5
+  q = dn.l2norm(jnp.asarray(rng.normal(size=(B, T, N, H)))) * H**-0.5
   k = dn.l2norm(jnp.asarray(rng.normal(size=(B, T, N, H))))
   v = jnp.asarray(rng.normal(size=(B, T, N, J)))
   g = -jnp.asarray(rng.uniform(0, 2, (B, T, N)))
@@ -83,7 +82,8 @@ def test_padding_leaves_state_untouched():
     tail_tok = jnp.asarray(rng.integers(0, 128, (1, 4)))
     t_ones = jnp.ones((1, 4), bool)
     run = lambda t, v: tfm.Transformer(cfg).apply(
-        {"params": params}, t, tfm.positions_from_valid(v, 6), v, [(ref, ones)])[1]
+      {"params": params}, t, tfm.positions_from_valid(v, 6), v, [(ref, ones)]
+    )[1]
     tail = run(tail_tok, t_ones)
     right = run(pad(tail_tok, 0, 3), pad(t_ones, 0, 3))
     for i in range(3):  # the linear layers
@@ -111,15 +111,17 @@ def test_prefill_tail_and_decode_equal_forward():
     model = tfm.Transformer(cfg)
     context, offset = [(cache.kv, valid[:, :P])], jnp.sum(valid[:, :P], 1, keepdims=True)
     for t in range(P, 13):
-      h_t, own = model.apply({"params": params}, tok[:, t:t + 1], offset + (t - P),
-                             valid[:, t:t + 1], context)
+      h_t, own = model.apply(
+        {"params": params}, tok[:, t : t + 1], offset + (t - P), valid[:, t : t + 1], context
+      )
       np.testing.assert_allclose(h_t[:, 0], h[:, t], rtol=1e-10, atol=1e-10)
       # Attention layers append their own K/V segment; linear ones carry the new state.
       context = context + [(own, jnp.ones((2, 1), bool))]
 
 
-@pytest.mark.parametrize("overrides", [dict(linear_remat=False), dict(linear_chunk=1),
-                                       dict(linear_chunk=13)], ids=str)
+@pytest.mark.parametrize(
+  "overrides", [dict(linear_remat=False), dict(linear_chunk=1), dict(linear_chunk=13)], ids=str
+)
 def test_mixer_chunks_and_remat_leave_values_and_gradients(overrides):
   """The token mixer's chunking (4 positions, one, the whole sequence) and its per-chunk
   remat change what is stored, not the function: forward and gradient equal in float64."""
@@ -138,8 +140,11 @@ def test_mixer_chunks_and_remat_leave_values_and_gradients(overrides):
     assert max_rel_err(g2, g1) < 1e-10
 
 
-CASES = [dict(B=2, R=3, P=9, T=6), dict(B=2, R=4, P=6, T=5, W=2),
-         dict(B=1, R=4, P=10, T=7, W=2, branch_chunk=2)]
+CASES = [
+  dict(B=2, R=3, P=9, T=6),
+  dict(B=2, R=4, P=6, T=5, W=2),
+  dict(B=1, R=4, P=10, T=7, W=2, branch_chunk=2),
+]
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -171,9 +176,13 @@ def test_hybrid_replay_float32():
   assert max_rel_err(g1, g2) < 1e-4
 
 
-@pytest.mark.parametrize("overrides, field", [
-    (dict(layer_types=("linear_attention", "mamba", "full_attention", "full_attention")),
-     "layer_types"),
+@pytest.mark.parametrize(
+  "overrides, field",
+  [
+    (
+      dict(layer_types=("linear_attention", "mamba", "full_attention", "full_attention")),
+      "layer_types",
+    ),
     (dict(layer_types=("linear_attention",)), "layer_types"),
     (dict(linear_key_heads=3, linear_value_heads=6), "linear_key_heads"),
     (dict(linear_value_heads=6), "linear_value_heads"),
@@ -183,7 +192,8 @@ def test_hybrid_replay_float32():
     (dict(attn_logit_softcap=20.0), "attn_logit_softcap"),
     (dict(rotary_fraction=0.375), "rotary_fraction"),  # 3 of 8 dims: odd
     (dict(rotary_fraction=1.5), "rotary_fraction"),
-])
+  ],
+)
 def test_bad_hybrid_configs_name_the_field(overrides, field):
   with pytest.raises(ValueError, match=field):
     tfm.preset("hybrid_tiny", **overrides)
@@ -194,21 +204,32 @@ def test_hybrid_sampler_decodes_with_the_recurrent_state(trunk_len):
   """Greedy decoding (prefill once, then one token at a time through the linear layers'
   recurrent form) equals an argmax loop over the full forward."""
   from branch_replay.core import sampler
+
   cfg, params = hybrid("float32")
   rng = np.random.default_rng(2)
   prompt = jnp.asarray(rng.integers(3, 128, (2, 7)), jnp.int32)
   valid = jnp.ones((2, 7), bool).at[0, :3].set(False)
   prompt = jnp.where(valid, prompt, 0)
   n = trunk_len + 4
-  s = jax.jit(lambda p: sampler.sample(
-      p, cfg, sampler.SamplerConfig(max_new_tokens=4, temperature=0.0, trunk_len=trunk_len),
-      prompt, valid, jax.random.key(0), 2))(params)
+  s = jax.jit(
+    lambda p: sampler.sample(
+      p,
+      cfg,
+      sampler.SamplerConfig(max_new_tokens=4, temperature=0.0, trunk_len=trunk_len),
+      prompt,
+      valid,
+      jax.random.key(0),
+      2,
+    )
+  )(params)
   tokens = np.concatenate([np.asarray(prompt), np.zeros((2, n), np.int32)], 1)
   mask = np.concatenate([np.asarray(valid), np.zeros((2, n), bool)], 1)
   fwd = jax.jit(lambda t, v: tfm.logits(params, cfg, tfm.forward(params, cfg, t, v)))
   for i in range(n):
-    tokens[:, 7 + i] = np.asarray(jnp.argmax(fwd(jnp.asarray(tokens), jnp.asarray(mask))[:, 6 + i], -1))
+    tokens[:, 7 + i] = np.asarray(
+      jnp.argmax(fwd(jnp.asarray(tokens), jnp.asarray(mask))[:, 6 + i], -1)
+    )
     mask[:, 7 + i] = True
-  np.testing.assert_array_equal(np.asarray(s.trunk_BW), tokens[:, 7:7 + trunk_len])
+  np.testing.assert_array_equal(np.asarray(s.trunk_BW), tokens[:, 7 : 7 + trunk_len])
   for r in range(2):
-    np.testing.assert_array_equal(np.asarray(s.tokens_BRT[:, r]), tokens[:, 7 + trunk_len:])
+    np.testing.assert_array_equal(np.asarray(s.tokens_BRT[:, r]), tokens[:, 7 + trunk_len :])

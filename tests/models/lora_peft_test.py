@@ -24,16 +24,14 @@ HYBRID = "qwen3_5"
 
 
 def hybrid_config():
-  return tfm.preset("hybrid_tiny", n_layers=2, layer_types=("linear_attention",
-                                                             "full_attention"))
+  return tfm.preset("hybrid_tiny", n_layers=2, layer_types=("linear_attention", "full_attention"))
 
 
 def model(family, perturb=0.2):
   """(cfg, base) in float32: a family's tiny model, or a two-layer Qwen3.5 hybrid (one Gated
   DeltaNet layer, one gated full attention). Numpy draws on the init's shapes (no compiled
   init): N(0, perturb) everywhere, norm scales around their identity."""
-  cfg = (hybrid_config() if family == HYBRID else
-         tfm.ModelConfig(**{**TINY, **FAMILIES[family]}))
+  cfg = hybrid_config() if family == HYBRID else tfm.ModelConfig(**{**TINY, **FAMILIES[family]})
   shapes = jax.eval_shape(lambda: tfm.init_params(cfg, jax.random.key(0)))
   rng = np.random.default_rng(0)
   identity = 1.0 - cfg.norm_offset
@@ -49,15 +47,22 @@ def random_adapters(cfg, seed=2):
   """Nonzero A and B on every target (B = 0 would make the adapter the base); numpy draws."""
   rng = np.random.default_rng(seed)
   shapes = lora.adapter_shapes(cfg, LORA)
-  return {layer: {t: {k: jnp.asarray(rng.normal(0.0, 0.2, s), jnp.float32)
-                      for k, s in ab.items()} for t, ab in targets.items()}
-          for layer, targets in shapes.items()}
+  return {
+    layer: {
+      t: {k: jnp.asarray(rng.normal(0.0, 0.2, s), jnp.float32) for k, s in ab.items()}
+      for t, ab in targets.items()
+    }
+    for layer, targets in shapes.items()
+  }
 
 
 def q_modules(cfg):
   """PEFT names of the gated q_proj modules (the hybrid's full-attention layers)."""
-  return [f"{lora.PEFT_PREFIX}model.layers.{i}.self_attn.q_proj" for i in range(cfg.n_layers)
-          if cfg.attn_output_gate and cfg.layer_type(i) == "full_attention"]
+  return [
+    f"{lora.PEFT_PREFIX}model.layers.{i}.self_attn.q_proj"
+    for i in range(cfg.n_layers)
+    if cfg.attn_output_gate and cfg.layer_type(i) == "full_attention"
+  ]
 
 
 # ----------------------------------------------------------------------------- bad adapters
@@ -90,33 +95,50 @@ def test_import_errors_name_module_shapes_and_side(tmp_path):
     return lambda t: t.__setitem__(name, np.zeros(shape, np.float32))
 
   # the adapter disagrees with its own adapter_config.json (r=4): lora_A's and lora_B's rank
-  expect(write(tmp_path, "a_rank", cfg, adapters, put(f"{Q0}.lora_A.weight", (3, 32))),
-         rf"module {Q0}: tensor {Q0}.lora_A.weight has shape \(3, 32\), expected \(4, 32\) "
-         r"\(\[r, in\]\): the adapter disagrees: its rank axis is not r=4")
-  expect(write(tmp_path, "b_rank", cfg, adapters, put(f"{GATE1}.lora_B.weight", (48, 5))),
-         rf"module {GATE1}: .*lora_B.weight has shape \(48, 5\), expected \(48, 4\) "
-         r"\(\[out, r\]\): the adapter disagrees")
-  expect(write(tmp_path, "a_3d", cfg, adapters, put(f"{Q0}.lora_A.weight", (4, 32, 1))),
-         r"has shape \(4, 32, 1\), expected \(4, 32\) .*the adapter disagrees")
+  expect(
+    write(tmp_path, "a_rank", cfg, adapters, put(f"{Q0}.lora_A.weight", (3, 32))),
+    rf"module {Q0}: tensor {Q0}.lora_A.weight has shape \(3, 32\), expected \(4, 32\) "
+    r"\(\[r, in\]\): the adapter disagrees: its rank axis is not r=4",
+  )
+  expect(
+    write(tmp_path, "b_rank", cfg, adapters, put(f"{GATE1}.lora_B.weight", (48, 5))),
+    rf"module {GATE1}: .*lora_B.weight has shape \(48, 5\), expected \(48, 4\) "
+    r"\(\[out, r\]\): the adapter disagrees",
+  )
+  expect(
+    write(tmp_path, "a_3d", cfg, adapters, put(f"{Q0}.lora_A.weight", (4, 32, 1))),
+    r"has shape \(4, 32, 1\), expected \(4, 32\) .*the adapter disagrees",
+  )
   # the base disagrees: its input features (d_model 48) and output features (mlp 64)
   ok = write(tmp_path, "ok", cfg, adapters)
   wide = dataclasses.replace(cfg, d_model=48)
-  expect(ok, rf"module {Q0}: tensor {Q0}.lora_A.weight has shape \(4, 32\), expected "
-             r"\(4, 48\) \(\[r, in\]\): the base disagrees: its q_proj of layer_0 has 48 input "
-             r"features, the adapter's 32", wide)
+  expect(
+    ok,
+    rf"module {Q0}: tensor {Q0}.lora_A.weight has shape \(4, 32\), expected "
+    r"\(4, 48\) \(\[r, in\]\): the base disagrees: its q_proj of layer_0 has 48 input "
+    r"features, the adapter's 32",
+    wide,
+  )
   big_mlp = dataclasses.replace(cfg, mlp_hidden=64)
-  expect(ok, r"module .*layers.0.mlp.gate_proj: .*lora_B.weight has shape \(48, 4\), expected "
-             r"\(64, 4\) \(\[out, r\]\): the base disagrees: its gate_proj of layer_0 has 64 "
-             r"output features, the adapter's 48", big_mlp)
+  expect(
+    ok,
+    r"module .*layers.0.mlp.gate_proj: .*lora_B.weight has shape \(48, 4\), expected "
+    r"\(64, 4\) \(\[out, r\]\): the base disagrees: its gate_proj of layer_0 has 64 "
+    r"output features, the adapter's 48",
+    big_mlp,
+  )
   # the adapter lacks a module the base has (found none) / has one the base lacks
-  expect(write(tmp_path, "missing", cfg, adapters,
-               lambda t: t.pop(f"{GATE1}.lora_B.weight")),
-         rf"module {GATE1}: missing tensor {GATE1}.lora_B.weight \(expected shape \(48, 4\), "
-         r"found none\): the adapter disagrees")
+  expect(
+    write(tmp_path, "missing", cfg, adapters, lambda t: t.pop(f"{GATE1}.lora_B.weight")),
+    rf"module {GATE1}: missing tensor {GATE1}.lora_B.weight \(expected shape \(48, 4\), "
+    r"found none\): the adapter disagrees",
+  )
   extra = "base_model.model.model.layers.2.self_attn.q_proj.lora_A.weight"
-  expect(write(tmp_path, "extra", cfg, adapters, put(extra, (4, 32))),
-         rf"unexpected tensors {extra} \(4, 32\) \(1 in all; expected none\): the base "
-         "disagrees: it has no such module")
+  expect(
+    write(tmp_path, "extra", cfg, adapters, put(extra, (4, 32))),
+    rf"unexpected tensors {extra} \(4, 32\) \(1 in all; expected none\): the base "
+    "disagrees: it has no such module",
+  )
   # Qwen3.5: an adapter over the query half of q_proj alone (this project's export before
   # the fused adapter) is not peft's layout: the base's 2*N*H outputs are named
   hcfg = hybrid_config()
@@ -127,11 +149,14 @@ def test_import_errors_name_module_shapes_and_side(tmp_path):
   config = json.load(open(config_path))
   json.dump({**config, "target_modules": ["q_proj", "in_proj_qkv"]}, open(config_path, "w"))
   expect(linear, r"target_modules \['in_proj_qkv'\]: Qwen3.5's Gated DeltaNet projections", hcfg)
-  expect(write(tmp_path, "half_q", hcfg, random_adapters(hcfg), half),
-         rf"module {q}: .*lora_B.weight has shape \(32, 4\), expected \(64, 4\) .*the base "
-         r"disagrees: its q_proj of layer_1 has 64 output features, the adapter's 32; this "
-         r"gated attention's q_proj holds each head's query and output gate, 2\*N\*H = 64 "
-         r"outputs \(an adapter over the query half alone has 32 rows: not peft.s layout\)", hcfg)
+  expect(
+    write(tmp_path, "half_q", hcfg, random_adapters(hcfg), half),
+    rf"module {q}: .*lora_B.weight has shape \(32, 4\), expected \(64, 4\) .*the base "
+    r"disagrees: its q_proj of layer_1 has 64 output features, the adapter's 32; this "
+    r"gated attention's q_proj holds each head's query and output gate, 2\*N\*H = 64 "
+    r"outputs \(an adapter over the query half alone has 32 rows: not peft.s layout\)",
+    hcfg,
+  )
 
 
 def test_gated_q_adapter_covers_query_and_gate():
@@ -139,16 +164,19 @@ def test_gated_q_adapter_covers_query_and_gate():
   columns move `q`, its gate columns move `q_gate`, nothing else."""
   cfg, base = model(HYBRID)
   only_q = lora.LoraConfig(rank=2, alpha=4.0, targets=("q",))
-  assert lora.adapter_shapes(cfg, only_q) == {"layer_0": {}, "layer_1": {
-      "q": {"a": (32, 2), "b": (2, 64)}}}
+  assert lora.adapter_shapes(cfg, only_q) == {
+    "layer_0": {},
+    "layer_1": {"q": {"a": (32, 2), "b": (2, 64)}},
+  }
   adapters = jax.tree.map(jnp.ones_like, lora.init_adapters(cfg, only_q, jax.random.key(0)))
   b_rNSH = np.zeros((2, 4, 2, 8), np.float32)
   b_rNSH[:, :, 1] = 1.0  # the gate half only
   adapters["layer_1"]["q"]["b"] = jnp.asarray(b_rNSH.reshape(2, 64))
   merged = lora.merge(base, adapters, only_q)
   np.testing.assert_array_equal(merged["layer_1"]["q"], base["layer_1"]["q"])
-  np.testing.assert_allclose(merged["layer_1"]["q_gate"] - base["layer_1"]["q_gate"],
-                             np.full((32, 4, 8), 2 * 2.0), rtol=1e-6)  # scale 2 x (1 @ 1) r=2
+  np.testing.assert_allclose(
+    merged["layer_1"]["q_gate"] - base["layer_1"]["q_gate"], np.full((32, 4, 8), 2 * 2.0), rtol=1e-6
+  )  # scale 2 x (1 @ 1) r=2
   for name in base["layer_1"]:
     if name not in ("q", "q_gate"):
       np.testing.assert_array_equal(merged["layer_1"][name], base["layer_1"][name])
@@ -173,10 +201,12 @@ def test_adapter_through_peft_both_ways(tmp_path, family):
   fam = hf.family_for(cfg)
   hf.save(str(tmp_path / "base"), cfg, base, family=fam)
   load = lambda: transformers.AutoModelForCausalLM.from_pretrained(
-      str(tmp_path / "base"), attn_implementation="eager", dtype=torch.float32)
+    str(tmp_path / "base"), attn_implementation="eager", dtype=torch.float32
+  )
   tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9))
-  logits_fn = jax.jit(lambda p, t: tfm.logits(p, cfg, tfm.forward(p, cfg, t,
-                                                                  jnp.ones(t.shape, bool))))
+  logits_fn = jax.jit(
+    lambda p, t: tfm.logits(p, cfg, tfm.forward(p, cfg, t, jnp.ones(t.shape, bool)))
+  )
   ours = lambda p: np.asarray(logits_fn(p, jnp.asarray(tokens)))
   torch_logits = lambda m: m(input_ids=torch.tensor(tokens)).logits.detach().numpy()
   errors = {}
@@ -208,9 +238,12 @@ def test_adapter_through_peft_both_ways(tmp_path, family):
 
   # 2. peft -> ours: peft's own random init (init_lora_weights=False: B nonzero everywhere,
   # the gate rows of q_proj too)
-  pm = peft.get_peft_model(load(), peft.LoraConfig(
-      r=4, lora_alpha=16, target_modules=sorted(lora.PEFT_MODULES.values()),
-      init_lora_weights=False)).eval()
+  pm = peft.get_peft_model(
+    load(),
+    peft.LoraConfig(
+      r=4, lora_alpha=16, target_modules=sorted(lora.PEFT_MODULES.values()), init_lora_weights=False
+    ),
+  ).eval()
   pm.save_pretrained(str(tmp_path / "theirs"))
   with torch.no_grad():
     ref = torch_logits(pm)

@@ -25,6 +25,7 @@ def worker():
   args = parser.parse_args()  # (the repository and test rooms: PYTHONPATH, conftest.py)
   if args.kill_at_step is not None:
     from orbax.checkpoint._src.path import atomicity
+
     finalize = atomicity.AtomicRenameTemporaryPath.finalize
 
     async def die_mid_save(self, *a, **k):
@@ -35,13 +36,19 @@ def worker():
     atomicity.AtomicRenameTemporaryPath.finalize = die_mid_save
   from branch_replay.train import trainer
   from run_test import tiny
+
   trainer.run(tiny("train.rl_steps=2"), args.workdir)  # 3 steps, a checkpoint after each
 
 
 def _run(*args):
-  return subprocess.run([sys.executable, os.path.abspath(__file__), *args], cwd=ROOT,
-                        capture_output=True, text=True, timeout=600,
-                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  return subprocess.run(
+    [sys.executable, os.path.abspath(__file__), *args],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=600,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
 
 
 @pytest.mark.slow  # two training subprocesses: ~1 min on an idle 2-core CPU, 7 under load
@@ -63,8 +70,9 @@ def test_kill_9_during_checkpoint_save_then_resume(tmp_path):
   # resume from checkpoint 1; the last line wins and equals the uninterrupted one).
   trainer.run(tiny("train.rl_steps=2"), str(tmp_path / "full"))
   untimed = lambda rs: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rs]
-  reference = [r for r in metrics.read(str(tmp_path / "full" / "metrics.jsonl"))
-               if r["kind"] == "train"]
+  reference = [
+    r for r in metrics.read(str(tmp_path / "full" / "metrics.jsonl")) if r["kind"] == "train"
+  ]
   assert untimed(records) == untimed(reference)
 
 

@@ -7,8 +7,12 @@ import ast
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ALGORITHM_MODULES = ("branch_replay.train.steps", "branch_replay.data.dpo",
-                     "branch_replay.train.trainer", "branch_replay.algorithms")
+ALGORITHM_MODULES = (
+  "branch_replay.train.steps",
+  "branch_replay.data.dpo",
+  "branch_replay.train.trainer",
+  "branch_replay.algorithms",
+)
 
 
 def _modules():
@@ -18,8 +22,9 @@ def _modules():
       for f in files:
         if f.endswith(".py"):
           rel = os.path.relpath(os.path.join(dirpath, f), ROOT)[:-3].replace(os.sep, ".")
-          out[rel[:-len(".__init__")] if rel.endswith(".__init__") else rel] = (
-              os.path.join(dirpath, f))
+          out[rel[: -len(".__init__")] if rel.endswith(".__init__") else rel] = os.path.join(
+            dirpath, f
+          )
   return out
 
 
@@ -41,8 +46,11 @@ def _imports(path, modules):
         if sub in modules:
           alias[a.asname or a.name] = sub
   for node in ast.walk(tree):
-    if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-        and node.value.id in alias):
+    if (
+      isinstance(node, ast.Attribute)
+      and isinstance(node.value, ast.Name)
+      and node.value.id in alias
+    ):
       found.append((alias[node.value.id], (node.attr,)))
   return [(m, names) for m, names in found if m in modules]
 
@@ -70,17 +78,24 @@ def test_no_import_circles():
 
 
 # The floors, bottom to top: a module imports only modules on its own floor or below.
-FLOORS = (("models",), ("branch_replay.core", "branch_replay.sections"), ("branch_replay.data",),
-          ("branch_replay.config",), ("branch_replay.train",), ("branch_replay.dapo",),
-          ("branch_replay.algorithms",), ("experiments",))
+FLOORS = (
+  ("models",),
+  ("branch_replay.core", "branch_replay.sections"),
+  ("branch_replay.data",),
+  ("branch_replay.config",),
+  ("branch_replay.train",),
+  ("branch_replay.dapo",),
+  ("branch_replay.algorithms",),
+  ("experiments",),
+)
 # Known upward imports, each with the step of the redesign that removes it.
 UPWARD = {
-    # the config reads every algorithm's options (step 3: Options beside each algorithm)
-    ("branch_replay.config", "branch_replay.algorithms.options"),
-    # the trainer reaches an algorithm by name, through the registry (importlib) only
-    ("branch_replay.train.trainer", "branch_replay.algorithms"),
-    # a GGUF's chat template is read into data/chat.py's ChatTemplate
-    ("models.gguf", "branch_replay.data.chat"),
+  # the config reads every algorithm's options (step 3: Options beside each algorithm)
+  ("branch_replay.config", "branch_replay.algorithms.options"),
+  # the trainer reaches an algorithm by name, through the registry (importlib) only
+  ("branch_replay.train.trainer", "branch_replay.algorithms"),
+  # a GGUF's chat template is read into data/chat.py's ChatTemplate
+  ("models.gguf", "branch_replay.data.chat"),
 }
 
 
@@ -95,10 +110,15 @@ def floor(module: str) -> int:
 
 def test_rooms_import_downward():
   graph = _graph()
-  up = sorted((m, d) for m, deps in graph.items() for d, _ in deps
-              if floor(d) > floor(m) and (m, d) not in UPWARD)
+  up = sorted(
+    (m, d)
+    for m, deps in graph.items()
+    for d, _ in deps
+    if floor(d) > floor(m) and (m, d) not in UPWARD
+  )
   assert not up, "imports upward, against the rooms' order: " + ", ".join(
-      f"{m} -> {d}" for m, d in up)
+    f"{m} -> {d}" for m, d in up
+  )
   stale = sorted(e for e in UPWARD if e[1] not in {d for d, _ in graph.get(e[0], ())})
   assert not stale, f"UPWARD lists imports that no longer exist: {stale}"
 
@@ -107,25 +127,36 @@ def test_config_and_trainer_import_no_algorithm():
   """The config reads the algorithms' options (algorithms/options.py: dataclasses, no
   algorithm) and the trainer the registry; neither imports an algorithm or its pieces."""
   graph = _graph()
-  allowed = {"branch_replay.config": {"branch_replay.algorithms",
-                                      "branch_replay.algorithms.options"},
-             "branch_replay.train.trainer": {"branch_replay.algorithms"}}
+  allowed = {
+    "branch_replay.config": {"branch_replay.algorithms", "branch_replay.algorithms.options"},
+    "branch_replay.train.trainer": {"branch_replay.algorithms"},
+  }
   for m in ("branch_replay.config", "branch_replay.train.trainer"):
     deps = {d for d, _ in graph[m]}
-    bad = sorted(d for d in deps if d != m and d.startswith(ALGORITHM_MODULES)
-                 and d not in allowed[m])
+    bad = sorted(
+      d for d in deps if d != m and d.startswith(ALGORITHM_MODULES) and d not in allowed[m]
+    )
     assert not bad, f"{m} imports {bad}"
   options = {d for d, _ in graph["branch_replay.algorithms.options"]}
-  assert not {d for d in options if d.startswith(ALGORITHM_MODULES)} - allowed["branch_replay.config"]
+  assert (
+    not {d for d in options if d.startswith(ALGORITHM_MODULES)} - allowed["branch_replay.config"]
+  )
 
 
 def test_no_private_names_across_modules():
   modules = _modules()
   users = dict(_graph())  # the package, and the experiments and run.py that use it
   for path in [os.path.join(ROOT, "run.py")] + [
-      os.path.join(ROOT, "experiments", f) for f in os.listdir(os.path.join(ROOT, "experiments"))
-      if f.endswith(".py")]:
+    os.path.join(ROOT, "experiments", f)
+    for f in os.listdir(os.path.join(ROOT, "experiments"))
+    if f.endswith(".py")
+  ]:
     users[os.path.relpath(path, ROOT)] = _imports(path, modules)
-  bad = [(m, d, n) for m, deps in users.items() for d, names in deps for n in names
-         if n.startswith("_") and not n.startswith("__")]
+  bad = [
+    (m, d, n)
+    for m, deps in users.items()
+    for d, names in deps
+    for n in names
+    if n.startswith("_") and not n.startswith("__")
+  ]
   assert not bad, bad

@@ -20,6 +20,7 @@ from models import hf
 from models import transformer as tfm
 
 import tokenizers  # a required dependency (requirements.txt)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -28,8 +29,7 @@ def make_folder(path, vocab_size=96):
   shipped CharTokenizer's (reversed order), so using the wrong tokenizer would show."""
   cfg = tfm.preset("tiny", vocab_size=vocab_size)
   params = tfm.init_params(cfg, jax.random.key(3))
-  hf.save(str(path), cfg, params, extra_config=dict(bos_token_id=1, eos_token_id=2,
-                                                    pad_token_id=0))
+  hf.save(str(path), cfg, params, extra_config=dict(bos_token_id=1, eos_token_id=2, pad_token_id=0))
   chars = tokenizer_lib.CHARS[::-1]
   vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
   tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
@@ -55,41 +55,77 @@ def test_train_starts_from_imported_params_with_its_tokenizer(tmp_path):
   model_cfg, params = make_folder(tmp_path / "hf")
   loaded_cfg, loaded = hf.load(str(tmp_path / "hf"))
   tok = tokenizer_lib.from_model_dir(str(tmp_path / "hf"), hf.read_config(str(tmp_path / "hf")))
-  cfg = apply_overrides(Config(model=loaded_cfg), [
-      "task.prompt_len=20", "task.n_keys=2", "train.sft_steps=1", "train.rl_steps=1",
-      "train.batch_size=2", "train.n_branches=2", "train.sft_batch_size=2",
-      "sampler.max_new_tokens=2", "train.eval_size=0", "train.progress=false",
-      "train.plot=false", "train.learning_rate=1e-4", "train.sft_learning_rate=1e-4",
-      "train.weight_decay=0.0"])
+  cfg = apply_overrides(
+    Config(model=loaded_cfg),
+    [
+      "task.prompt_len=20",
+      "task.n_keys=2",
+      "train.sft_steps=1",
+      "train.rl_steps=1",
+      "train.batch_size=2",
+      "train.n_branches=2",
+      "train.sft_batch_size=2",
+      "sampler.max_new_tokens=2",
+      "train.eval_size=0",
+      "train.progress=false",
+      "train.plot=false",
+      "train.learning_rate=1e-4",
+      "train.sft_learning_rate=1e-4",
+      "train.weight_decay=0.0",
+    ],
+  )
   state = train_state.init_state(cfg, loaded)
   jax.tree.map(np.testing.assert_array_equal, state.params, params)  # not a random init
   s = trainer.run(cfg, str(tmp_path / "run"), init_params=loaded, tokenizer=tok)
   assert s["steps"] == 2
   # An AdamW step moves each parameter by about the learning rate: the run trained the
   # imported weights, not a fresh init (which differs from them by O(0.1-1)).
-  moved = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))),
-                       s["final_params"], params)
+  moved = jax.tree.map(
+    lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))), s["final_params"], params
+  )
   assert 0 < max(jax.tree.leaves(moved)) <= 3e-4
   with pytest.raises(ValueError, match="parameter tree does not match"):
-    train_state.init_state(dataclasses.replace(cfg, model=tfm.preset("tiny", vocab_size=128)), loaded)
+    train_state.init_state(
+      dataclasses.replace(cfg, model=tfm.preset("tiny", vocab_size=128)), loaded
+    )
 
 
 @pytest.mark.slow
 def test_run_py_model_dir(tmp_path):
   make_folder(tmp_path / "hf")
   out = subprocess.run(
-      [sys.executable, "run.py", f"--model_dir={tmp_path / 'hf'}", f"--workdir={tmp_path / 'w'}",
-       "--set=train.sft_steps=0", "--set=train.rl_steps=1", "--set=train.eval_size=0",
-       "--set=train.plot=false", "--set=train.progress=false", "--set=task.prompt_len=20",
-       "--set=task.n_keys=2", "--set=train.batch_size=2", "--set=train.n_branches=2"],
-      cwd=ROOT, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    [
+      sys.executable,
+      "run.py",
+      f"--model_dir={tmp_path / 'hf'}",
+      f"--workdir={tmp_path / 'w'}",
+      "--set=train.sft_steps=0",
+      "--set=train.rl_steps=1",
+      "--set=train.eval_size=0",
+      "--set=train.plot=false",
+      "--set=train.progress=false",
+      "--set=task.prompt_len=20",
+      "--set=task.n_keys=2",
+      "--set=train.batch_size=2",
+      "--set=train.n_branches=2",
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
   assert out.returncode == 0, out.stderr[-2000:]
   assert "token positions computed" in out.stdout
 
 
 def test_run_py_bad_model_dir(tmp_path):
-  out = subprocess.run([sys.executable, "run.py", f"--model_dir={tmp_path}"], cwd=ROOT,
-                       capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  out = subprocess.run(
+    [sys.executable, "run.py", f"--model_dir={tmp_path}"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
   assert out.returncode != 0 and "config.json: missing" in out.stderr
 
 
@@ -99,19 +135,24 @@ def test_folder_without_tokenizer_needs_the_explicit_flag(tmp_path):
   hf_config = hf.read_config(str(tmp_path))
   with pytest.raises(ValueError, match=r"tokenizer.json: missing.*--char_tokenizer"):
     tokenizer_lib.from_model_dir(str(tmp_path), hf_config)
-  assert tokenizer_lib.from_model_dir(str(tmp_path), hf_config,
-                                      char_tokenizer=True) is tokenizer_lib.TOKENIZER
-  out = subprocess.run([sys.executable, "run.py", f"--model_dir={tmp_path}",
-                        f"--workdir={tmp_path / 'w'}"], cwd=ROOT, capture_output=True,
-                       text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert (
+    tokenizer_lib.from_model_dir(str(tmp_path), hf_config, char_tokenizer=True)
+    is tokenizer_lib.TOKENIZER
+  )
+  out = subprocess.run(
+    [sys.executable, "run.py", f"--model_dir={tmp_path}", f"--workdir={tmp_path / 'w'}"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
   assert out.returncode != 0 and "tokenizer.json: missing" in out.stderr, out.stderr[-2000:]
 
 
 def test_char_tokenizer_flag_refused_when_the_folder_has_one(tmp_path):
   make_folder(tmp_path)
   with pytest.raises(ValueError, match="has its own tokenizer"):
-    tokenizer_lib.from_model_dir(str(tmp_path), hf.read_config(str(tmp_path)),
-                                 char_tokenizer=True)
+    tokenizer_lib.from_model_dir(str(tmp_path), hf.read_config(str(tmp_path)), char_tokenizer=True)
 
 
 def test_tokenizer_larger_than_the_embedding_is_an_error(tmp_path):

@@ -31,8 +31,8 @@ def _split_prompts(B=3, H=6, seed=0):
   rest_valid = np.zeros((B, L), bool)
   for b, r in enumerate(rests):
     ids = list(header) + r
-    full[b, H + L - len(ids):], full_valid[b, H + L - len(ids):] = ids, True
-    rest[b, L - len(r):], rest_valid[b, L - len(r):] = r, True
+    full[b, H + L - len(ids) :], full_valid[b, H + L - len(ids) :] = ids, True
+    rest[b, L - len(r) :], rest_valid[b, L - len(r) :] = r, True
   return header, full, full_valid, rest, rest_valid
 
 
@@ -43,20 +43,34 @@ def test_shared_header_sampling_equals_full_prompts(temperature):
   cfg = sampler.SamplerConfig(max_new_tokens=5, temperature=temperature)
   fn = jax.jit(functools.partial(sampler.sample, model_cfg=CFG, cfg=cfg, n_branches=2))
   want = fn(params, prompt_BP=full, prompt_valid_BP=full_valid, key=jax.random.key(3))
-  got = fn(params, prompt_BP=rest, prompt_valid_BP=rest_valid, key=jax.random.key(3),
-           header_H=jnp.asarray(header))
+  got = fn(
+    params,
+    prompt_BP=rest,
+    prompt_valid_BP=rest_valid,
+    key=jax.random.key(3),
+    header_H=jnp.asarray(header),
+  )
   np.testing.assert_array_equal(np.asarray(got.tokens_BRT), np.asarray(want.tokens_BRT))
   np.testing.assert_array_equal(np.asarray(got.valid_BRT), np.asarray(want.valid_BRT))
-  np.testing.assert_allclose(np.asarray(got.logp_BRT), np.asarray(want.logp_BRT),
-                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(
+    np.asarray(got.logp_BRT), np.asarray(want.logp_BRT), rtol=1e-5, atol=1e-5
+  )
 
 
 def test_shared_header_refuses_a_trunk():
   params = tfm.init_params(CFG, jax.random.key(1))
   header, _, _, rest, rest_valid = _split_prompts()
   with pytest.raises(ValueError, match="trunk_len=0"):
-    sampler.sample(params, CFG, sampler.SamplerConfig(trunk_len=2), rest, rest_valid,
-                   jax.random.key(0), 2, header_H=jnp.asarray(header))
+    sampler.sample(
+      params,
+      CFG,
+      sampler.SamplerConfig(trunk_len=2),
+      rest,
+      rest_valid,
+      jax.random.key(0),
+      2,
+      header_H=jnp.asarray(header),
+    )
 
 
 def test_shared_header_split():
@@ -94,6 +108,7 @@ def test_eval_record():
 def test_recipe_config_and_prompt_files(tmp_path):
   from experiments import registry
   from experiments.configs import math_smollm2 as recipe
+
   assert "math_smollm2" in registry.CONFIGS
   cfg = recipe.get_config()
   assert cfg.lora.rank == 16 and cfg.loss.kl_coef > 0 and cfg.train.n_branches >= 8

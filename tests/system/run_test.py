@@ -16,20 +16,40 @@ from branch_replay.config import apply_overrides
 from helpers import tiny_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-REQUIRED = ("step", "reward/mean", "reward/std", "loss/policy", "kl", "entropy", "grad/norm",
-            "replay/prefix_tokens", "replay/tail_tokens", "replay/naive_equiv_tokens",
-            "time/step_s", "time/sample_s")
+REQUIRED = (
+  "step",
+  "reward/mean",
+  "reward/std",
+  "loss/policy",
+  "kl",
+  "entropy",
+  "grad/norm",
+  "replay/prefix_tokens",
+  "replay/tail_tokens",
+  "replay/naive_equiv_tokens",
+  "time/step_s",
+  "time/sample_s",
+)
 
 
 def tiny(*overrides):
-  return tiny_run("train.sft_steps=1", "train.rl_steps=2", "train.batch_size=2",
-                  "train.n_branches=4", "train.sft_batch_size=2", "sampler.max_new_tokens=2",
-                  "train.checkpoint_every=1", "train.learning_rate=3e-3", *overrides)
+  return tiny_run(
+    "train.sft_steps=1",
+    "train.rl_steps=2",
+    "train.batch_size=2",
+    "train.n_branches=4",
+    "train.sft_batch_size=2",
+    "sampler.max_new_tokens=2",
+    "train.checkpoint_every=1",
+    "train.learning_rate=3e-3",
+    *overrides,
+  )
 
 
 def _train_records(workdir):
-  return [r for r in metrics.read(os.path.join(workdir, "metrics.jsonl"))
-          if r.get("kind") == "train"]
+  return [
+    r for r in metrics.read(os.path.join(workdir, "metrics.jsonl")) if r.get("kind") == "train"
+  ]
 
 
 def _untimed(records):
@@ -37,8 +57,13 @@ def _untimed(records):
 
 
 def test_three_step_run_end_to_end_and_same_seed_same_metrics(tmp_path):
-  cfg = tiny("train.eval_size=4", "train.plot=true", "loss.kl_coef=0.05",
-             "train.checkpoint_every=2", "sampler.trunk_len=1")
+  cfg = tiny(
+    "train.eval_size=4",
+    "train.plot=true",
+    "loss.kl_coef=0.05",
+    "train.checkpoint_every=2",
+    "sampler.trunk_len=1",
+  )
   s = trainer.run(cfg, str(tmp_path / "a"))
   recs = _train_records(s["workdir"])
   assert [r["step"] for r in recs] == [0, 1, 2]
@@ -48,8 +73,11 @@ def test_three_step_run_end_to_end_and_same_seed_same_metrics(tmp_path):
     assert 0.0 <= r["reward/mean"] <= 1.0 and np.isfinite(r["loss/policy"])
     # B*P prefix positions + B*R*T tail positions vs B*R*(P+T) for the naive twin.
     P = 20 + 1  # prompt + trunk
-    assert (r["replay/prefix_tokens"], r["replay/tail_tokens"],
-            r["replay/naive_equiv_tokens"]) == (2 * P, 2 * 4 * 2, 2 * 4 * (P + 2))
+    assert (r["replay/prefix_tokens"], r["replay/tail_tokens"], r["replay/naive_equiv_tokens"]) == (
+      2 * P,
+      2 * 4 * 2,
+      2 * 4 * (P + 2),
+    )
   evals = [r for r in metrics.read(s["metrics"]) if r.get("kind") == "eval"]
   assert [r["step"] for r in evals] == [1, 3]
   assert sorted(os.listdir(s["checkpoint"])) == ["2", "3"]
@@ -70,8 +98,11 @@ def test_resume_equals_uninterrupted(tmp_path):
   resumed = trainer.run(tiny("train.rl_steps=3"), workdir)  # restores 2, runs 2, 3
   recs = _train_records(workdir)
   assert [r["step"] for r in recs] == [0, 1, 2, 3]
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6),
-               full["final_params"], resumed["final_params"])
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6),
+    full["final_params"],
+    resumed["final_params"],
+  )
   assert _untimed(recs) == _untimed(_train_records(full["workdir"]))
 
 
@@ -108,9 +139,14 @@ def test_incompatible_checkpoint_is_an_error(tmp_path):
 
 
 def _cli(*args):
-  return subprocess.run([sys.executable, os.path.join(ROOT, "run.py"), *args], cwd=ROOT,
-                        capture_output=True, text=True, timeout=120,
-                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  return subprocess.run(
+    [sys.executable, os.path.join(ROOT, "run.py"), *args],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
 
 
 def test_cli_usage_error_exits_with_the_message():  # the one start-up of run.py itself
@@ -120,16 +156,20 @@ def test_cli_usage_error_exits_with_the_message():  # the one start-up of run.py
   assert "grpo_haystack" in out.stderr
 
 
-@pytest.mark.parametrize("args, message", [
+@pytest.mark.parametrize(
+  "args, message",
+  [
     (["--experiment=nope"], "--experiment='nope': unknown; expected one of ["),
     (["--set=train.n_branchez=8"], "unknown field 'n_branchez' of train"),
     (["--set=task.name=sorting"], "task.name='sorting'"),
     (["--bogus=1"], "Unknown command line flag 'bogus'"),
     (["--mode=fast"], "--mode"),
     (["extra"], "unexpected arguments: ['extra']"),
-])
+  ],
+)
 def test_cli_usage_errors_name_the_culprit(args, message):
   import run
+
   with pytest.raises(run.app.UsageError) as e:
     run.parse(["run.py", *args])
   assert message in str(e.value)
@@ -137,7 +177,15 @@ def test_cli_usage_errors_name_the_culprit(args, message):
 
 def test_cli_parses_the_experiment_and_overrides():
   import run
-  fv, cfg, init_params, tok = run.parse(["run.py", "--experiment=tree_haystack", "--mode=naive",
-                                         "--set=train.rl_steps=3", "--workdir=/tmp/x"])
+
+  fv, cfg, init_params, tok = run.parse(
+    [
+      "run.py",
+      "--experiment=tree_haystack",
+      "--mode=naive",
+      "--set=train.rl_steps=3",
+      "--workdir=/tmp/x",
+    ]
+  )
   assert (cfg.tree.fanouts, cfg.replay.mode, cfg.train.rl_steps) == ("4x4", "naive", 3)
   assert fv.workdir == "/tmp/x" and init_params is None and tok is None

@@ -11,18 +11,22 @@ from branch_replay import config
 from experiments import registry
 from experiments.configs import base
 
-FROZEN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures",
-                      "configs_d1fa8e0.json")
+FROZEN = os.path.join(
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "configs_d1fa8e0.json"
+)
 # Fields added since the dump, at their defaults (none of them changes what a run computes:
 # all are in config.RESUMABLE): section -> {field: default}.
-ADDED = {"train": {"async_checkpoints": True, "preemption_grace_s": 120.0,
-                   "reward_timeout_s": 600.0}}
+ADDED = {
+  "train": {"async_checkpoints": True, "preemption_grace_s": 120.0, "reward_timeout_s": 600.0}
+}
 
 
 # Fields added after d1fa8e0, with the defaults that leave every config as it was; and the
 # configs added after it (not in the dump).
-ADDED_FIELDS = {"train": {"eval_batch": 0, "eval_shared_prefix": False, "eval_before": True},
-                "model": {"logits_chunk_rows": False, "mlp_chunk": None}}
+ADDED_FIELDS = {
+  "train": {"eval_batch": 0, "eval_shared_prefix": False, "eval_before": True},
+  "model": {"logits_chunk_rows": False, "mlp_chunk": None},
+}
 ADDED_CONFIGS = ("math_smollm2",)
 
 

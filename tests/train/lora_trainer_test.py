@@ -28,40 +28,60 @@ from helpers import make_batch, max_rel_err
 
 
 def lora_cfg(*overrides, **model):
-  return apply_overrides(Config(model=tfm.preset("tiny", vocab_size=TOKENIZER.vocab_size,
-                                                 **model)), [
-      "task.prompt_len=16", "task.n_keys=2", "train.sft_steps=0", "train.rl_steps=2",
-      "train.batch_size=2", "train.n_branches=2", "sampler.max_new_tokens=4",
-      "train.eval_size=0", "train.progress=false", "train.plot=false",
-      "train.tensorboard=false", "train.checkpoint_every=1", "lora.rank=4",
-      "lora.targets=q,v,o,down", "loss.kl_coef=0.05", *overrides])
+  return apply_overrides(
+    Config(model=tfm.preset("tiny", vocab_size=TOKENIZER.vocab_size, **model)),
+    [
+      "task.prompt_len=16",
+      "task.n_keys=2",
+      "train.sft_steps=0",
+      "train.rl_steps=2",
+      "train.batch_size=2",
+      "train.n_branches=2",
+      "sampler.max_new_tokens=4",
+      "train.eval_size=0",
+      "train.progress=false",
+      "train.plot=false",
+      "train.tensorboard=false",
+      "train.checkpoint_every=1",
+      "lora.rank=4",
+      "lora.targets=q,v,o,down",
+      "loss.kl_coef=0.05",
+      *overrides,
+    ],
+  )
 
 
 def _randomized(adapters, seed=2, scale=0.2):
   """B = 0 at init makes the adapted model the base: give every leaf values."""
   keys = iter(jax.random.split(jax.random.key(seed), 64))
-  return jax.tree.map(lambda x: x + scale * jax.random.normal(next(keys), x.shape, x.dtype),
-                      adapters)
+  return jax.tree.map(
+    lambda x: x + scale * jax.random.normal(next(keys), x.shape, x.dtype), adapters
+  )
 
 
 @pytest.mark.parametrize("mode", ["replay", pytest.param("naive", marks=pytest.mark.slow)])
 def test_trainer_lora_grads_equal_the_naive_twin_float64(mode):
   with jax.enable_x64(True):
-    cfg = lora_cfg(f"replay.mode={mode}", "loss.kl_coef=0", dtype="float64",
-                   param_dtype="float64")
+    cfg = lora_cfg(f"replay.mode={mode}", "loss.kl_coef=0", dtype="float64", param_dtype="float64")
     state = train_state.init_state(cfg)
     assert state.ref_params is None and state.base is not None
     assert jax.tree.structure(state.params) == jax.tree.structure(
-        jax.tree.map(lambda _: 0, lora_lib.adapter_shapes(cfg.model, cfg.lora),
-                     is_leaf=lambda x: isinstance(x, tuple)))
+      jax.tree.map(
+        lambda _: 0,
+        lora_lib.adapter_shapes(cfg.model, cfg.lora),
+        is_leaf=lambda x: isinstance(x, tuple),
+      )
+    )
     adapters = _randomized(state.params)
     batch = make_batch(3, B=2, R=2, P=6, T=4, vocab=cfg.model.vocab_size, dtype=jnp.float64)
     loss_cfg = steps.rl_loss_config(cfg)
-    step = jax.jit(lambda a, b: steps.loss_and_grad(
-        cfg, a, b, loss_cfg, None, steps.lora_params_fn(cfg, state)))
+    step = jax.jit(
+      lambda a, b: steps.loss_and_grad(cfg, a, b, loss_cfg, None, steps.lora_params_fn(cfg, state))
+    )
     loss, _, grads = step(adapters, batch)
-    want_loss, _, want = jax.jit(lambda a, b: lora_train.naive_loss_and_grad(
-        state.base, a, b, cfg.model, loss_cfg, cfg.lora))(adapters, batch)
+    want_loss, _, want = jax.jit(
+      lambda a, b: lora_train.naive_loss_and_grad(state.base, a, b, cfg.model, loss_cfg, cfg.lora)
+    )(adapters, batch)
     assert abs(float(loss) - float(want_loss)) <= 1e-10 * max(abs(float(want_loss)), 1e-3)
     assert jax.tree.structure(grads) == jax.tree.structure(adapters)
     assert max_rel_err(grads, want) < 1e-10
@@ -75,13 +95,13 @@ def test_lora_run_trains_adapters_resumes_and_exports_peft(tmp_path):
   base0 = jax.tree.map(np.asarray, train_state.init_state(cfg).base)  # what the run starts from
   full = trainer.run(cfg, str(tmp_path / "full"))
   # the base is bitwise the init; the adapters moved (B left 0)
-  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, full["base_params"]),
-               base0)
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, full["base_params"]), base0)
   adapters = jax.tree.map(np.asarray, full["final_params"])
   assert all(np.abs(t["b"]).max() > 0 for layer in adapters.values() for t in layer.values())
   # checkpoints: adapters, their optimizer state, step and rng; no base, no reference copy
-  restored = ocp.StandardCheckpointer().restore(str(tmp_path / "full" / "checkpoints" / "2" /
-                                                    "default"))
+  restored = ocp.StandardCheckpointer().restore(
+    str(tmp_path / "full" / "checkpoints" / "2" / "default")
+  )
   assert sorted(restored) == ["opt_state", "params", "rng", "step"]
   adapter_shapes = {x.shape for x in jax.tree.leaves(adapters)}
   big = [x.shape for x in jax.tree.leaves(restored["opt_state"]) if np.ndim(x)]
@@ -91,8 +111,9 @@ def test_lora_run_trains_adapters_resumes_and_exports_peft(tmp_path):
   part = str(tmp_path / "part")
   trainer.run(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, rl_steps=1)), part)
   resumed = trainer.run(cfg, part)
-  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, resumed["final_params"]),
-               adapters)
+  jax.tree.map(
+    np.testing.assert_array_equal, jax.tree.map(np.asarray, resumed["final_params"]), adapters
+  )
   # the PEFT export: our loader gives back the adapters; peft on transformers' model gives
   # the merged model's logits
   _, loaded = lora_lib.load_peft(full["adapter"], cfg.model, cfg.lora)
@@ -100,16 +121,21 @@ def test_lora_run_trains_adapters_resumes_and_exports_peft(tmp_path):
   transformers = pytest.importorskip("transformers")
   peft = pytest.importorskip("peft")
   import torch
+
   hf.save(str(tmp_path / "base"), cfg.model, base0)
-  model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"),
-                                                            attn_implementation="eager")
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+    str(tmp_path / "base"), attn_implementation="eager"
+  )
   model = peft.PeftModel.from_pretrained(model, full["adapter"]).eval()
   tokens = np.random.default_rng(0).integers(0, TOKENIZER.vocab_size, (2, 9))
   with torch.no_grad():
     ref = model(input_ids=torch.tensor(tokens)).logits.numpy()
   merged = lora_lib.merge(base0, loaded, cfg.lora)
-  ours = tfm.logits(merged, cfg.model, tfm.forward(merged, cfg.model, jnp.asarray(tokens),
-                                                   jnp.ones(tokens.shape, bool)))
+  ours = tfm.logits(
+    merged,
+    cfg.model,
+    tfm.forward(merged, cfg.model, jnp.asarray(tokens), jnp.ones(tokens.shape, bool)),
+  )
   np.testing.assert_allclose(np.asarray(ours), ref, rtol=1e-4, atol=1e-4)
 
 
@@ -132,12 +158,15 @@ def test_lora_samples_merged_weights_and_scores_kl_against_the_base():
   fns = fns._replace(sample=spy)
   task = tasks.make(cfg.task, TOKENIZER)
   batch, _, _ = grpo.rl_batch(fns, state, task, cfg, 0)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6),
-               sampled_with[0], merged)
-  score = lambda p: np.asarray(sampler.score(p, cfg.model, batch,
-                                             temperature=cfg.sampler.temperature)[0])
-  np.testing.assert_allclose(np.asarray(batch.leaves.ref_logp_BRT), score(state.base), rtol=1e-5,
-                             atol=1e-5)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), sampled_with[0], merged
+  )
+  score = lambda p: np.asarray(
+    sampler.score(p, cfg.model, batch, temperature=cfg.sampler.temperature)[0]
+  )
+  np.testing.assert_allclose(
+    np.asarray(batch.leaves.ref_logp_BRT), score(state.base), rtol=1e-5, atol=1e-5
+  )
   assert np.abs(score(merged) - score(state.base)).max() > 1e-3  # the policy differs
 
 
@@ -147,8 +176,11 @@ def test_lora_config_and_flags_refuse_bad_input(tmp_path):
     lora_cfg("lora.rank=-1")
   with pytest.raises(ValueError, match=r"lora.targets=\('qkv',\)"):
     lora_cfg("lora.targets=qkv")
-  with pytest.raises(ValueError, match=r"lora.targets=.*: \['q', 'v', 'o'\] names no "
-                     r"layer of this model \(family qwen3_5_text"):
+  with pytest.raises(
+    ValueError,
+    match=r"lora.targets=.*: \['q', 'v', 'o'\] names no "
+    r"layer of this model \(family qwen3_5_text",
+  ):
     lora_cfg(layer_types=("linear_attention",) * 2, n_layers=2)
   with pytest.raises(ValueError, match=r"lora.rank=4 with algo.name='ppo'"):
     lora_cfg("algo.name=ppo")
@@ -158,20 +190,30 @@ def test_lora_config_and_flags_refuse_bad_input(tmp_path):
   fv, cfg, _, _ = run.parse(["run.py", "--experiment=grpo_arithmetic", "--merge"])
   with pytest.raises(app.UsageError, match=r"--merge: lora.rank=0 \(LoRA off\)"):
     run.lora_options(fv, cfg)
-  fv, cfg, _, _ = run.parse(["run.py", "--experiment=grpo_arithmetic", "--set=lora.rank=4",
-                             f"--adapter_dir={tmp_path}"])
+  fv, cfg, _, _ = run.parse(
+    ["run.py", "--experiment=grpo_arithmetic", "--set=lora.rank=4", f"--adapter_dir={tmp_path}"]
+  )
   with pytest.raises(app.UsageError, match=r"adapter_config.json: missing"):
     run.lora_options(fv, cfg)
 
 
-@pytest.mark.parametrize("fanouts, mesh", [("", "data:2,context:4"), ("2x4", "data:2,context:4"),
-                                           ("2x4", "")])
+@pytest.mark.parametrize(
+  "fanouts, mesh", [("", "data:2,context:4"), ("2x4", "data:2,context:4"), ("2x4", "")]
+)
 def test_lora_step_shapes_on_trees_and_a_mesh(fanouts, mesh):
   """The tree and mesh paths take params_fn: traced, the step returns adapter-shaped params
   and optimizer state; on a mesh the base keeps the parameter shardings (compile-free). The
   values on trees and a mesh: tests/core/lora_tree_test.py."""
-  extra = (["train.n_branches=8", f"tree.fanouts={fanouts}", "task.name=tree_haystack",
-            "task.sft_prompt_len=12"] if fanouts else ["train.n_branches=4"])
+  extra = (
+    [
+      "train.n_branches=8",
+      f"tree.fanouts={fanouts}",
+      "task.name=tree_haystack",
+      "task.sft_prompt_len=12",
+    ]
+    if fanouts
+    else ["train.n_branches=4"]
+  )
   cfg = lora_cfg(f"mesh={mesh}", *extra)
   state = jax.eval_shape(lambda: train_state.init_state(cfg))
   if mesh:
@@ -181,12 +223,13 @@ def test_lora_step_shapes_on_trees_and_a_mesh(fanouts, mesh):
     assert all(s == sharding.replicated(mesh_) for s in jax.tree.leaves(shardings.params))
   if fanouts:
     from helpers import make_tree
-    batch = make_tree(4, (2, 4), B=2, P=8, T=(4, 4), vocab=cfg.model.vocab_size,
-                      dtype=jnp.float32)
+
+    batch = make_tree(4, (2, 4), B=2, P=8, T=(4, 4), vocab=cfg.model.vocab_size, dtype=jnp.float32)
   else:
     batch = make_batch(4, B=2, R=4, P=8, T=4, vocab=cfg.model.vocab_size)
-  new_state, out = jax.eval_shape(steps.make_train_step(cfg, "rl", losses.LossConfig("pg")),
-                                  state, batch)
+  new_state, out = jax.eval_shape(
+    steps.make_train_step(cfg, "rl", losses.LossConfig("pg")), state, batch
+  )
   same = lambda a, b: jax.tree.map(lambda x, y: (x.shape, x.dtype) == (y.shape, y.dtype), a, b)
   assert all(jax.tree.leaves(same(new_state.params, state.params)))
   assert all(jax.tree.leaves(same(new_state.base, state.base)))
@@ -195,13 +238,17 @@ def test_lora_step_shapes_on_trees_and_a_mesh(fanouts, mesh):
 
 def test_adapter_dir_starts_the_run_from_a_peft_adapter(tmp_path):
   import types
+
   cfg = lora_cfg()
   start = _randomized(lora_lib.init_adapters(cfg.model, cfg.lora, jax.random.key(5)))
   lora_lib.save_peft(str(tmp_path / "a"), cfg.model, cfg.lora, start)
   fv = types.SimpleNamespace(merge=False, adapter_dir=str(tmp_path / "a"), model_dir=None)
   adapters, _ = run.lora_options(fv, cfg)
   state = train_state.init_state(cfg, init_adapters=adapters)
-  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.params),
-               jax.tree.map(np.asarray, start))
+  jax.tree.map(
+    np.testing.assert_array_equal,
+    jax.tree.map(np.asarray, state.params),
+    jax.tree.map(np.asarray, start),
+  )
   with pytest.raises(app.UsageError, match=r"r=4 but lora.rank=8"):
     run.lora_options(fv, dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, rank=8)))

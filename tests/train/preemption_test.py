@@ -61,6 +61,7 @@ def _signal_at(signum, at_step):
       if step == at_step:  # arrives mid-step (before the update), as a scheduler's would
         os.kill(os.getpid(), signum)
       return super().update(state, batch, step)
+
   return SignalAt
 
 
@@ -72,8 +73,11 @@ def test_signal_finishes_the_step_checkpoints_it_and_the_same_call_resumes(tmp_p
   handlers = {s: signal.getsignal(s) for s in preemption.SIGNALS}
   workdir = str(tmp_path / "w")
   cfg = _loop_cfg("train.rl_steps=4", "train.checkpoint_every=100")  # no periodic save
-  with pytest.raises(preemption.Preempted, match=r"stopped after step 2; checkpoint 3 "
-                     r"written in .*run the same command to resume at step 3") as stopped:
+  with pytest.raises(
+    preemption.Preempted,
+    match=r"stopped after step 2; checkpoint 3 "
+    r"written in .*run the same command to resume at step 3",
+  ) as stopped:
     trainer.run(cfg, workdir, _signal_at(signum, 2))
   assert (stopped.value.step, stopped.value.signum) == (3, signum)
   assert preemption.exit_code(signum) == 128 + signum
@@ -106,10 +110,14 @@ def test_every_process_stops_after_the_same_step(monkeypatch):
   """Only process 1 was signalled; the per-step gather tells process 0 (faked: what
   process_allgather returns on two processes)."""
   from jax.experimental import multihost_utils
+
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   gathered = []
-  monkeypatch.setattr(multihost_utils, "process_allgather",
-                      lambda x: (gathered.append(int(x)), np.asarray([int(x), peer]))[1])
+  monkeypatch.setattr(
+    multihost_utils,
+    "process_allgather",
+    lambda x: (gathered.append(int(x)), np.asarray([int(x), peer]))[1],
+  )
   guard = preemption.Guard(5.0)
   peer = 0
   assert not guard.agreed() and guard.signum is None
@@ -120,21 +128,31 @@ def test_every_process_stops_after_the_same_step(monkeypatch):
 
 def _guard_script(body):
   return subprocess.run(
-      [sys.executable, "-c", "import os, signal, sys, time\n"
-       "from branch_replay.train import preemption\n" + body],
-      capture_output=True, text=True, timeout=60)
+    [
+      sys.executable,
+      "-c",
+      "import os, signal, sys, time\nfrom branch_replay.train import preemption\n" + body,
+    ],
+    capture_output=True,
+    text=True,
+    timeout=60,
+  )
 
 
 def test_grace_bounds_the_exit():
   """A step that never ends: EXIT_GRACE once train.preemption_grace_s has passed; a
   second signal does not wait for it."""
-  out = _guard_script("t0 = time.time()\nwith preemption.Guard(0.5):\n"
-                      "  os.kill(os.getpid(), signal.SIGTERM)\n  time.sleep(30)\n")
+  out = _guard_script(
+    "t0 = time.time()\nwith preemption.Guard(0.5):\n"
+    "  os.kill(os.getpid(), signal.SIGTERM)\n  time.sleep(30)\n"
+  )
   assert out.returncode == preemption.EXIT_GRACE, out.stderr
   assert "preemption_grace_s=0.5 s ran out: exiting now (124)" in out.stderr
-  out = _guard_script("with preemption.Guard(30):\n  os.kill(os.getpid(), signal.SIGINT)\n"
-                      "  time.sleep(0.2)\n  os.kill(os.getpid(), signal.SIGINT)\n"
-                      "  time.sleep(30)\n")
+  out = _guard_script(
+    "with preemption.Guard(30):\n  os.kill(os.getpid(), signal.SIGINT)\n"
+    "  time.sleep(0.2)\n  os.kill(os.getpid(), signal.SIGINT)\n"
+    "  time.sleep(30)\n"
+  )
   assert out.returncode == preemption.EXIT_GRACE and "a second SIGINT" in out.stderr
 
 
@@ -162,14 +180,17 @@ def test_damaged_newest_checkpoint_is_named_and_the_previous_resumes(tmp_path, c
   else:
     os.remove(os.path.join(directory, "3", "default", "_METADATA"))
   capfd.readouterr()
-  resumed = trainer.run(_loop_cfg("train.rl_steps=4", "train.keep_checkpoints=3"), workdir,
-                        _Counting)
+  resumed = trainer.run(
+    _loop_cfg("train.rl_steps=4", "train.keep_checkpoints=3"), workdir, _Counting
+  )
   err = capfd.readouterr().err
   assert f"checkpoint {os.path.join(directory, '3')} does not restore" in err, err
   assert "resuming from step 2" in err
   assert _Counting.made[-1].steps == [2, 3, 4]
-  assert [os.path.basename(p).split(".")[0]
-          for p in glob.glob(os.path.join(workdir, checkpoint.DAMAGED, "*"))] == ["3"]
+  assert [
+    os.path.basename(p).split(".")[0]
+    for p in glob.glob(os.path.join(workdir, checkpoint.DAMAGED, "*"))
+  ] == ["3"]
   assert _steps(workdir) == [0, 1, 2, 3, 4]  # steps 2.. logged once (repaired, redone)
   np.testing.assert_array_equal(_first_leaf(resumed), _params_after(5))
 
@@ -179,9 +200,12 @@ def test_no_checkpoint_that_restores_is_a_refusal_that_moves_nothing(tmp_path):
   directory = _three_checkpoints(workdir)
   for step in ("1", "2", "3"):
     os.remove(os.path.join(directory, step, "default", "_METADATA"))
-  with pytest.raises(ValueError, match=r"(?s)checkpoint .*checkpoints/3 does not restore .* no "
-                     r"older checkpoint does either \(3, 2, 1 tried\): .*move checkpoints/ "
-                     r"aside"):
+  with pytest.raises(
+    ValueError,
+    match=r"(?s)checkpoint .*checkpoints/3 does not restore .* no "
+    r"older checkpoint does either \(3, 2, 1 tried\): .*move checkpoints/ "
+    r"aside",
+  ):
     trainer.run(_loop_cfg(), workdir, _Counting)
   assert sorted(os.listdir(directory)) == ["1", "2", "3"]
 
@@ -200,8 +224,13 @@ def test_torn_metrics_line_is_repaired_on_resume_and_named(tmp_path, capfd):
 
 def test_repair_drops_the_steps_a_resume_redoes_and_keeps_a_finished_runs_eval(tmp_path):
   path = str(tmp_path / "metrics.jsonl")
-  lines = [{"step": 0, "kind": "eval"}, {"step": 0}, {"step": 1}, {"step": 2},
-           {"step": 2, "kind": "eval"}]
+  lines = [
+    {"step": 0, "kind": "eval"},
+    {"step": 0},
+    {"step": 1},
+    {"step": 2},
+    {"step": 2, "kind": "eval"},
+  ]
   write = lambda: open(path, "w").write("".join(json.dumps(r) + "\n" for r in lines))
   write()
   assert metrics.repair(path, 2, 2) is None  # finished: nothing to redo, nothing torn
@@ -214,24 +243,30 @@ def test_repair_drops_the_steps_a_resume_redoes_and_keeps_a_finished_runs_eval(t
 
 def _fail_finalize_of(monkeypatch, step, error):
   from orbax.checkpoint._src.path import atomicity
+
   finalize = atomicity.AtomicRenameTemporaryPath.finalize
 
   async def fail(self, *a, **k):
     if self._final_path.name == str(step):
       raise error
     return await finalize(self, *a, **k)
+
   monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", fail)
 
 
 @pytest.mark.parametrize("asynchronous", [True, False], ids=["async", "sync"])
-def test_full_disk_during_a_save_names_it_and_keeps_the_previous(tmp_path, monkeypatch,
-                                                                 asynchronous):
+def test_full_disk_during_a_save_names_it_and_keeps_the_previous(
+  tmp_path, monkeypatch, asynchronous
+):
   workdir = str(tmp_path / "w")
   cfg = _loop_cfg(f"train.async_checkpoints={str(asynchronous).lower()}")
   _fail_finalize_of(monkeypatch, 2, OSError(errno.ENOSPC, "No space left on device"))
-  with pytest.raises(checkpoint.StorageError, match=r"checkpoint save of step 2 in .*"
-                     r"checkpoints failed: No space left on device \(ENOSPC\); the previous "
-                     r"checkpoint \(step 1\) is intact") as e:
+  with pytest.raises(
+    checkpoint.StorageError,
+    match=r"checkpoint save of step 2 in .*"
+    r"checkpoints failed: No space left on device \(ENOSPC\); the previous "
+    r"checkpoint \(step 1\) is intact",
+  ) as e:
     trainer.run(cfg, workdir, _Counting)
   assert e.value.errno == errno.ENOSPC
   monkeypatch.undo()
@@ -265,8 +300,11 @@ def test_full_disk_during_a_metrics_write_names_it(tmp_path, monkeypatch):
       self.f.flush()
 
   monkeypatch.setattr(metrics, "open", lambda *a, **k: Full(real_open(*a, **k)), raising=False)
-  with pytest.raises(checkpoint.StorageError, match=r"metrics.jsonl: appending the train "
-                     r"record of step 2 failed: No space left on device \(ENOSPC\)"):
+  with pytest.raises(
+    checkpoint.StorageError,
+    match=r"metrics.jsonl: appending the train "
+    r"record of step 2 failed: No space left on device \(ENOSPC\)",
+  ):
     trainer.run(_loop_cfg(), workdir, _Counting)
   monkeypatch.undo()
   trainer.run(_loop_cfg(), workdir, _Counting)
@@ -277,8 +315,9 @@ def test_full_disk_during_a_metrics_write_names_it(tmp_path, monkeypatch):
 
 
 def _examples(n):
-  return [tasks.Example(prompt=f"prompt {i}", answer="a", source=f"data.jsonl:{i + 1}")
-          for i in range(n)]
+  return [
+    tasks.Example(prompt=f"prompt {i}", answer="a", source=f"data.jsonl:{i + 1}") for i in range(n)
+  ]
 
 
 def _hangs_on(index, seconds=30.0):
@@ -288,27 +327,34 @@ def _hangs_on(index, seconds=30.0):
     if any(e.source == f"data.jsonl:{index + 1}" for e in examples):
       time.sleep(seconds)
     return [1.0] * len(examples)
+
   return rewards.Reward("hangs", reward)
 
 
 def test_reward_that_hangs_stops_naming_the_example():
   with rewards.time_limit(0.3):
-    with pytest.raises(rewards.RewardTimeout, match=r"reward 'hangs' did not return within "
-                       r"train.reward_timeout_s=0.3 s on 6 completions; data.jsonl:3 example 2 "
-                       r"branch 0 \(prompt 'prompt 2'"):
+    with pytest.raises(
+      rewards.RewardTimeout,
+      match=r"reward 'hangs' did not return within "
+      r"train.reward_timeout_s=0.3 s on 6 completions; data.jsonl:3 example 2 "
+      r"branch 0 \(prompt 'prompt 2'",
+    ):
       rewards.compute(_hangs_on(2), _examples(3), [["a", "b"]] * 3)
     # Slow as a batch, quick alone: said so.
-    slow = rewards.Reward("slow", lambda ex, c: (__import__("time").sleep(0.1 * len(ex)),
-                                                 [0.0] * len(ex))[1])
+    slow = rewards.Reward(
+      "slow", lambda ex, c: (__import__("time").sleep(0.1 * len(ex)), [0.0] * len(ex))[1]
+    )
     with pytest.raises(rewards.RewardTimeout, match="the batch as a whole is too slow"):
       rewards.compute(slow, _examples(3), [["a", "b"]] * 3)
     # Quick: the same values as without a limit; an error or a NaN as before.
     quick = rewards.REWARDS["exact_match"]
-    np.testing.assert_array_equal(rewards.compute(quick, _examples(2), [["a", "b"]] * 2),
-                                  [[1, 0], [1, 0]])
+    np.testing.assert_array_equal(
+      rewards.compute(quick, _examples(2), [["a", "b"]] * 2), [[1, 0], [1, 0]]
+    )
     with pytest.raises(ValueError, match="reward 'nan' returned nan for data.jsonl:1 example 0"):
-      rewards.compute(rewards.Reward("nan", lambda e, c: [float("nan")] * len(e)),
-                      _examples(1), [["a"]])
+      rewards.compute(
+        rewards.Reward("nan", lambda e, c: [float("nan")] * len(e)), _examples(1), [["a"]]
+      )
   with pytest.raises(ValueError, match=r"train.reward_timeout_s=-1.0: expected a finite number"):
     _loop_cfg("train.reward_timeout_s=-1")
 
@@ -329,8 +375,11 @@ def test_the_run_applies_its_reward_timeout(tmp_path):
 
 def test_fault_campaign_check_finds_each_kind_of_loss(tmp_path):
   from experiments import fault_campaign
-  reference = [{"step": s, "kind": "train", "loss/policy": 0.5 + s, "time/step_s": 1.0}
-               for s in range(fault_campaign.TOTAL)]
+
+  reference = [
+    {"step": s, "kind": "train", "loss/policy": 0.5 + s, "time/step_s": 1.0}
+    for s in range(fault_campaign.TOTAL)
+  ]
 
   def workdir(name, lines, checkpoints):
     d = tmp_path / name
@@ -344,24 +393,28 @@ def test_fault_campaign_check_finds_each_kind_of_loss(tmp_path):
   last = str(fault_campaign.TOTAL)
   assert fault_campaign.check(workdir("good", good, ["4", last]), reference) == []
   torn = good[:-1] + [good[-1][:20] + "\n", good[-1]]
-  assert "line 5 is torn" in " ".join(fault_campaign.check(workdir("torn", torn, [last]),
-                                                           reference))
+  assert "line 5 is torn" in " ".join(
+    fault_campaign.check(workdir("torn", torn, [last]), reference)
+  )
   twice = good + good[-1:]
   assert "twice" in " ".join(fault_campaign.check(workdir("twice", twice, [last]), reference))
   other = good[:-1] + [json.dumps(dict(reference[-1], **{"loss/policy": 9.0})) + "\n"]
   assert "differ" in " ".join(fault_campaign.check(workdir("other", other, [last]), reference))
   tmp = [last, "4.orbax-checkpoint-tmp-123"]
   assert "temporary" in " ".join(fault_campaign.check(workdir("tmp", good, tmp), reference))
-  assert "newest checkpoint 4" in " ".join(fault_campaign.check(workdir("old", good, ["4"]),
-                                                                reference))
+  assert "newest checkpoint 4" in " ".join(
+    fault_campaign.check(workdir("old", good, ["4"]), reference)
+  )
 
 
 @pytest.mark.slow  # 2 trials: 6 tiny GRPO launches, ~2-3 min on a 2-core CPU
 def test_a_small_fault_campaign_loses_nothing(tmp_path):
   import argparse
   from experiments import fault_campaign
-  counts = fault_campaign.campaign(argparse.Namespace(trials=2, seed=1, no_cache=False,
-                                                      out=str(tmp_path / "campaign.jsonl")))
+
+  counts = fault_campaign.campaign(
+    argparse.Namespace(trials=2, seed=1, no_cache=False, out=str(tmp_path / "campaign.jsonl"))
+  )
   assert counts == {"survived": 2, "lost": 0, "not_killed": 0}
 
 
@@ -370,6 +423,7 @@ def test_a_small_fault_campaign_loses_nothing(tmp_path):
 
 def _grpo(*overrides):
   from run_test import tiny
+
   return tiny("train.rl_steps=3", "train.checkpoint_every=100", *overrides)
 
 
@@ -407,32 +461,53 @@ def test_async_checkpoints_equal_sync_ones_while_later_steps_donate(tmp_path):
   the state's buffers: every checkpoint must still hold its own step's state, bitwise."""
   restored = {}
   for asynchronous in ("false", "true"):
-    cfg = _grpo("train.checkpoint_every=1", "train.keep_checkpoints=5",
-                f"train.async_checkpoints={asynchronous}")
+    cfg = _grpo(
+      "train.checkpoint_every=1",
+      "train.keep_checkpoints=5",
+      f"train.async_checkpoints={asynchronous}",
+    )
     trainer.run(cfg, str(tmp_path / asynchronous))
     ckpt = checkpoint.Checkpointer(str(tmp_path / asynchronous), cfg)
     template = train_state.state_dict(train_state.init_state(cfg))
-    restored[asynchronous] = {s: jax.tree.map(np.asarray, ckpt.restore(s, template))
-                              for s in ckpt.manager.all_steps()}
+    restored[asynchronous] = {
+      s: jax.tree.map(np.asarray, ckpt.restore(s, template)) for s in ckpt.manager.all_steps()
+    }
     ckpt.close()
   assert sorted(restored["true"]) == sorted(restored["false"]) == [1, 2, 3, 4]
   for step, want in restored["false"].items():
     jax.tree.map(np.testing.assert_array_equal, restored["true"][step], want)
-  assert not np.array_equal(*(jax.tree.leaves(restored["false"][s]["params"])[0]
-                              for s in (1, 4)))  # the steps moved the parameters
+  assert not np.array_equal(
+    *(jax.tree.leaves(restored["false"][s]["params"])[0] for s in (1, 4))
+  )  # the steps moved the parameters
 
 
-MESH_OVERRIDES = ["model.vocab_size=128", "model.d_model=32", "model.n_layers=2",
-                  "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=8",
-                  "model.mlp_hidden=64", "task.prompt_len=20", "task.n_keys=2",
-                  "train.sft_steps=0", "train.rl_steps=3", "train.batch_size=4",
-                  "train.n_branches=4", "sampler.max_new_tokens=2", "train.eval_size=0",
-                  "train.progress=false", "train.plot=false", "train.tensorboard=false",
-                  "train.checkpoint_every=100", "mesh=data:2,fsdp:2"]
+MESH_OVERRIDES = [
+  "model.vocab_size=128",
+  "model.d_model=32",
+  "model.n_layers=2",
+  "model.n_heads=4",
+  "model.n_kv_heads=2",
+  "model.head_dim=8",
+  "model.mlp_hidden=64",
+  "task.prompt_len=20",
+  "task.n_keys=2",
+  "train.sft_steps=0",
+  "train.rl_steps=3",
+  "train.batch_size=4",
+  "train.n_branches=4",
+  "sampler.max_new_tokens=2",
+  "train.eval_size=0",
+  "train.progress=false",
+  "train.plot=false",
+  "train.tensorboard=false",
+  "train.checkpoint_every=100",
+  "mesh=data:2,fsdp:2",
+]
 
 
 def worker():
   import argparse
+
   parser = argparse.ArgumentParser()
   parser.add_argument("--coordinator_address", required=True)
   parser.add_argument("--process_id", type=int, required=True)
@@ -445,6 +520,7 @@ def worker():
   from branch_replay import algorithms, config as config_lib
   from branch_replay.train import metrics as metrics_lib
   from branch_replay.train import preemption as preemption_lib, trainer as trainer_lib
+
   cfg = config_lib.apply_overrides(config_lib.Config(), MESH_OVERRIDES)
   if args.term_at_step is not None and args.process_id == args.term_process:
     write = metrics_lib.MetricsWriter.write
@@ -453,6 +529,7 @@ def worker():
       if record.get("step") == args.term_at_step:
         os.kill(os.getpid(), signal.SIGTERM)
       return write(self, record)
+
     metrics_lib.MetricsWriter.write = term
   try:
     trainer_lib.run(cfg, args.workdir, algorithms.for_config(cfg))
@@ -463,13 +540,27 @@ def worker():
 
 def _two_processes(workdir, *extra, timeout=500):
   from multihost_test import free_port
+
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
   address = f"localhost:{free_port()}"
-  procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__),
-                             f"--coordinator_address={address}", f"--process_id={i}",
-                             f"--workdir={workdir}", *extra], env=env, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for i in range(2)]
+  procs = [
+    subprocess.Popen(
+      [
+        sys.executable,
+        os.path.abspath(__file__),
+        f"--coordinator_address={address}",
+        f"--process_id={i}",
+        f"--workdir={workdir}",
+        *extra,
+      ],
+      env=env,
+      cwd=ROOT,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
+  ]
   try:
     logs = [p.communicate(timeout=timeout)[0] for p in procs]
   finally:

@@ -29,9 +29,16 @@ class _Stop(Exception):
 
 
 def tiny_tree(*overrides):
-  return tiny_tree_run("train.sft_steps=1", "train.rl_steps=1", "train.batch_size=2",
-                       "train.sft_batch_size=2", "train.eval_size=2", "train.checkpoint_every=2",
-                       *overrides, vocab_size=TOKENIZER.vocab_size)
+  return tiny_tree_run(
+    "train.sft_steps=1",
+    "train.rl_steps=1",
+    "train.batch_size=2",
+    "train.sft_batch_size=2",
+    "train.eval_size=2",
+    "train.checkpoint_every=2",
+    *overrides,
+    vocab_size=TOKENIZER.vocab_size,
+  )
 
 
 # ----------------------------------------------------------------------------- (1) temperature
@@ -57,11 +64,14 @@ def test_tree_step_scores_at_the_sampler_temperature(monkeypatch):
 # ----------------------------------------------------------------------------- (4) refusals
 
 
-@pytest.mark.parametrize("override, field", [
+@pytest.mark.parametrize(
+  "override, field",
+  [
     ("algo.advantage=rloo,tree.fanouts=4x1", "algo.advantage='rloo'"),  # a single child
     ("sampler.trunk_len=2", "sampler.trunk_len=2"),
     ("train.n_branches=4", "train.n_branches=4"),
-])
+  ],
+)
 def test_tree_refuses_options_it_cannot_serve(override, field):
   with pytest.raises(ValueError, match=r"^" + field.replace("(", r"\(") + " with tree.fanouts"):
     tiny_tree(*override.split(","))
@@ -70,9 +80,17 @@ def test_tree_refuses_options_it_cannot_serve(override, field):
 def test_tree_trains_epochs_minibatches_and_kl_on_a_mesh(tmp_path, monkeypatch):
   """Trees take GRPO's update: epochs x minibatches, the KL reference scored per node, a
   mesh (prompts over data, leaves over context), with the PPO diagnostics."""
-  cfg = tiny_tree("train.sft_steps=0", "train.rl_steps=1", "train.batch_size=4",
-                  "algo.ppo_epochs=2", "algo.minibatches=2", "loss.kl_coef=0.05",
-                  "sampler.temperature=0.7", "mesh=data:2,context:4", "train.eval_size=0")
+  cfg = tiny_tree(
+    "train.sft_steps=0",
+    "train.rl_steps=1",
+    "train.batch_size=4",
+    "algo.ppo_epochs=2",
+    "algo.minibatches=2",
+    "loss.kl_coef=0.05",
+    "sampler.temperature=0.7",
+    "mesh=data:2,context:4",
+    "train.eval_size=0",
+  )
   batches = []
   rl_batch = grpo.rl_batch
 
@@ -100,8 +118,11 @@ def test_tree_trains_epochs_minibatches_and_kl_on_a_mesh(tmp_path, monkeypatch):
 
 
 def test_tree_branch_chunk_divides_the_last_fanout():
-  with pytest.raises(ValueError, match=r"replay.branch_chunk=3: expected a divisor of the last "
-                     r"fan-out 4"):
+  with pytest.raises(
+    ValueError,
+    match=r"replay.branch_chunk=3: expected a divisor of the last "
+    r"fan-out 4",
+  ):
     tiny_tree("tree.fanouts=3x4", "replay.branch_chunk=3")
   cfg = tiny_tree("tree.fanouts=2x3", "replay.branch_chunk=3")  # 8 branches: not the rule
   assert cfg.replay.branch_chunk == 3 and not cfg.uses_critic
@@ -136,12 +157,20 @@ tasks.register("checked_haystack")(type("CheckedHaystack", (_Checked, tasks.Hays
 tasks.register("checked_tree")(type("CheckedTree", (_Checked, tree_task.TreeHaystack), {}))
 
 
-@pytest.mark.parametrize("overrides", [
+@pytest.mark.parametrize(
+  "overrides",
+  [
     ["task.name=checked_tree"],
-    ["task.name=checked_haystack", "tree.fanouts=", "train.n_branches=2", "algo.name=dpo",
-     "loss.name=dpo",
-     "train.eval_size=0"],
-])
+    [
+      "task.name=checked_haystack",
+      "tree.fanouts=",
+      "train.n_branches=2",
+      "algo.name=dpo",
+      "loss.name=dpo",
+      "train.eval_size=0",
+    ],
+  ],
+)
 def test_run_builds_the_task_with_its_tokenizer_and_checks_it(tmp_path, overrides):
   cfg = tiny_tree(*overrides)
   with pytest.raises(ValueError, match="task.check ran"):
@@ -153,21 +182,20 @@ def test_tree_rollout_encodes_prompt_ids(monkeypatch):
   task = tasks.make(cfg.task)
   ids = (TOKENIZER.bos_id, *TOKENIZER.encode("abc?k"))  # not the prompt's own text
   base = task.sample
-  monkeypatch.setattr(task, "sample", lambda rng: tree_task.TreeExample(
-      **{**vars(base(rng)), "prompt_ids": ids}))
+  monkeypatch.setattr(
+    task, "sample", lambda rng: tree_task.TreeExample(**{**vars(base(rng)), "prompt_ids": ids})
+  )
   seen = {}
 
   def sample(params, prompt_BP, prompt_valid_BP, key):
     seen.update(prompt_BP=prompt_BP, valid_BP=prompt_valid_BP)
     raise _Stop
 
-  state = types.SimpleNamespace(params=None, base=None,
-                                rng=jax.random.key_data(jax.random.key(0)))
+  state = types.SimpleNamespace(params=None, base=None, rng=jax.random.key_data(jax.random.key(0)))
   with pytest.raises(_Stop):
     grpo.rl_batch(types.SimpleNamespace(sample=sample), state, task, cfg, 0)
   P = task.max_prompt_len
-  np.testing.assert_array_equal(np.asarray(seen["prompt_BP"])[:, P - len(ids):],
-                                [ids, ids])
+  np.testing.assert_array_equal(np.asarray(seen["prompt_BP"])[:, P - len(ids) :], [ids, ids])
   assert np.asarray(seen["valid_BP"]).sum(1).tolist() == [len(ids)] * 2
 
 
@@ -177,12 +205,12 @@ def test_dpo_pairs_encode_prompt_ids():
   batch = dpo.make_batch(pairs, 8, 1)
   np.testing.assert_array_equal(batch.root_BP[0, -3:], ids)
   assert batch.root_valid_BP[0].sum() == 3
-  np.testing.assert_array_equal(batch.root_BP[1, -3:],
-                                [TOKENIZER.bos_id, *TOKENIZER.encode("ab")])
+  np.testing.assert_array_equal(batch.root_BP[1, -3:], [TOKENIZER.bos_id, *TOKENIZER.encode("ab")])
   task = tasks.make(tasks.TaskConfig(name="haystack", prompt_len=16, n_keys=2))
   ex = task.sample(np.random.default_rng(3))
-  with_ids = types.SimpleNamespace(sample=lambda rng: tasks.Example(
-      ex.prompt, ex.answer, prompt_ids=ids))
+  with_ids = types.SimpleNamespace(
+    sample=lambda rng: tasks.Example(ex.prompt, ex.answer, prompt_ids=ids)
+  )
   assert dpo.task_pair(with_ids, np.random.default_rng(0)).prompt_ids == ids
 
 
@@ -191,10 +219,12 @@ def test_dpo_pairs_encode_prompt_ids():
 
 def test_final_eval_decision_is_broadcast(monkeypatch):
   from jax.experimental import multihost_utils
+
   calls = []
   monkeypatch.setattr(jax, "process_count", lambda: 2)
-  monkeypatch.setattr(multihost_utils, "broadcast_one_to_all",
-                      lambda x: calls.append(int(x)) or np.int32(0))
+  monkeypatch.setattr(
+    multihost_utils, "broadcast_one_to_all", lambda x: calls.append(int(x)) or np.int32(0)
+  )
   assert not trainer.final_eval_missing([], 4)  # process 0's decision (here: 0) wins
   assert calls == [1]
 
@@ -228,8 +258,9 @@ def test_tree_run_writes_on_process_zero_only(tmp_path, monkeypatch):
   monkeypatch.setattr(metrics, "MetricsWriter", _SpyWriter)
   decided = []
   real = trainer.final_eval_missing
-  monkeypatch.setattr(trainer, "final_eval_missing",
-                      lambda records, step: decided.append(step) or real(records, step))
+  monkeypatch.setattr(
+    trainer, "final_eval_missing", lambda records, step: decided.append(step) or real(records, step)
+  )
   cfg = tiny_tree("train.tensorboard=true", "train.sft_steps=0")  # (warm-up trees: -m slow)
   out = trainer.run(cfg, str(tmp_path / "chief"))
   recs = metrics.read(out["metrics"])
@@ -300,10 +331,21 @@ class _Counting:
 
 
 def _loop_cfg(*overrides):
-  return apply_overrides(Config(model=tfm.preset("tiny", vocab_size=TOKENIZER.vocab_size)), [
-      "task.prompt_len=16", "task.n_keys=2", "train.sft_steps=1", "train.rl_steps=2",
-      "train.eval_size=0", "train.progress=false", "train.plot=false",
-      "train.tensorboard=false", "train.checkpoint_every=1", *overrides])
+  return apply_overrides(
+    Config(model=tfm.preset("tiny", vocab_size=TOKENIZER.vocab_size)),
+    [
+      "task.prompt_len=16",
+      "task.n_keys=2",
+      "train.sft_steps=1",
+      "train.rl_steps=2",
+      "train.eval_size=0",
+      "train.progress=false",
+      "train.plot=false",
+      "train.tensorboard=false",
+      "train.checkpoint_every=1",
+      *overrides,
+    ],
+  )
 
 
 def test_loop_resumes_from_its_checkpoint(tmp_path):
@@ -318,8 +360,9 @@ def test_loop_resumes_from_its_checkpoint(tmp_path):
   expected = jax.tree.leaves(train_state.init_state(_loop_cfg()).params)[0]
   for _ in range(5):  # 5 steps in all, each adding 1 (float32, in order)
     expected = expected + 1
-  np.testing.assert_array_equal(np.asarray(jax.tree.leaves(second["final_params"])[0]),
-                                np.asarray(expected))
+  np.testing.assert_array_equal(
+    np.asarray(jax.tree.leaves(second["final_params"])[0]), np.asarray(expected)
+  )
 
 
 def test_nan_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
@@ -327,14 +370,23 @@ def test_nan_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
     nan_at = 2
 
   workdir = str(tmp_path / "w")
-  with pytest.raises(FloatingPointError, match=r"loss/policy is nan at step 2: stopping; the "
-                     r"last good checkpoint is step 2 in .*checkpoints"):
+  with pytest.raises(
+    FloatingPointError,
+    match=r"loss/policy is nan at step 2: stopping; the "
+    r"last good checkpoint is step 2 in .*checkpoints",
+  ):
     trainer.run(_loop_cfg(), workdir, NaNAt2)
   assert [r["step"] for r in metrics.read(os.path.join(workdir, "metrics.jsonl"))] == [0, 1]
-  with pytest.raises(FloatingPointError, match=r"at step 0: stopping; no checkpoint was "
-                     r"written yet"):
-    trainer.run(_loop_cfg("train.sft_steps=0"), str(tmp_path / "v"),
-                type("NaNAt0", (_Counting,), {"nan_at": 0}))
+  with pytest.raises(
+    FloatingPointError,
+    match=r"at step 0: stopping; no checkpoint was "
+    r"written yet",
+  ):
+    trainer.run(
+      _loop_cfg("train.sft_steps=0"),
+      str(tmp_path / "v"),
+      type("NaNAt0", (_Counting,), {"nan_at": 0}),
+    )
 
 
 # ----------------------------------------------------------------------------- the algo section
@@ -345,10 +397,14 @@ def test_sft_algorithm_is_the_warmup_as_a_run(tmp_path, tree_run):
   """algo.name=sft trains train.sft_steps supervised steps (phase 'sft' throughout) and
   evaluates greedily before and after; its parameters are exactly those GRPO's warm-up
   reaches in as many steps (the same batches and step)."""
-  make = (lambda *o: tiny_tree("train.eval_size=2", *o)) if tree_run else (
-      lambda *o: _loop_cfg("train.eval_size=2", "train.tensorboard=true", *o))
-  sft = trainer.run(make("algo.name=sft", "train.sft_steps=2", "train.rl_steps=0"),
-                    str(tmp_path / "sft"))
+  make = (
+    (lambda *o: tiny_tree("train.eval_size=2", *o))
+    if tree_run
+    else (lambda *o: _loop_cfg("train.eval_size=2", "train.tensorboard=true", *o))
+  )
+  sft = trainer.run(
+    make("algo.name=sft", "train.sft_steps=2", "train.rl_steps=0"), str(tmp_path / "sft")
+  )
   records = metrics.read(sft["metrics"])
   train_rows = [r for r in records if r["kind"] == "train"]
   assert [(r["step"], r["phase"]) for r in train_rows] == [(0, "sft"), (1, "sft")]
@@ -356,33 +412,46 @@ def test_sft_algorithm_is_the_warmup_as_a_run(tmp_path, tree_run):
   assert sft["loss_before"] == train_rows[0]["loss/policy"] and np.isfinite(sft["loss_after"])
   assert sft["eval_before"] is not None and sft["eval_after"] is not None
   assert "greedy eval reward before/after SFT" in algorithms.get("sft").format_summary(sft)
-  warm = trainer.run(make("train.sft_steps=2", "train.rl_steps=0", "train.eval_size=0"),
-                     str(tmp_path / "grpo"))
+  warm = trainer.run(
+    make("train.sft_steps=2", "train.rl_steps=0", "train.eval_size=0"), str(tmp_path / "grpo")
+  )
   for a, b in zip(jax.tree.leaves(sft["final_params"]), jax.tree.leaves(warm["final_params"])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_overrides_across_sections_apply_in_any_order():
   import itertools
+
   items = ["loss.name=dpo", "algo.name=dpo", "train.n_branches=2", "algo.pairs_file="]
   made = {apply_overrides(Config(), list(p)) for p in itertools.permutations(items)}
   assert len(made) == 1 and next(iter(made)).algo.name == "dpo"
   cfg = apply_overrides(Config(), ["algo.ppo_epochs=3", "algo.name=ppo", "algo.minibatches=2"])
   assert (cfg.algo.name, cfg.algo.ppo_epochs, cfg.algo.minibatches, cfg.algo.advantage) == (
-      "ppo", 3, 2, "gae") and cfg.uses_critic
+    "ppo",
+    3,
+    2,
+    "gae",
+  ) and cfg.uses_critic
 
 
 def test_configs_saved_before_the_algo_section_migrate():
   """A config.json from before the section (train.advantage, train.ppo_epochs, dpo.pairs_file)
   loads as today's config and resumes against it; another algorithm is named field by field."""
   from branch_replay import config as config_lib
+
   now = apply_overrides(Config(), ["algo.name=ppo", "algo.ppo_epochs=2", "loss.name=ppo"])
   saved = config_lib.to_dict(now)
   algo = saved.pop("algo")
-  saved["train"] = {**saved["train"], "advantage": "gae", "advantage_std": True,
-                    **{k: v for k, v in algo.items() if k != "name"}}
+  saved["train"] = {
+    **saved["train"],
+    "advantage": "gae",
+    "advantage_std": True,
+    **{k: v for k, v in algo.items() if k != "name"},
+  }
   saved["dpo"] = {"pairs_file": ""}
   assert config_lib.from_dict(saved) == now
   assert config_lib.incompatible(saved, now) == []
   diffs = config_lib.incompatible(saved, apply_overrides(Config(), ["loss.name=ppo"]))
-  assert "algo.name: saved 'ppo', now 'grpo'" in diffs and "algo.ppo_epochs: saved 2, now 1" in diffs
+  assert (
+    "algo.name: saved 'ppo', now 'grpo'" in diffs and "algo.ppo_epochs: saved 2, now 1" in diffs
+  )
