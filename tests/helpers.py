@@ -8,6 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from branch_replay.core import engine, policy, tree
 from branch_replay.core.tree import TreeBatch, TreeLevel
@@ -273,3 +274,15 @@ def tree_both(cfg, params, batch: TreeBatch, loss_cfg, branch_chunk=None):
     static_argnums=2,
   )
   return run(params, batch, "replay"), run(params, batch, "naive")
+
+
+def slow_where(values, slow, key=lambda v: v):
+  """`values` for `pytest.mark.parametrize` (a tuple: one case's arguments), those whose key
+  is in `slow` marked slow: run by `pytest -m slow` only, because a cheaper case of the same
+  test covers their path in the default suite (the reason is written beside each call)."""
+  return [
+    pytest.param(
+      *(v if isinstance(v, tuple) else (v,)), marks=[pytest.mark.slow] * (key(v) in slow)
+    )
+    for v in values
+  ]

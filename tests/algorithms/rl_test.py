@@ -20,6 +20,7 @@ from branch_replay.train import state as train_state
 from branch_replay.config import Config, apply_overrides
 from models import transformer as tfm
 from helpers import assert_equal_f64, make_batch, max_rel_err, tiny_model, tiny_run
+from helpers import slow_where
 
 
 # ----------------------------------------------------------------------------- GAE, value loss
@@ -143,7 +144,9 @@ def critic_batch(seed, B, R, P, T, W, dtype=jnp.float64):
   )
 
 
-@pytest.mark.parametrize("B, R, P, T, W", [(2, 3, 9, 4, 2), (1, 4, 6, 1, 0)])
+@pytest.mark.parametrize(
+  "B, R, P, T, W", slow_where([(2, 3, 9, 4, 2), (1, 4, 6, 1, 0)], {(1, 4, 6, 1, 0)})
+)  # the trunk case kept
 def test_critic_replay_equals_naive_float64(B, R, P, T, W):
   with jax.enable_x64(True):
     cfg, params = tiny_model(dtype="float64", perturb=0.0)
@@ -210,7 +213,9 @@ def numpy_shared_critic(params, cfg, cb, head, clip):
   return v, mask, loss, {"w_D": np.einsum("brx,brxd->d", dv, h), "b": dv.sum()}
 
 
-@pytest.mark.parametrize("B, R, P, T, W", [(2, 3, 9, 4, 2), (1, 4, 6, 1, 0)])
+@pytest.mark.parametrize(
+  "B, R, P, T, W", slow_where([(2, 3, 9, 4, 2), (1, 4, 6, 1, 0)], {(1, 4, 6, 1, 0)})
+)  # the trunk case kept
 def test_shared_critic_replay_equals_naive_and_numpy_float64(B, R, P, T, W):
   """critic.share: a value head on the policy's (detached) transformer. Replay == naive
   (loss, aux, head gradient), and both == the numpy loss and head gradient built from the
@@ -483,7 +488,9 @@ def test_ppo_with_critic_epochs_and_minibatches_runs(tmp_path):
   assert s2["steps"] == 3
 
 
-@pytest.mark.parametrize("share", ["false", "true"])
+# the shared critic on a mesh under -m slow (150 s; [false] kept, and
+# test_critic_on_a_mesh_equals_one_device_float64[True] checks the shared critic's mesh step)
+@pytest.mark.parametrize("share", slow_where(["false", "true"], {"true"}))
 def test_ppo_on_a_mesh_takes_one_devices_steps(tmp_path, share):
   """PPO (GAE from the critic, epochs x minibatches, a trunk) on data:2,context:4: the same
   rewards, value loss, policy loss and explained variance as one device, step by step (the

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KEYS = (
   "prefix_len",
@@ -52,6 +54,7 @@ def test_bench_prints_every_key_and_exact_gradients():
   assert row["grad_max_rel_err"] < 1e-5 and row["speedup"] > 0
 
 
+@pytest.mark.slow  # 78 s
 def test_bench_reports_oom_instead_of_running():
   (row,) = bench("--memory_cap_mb=0.001", "--nocheck_grads")
   assert row["naive_s"] == "oom" and row["replay_s"] == "oom"

@@ -30,6 +30,7 @@ def writer(tmp_path, name):
   return provenance.ResultsWriter(str(tmp_path / f"{name}.jsonl"), name, echo=False)
 
 
+@pytest.mark.slow  # 67 s
 def test_q1_times_every_phase_of_both_modes(tmp_path):
   rows = q1_wallclock.run(
     [24], ["replay", "naive"], 1, "grpo_haystack", TINY, writer(tmp_path, "q1")
@@ -138,6 +139,7 @@ def test_q3_bisection_finds_the_frontier(tmp_path):
   assert capped["longest_prefix"] == 64 and capped["capped_by_max"]
 
 
+@pytest.mark.slow  # 76 s
 def test_q3_one_real_trial_in_a_subprocess():
   opts = dict(
     tail_len=4,
@@ -157,6 +159,7 @@ def test_q3_one_real_trial_in_a_subprocess():
   assert compiled["seconds"] is None and compiled["compiled_mb"] > res["compiled_mb"] * 0.5
 
 
+@pytest.mark.slow  # 80 s; rl_test checks the critic through replay
 def test_q5_critic_step_through_replay_matches_naive():
   (row,) = q5_objectives.measure(
     "value",

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import slow_where
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -140,7 +141,9 @@ def test_logits_match_transformers(checkpoints, family):
   assert np.abs(np.asarray(ours) - ref).max() <= 1e-4
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# torch autograd agreement: mistral, gemma3, qwen2 under -m slow (16-18 s each; kept: llama,
+# qwen3, gemma2)
+@pytest.mark.parametrize("family", slow_where(FAMILIES, {"mistral", "gemma3", "qwen2"}))
 def test_replay_grpo_gradient_matches_torch_autograd(checkpoints, family):
   """Branch replay (prefix once, tails against its cache, windowed caches sliced) against
   torch autograd of the same loss on every full sequence, float32, left-padded prompts."""

@@ -185,6 +185,7 @@ def test_run_py_on_two_processes(tmp_path):
   assert sum("token positions computed" in log for log in logs) == 1  # one summary
 
 
+@pytest.mark.slow  # 93 s
 def test_finished_run_rerun_on_two_processes_does_not_hang(tmp_path):
   """A 1-step run on two processes (one CPU device each, mesh fsdp:2: the parameters are
   split across the processes, so greedy decoding is a collective) with the greedy

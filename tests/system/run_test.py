@@ -91,6 +91,7 @@ def test_three_step_run_end_to_end_and_same_seed_same_metrics(tmp_path):
   assert _untimed(_train_records(s3["workdir"])) != _untimed(recs)
 
 
+@pytest.mark.slow  # 89 s; trainer_test checks the loop resumes
 def test_resume_equals_uninterrupted(tmp_path):
   full = trainer.run(tiny("train.rl_steps=3"), str(tmp_path / "full"))
   workdir = str(tmp_path / "resumed")
@@ -106,6 +107,7 @@ def test_resume_equals_uninterrupted(tmp_path):
   assert _untimed(recs) == _untimed(_train_records(full["workdir"]))
 
 
+@pytest.mark.slow  # 77 s; verify_test and frozen_flat_test check the two modes agree
 def test_replay_and_naive_modes_agree(tmp_path):
   a = trainer.run(tiny("train.rl_steps=2"), str(tmp_path / "replay"))
   b = trainer.run(tiny("train.rl_steps=2", "replay.mode=naive"), str(tmp_path / "naive"))
