@@ -8,11 +8,11 @@ import dataclasses
 import json
 import re
 import typing
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
-from branch_replay.core import losses
-from branch_replay.algorithms import options
-from branch_replay.algorithms.options import AlgoConfig
+from branch_replay import algorithms  # the registry: an algorithm's options, by name
+from branch_replay.core import advantages, losses
+from branch_replay.sections import NamedSection
 from branch_replay.core.critic import CriticConfig
 from branch_replay.core.losses import LossConfig
 from branch_replay.core.sampler import SamplerConfig
@@ -24,6 +24,79 @@ from models.lora import LoraConfig
 from models.transformer import ModelConfig
 
 MODES = ("replay", "naive")
+
+
+# ----------------------------------------------------------------------------- the algorithm
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class AlgoConfig(NamedSection):
+  """`name` picks the algorithm (algorithms.ALGORITHMS); `options` is its own dataclass (its
+  module's `Options`), given and read flat: AlgoConfig(name="ppo", ppo_epochs=2);
+  `cfg.algo.ppo_epochs`. An option another algorithm owns is refused by name (`algo.pairs_file:
+  not an option of algo 'grpo'`)."""
+
+  name: str = "grpo"
+  options: Any = None
+  section, default = "algo", "grpo"
+
+  @classmethod
+  def options_class(cls, name: str) -> type:
+    return algorithms.options_class(name)  # the algorithm's module, imported by name
+
+  @staticmethod
+  def owners(field: str) -> list[str]:
+    """The algorithms that have option `field` (for the message refusing it elsewhere)."""
+    return algorithms.owners(field)
+
+
+# Options that lived in other sections before the `algo` section (configs saved then, and old
+# command lines): old field -> new field.
+MOVED = {
+  **{
+    f"train.{name}": f"algo.{name}"
+    for name in (
+      "advantage",
+      "advantage_std",
+      "ppo_epochs",
+      "minibatches",
+      "dynamic_sampling",
+      "max_sample_rounds",
+      "overlong_buffer",
+      "overlong_penalty",
+    )
+  },
+  "dpo.pairs_file": "algo.pairs_file",
+}
+
+
+def migrate(saved: dict) -> dict:
+  """A config dict saved before the `algo` section, in today's layout: the algorithm named
+  as the old fields implied it (a rollouts file, preference pairs, GAE's critic, else GRPO),
+  the moved options under `algo` (those the algorithm has)."""
+  if "algo" in saved:
+    return saved
+  saved = {k: dict(v) if isinstance(v, dict) else v for k, v in saved.items()}
+  old = {}
+  for path in MOVED:
+    section, field = path.split(".")
+    if field in saved.get(section, {}):
+      old[field] = saved[section].pop(field)
+  saved.pop("dpo", None)
+  if saved.get("task", {}).get("name") == "rollouts":
+    name = "rollouts"
+  elif saved.get("loss", {}).get("name") == "dpo":
+    name = "dpo"
+  elif old.get("advantage") in advantages.NEEDS_CRITIC:
+    name = "ppo"
+  else:
+    name = "grpo"
+  fields = {f.name for f in dataclasses.fields(algorithms.options_class(name))}
+  saved["algo"] = {"name": name, **{k: v for k, v in old.items() if k in fields}}
+  return saved
+
+
+# ----------------------------------------------------------------------------- the config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,8 +202,9 @@ class Config:
   loss: LossConfig = LossConfig()
   replay: ReplayConfig = ReplayConfig()
   train: TrainConfig = TrainConfig()
-  # the algorithm and its own options (algorithms/options.py): grpo | ppo | dpo | sft | rollouts
-  algo: AlgoConfig = AlgoConfig()
+  # the algorithm and its own options (its module's Options): grpo | ppo | dpo | sft | rollouts
+  # (a factory: the algorithm's module is imported when a Config is made, not with this one)
+  algo: AlgoConfig = dataclasses.field(default_factory=AlgoConfig)
   sampler: SamplerConfig = SamplerConfig()
   task: TaskConfig = TaskConfig()
   critic: CriticConfig = CriticConfig()  # PPO's value model (algo.name=ppo)
@@ -147,13 +221,9 @@ class Config:
         f"tokenizer's {TOKENIZER.vocab_size}"
       )
     self._check_algorithm()
-    if self.loss.name == "dpo":  # pairs (dpo.py; on trees the last fan-out), not sampled groups
-      if self.train.n_branches != 2 and not self.tree.fanouts:
-        raise ValueError(
-          f"train.n_branches={self.train.n_branches}: DPO trains on (chosen, "
-          "rejected) pairs, expected 2"
-        )
-    elif not self.loss.objective.trainable:
+    algorithms.check(self)  # what the selected algorithm needs of the other sections
+    # DPO trains pairs (algorithms/dpo.py:check), every other objective sampled groups
+    if self.loss.name != "dpo" and not self.loss.objective.trainable:
       trainable = sorted(n for n, o in losses.OBJECTIVES.items() if o.trainable)
       raise ValueError(
         f"loss.name={self.loss.name!r}: the trainer samples groups; expected "
@@ -193,12 +263,6 @@ class Config:
         raise ValueError(
           f"algo.name={owner!r} with {field}={value!r}: expected {field}={own!r} ({what})"
         )
-    if name == "sft" and (self.train.rl_steps or not self.train.sft_steps):
-      raise ValueError(
-        f"algo.name='sft' with train.sft_steps={self.train.sft_steps}, "
-        f"train.rl_steps={self.train.rl_steps}: SFT trains train.sft_steps "
-        "supervised steps; expected sft_steps >= 1 and rl_steps=0"
-      )
     if name != "ppo" and self.critic != CriticConfig():
       changed = [
         f.name
@@ -322,12 +386,6 @@ class Config:
           f"{field}={value!r} with tree.fanouts={self.tree.fanouts!r}: {why}; "
           f"expected {' or '.join(map(repr, expected))}"
         )
-    if self.algo.name == "dpo" and fanouts[-1] != 2:
-      raise ValueError(
-        f"tree.fanouts={self.tree.fanouts!r} with algo.name='dpo': DPO pairs "
-        "the last level's siblings (chosen, rejected); expected a last fan-out "
-        "of 2"
-      )
     if getattr(self.algo, "advantage", None) == "rloo" and min(fanouts) < 2:
       raise ValueError(
         f"algo.advantage='rloo' with tree.fanouts={self.tree.fanouts!r}: "
@@ -421,10 +479,10 @@ def apply_overrides(cfg: Config, overrides: Sequence[str]) -> Config:
     if "=" not in item:
       raise ValueError(f"--set {item!r}: expected section.field=value")
     path, text = item.split("=", 1)
-    if path.strip() in options.MOVED:
+    if path.strip() in MOVED:
       hint = " (train.advantage=gae is algo.name=ppo)" if path.strip() == "train.advantage" else ""
       raise ValueError(
-        f"--set {path.strip()!r}: moved to {options.MOVED[path.strip()]!r}, "
+        f"--set {path.strip()!r}: moved to {MOVED[path.strip()]!r}, "
         f"an option of the algorithm (algo.name){hint}"
       )
     parts = path.strip().split(".")
@@ -470,7 +528,7 @@ def to_dict(cfg: Config) -> dict:
 
 
 def from_dict(d: dict) -> Config:
-  d = options.migrate(d)  # saved before the `algo` section
+  d = migrate(d)  # saved before the `algo` section
   kinds = {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}
   kwargs = {k: (kinds[k](**v) if dataclasses.is_dataclass(kinds[k]) else v) for k, v in d.items()}
   return Config(**kwargs)
@@ -505,9 +563,7 @@ def incompatible(saved: dict, cfg: Config) -> list[str]:
   """'field: saved X, now Y' for every difference that forbids resuming."""
   now = json.loads(json.dumps(to_dict(cfg)))
   # a config saved before a section existed had that section's defaults
-  saved = json.loads(
-    json.dumps({"lora": dataclasses.asdict(LoraConfig()), **options.migrate(saved)})
-  )
+  saved = json.loads(json.dumps({"lora": dataclasses.asdict(LoraConfig()), **migrate(saved)}))
   flat = lambda d: {
     f"{s}.{k}" if isinstance(v, dict) else s: vv
     for s, v in d.items()

@@ -1,7 +1,7 @@
 """Config sections named by a registry: `name` picks an entry and `options` is that entry's own
 frozen dataclass, given flat (`TaskConfig(name="haystack", prompt_len=64)`,
 `--set=algo.ppo_epochs=2`) and read flat (`cfg.algo.ppo_epochs`). The task and the algorithm
-sections (tasks.TaskConfig, algorithms/options.AlgoConfig) are two of these."""
+sections (data/tasks.TaskConfig, config.AlgoConfig) are two of these."""
 
 from __future__ import annotations
 

@@ -19,32 +19,103 @@ which compiles its jitted steps (cached across runs in one process) and then ans
   restore_template(state, step) -> dict       the checkpoint's tree at `step` (resume)
   summarize(records) -> dict; format_summary(summary) -> str
 
-Each lives in its own module and imports no other's names (PPO builds on GRPO's sampling
-and policy step, GRPO on SFT's warm-up, through the registry, `get`); `for_config` imports only
-the one a config selects (`algo.name`; its options: options.py).
+Each lives in its own module with its `Options` (the `algo` section's fields when `algo.name`
+selects it) and, optionally, `check(cfg)` (what it needs of the other sections, raised by
+field before any compute); `for_config` and `options_class` import only the one a config
+selects. A new algorithm is one module and one line in ALGORITHMS (or `register`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
-# name -> (module, class); a new algorithm is one module, one line here and its options
-# (options.py). `algo.name` selects one; each serves flat and tree rollouts (tree.fanouts).
+from branch_replay.core import advantages
+
+# name -> (module, class): `algo.name` selects one; each serves flat and tree rollouts
+# (tree.fanouts).
 ALGORITHMS = {
-  "grpo": ("grpo", "GRPO"),
-  "ppo": ("ppo", "PPO"),
-  "dpo": ("dpo", "DPO"),
-  "sft": ("sft", "SFT"),
-  "rollouts": ("rollouts", "Rollouts"),
+  "grpo": ("branch_replay.algorithms.grpo", "GRPO"),
+  "ppo": ("branch_replay.algorithms.ppo", "PPO"),
+  "dpo": ("branch_replay.algorithms.dpo", "DPO"),
+  "sft": ("branch_replay.algorithms.sft", "SFT"),
+  "rollouts": ("branch_replay.algorithms.rollouts", "Rollouts"),
 }
+
+
+def register(name: str, module: str, cls: str) -> None:
+  """One more algorithm: `module` (dotted, importable) defines class `cls` and `Options`."""
+  if name in ALGORITHMS and ALGORITHMS[name] != (module, cls):
+    raise ValueError(f"algorithm {name!r}: already registered as {ALGORITHMS[name]}")
+  ALGORITHMS[name] = (module, cls)
+
+
+def _module(name: str):
+  if name not in ALGORITHMS:
+    raise ValueError(f"algo.name={name!r}: expected one of {sorted(ALGORITHMS)}")
+  return importlib.import_module(ALGORITHMS[name][0])
 
 
 def get(name: str):
   if name not in ALGORITHMS:
     raise ValueError(f"algorithm {name!r}: expected one of {sorted(ALGORITHMS)}")
-  module, cls = ALGORITHMS[name]
-  return getattr(importlib.import_module(f"branch_replay.algorithms.{module}"), cls)
+  return getattr(_module(name), ALGORITHMS[name][1])
 
 
 def for_config(cfg):
   return get(cfg.algo.name)
+
+
+def options_class(name: str) -> type:
+  """The `Options` dataclass of algorithm `name` (the `algo` section's fields)."""
+  return _module(name).Options
+
+
+def check(cfg) -> None:
+  """The selected algorithm's `check(cfg)`, if it has one (Config.__post_init__ calls it)."""
+  fn = getattr(_module(cfg.algo.name), "check", None)
+  if fn is not None:
+    fn(cfg)
+
+
+def owners(field: str) -> list[str]:
+  """The algorithms that have option `field` (for the message refusing it elsewhere)."""
+  return [n for n in ALGORITHMS if field in {f.name for f in dataclasses.fields(options_class(n))}]
+
+
+# ----------------------------------------------------------------------------- the base
+
+
+def int_at_least(options, names, low: int):
+  for name in names:
+    value = getattr(options, name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+      raise ValueError(f"algo.{name}={value!r}: expected an int >= {low}")
+
+
+def check_estimator(name: str):
+  if name in advantages.NEEDS_CRITIC:
+    raise ValueError(
+      f"algo.advantage={name!r}: per-token advantages come from PPO's critic; "
+      "expected algo.name=ppo (or a group estimator: "
+      f"{sorted(advantages.ESTIMATORS)})"
+    )
+  advantages.check(name)
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledOptions:
+  """What every algorithm that samples groups (flat or tree) shares."""
+
+  ppo_epochs: int = 1  # passes over each sampled batch
+  minibatches: int = 1  # replay steps per pass, the batch split by prompt (divides batch_size)
+  dynamic_sampling: bool = False  # DAPO: drop all-equal-reward groups, refill from new prompts
+  max_sample_rounds: int = 4  # DAPO: sampling rounds per step at most
+  overlong_buffer: int = 0  # DAPO overlong shaping: tokens before the limit where it starts
+  overlong_penalty: float = 1.0  # DAPO overlong shaping: reward penalty at the limit
+
+  def __post_init__(self):
+    int_at_least(self, ("ppo_epochs", "minibatches", "max_sample_rounds"), 1)
+    int_at_least(self, ("overlong_buffer",), 0)
+    if not self.overlong_penalty >= 0:
+      raise ValueError(f"algo.overlong_penalty={self.overlong_penalty!r}: expected >= 0")

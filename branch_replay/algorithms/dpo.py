@@ -5,6 +5,9 @@ each step scores chosen and rejected under it (one shared-prefix forward) and ta
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +16,29 @@ from branch_replay.data import dpo
 from branch_replay.core import sharding, tree
 from branch_replay.train import state as train_state
 from branch_replay.algorithms.grpo import GRPO
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  pairs_file: str = ""  # JSON lines {"prompt", "chosen", "rejected"}; "" = pairs from the task
+
+  def __post_init__(self):
+    if self.pairs_file and not os.path.isfile(self.pairs_file):
+      raise ValueError(f"algo.pairs_file={self.pairs_file!r}: no such file")
+
+
+def check(cfg) -> None:
+  """Pairs: two branches per prompt (chosen, rejected); on trees the last level's siblings."""
+  if not cfg.tree.fanouts and cfg.train.n_branches != 2:
+    raise ValueError(
+      f"train.n_branches={cfg.train.n_branches}: DPO trains on (chosen, rejected) pairs, expected 2"
+    )
+  if cfg.tree.fanouts and cfg.tree.fanout_tuple[-1] != 2:
+    raise ValueError(
+      f"tree.fanouts={cfg.tree.fanouts!r} with algo.name='dpo': DPO pairs the last level's "
+      "siblings (chosen, rejected); expected a last fan-out of 2"
+    )
+
 
 KEYS = ("loss/policy", "grad/norm", "logp/mean", "entropy")  # of the replay step's metrics
 

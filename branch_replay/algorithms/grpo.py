@@ -5,6 +5,7 @@ groups (R branches per prompt, optional trunk) and trees (`tree.fanouts`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
@@ -22,6 +23,18 @@ from branch_replay.train import state as train_state
 from branch_replay.config import Config
 from branch_replay.train.state import TrainState, place, reference, sample_examples, weights
 from branch_replay.data.tokenizer import TOKENIZER
+
+
+@dataclasses.dataclass(frozen=True)
+class Options(algorithms.SampledOptions):
+  """GRPO and its family on sampled groups or trees."""
+
+  advantage: str = "grpo"  # a group estimator (advantages.py): grpo | dr_grpo | rloo | yours
+  advantage_std: bool = True  # grpo: divide by the group std (False: centred only)
+
+  def __post_init__(self):
+    super().__post_init__()
+    algorithms.check_estimator(self.advantage)
 
 
 def auto_tree(batch, cfg, pad_id: int = 0):

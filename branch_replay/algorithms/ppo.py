@@ -15,6 +15,7 @@ engine scores each path with its own, as the naive twin runs every path as its o
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, NamedTuple
 
@@ -29,6 +30,14 @@ from branch_replay.train import steps
 from branch_replay.algorithms import grpo
 from branch_replay.train import state as train_state
 from branch_replay.config import Config
+
+
+@dataclasses.dataclass(frozen=True)
+class Options(algorithms.SampledOptions):
+  """PPO: GRPO's sampling and epochs; advantages from the critic's values by GAE (the value
+  model's own options: the `critic` section)."""
+
+  advantage = "gae"  # not an option: what PPO's advantages are
 
 
 def critic_body(state: train_state.TrainState, cfg: Config):

@@ -11,6 +11,7 @@ are the behaviour policy of every later epoch (and of a resumed run).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -22,6 +23,20 @@ from branch_replay.core import advantages, engine, tree, trie
 from branch_replay.train import phases, steps, verify
 from branch_replay.data import rollouts
 from branch_replay.train import state as train_state
+from branch_replay import algorithms
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """Completions from a file (task.name=rollouts): group advantages, passes over each batch."""
+
+  advantage: str = "grpo"
+  advantage_std: bool = True
+  ppo_epochs: int = 1
+
+  def __post_init__(self):
+    algorithms.int_at_least(self, ("ppo_epochs",), 1)
+    algorithms.check_estimator(self.advantage)
 
 
 class Recorded:

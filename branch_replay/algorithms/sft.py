@@ -14,6 +14,16 @@ from branch_replay.core import sampler, sharding, tree
 from branch_replay.data import tasks, tree_task
 from branch_replay.train import state as train_state
 from branch_replay.data.tokenizer import TOKENIZER
+from branch_replay.sections import NoOptions as Options  # noqa: F401 (SFT has no options)
+
+
+def check(cfg) -> None:
+  if cfg.train.rl_steps or not cfg.train.sft_steps:
+    raise ValueError(
+      f"algo.name='sft' with train.sft_steps={cfg.train.sft_steps}, "
+      f"train.rl_steps={cfg.train.rl_steps}: SFT trains train.sft_steps supervised steps; "
+      "expected sft_steps >= 1 and rl_steps=0"
+    )
 
 
 def _floats(out) -> dict:

@@ -13,7 +13,7 @@ rewards/chosen, rewards/rejected. Measured: experiments/results/rl_compare_2026-
 
 import dataclasses
 
-from branch_replay.algorithms.options import AlgoConfig
+from branch_replay.config import AlgoConfig
 from experiments.configs import grpo_haystack
 
 

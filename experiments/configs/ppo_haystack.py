@@ -15,7 +15,7 @@ Measured: experiments/results/ppo_haystack_2026-11-30.jsonl and rl_compare_ppo_2
 
 import dataclasses
 
-from branch_replay.algorithms.options import AlgoConfig
+from branch_replay.config import AlgoConfig
 from branch_replay.core.critic import CriticConfig
 from experiments.configs import grpo_haystack
 
