@@ -115,45 +115,6 @@ def _loss_dtype(params):
   return jnp.float64 if leaves and leaves[0].dtype == jnp.float64 else jnp.float32
 
 
-def value_and_grad(
-  prefill_fn,
-  branch_loss_fn,
-  params,
-  prefix,
-  branches_R,
-  *,
-  branch_chunk: Optional[int] = None,
-  combine: Combine = None,
-  cache_constraint: Optional[Callable[[Any], Any]] = None,
-  batched: bool = False,
-):
-  """The whole method: returns (loss, aux_R, grads), grads equal to the naive gradient.
-
-  cache_constraint, if given, is applied to the cache where it crosses from the prefix to
-  the tails (a sharding constraint: the layout decision is visible where it matters).
-  """
-  # 1. Prefix forward, once; prefix_vjp keeps the residuals alive.
-  cache, prefix_vjp = prefix_forward(prefill_fn, params, prefix)
-  if cache_constraint is not None:
-    cache = cache_constraint(cache)
-  # 2. Tails: forward+backward of every branch against the shared cache; the cotangents
-  #    flowing into the cache (K/V, hidden states, trunk log-probs) arrive summed over R.
-  loss, aux_R, dparams_tail, dcache = tails_value_and_grad(
-    branch_loss_fn,
-    params,
-    cache,
-    branches_R,
-    branch_chunk=branch_chunk,
-    combine=combine,
-    batched=batched,
-  )
-  # 3. One prefix backward with the branch-summed cotangent.
-  (dparams_prefix,) = prefix_vjp(jax.tree.map(lambda d, c: d.astype(c.dtype), dcache, cache))
-  # 4. The two halves of the gradient (summed in float32 at least).
-  grads = jax.tree.map(_add, dparams_tail, dparams_prefix)
-  return loss, aux_R, grads
-
-
 def tree_value_and_grad(
   root_fn,
   level_fns,
@@ -165,7 +126,9 @@ def tree_value_and_grad(
   combine: Combine = None,
   cache_constraint: Optional[Callable[[int, Any], Any]] = None,
 ):
-  """The method on a tree (depth 1: `value_and_grad`): returns (loss, aux_R, grads).
+  """The method: returns (loss, aux_R, grads), grads equal to the naive gradient. At depth 1
+  (no level_fns: a prompt and its R branches) it runs the README's four steps; deeper, step 2
+  repeats per inner level and step 4 climbs the levels.
 
   root_fn(params) -> cache; level_fns[d-1](params, caches of levels < d) -> level d's cache;
   leaf_loss_fn(params, caches, leaves_R) -> (values_R, aux_R) for every leaf at once (leading
