@@ -125,6 +125,19 @@ TABLES = {
         1,
       ),
       Source(
+        "trl_cpu_2026-12-04.jsonl",
+        (
+          "... one RL step side by side with TRL's `GRPOTrainer` (same model, prompts, B=2 x R=8, "
+          "LoRA r16, KL 0.02): ours vs TRL, median of 5",
+          "whole step {median_s[ours][step]:.1f} vs {median_s[trl][step]:.1f} s "
+          "({ratio_trl_over_ours[step]:.1f}x); update {median_s[ours][update]:.1f} vs "
+          "{median_s[trl][update]:.1f} s ({ratio_trl_over_ours[update]:.1f}x)",
+          "`{_file}`",
+        ),
+        ("summary=True",),
+        1,
+      ),
+      Source(
         "cpu_long_context_2026-11-30.jsonl",
         (
           "one loss+gradient step, P={prefix_len}, R={branches}, T={tail_len}, CPU: replay vs naive",
@@ -240,6 +253,71 @@ TABLES = {
           "{median_rl_step_s:.0f}",
         ),
         ("kind=summary",),
+        1,
+      ),
+    ),
+  ),
+  "trl": Table(
+    (
+      "phase (median s over steps 1-5)",
+      "ours (branch replay, JAX)",
+      "TRL GRPOTrainer",
+      "TRL / ours",
+    ),
+    (
+      Source(
+        "trl_cpu_2026-12-04.jsonl",
+        (
+          "generation (sampling)",
+          "{median_s[ours][generate]:.2f}",
+          "{median_s[trl][generate]:.2f}",
+          "{ratio_trl_over_ours[generate]:.2f}",
+        ),
+        ("summary=True",),
+        1,
+      ),
+      Source(
+        "trl_cpu_2026-12-04.jsonl",
+        (
+          "reward",
+          "{median_s[ours][reward]:.4f}",
+          "{median_s[trl][reward]:.4f}",
+          "{ratio_trl_over_ours[reward]:.2f}",
+        ),
+        ("summary=True",),
+        1,
+      ),
+      Source(
+        "trl_cpu_2026-12-04.jsonl",
+        (
+          "reference log-probs",
+          "{median_s[ours][ref_logp]:.2f}",
+          "{median_s[trl][ref_logp]:.2f}",
+          "{ratio_trl_over_ours[ref_logp]:.2f}",
+        ),
+        ("summary=True",),
+        1,
+      ),
+      Source(
+        "trl_cpu_2026-12-04.jsonl",
+        (
+          "update (forward + backward + AdamW)",
+          "{median_s[ours][update]:.2f}",
+          "{median_s[trl][update]:.2f}",
+          "{ratio_trl_over_ours[update]:.2f}",
+        ),
+        ("summary=True",),
+        1,
+      ),
+      Source(
+        "trl_cpu_2026-12-04.jsonl",
+        (
+          "whole RL step",
+          "{median_s[ours][step]:.2f}",
+          "{median_s[trl][step]:.2f}",
+          "{ratio_trl_over_ours[step]:.2f}",
+        ),
+        ("summary=True",),
         1,
       ),
     ),

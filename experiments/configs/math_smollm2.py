@@ -126,7 +126,8 @@ def get_config():
     lora=LoraConfig(rank=LORA_RANK),
   )
   # replay.verify off: the first-step replay == naive check compiles the naive twin of a
-  # 135M model (minutes here); experiments/recipe_twin.py compares them over a few steps.
+  # 135M model (minutes here); the same command with --set=replay.mode=naive is the twin
+  # (docs/recipe.md: both modes over a few steps from the same seed).
   return dataclasses.replace(
     cfg,
     loss=dataclasses.replace(cfg.loss, kl_coef=KL_COEF),
