@@ -1092,6 +1092,8 @@ CLAIMS = {
   "headline": "the README's headline numbers, one row per claim",
   "default_run": "the default run learns the task: sampled and greedy reward before -> after RL",
   "jsonl_reverse": "your own prompts from a file: the warm-up fits them, RL keeps them",
+  "trl": "our GRPO step against TRL's GRPOTrainer on the same model, prompts and settings, "
+  "phase by phase",
   "recipe": "a real pretrained model (SmolLM2-135M-Instruct) trained with LoRA on k-shot math: "
   "greedy held-out accuracy before -> after RL",
   "lora_memory": "LoRA on the large preset: ~1% of the trainable state, replay's memory saving kept",
