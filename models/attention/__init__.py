@@ -20,8 +20,11 @@ Two implementations behind one signature (`impl`):
   dense      materialises the [B, K, T, G, S] scores: the test oracle.
   blockwise  flash-style online softmax under one jax.custom_vjp, saving only the output and
              the log-sum-exp; the backward recomputes score tiles with the global LSE.
-  fused      a fused GPU kernel per segment (tokamax, attention_fused.py), merged the same way;
+  fused      a fused GPU kernel per segment (tokamax, fused.py), merged the same way;
              refused (ValueError) without tokamax and a supported GPU: use blockwise.
+A new kernel is a module beside these (segments.py holds the segment type and the merge),
+selected by `model.attention`, and equal to `dense` in float64 on awkward shapes
+(tests/models/attention_test.py). context_parallel.py splits the tails over a mesh axis.
 """
 
 from __future__ import annotations
