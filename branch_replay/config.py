@@ -441,9 +441,15 @@ def _parse(text: str, hint, where: str):
   origin = typing.get_origin(hint)
   if origin is typing.Union or type(hint).__name__ == "UnionType":
     args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if text.lower() in ("none", "null"):
+    if text.lower() in ("none", "null") and len(args) < len(typing.get_args(hint)):
       return None
-    return _parse(text, args[0], where)
+    errors = []
+    for arg in args:  # the first type that parses it (model.remat: true | full | dots)
+      try:
+        return _parse(text, arg, where)
+      except ValueError as e:
+        errors.append(str(e).split(": ", 1)[-1])
+    raise ValueError(f"{where}={text!r}: {' or '.join(errors)}")
   if hint is bool:
     if text.lower() in ("true", "1", "yes"):
       return True

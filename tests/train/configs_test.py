@@ -66,3 +66,17 @@ def test_base_is_what_the_haystack_configs_share():
     cfg = registry.get_config(name)
     assert (cfg.model, cfg.loss, cfg.train) == (base.MODEL, base.LOSS, base.TRAIN), name
   assert base.train(rl_steps=3).rl_steps == 3 and base.TRAIN.rl_steps == 150
+
+
+def test_a_field_of_two_types_takes_either_from_the_command_line():
+  """model.remat is `bool | str`: --set takes true/false and the policy names alike; a value
+  neither type takes names both expectations; Optional fields still take none."""
+  from branch_replay.config import Config, apply_overrides
+
+  for text, remat in (("true", "full"), ("false", "none"), ("dots", "dots"), ("full", "full")):
+    assert apply_overrides(Config(), [f"model.remat={text}"]).model.remat == remat
+  with pytest.raises(ValueError, match=r"model.remat='bogus': expected one of"):
+    apply_overrides(Config(), ["model.remat=bogus"])
+  assert apply_overrides(Config(), ["replay.branch_chunk=none"]).replay.branch_chunk is None
+  with pytest.raises(ValueError, match=r"replay.branch_chunk='x': expected int"):
+    apply_overrides(Config(), ["replay.branch_chunk=x"])
