@@ -102,7 +102,7 @@ TABLES = {
         1,
       ),
       Source(
-        "math_smollm2_temp1_2026-12-03.jsonl",
+        "math_smollm2_2026-12-04.jsonl",
         (
           "a real model, SmolLM2-135M-Instruct (GGUF Q4_1), 8-shot math: greedy accuracy on "
           "{eval_before_n} held-out problems before RL (95% Wilson interval)",
@@ -114,7 +114,7 @@ TABLES = {
         1,
       ),
       Source(
-        "math_smollm2_2026-12-03.jsonl",
+        "math_smollm2_2026-12-04.jsonl",
         (
           "... after {rl_steps} GRPO steps with LoRA r16 (`--experiment=math_smollm2`, B=2 x R=8)",
           "{eval_after_correct}/{eval_after_n} = {eval_after:.3f} "
@@ -248,6 +248,21 @@ TABLES = {
           "{rl_steps}",
           "{reward_before:.3f} -> {reward_after:.3f}",
           "(the first try's)",
+          "{eval_after:.3f} [{eval_after_ci95[0]:.3f}, {eval_after_ci95[1]:.3f}]",
+          "{rl_computed_tokens:,} vs {rl_naive_equiv_tokens:,}",
+          "{median_rl_step_s:.0f}",
+        ),
+        ("kind=summary",),
+        1,
+      ),
+      Source(
+        "math_smollm2_2026-12-04.jsonl",
+        (
+          "the recipe, 36 steps, our GGUF import",
+          "0.6",
+          "{rl_steps}",
+          "{reward_before:.3f} -> {reward_after:.3f}",
+          "{eval_before:.3f} [{eval_before_ci95[0]:.3f}, {eval_before_ci95[1]:.3f}]",
           "{eval_after:.3f} [{eval_after_ci95[0]:.3f}, {eval_after_ci95[1]:.3f}]",
           "{rl_computed_tokens:,} vs {rl_naive_equiv_tokens:,}",
           "{median_rl_step_s:.0f}",
@@ -1078,6 +1093,7 @@ COMPANIONS = {
   "default_run_2026-12-02.png": "default run (plot)",
   "default_run_2026-12-03.png": "default run (plot)",
   "default_run_2026-12-04.png": "default run (plot)",
+  "math_smollm2_2026-12-04.png": "the 36-step recipe run (plot)",
   "gpu_h200_2026-11-30_env.txt": "H200 device check (environment)",
   "lora_memory_2026-12-01.md": "lora_memory (rendered)",
   "plan_8gpu_cpu_2026-12-02.md": "plan_8gpu (rendered)",
