@@ -1058,6 +1058,7 @@ ENGINE = {
   "default_run_d1fa8e0_rerun_2026-12-03.jsonl": "before the one batch type (rerun)",
   "default_run_2026-12-03.jsonl": "another machine (its float32 paths: first loss differs in the last bit)",
   "default_run_3d4842d_rerun_2026-12-04.jsonl": "before session 13's merges (rerun, same machine)",
+  "default_run_99370c1_rerun_2026-12-04.jsonl": "after the rooms and the formatter (rerun, same machine)",
   "rollout_strategies_cpu_2026-12-01.jsonl": "before the one engine",
   "peer_cpu_before_2026-12-01.jsonl": "before issue 18's changes",
   "profile_cpu_before_2026-12-01.jsonl": "before issue 18's changes",
