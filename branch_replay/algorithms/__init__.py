@@ -57,8 +57,6 @@ def _module(name: str):
 
 
 def get(name: str):
-  if name not in ALGORITHMS:
-    raise ValueError(f"algorithm {name!r}: expected one of {sorted(ALGORITHMS)}")
   return getattr(_module(name), ALGORITHMS[name][1])
 
 

@@ -123,27 +123,39 @@ def _call(fn, args, kwargs, seconds: float):
   return box["value"]
 
 
-def _timeout(reward: Reward, flat_examples, flat_texts, R: int, kwargs, seconds: float):
-  """The error of a batch call that hung: each pair alone (each within `seconds`, while a
-  budget of 2 x `seconds` lasts) finds the first example that does not return in time."""
-  deadline, probed, which = time.monotonic() + 2 * seconds, 0, None
-  for i, (ex, text) in enumerate(zip(flat_examples, flat_texts)):
+def _first_hung(thunks, seconds: float):
+  """(index of the first thunk that alone does not return within `seconds`, or None; how
+  many were tried), trying them in order while a budget of 2 x `seconds` lasts. A thunk that
+  raises returns (an error is not a hang)."""
+  deadline, tried = time.monotonic() + 2 * seconds, 0
+  for i, thunk in enumerate(thunks):
     if deadline - time.monotonic() < seconds:
       break  # the budget ran out before a probe could run its full limit
-    probed += 1
+    tried += 1
     try:
-      got = _call(reward.fn, ([ex], [text]), kwargs, seconds)
+      if _call(thunk, (), {}, seconds) is _HUNG:
+        return i, tried
     except Exception:
-      continue  # it returns (an error is not a hang; the batch call would have raised it)
-    if got is _HUNG:
-      which = (
-        f"{_where(ex)}example {i // R} branch {i % R} (prompt {ex.prompt[-60:]!r}, "
-        f"completion {text[:60]!r}) alone does not return within it"
-      )
-      break
-  if which is None:
+      continue
+  return None, tried
+
+
+def _timeout(reward: Reward, flat_examples, flat_texts, R: int, kwargs, seconds: float):
+  """The error of a batch call that hung: each pair alone finds the first example that does
+  not return in time (`_first_hung`)."""
+  pairs = list(zip(flat_examples, flat_texts))
+  i, tried = _first_hung(
+    (lambda ex=ex, text=text: reward.fn([ex], [text], **kwargs) for ex, text in pairs), seconds
+  )
+  if i is not None:
+    ex, text = pairs[i]
     which = (
-      f"none of the {probed} completion(s) tried alone ran past it: the batch as a "
+      f"{_where(ex)}example {i // R} branch {i % R} (prompt {ex.prompt[-60:]!r}, "
+      f"completion {text[:60]!r}) alone does not return within it"
+    )
+  else:
+    which = (
+      f"none of the {tried} completion(s) tried alone ran past it: the batch as a "
       "whole is too slow (raise train.reward_timeout_s)"
     )
   return RewardTimeout(
@@ -157,23 +169,25 @@ def _timeout(reward: Reward, flat_examples, flat_texts, R: int, kwargs, seconds:
 def limited(what: str, fn, probes=()):
   """fn() under `time_limit` (for rewards that are not a `Reward`: a tree task's per-leaf
   `task.reward`). Past the limit: a RewardTimeout naming `what` and the first of `probes`
-  ((description, thunk) pairs, each tried alone within the limit while 2 x the limit
-  lasts) that does not return in time."""
+  ((description, thunk) pairs, read only then, each tried alone: `_first_hung`) that does
+  not return in time."""
   seconds = _LIMIT_S[0]
   got = _call(fn, (), {}, seconds)
   if got is not _HUNG:
     return got
-  deadline, which = time.monotonic() + 2 * seconds, None
-  for description, thunk in probes:
-    if deadline - time.monotonic() < seconds:
-      break
-    try:
-      if _call(thunk, (), {}, seconds) is _HUNG:
-        which = f"{description} alone does not return within it"
-        break
-    except Exception:
-      continue
-  which = which or "no single call tried alone ran past it (raise train.reward_timeout_s)"
+  seen = []
+
+  def thunks():
+    for description, thunk in probes:
+      seen.append(description)
+      yield thunk
+
+  i, _ = _first_hung(thunks(), seconds)
+  which = (
+    f"{seen[i]} alone does not return within it"
+    if i is not None
+    else "no single call tried alone ran past it (raise train.reward_timeout_s)"
+  )
   raise RewardTimeout(
     f"{what} did not return within train.reward_timeout_s={seconds:g} s; "
     f"{which}: stopping (this step is not taken; the last checkpoint stands)"

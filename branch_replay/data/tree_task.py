@@ -128,14 +128,14 @@ def rewards_of(task, examples, samples, fanouts, tok=TOKENIZER) -> np.ndarray:
   per = len(turn2[0]) // len(turn1[0])
   leaves = [(b, leaf) for b in range(len(examples)) for leaf in range(len(turn2[0]))]
   one = lambda b, leaf: task.reward(examples[b], turn1[b][leaf // per], turn2[b][leaf])
-  probes = [
+  probes = (  # read only when the call hangs
     (
       f"example {b} leaf {leaf} (prompt {examples[b].prompt[-60:]!r}, turns "
       f"{turn1[b][leaf // per][:30]!r} / {turn2[b][leaf][:30]!r})",
       lambda b=b, leaf=leaf: one(b, leaf),
     )
     for b, leaf in leaves
-  ]
+  )
   values = rewards.limited(
     f"task {type(task).__name__}'s reward on {len(leaves)} leaves",
     lambda: [one(b, leaf) for b, leaf in leaves],
