@@ -55,6 +55,21 @@ _MB = (
 )
 
 
+def _trl_phase(phase: str, label: str, digits: int) -> Source:
+  """One phase of experiments/bench_trl.py's summary line: both medians and their ratio."""
+  return Source(
+    "trl_cpu_2026-12-04.jsonl",
+    (
+      label,
+      f"{{median_s[ours][{phase}]:.{digits}f}}",
+      f"{{median_s[trl][{phase}]:.{digits}f}}",
+      f"{{ratio_trl_over_ours[{phase}]:.2f}}",
+    ),
+    ("summary=True",),
+    1,
+  )
+
+
 def _cp_memory(file: str) -> Table:
   """A context-parallel memory table (experiments/context_parallel_memory.py rows)."""
   return Table(
@@ -279,62 +294,15 @@ TABLES = {
       "TRL GRPOTrainer",
       "TRL / ours",
     ),
-    (
-      Source(
-        "trl_cpu_2026-12-04.jsonl",
-        (
-          "generation (sampling)",
-          "{median_s[ours][generate]:.2f}",
-          "{median_s[trl][generate]:.2f}",
-          "{ratio_trl_over_ours[generate]:.2f}",
-        ),
-        ("summary=True",),
-        1,
-      ),
-      Source(
-        "trl_cpu_2026-12-04.jsonl",
-        (
-          "reward",
-          "{median_s[ours][reward]:.4f}",
-          "{median_s[trl][reward]:.4f}",
-          "{ratio_trl_over_ours[reward]:.2f}",
-        ),
-        ("summary=True",),
-        1,
-      ),
-      Source(
-        "trl_cpu_2026-12-04.jsonl",
-        (
-          "reference log-probs",
-          "{median_s[ours][ref_logp]:.2f}",
-          "{median_s[trl][ref_logp]:.2f}",
-          "{ratio_trl_over_ours[ref_logp]:.2f}",
-        ),
-        ("summary=True",),
-        1,
-      ),
-      Source(
-        "trl_cpu_2026-12-04.jsonl",
-        (
-          "update (forward + backward + AdamW)",
-          "{median_s[ours][update]:.2f}",
-          "{median_s[trl][update]:.2f}",
-          "{ratio_trl_over_ours[update]:.2f}",
-        ),
-        ("summary=True",),
-        1,
-      ),
-      Source(
-        "trl_cpu_2026-12-04.jsonl",
-        (
-          "whole RL step",
-          "{median_s[ours][step]:.2f}",
-          "{median_s[trl][step]:.2f}",
-          "{ratio_trl_over_ours[step]:.2f}",
-        ),
-        ("summary=True",),
-        1,
-      ),
+    tuple(
+      _trl_phase(phase, label, digits)
+      for phase, label, digits in (
+        ("generate", "generation (sampling)", 2),
+        ("reward", "reward", 4),
+        ("ref_logp", "reference log-probs", 2),
+        ("update", "update (forward + backward + AdamW)", 2),
+        ("step", "whole RL step", 2),
+      )
     ),
   ),
   "jsonl_reverse": Table(
