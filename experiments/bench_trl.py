@@ -11,7 +11,8 @@ completions of up to T tokens at temperature 1, the `final_number` reward, std-n
 group advantages, token-mean loss (TRL: loss_type="dapo"), clip epsilon 0.2, one update per
 batch (TRL: num_iterations=1, so no old log-probs), LoRA rank r on q/k/v/o/gate/up/down with
 alpha = 16 (peft), the base as the KL reference with beta = loss.kl_coef (k3), AdamW at the
-same learning rate, gradient clip 1.0.
+same learning rate, gradient clip 1.0, the same recomputation (our model.remat; TRL's
+gradient_checkpointing, on by its default, follows it).
 
 Per step and side: seconds of generation, reward, old/ref log-probs, update (TRL: the
 optimizer step and its forward + backward, i.e. the whole step less its generate-and-score;
@@ -139,6 +140,9 @@ def trl_args(cfg, out_dir: str, steps: int) -> dict:
     top_p=1.0,
     top_k=0,
     learning_rate=t.learning_rate,
+    # the same recomputation as ours (TRL's GRPOConfig defaults to gradient checkpointing;
+    # the recipe runs model.remat=none, so both sides keep their activations)
+    gradient_checkpointing=cfg.model.remat != "none",
     lr_scheduler_type="constant",
     warmup_steps=0,
     weight_decay=t.weight_decay,
@@ -335,6 +339,7 @@ def main(argv):
     kl_beta=cfg.loss.kl_coef,
     lr=cfg.train.learning_rate,
     temperature=cfg.sampler.temperature,
+    remat=cfg.model.remat,  # ours; TRL: gradient_checkpointing = remat != "none"
   )
   rows = {"ours": [], "trl": []}
   trl_phase, in_score = {}, [False]

@@ -24,6 +24,8 @@ def test_trl_arguments_mirror_the_recipe(tmp_path):
   assert args.beta == cfg.loss.kl_coef and args.epsilon == cfg.loss.epsilon
   assert args.loss_type == "dapo" and args.scale_rewards == "group"  # token mean, std-normed
   assert not args.shuffle_dataset and args.use_cpu
+  # the same recomputation on both sides (TRL's own default would checkpoint every layer)
+  assert args.gradient_checkpointing == (cfg.model.remat != "none")
   lora = bench_trl.peft_config(cfg)
   assert lora.r == cfg.lora.rank and lora.lora_alpha == cfg.lora.alpha
   assert set(lora.target_modules) == set(bench_trl.TARGETS)
