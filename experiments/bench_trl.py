@@ -7,7 +7,7 @@ dequantized), written to an HF folder that both sides read (transformers' Traine
 model still flagged GGUF-quantized),
 the recipe's k-shot prompts (experiments/configs/math_smollm2.py; the same B prompts per
 step on both sides, in our sampler's order), its chat template, R = num_generations
-completions of up to T tokens at temperature 1, the `final_number` reward, std-normalised
+completions of up to T tokens at the recipe's temperature, the `final_number` reward, std-normalised
 group advantages, token-mean loss (TRL: loss_type="dapo"), clip epsilon 0.2, one update per
 batch (TRL: num_iterations=1, so no old log-probs), LoRA rank r on q/k/v/o/gate/up/down with
 alpha = 16 (peft), the base as the KL reference with beta = loss.kl_coef (k3), AdamW at the
