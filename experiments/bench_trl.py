@@ -290,8 +290,22 @@ def wrap_timer(obj, name: str, bucket: dict, key: str, when=lambda: True):
   setattr(obj, name, timed)
 
 
+PEERS = ("torch", "transformers", "trl", "peft", "datasets", "accelerate")
+
+
+def require_peers() -> None:
+  """The peer's packages (requirements-peer.txt, not requirements.txt), named before any work."""
+  missing = [name for name in PEERS if importlib.util.find_spec(name) is None]
+  if missing:
+    raise SystemExit(
+      f"bench_trl: {', '.join(missing)} not installed: TRL's side needs the peer packages, "
+      "pip install -r requirements-peer.txt (they are not in requirements.txt)"
+    )
+
+
 def main(argv):
   del argv
+  require_peers()
   import numpy as np
   import torch
   from datasets import Dataset

