@@ -8,8 +8,10 @@ scored tokens (model.mlp_chunk, model.logits_chunk_rows: engine options, tested 
 unchunked step and the naive twin in tests/core/long_context_test.py and tests/core/lora_test.py).
 The step is the trainer's LoRA step: branch_replay.core.lora.loss_and_grad (the one engine) + AdamW.
 
-  # compile only, one fake CPU device, one subprocess per row:
-  python experiments/plan_1gpu.py --out=experiments/results/plan_1gpu_cpu_2026-12-03.jsonl
+  # compile only, by XLA:GPU for an H200 without a GPU (experiments/gpu_target.py), one
+  # subprocess per row:
+  python experiments/plan_1gpu.py --out=experiments/results/plan_1gpu_gpu_aot_2026-12-04.jsonl
+  python experiments/plan_1gpu.py --backend=cpu   # the CPU backend's footprint (a proxy)
   python experiments/plan_1gpu.py --model=llama3_8b --layers=2 --layers=4 --prefix_len=131072
   # on one GPU (experiments/gpu_check.sh): random weights, compile, 1 warm-up + 2 timed steps
   # (a `compiled` line and a `step` line per step as they happen, then the `run` row)
@@ -22,12 +24,15 @@ H20 96 GB and H100 80 GB, the state's bytes from shapes, and the step time predi
 FLOPs at 40% and 60% MFU and by experiments/cost_model.py (calibrated matmul efficiency,
 flash attention at 0.35 (0.2-0.55), element-wise passes; one device, no communication).
 
-CPU XLA is a proxy for the GPU's memory: the CPU backend has no bf16 matmul, so it stores
-many bf16 intermediates in f32 (the saved layer inputs, the prefix K/V and their cotangents,
-the dot operands: e.g. f32[L, 1, P, 4096] for the remat'd layer inputs), and its scheduler
-and fusion differ from the GPU's. Rows therefore also carry `gpu_estimate`: cost_model.memory's
-parts in bf16 with LoRA's state (bf16 base, fp32 adapters + grads + AdamW), an analytic
-estimate, not a compiled number. The run mode measures the real peak.
+--backend=gpu (the default) compiles with XLA's GPU compiler for --target's card through
+jax's CUDA plugin with no device (deviceless AOT): the GPU's own buffer assignment and
+schedule (bf16 kept bf16; nothing autotuned). The card's memory size does not change the
+footprint (H100 and H200 targets agree to the kilobyte at 131K), so one compile serves the
+three capacities. --backend=cpu is the older proxy: the CPU backend has no bf16 matmul and
+stores many bf16 intermediates in f32 (the saved layer inputs, the prefix K/V and their
+cotangents, the scan's stacked weights), so it overstates the GPU's footprint. Rows also carry
+`gpu_estimate`: cost_model.memory's parts in bf16 with LoRA's state, an analytic estimate.
+The run mode measures the real peak on a GPU.
 """
 
 from __future__ import annotations
@@ -62,6 +67,10 @@ def define_flags():
   flags.DEFINE_integer("mlp_chunk", 8192, "model.mlp_chunk (0: the MLP whole)")
   flags.DEFINE_bool("logits_chunk_rows", True, "model.logits_chunk_rows")
   flags.DEFINE_string("attention", "blockwise", "model.attention (fused: GPU only)")
+  flags.DEFINE_enum(
+    "backend", "gpu", ["gpu", "cpu"], "compile rows: XLA:GPU deviceless (gpu) or the CPU proxy"
+  )
+  flags.DEFINE_enum("target", "H200", ["H200", "H100", "H20"], "backend=gpu: the card compiled for")
   flags.DEFINE_bool("run", False, "materialise random weights and time steps (a GPU)")
   flags.DEFINE_integer("reps", 2, "run: timed steps after the warm-up")
   flags.DEFINE_integer("timeout_s", 1800, "per compiled row")
@@ -242,6 +251,13 @@ def compile_row(model: str, P: int, layers: int) -> dict:
   check_row(P, T, R, B, FLAGS.rank)
   step, lora_cfg, tx = lora_step(cfg, FLAGS.rank)
   args = abstract_args(cfg, lora_cfg, tx, B, P, R, T)
+  if FLAGS.backend == "gpu":
+    from experiments import gpu_target
+
+    args = gpu_target.place(args, gpu_target.device(FLAGS.target))
+    backend = gpu_target.describe(FLAGS.target)
+  else:
+    backend = "cpu (proxy: bf16 intermediates stored as f32)"
   t0 = time.time()
   mem = step.lower(*args).compile().memory_analysis()
   compile_s = time.time() - t0
@@ -283,7 +299,7 @@ def compile_row(model: str, P: int, layers: int) -> dict:
     adapter_state_gb=gb(2 * nbytes(adapters) + nbytes(opt_state)),
     fits={g: total / 1e9 <= cap for g, cap in GPU_GB.items()},
     fits_with_headroom={g: total / 1e9 <= HEADROOM * cap for g, cap in GPU_GB.items()},
-    memory_backend="cpu (proxy: bf16 intermediates stored as f32)",
+    memory_backend=backend,
   )
   row["gpu_estimate_gb"] = gpu_estimate(cfg, B, P, R, T, row["adapter_params"])
   row["gpu_estimate_fits_with_headroom"] = {

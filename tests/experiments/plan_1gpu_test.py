@@ -78,13 +78,38 @@ def test_gpu_check_one_gpu_row_smoke_on_cpu(tmp_path):
   assert not (tmp_path / "gpu_bench.jsonl").exists()  # ONE_GPU_ONLY stopped after the row
 
 
+def test_gpu_target_compiles_for_an_h200_without_one():
+  """The deviceless GPU compile's buffers are the GPU's: a bf16 argument is 2 bytes an element
+  (the CPU backend would compute the product in f32) and the product's temporaries fit a
+  bf16 [n, n] block, not an f32 one."""
+  import jax
+  import jax.numpy as jnp
+
+  from experiments import gpu_target
+
+  if not gpu_target.available():
+    pytest.skip("no jax CUDA plugin")
+  dev = gpu_target.device("H200")
+  assert dev.device_kind == "NVIDIA H200"
+  n = 1024
+  (x,) = gpu_target.place((jax.ShapeDtypeStruct((n, n), jnp.bfloat16),), dev)
+  mem = jax.jit(lambda a: (a @ a) @ a).lower(x).compile().memory_analysis()
+  assert mem.argument_size_in_bytes == 2 * n * n
+  assert mem.output_size_in_bytes == 2 * n * n
+  assert mem.temp_size_in_bytes < 4 * n * n  # one bf16 product (+ workspace), no f32 copy
+  with pytest.raises(ValueError, match="card='A100'"):
+    gpu_target.target_config("A100")
+
+
 @pytest.mark.slow
-def test_compile_row_in_a_subprocess(tmp_path):
+@pytest.mark.parametrize("backend", ["gpu", "cpu"])
+def test_compile_row_in_a_subprocess(tmp_path, backend):
   path = tmp_path / "plan.jsonl"
   out = subprocess.run(
     [
       sys.executable,
       "experiments/plan_1gpu.py",
+      f"--backend={backend}",
       "--model=tiny",
       "--prefix_len=64",
       "--tail_len=8",
@@ -102,3 +127,4 @@ def test_compile_row_in_a_subprocess(tmp_path):
   assert "error" not in row, row
   assert row["total_bytes"] > 0 and row["fits_with_headroom"]["H100"]
   assert row["mlp_chunk"] == 16 and row["logits_chunk_rows"]
+  assert row["memory_backend"].startswith("xla:gpu" if backend == "gpu" else "cpu")
