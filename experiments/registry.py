@@ -66,6 +66,7 @@ KINDS = {
     "compare": "relative error of one gradient against another (the benchmarks' checks)",
     "base": "experiments/configs/base.py: the model and schedule the run configs share",
     "hlo_collectives": "the collectives of a compiled HLO module, counted as executed",
+    "gpu_target": "compile for a GPU with no GPU (XLA:GPU deviceless AOT): the memory plans",
   },
 }
 
