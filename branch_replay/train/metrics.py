@@ -34,10 +34,13 @@ def eval_record(rewards) -> dict:
 class MetricsWriter:
   """Appends records to `path`; with tensorboard=True also writes every numeric key of each
   record as a TensorBoard scalar (same name, at the record's `step`) to an event file in the
-  same directory, so `tensorboard --logdir runs/` shows every run."""
+  same directory, so `tensorboard --logdir runs/` shows every run. It keeps the run's records in
+  memory too (`records()`: those already in the file when it opens, a resumed run's, then every
+  one written), so the loop never reads back what it wrote."""
 
   def __init__(self, path: str, tensorboard: bool = False):
     self.path = path
+    self._by_key = {_key(r): r for r in read(path)} if os.path.isfile(path) else {}
     self._tb = None
     if tensorboard:
       import tensorboardX
@@ -50,9 +53,10 @@ class MetricsWriter:
     clean = {
       k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()
     }
+    line = json.dumps(clean, sort_keys=True)
     try:
       with open(self.path, "a") as f:
-        f.write(json.dumps(clean, sort_keys=True) + "\n")
+        f.write(line + "\n")
         f.flush()
     except OSError as e:  # a full disk: say what was lost and what a resume does
       from branch_replay.train import checkpoint
@@ -65,11 +69,17 @@ class MetricsWriter:
       )
       error.errno = e.errno
       raise error from e
+    rec = json.loads(line)  # as read() would return it
+    self._by_key[_key(rec)] = rec
     if self._tb is not None:
       for k, v in record.items():
         if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
           self._tb.add_scalar(k, v, global_step=record.get("step", 0))
       self._tb.flush()  # on disk with its JSON line (a run stopped by an error loses nothing)
+
+  def records(self) -> list[dict]:
+    """The run's records, as `read(path)` returns them (a step logged twice keeps its last)."""
+    return sorted(self._by_key.values(), key=_order)
 
   def close(self) -> None:
     if self._tb is not None:
@@ -133,8 +143,16 @@ def read(path: str) -> list[dict]:
       line = line.strip()
       if line:
         rec = json.loads(line)
-        by_key[(rec.get("step"), rec.get("kind", "train"))] = rec
-  return sorted(by_key.values(), key=lambda r: (r.get("step", 0), r.get("kind", "train")))
+        by_key[_key(rec)] = rec
+  return sorted(by_key.values(), key=_order)
+
+
+def _key(rec: dict):
+  return rec.get("step"), rec.get("kind", "train")
+
+
+def _order(rec: dict):
+  return rec.get("step", 0), rec.get("kind", "train")
 
 
 def plot(records: list[dict], path: str) -> str:

@@ -166,10 +166,9 @@ def _train(cfg, workdir, algorithm, init_params, tokenizer, init_adapters, guard
     if preempted:
       stop(step + 1, True)
   bar.close()
-  records = metrics.read(writer.path)
-  if eval_examples and total > warmup and final_eval_missing(records, total):
+  if eval_examples and total > warmup and final_eval_missing(writer.records(), total):
     evaluate(state, total)
-    records = metrics.read(writer.path)
+  records = writer.records()  # the whole run's, a resumed run's earlier steps included
   writer.close()
   ckpt.close()
   adapter_dir = None
@@ -196,9 +195,9 @@ def _train(cfg, workdir, algorithm, init_params, tokenizer, init_adapters, guard
 
 
 def final_eval_missing(records, step: int) -> bool:
-  """Whether the final greedy evaluation still has to run. Only process 0 writes (and so can
-  read) metrics.jsonl, and the evaluation is a collective every process must enter alike:
-  process 0 decides and every process receives its decision."""
+  """Whether the final greedy evaluation still has to run. Only process 0 writes metrics.jsonl
+  (and so holds a resumed run's earlier records), and the evaluation is a collective every
+  process must enter alike: process 0 decides and every process receives its decision."""
   missing = not any(r.get("kind") == "eval" and r["step"] == step for r in records)
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
