@@ -10,7 +10,8 @@ Stages (each its own jit, median of --reps, wall and CPU seconds), in the order 
   step         the whole fused step (policy.loss_and_grad, one jit) for comparison
 Ops: one jax.profiler trace of --trace_reps fused steps; every XLA CPU thunk's self time
 (its duration less the thunks nested in it on the same thread), summed per HLO instruction,
-with its opcode and the jax op that made it (HLO metadata).
+with its opcode and the jax op that made it (HLO metadata), and summed per op class
+(`op_classes`: matmul, copy, reduce, elementwise, control; inside a while loop or not).
 
   python experiments/profile_replay.py --out=experiments/results/profile_cpu_after_2026-12-02.jsonl \
       --md=experiments/results/profile_cpu_after_2026-12-02.md
@@ -153,12 +154,141 @@ def hlo_index(hlo_text):
   return out
 
 
+def op_classes(hlo_text):
+  """HLO instruction name -> (class, in_loop). class: `matmul` (a dot or convolution, or a
+  fusion whose computations hold one), `reduce` (or a fusion holding one), `copy` (copy /
+  transpose / slice moves, or a fusion of only those), `elementwise` (other fusions and
+  element-wise ops), `control` (while, conditional, call: their own dispatch time) or `other`;
+  in_loop: the instruction runs inside an XLA while loop (the blockwise attention's tiles,
+  chunked log-probs, a layer scan)."""
+  comps, current = {}, None
+  header = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{$")
+  pat = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) ([a-z][\w\-]*)\(")
+  callee = re.compile(r"\b(?:calls|body|condition|to_apply)=%?([\w.\-]+)")
+  for line in hlo_text.splitlines():
+    m = header.match(line)
+    if m:
+      current = comps.setdefault(m.group(1), [])
+      continue
+    m = pat.match(line) if current is not None else None
+    if m:
+      callees = callee.findall(line)
+      if "branch_computations={" in line:
+        callees += re.findall(r"%([\w.\-]+)", line.split("branch_computations={")[1].split("}")[0])
+      current.append((m.group(1), m.group(3), callees))
+  memo = {}
+
+  def opcodes(comp, seen=()):
+    """Every opcode a computation runs, its callees' included."""
+    if comp not in memo:
+      found = set()
+      for _, opcode, cs in comps.get(comp, ()):
+        found.add(opcode)
+        for c in cs:
+          if c not in seen:
+            found |= opcodes(c, seen + (comp,))
+      memo[comp] = found
+    return memo[comp]
+
+  loop = set()  # computations a while loop runs, and everything they call
+  frontier = [
+    c for rows in comps.values() for _, opcode, cs in rows if opcode == "while" for c in cs
+  ]
+  while frontier:
+    c = frontier.pop()
+    if c not in loop:
+      loop.add(c)
+      frontier += [x for _, _, cs in comps.get(c, ()) for x in cs]
+  moves = {
+    "copy",
+    "transpose",
+    "bitcast",
+    "slice",
+    "dynamic-slice",
+    "dynamic-update-slice",
+    "concatenate",
+    "pad",
+    "reshape",
+    "broadcast",
+    "parameter",
+    "constant",
+    "tuple",
+    "get-tuple-element",
+  }
+  out = {}
+  for comp, rows in comps.items():
+    for name, opcode, cs in rows:
+      inner = set().union(*(opcodes(c) for c in cs)) if opcode == "fusion" else {opcode}
+      if inner & {"dot", "convolution"}:
+        cls = "matmul"
+      elif opcode in ("while", "conditional", "call"):
+        cls = "control"
+      elif inner & {"reduce", "reduce-window"}:
+        cls = "reduce"
+      elif inner <= moves and opcode not in ("parameter", "constant", "tuple", "get-tuple-element"):
+        cls = "copy"
+      elif opcode == "fusion" or opcode in ELEMENTWISE:
+        cls = "elementwise"
+      else:
+        cls = "other"
+      out[name] = (cls, comp in loop)
+  return out
+
+
+ELEMENTWISE = (
+  "add",
+  "subtract",
+  "multiply",
+  "divide",
+  "exponential",
+  "log",
+  "maximum",
+  "minimum",
+  "select",
+  "compare",
+  "convert",
+  "negate",
+  "rsqrt",
+  "sqrt",
+  "tanh",
+  "logistic",
+  "broadcast",
+  "iota",
+  "and",
+  "or",
+  "not",
+  "clamp",
+  "power",
+  "abs",
+  "exponential-minus-one",
+  "log-plus-one",
+)
+
+
+def by_class(self_ns, classes, reps):
+  """Self time per (class, in_loop), ms per step and share, largest first."""
+  total = sum(self_ns.values()) or 1
+  acc = collections.Counter()
+  for name, ns in self_ns.items():
+    acc[classes.get(name, ("other", False))] += ns
+  return [
+    dict(
+      op_class=cls,
+      in_loop=in_loop,
+      ms_per_step=round(ns / 1e6 / reps, 1),
+      share=round(ns / total, 3),
+    )
+    for (cls, in_loop), ns in acc.most_common()
+  ]
+
+
 def top_ops(step, params, batch):
   """Self time per HLO instruction over FLAGS.trace_reps traced steps."""
   import jax
 
   compiled = step.lower(params, batch).compile()
   index = hlo_index(compiled.as_text())
+  classes = op_classes(compiled.as_text())
   jax.block_until_ready(compiled(params, batch))
   folder = tempfile.mkdtemp()
   with jax.profiler.trace(folder):
@@ -204,7 +334,7 @@ def top_ops(step, params, batch):
         calls_per_step=calls[name] // FLAGS.trace_reps,
       )
     )
-  return rows, total / 1e9 / FLAGS.trace_reps
+  return rows, total / 1e9 / FLAGS.trace_reps, by_class(self_ns, classes, FLAGS.trace_reps)
 
 
 def main(argv):
@@ -216,7 +346,7 @@ def main(argv):
   P, T, R = FLAGS.prefix_len, FLAGS.tail_len, FLAGS.branches
   cfg, params, batch = make_inputs(P, T, R)
   stages, step = stage_times(cfg, params, batch)
-  ops, traced_s = top_ops(step, params, batch)
+  ops, traced_s, classes = top_ops(step, params, batch)
   useful = flops.step_flops(cfg, flops.flat(1, R, P, T, "replay"))
   rate = matmul_gflops()
   prov = provenance.provenance()
@@ -245,6 +375,7 @@ def main(argv):
       **shape,
     )
   )
+  lines += [dict(kind="class", **c, **shape) for c in classes]
   lines += [dict(kind="op", rank=i + 1, **op, **shape) for i, op in enumerate(ops)]
   lines = [dict(line, provenance=prov) for line in lines]
   text = "\n".join(json.dumps(line) for line in lines)
@@ -278,6 +409,17 @@ def markdown(lines, prov):
     "",
     f"useful {summary['useful_gflop']} GFLOP per step: {summary['step_gflops']} GFLOP/s "
     f"= {summary['matmul_frac']} of the {summary['matmul_gflops']} GFLOP/s matmul rate",
+    "",
+    "Self time by op class (matmul: a dot or a fusion holding one; in loop: inside an XLA",
+    "while loop, the blockwise attention's tiles and chunked log-probs):",
+    "",
+    "| class | in loop | ms/step | share |",
+    "|---|---|---|---|",
+  ]
+  for l in lines:
+    if l["kind"] == "class":
+      out.append(f"| {l['op_class']} | {l['in_loop']} | {l['ms_per_step']} | {l['share']} |")
+  out += [
     "",
     "| # | HLO | opcode | ms/step | share | calls/step | jax op |",
     "|---|---|---|---|---|---|---|",
