@@ -1082,6 +1082,8 @@ COMPANIONS = {
   "plan_8gpu_cpu_2026-12-02.md": "plan_8gpu (rendered)",
   "profile_cpu_after_2026-12-02.md": "profile_replay (rendered)",
   "profile_cpu_before_2026-12-01.md": "profile_replay (rendered)",
+  "profile_cpu_T512_2026-12-04.md": "profile_replay (rendered)",
+  "profile_cpu_P2048_2026-12-04.md": "profile_replay (rendered)",
   "q2_cpu_2026-11-30.png": "q2_convergence (plot)",
   "q2_cpu_5seeds_2026-11-30.png": "q2_convergence (plot)",
 }
