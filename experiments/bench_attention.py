@@ -37,28 +37,32 @@ from experiments.measure import matmul_gflops  # noqa: E402
 from models import attention  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_multi_integer("prefix_len", [2048], "P: prefix tokens (repeatable)")
-flags.DEFINE_enum(
-  "mode",
-  "prefix",
-  ["prefix", "tail"],
-  "prefix: causal self-attention over P; tail: R*T tail queries against the "
-  "shared P-token prefix (folded) + their own keys causally",
-)
-flags.DEFINE_integer("tail_len", 128, "T (tail mode)")
-flags.DEFINE_integer("branches", 16, "R (tail mode)")
-flags.DEFINE_multi_string("impl", ["dense", "blockwise"], "implementations (repeatable)")
-flags.DEFINE_multi_string(
-  "blocks",
-  ["64x64", "64x128", "128x64", "128x128", "256x256", "512x512"],
-  "block_q x block_k for blockwise",
-)
-flags.DEFINE_integer("heads", 4, "N")
-flags.DEFINE_integer("kv_heads", 2, "K")
-flags.DEFINE_integer("head_dim", 64, "H")
-flags.DEFINE_integer("reps", 3, "timed repetitions (median)")
-flags.DEFINE_integer("window", 0, "sliding window (0: none)")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "q/k/v dtype")
+
+
+def define_flags():
+  """Defined when the script runs, not on import (tests import it beside other experiments)."""
+  flags.DEFINE_multi_integer("prefix_len", [2048], "P: prefix tokens (repeatable)")
+  flags.DEFINE_enum(
+    "mode",
+    "prefix",
+    ["prefix", "tail"],
+    "prefix: causal self-attention over P; tail: R*T tail queries against the "
+    "shared P-token prefix (folded) + their own keys causally",
+  )
+  flags.DEFINE_integer("tail_len", 128, "T (tail mode)")
+  flags.DEFINE_integer("branches", 16, "R (tail mode)")
+  flags.DEFINE_multi_string("impl", ["dense", "blockwise"], "implementations (repeatable)")
+  flags.DEFINE_multi_string(
+    "blocks",
+    ["64x64", "64x128", "128x64", "128x128", "256x256", "512x512"],
+    "block_q x block_k for blockwise",
+  )
+  flags.DEFINE_integer("heads", 4, "N")
+  flags.DEFINE_integer("kv_heads", 2, "K")
+  flags.DEFINE_integer("head_dim", 64, "H")
+  flags.DEFINE_integer("reps", 3, "timed repetitions (median)")
+  flags.DEFINE_integer("window", 0, "sliding window (0: none)")
+  flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "q/k/v dtype")
 
 
 def thread_ticks():
@@ -169,4 +173,5 @@ def main(_):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

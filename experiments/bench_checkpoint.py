@@ -34,15 +34,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("rl_steps", 12, "RL steps per run (the first two compile)")
-flags.DEFINE_integer("repeats", 2, "sync/async pairs of runs, alternated")
-flags.DEFINE_integer(
-  "large_copies",
-  1,
-  "the large preset's parameters x this many (3: the whole AdamW train state); 0 skips part 2",
-)
-flags.DEFINE_string("scratch", "", "where the checkpoints go (default: a temporary directory)")
-flags.DEFINE_string("out", "", "append JSON lines here")
+
+
+def define_flags():
+  """Defined when the script runs, not on import (tests import it beside other experiments)."""
+  flags.DEFINE_integer("rl_steps", 12, "RL steps per run (the first two compile)")
+  flags.DEFINE_integer("repeats", 2, "sync/async pairs of runs, alternated")
+  flags.DEFINE_integer(
+    "large_copies",
+    1,
+    "the large preset's parameters x this many (3: the whole AdamW train state); 0 skips part 2",
+  )
+  flags.DEFINE_string("scratch", "", "where the checkpoints go (default: a temporary directory)")
+  flags.DEFINE_string("out", "", "append JSON lines here")
 
 
 def step_times(asynchronous: bool, scratch: str) -> dict:
@@ -193,4 +197,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -28,10 +28,14 @@ from absl import app, flags  # noqa: E402
 from experiments import bench_replay, flops  # noqa: E402  (its flags: --reps, --dtype, ...)
 
 FLAGS = flags.FLAGS
-flags.DEFINE_multi_string("presets", ["hybrid_small", "small"], "model presets to compare")
-flags.DEFINE_multi_integer("timed", [2048], "P values timed (both modes)")
-flags.DEFINE_multi_integer("compile_only", [8192, 32768], "P values only compiled")
-flags.DEFINE_multi_string("modes", ["replay", "naive"], "paths to run (0 in --timed: none)")
+
+
+def define_flags():
+  """Defined when the script runs, not on import (tests import it beside other experiments)."""
+  flags.DEFINE_multi_string("presets", ["hybrid_small", "small"], "model presets to compare")
+  flags.DEFINE_multi_integer("timed", [2048], "P values timed (both modes)")
+  flags.DEFINE_multi_integer("compile_only", [8192, 32768], "P values only compiled")
+  flags.DEFINE_multi_string("modes", ["replay", "naive"], "paths to run (0 in --timed: none)")
 
 
 def main(argv):
@@ -90,4 +94,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

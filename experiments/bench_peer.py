@@ -46,28 +46,34 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("prefix_len", 2048, "P: shared prefix tokens")
-flags.DEFINE_integer("tail_len", 128, "T: tail tokens per branch")
-flags.DEFINE_integer("branches", 16, "R: branches of the one prompt")
-flags.DEFINE_string("preset", "small", "model size preset (models.config.PRESETS)")
-flags.DEFINE_integer("reps", 6, "timed steps per framework (even: ABBA pairs)")
-flags.DEFINE_integer("threads", 2, "intra-op threads of both frameworks")
-flags.DEFINE_string("out", "", "also append the JSON line to this file")
-flags.DEFINE_float(
-  "max_load",
-  0.6,
-  "wait until the 1-minute load average is below this before starting (0: do not wait)",
-)
-flags.DEFINE_integer("wait_timeout_s", 1800, "the most seconds to wait for --max_load")
-flags.DEFINE_integer("wait_poll_s", 10, "seconds between load readings while waiting")
-flags.DEFINE_enum(
-  "wait_timeout_action",
-  "stop",
-  ["stop", "run"],
-  "past --wait_timeout_s: stop (exit naming the load) or run anyway (recorded as quiet=false)",
-)
-flags.DEFINE_string("worker", "", "internal: 'ours' or 'peer', driven over stdin")
-flags.DEFINE_string("data", "", "internal: the folder holding the checkpoint and the batch")
+
+
+def define_flags():
+  """Defined when the script runs, not on import (tests import it beside other experiments)."""
+  flags.DEFINE_integer("prefix_len", 2048, "P: shared prefix tokens")
+  flags.DEFINE_integer("tail_len", 128, "T: tail tokens per branch")
+  flags.DEFINE_integer("branches", 16, "R: branches of the one prompt")
+  flags.DEFINE_string("preset", "small", "model size preset (models.config.PRESETS)")
+  flags.DEFINE_integer("reps", 6, "timed steps per framework (even: ABBA pairs)")
+  flags.DEFINE_integer("threads", 2, "intra-op threads of both frameworks")
+  flags.DEFINE_string("out", "", "also append the JSON line to this file")
+  flags.DEFINE_float(
+    "max_load",
+    0.6,
+    "wait until the 1-minute load average is below this before starting (0: do not wait)",
+  )
+  flags.DEFINE_integer("wait_timeout_s", 1800, "the most seconds to wait for --max_load")
+  flags.DEFINE_integer("wait_poll_s", 10, "seconds between load readings while waiting")
+  flags.DEFINE_enum(
+    "wait_timeout_action",
+    "stop",
+    ["stop", "run"],
+    "past --wait_timeout_s: stop (exit naming the load) or run anyway (recorded as quiet=false)",
+  )
+  flags.DEFINE_string("worker", "", "internal: 'ours' or 'peer', driven over stdin")
+  flags.DEFINE_string("data", "", "internal: the folder holding the checkpoint and the batch")
+
+
 PEER_NAME = "prefix_grouper(torch sdpa, bottom-right causal)"
 
 
@@ -398,4 +404,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -35,52 +35,58 @@ from experiments import compare, flops  # noqa: E402
 from experiments.measure import PeakRSS, matmul_gflops, release_freed_heap  # noqa: E402,F401
 
 FLAGS = flags.FLAGS
-flags.DEFINE_multi_integer("prefix_len", [2048], "P: shared prefix tokens (repeatable)")
-flags.DEFINE_multi_integer("tail_len", [128], "T: tail tokens per branch (repeatable)")
-flags.DEFINE_multi_integer("branches", [16], "R: branches per prompt (repeatable)")
-flags.DEFINE_integer("prompts", 1, "B: prompts per step")
-flags.DEFINE_integer(
-  "reps",
-  5,
-  "timed repetitions after warm-up (median reported); 0 in a "
-  "--worker: compile and report the footprint only",
-)
-flags.DEFINE_bool("check_grads", True, "compare replay's gradient with naive's")
-flags.DEFINE_string("preset", "small", "model size preset (models.transformer.PRESETS)")
-flags.DEFINE_string("dtype", "float32", "compute dtype (both paths)")
-flags.DEFINE_string("param_dtype", "float32", "parameter (master weight) dtype")
-flags.DEFINE_integer("branch_chunk", 0, "stream tails in chunks of C branches (0 = all R)")
-flags.DEFINE_string("remat", "none", "per-layer remat policy, both paths: none|full|dots|offload")
-flags.DEFINE_string("attention", "blockwise", "attention implementation, both paths")
-flags.DEFINE_integer("block_q", 0, "attention query block (0 = the model default)")
-flags.DEFINE_integer("block_k", 0, "attention key block (0 = the model default)")
-flags.DEFINE_integer("logits_chunk", 1024, "tokens per logits chunk, both paths (0 = unchunked)")
-flags.DEFINE_bool("scan_layers", True, "lax.scan over layers (both paths)")
-flags.DEFINE_string(
-  "loss",
-  "grpo",
-  "objective (branch_replay.core.losses.OBJECTIVES; dpo needs "
-  "--branches=2), or 'value': PPO's critic (value model + head, clipped "
-  "value loss on every scored token, critic.py)",
-)
-flags.DEFINE_string(
-  "model_from",
-  "",
-  "take the model from this experiment's get_config() "
-  "(e.g. grpo_haystack) instead of --preset (dtype/remat/attention flags "
-  "still apply)",
-)
-flags.DEFINE_float("memory_cap_mb", 16000, "a variant whose compiled step needs more reports oom")
-flags.DEFINE_bool("sweep", False, "run the README sweep: P{1K,2K,4K,8K} x T{128,512} x R{8,16}")
-flags.DEFINE_string("worker", "", "internal: run one variant ('naive' or 'replay') and print JSON")
-flags.DEFINE_string("grads_out", "", "internal: where a worker saves its gradient")
-flags.DEFINE_string("out", "", "also append the JSON lines to this file")
-flags.DEFINE_string(
-  "mesh",
-  "",
-  "device mesh for both paths, e.g. context:8 or data:2,fsdp:2,"
-  "context:2 (on a CPU: XLA_FLAGS=--xla_force_host_platform_device_count=8)",
-)
+
+
+def define_flags():
+  """Defined when the script runs, not on import (tests import it beside other experiments)."""
+  flags.DEFINE_multi_integer("prefix_len", [2048], "P: shared prefix tokens (repeatable)")
+  flags.DEFINE_multi_integer("tail_len", [128], "T: tail tokens per branch (repeatable)")
+  flags.DEFINE_multi_integer("branches", [16], "R: branches per prompt (repeatable)")
+  flags.DEFINE_integer("prompts", 1, "B: prompts per step")
+  flags.DEFINE_integer(
+    "reps",
+    5,
+    "timed repetitions after warm-up (median reported); 0 in a "
+    "--worker: compile and report the footprint only",
+  )
+  flags.DEFINE_bool("check_grads", True, "compare replay's gradient with naive's")
+  flags.DEFINE_string("preset", "small", "model size preset (models.transformer.PRESETS)")
+  flags.DEFINE_string("dtype", "float32", "compute dtype (both paths)")
+  flags.DEFINE_string("param_dtype", "float32", "parameter (master weight) dtype")
+  flags.DEFINE_integer("branch_chunk", 0, "stream tails in chunks of C branches (0 = all R)")
+  flags.DEFINE_string("remat", "none", "per-layer remat policy, both paths: none|full|dots|offload")
+  flags.DEFINE_string("attention", "blockwise", "attention implementation, both paths")
+  flags.DEFINE_integer("block_q", 0, "attention query block (0 = the model default)")
+  flags.DEFINE_integer("block_k", 0, "attention key block (0 = the model default)")
+  flags.DEFINE_integer("logits_chunk", 1024, "tokens per logits chunk, both paths (0 = unchunked)")
+  flags.DEFINE_bool("scan_layers", True, "lax.scan over layers (both paths)")
+  flags.DEFINE_string(
+    "loss",
+    "grpo",
+    "objective (branch_replay.core.losses.OBJECTIVES; dpo needs "
+    "--branches=2), or 'value': PPO's critic (value model + head, clipped "
+    "value loss on every scored token, critic.py)",
+  )
+  flags.DEFINE_string(
+    "model_from",
+    "",
+    "take the model from this experiment's get_config() "
+    "(e.g. grpo_haystack) instead of --preset (dtype/remat/attention flags "
+    "still apply)",
+  )
+  flags.DEFINE_float("memory_cap_mb", 16000, "a variant whose compiled step needs more reports oom")
+  flags.DEFINE_bool("sweep", False, "run the README sweep: P{1K,2K,4K,8K} x T{128,512} x R{8,16}")
+  flags.DEFINE_string(
+    "worker", "", "internal: run one variant ('naive' or 'replay') and print JSON"
+  )
+  flags.DEFINE_string("grads_out", "", "internal: where a worker saves its gradient")
+  flags.DEFINE_string("out", "", "also append the JSON lines to this file")
+  flags.DEFINE_string(
+    "mesh",
+    "",
+    "device mesh for both paths, e.g. context:8 or data:2,fsdp:2,"
+    "context:2 (on a CPU: XLA_FLAGS=--xla_force_host_platform_device_count=8)",
+  )
 
 
 def model_config():
@@ -375,4 +381,5 @@ def emit(row):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

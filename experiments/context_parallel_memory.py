@@ -27,22 +27,26 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_multi_string("preset", ["small"], "model presets")
-flags.DEFINE_multi_integer("prefix_len", [8192, 32768], "P values")
-flags.DEFINE_multi_string(
-  "mesh",
-  ["context:1", "context:2", "context:4", "context:8"],
-  "mesh specs over the 8 devices' first (product) devices",
-)
-flags.DEFINE_multi_string("scheme", ["all_gather", "gspmd"], "model.context_parallel values")
-flags.DEFINE_integer("tail_len", 512, "T")
-flags.DEFINE_integer("branches", 16, "R")
-flags.DEFINE_integer("prompts", 1, "B (raised to the mesh's data*fsdp size when smaller)")
-flags.DEFINE_string("dtype", "bfloat16", "compute dtype")
-flags.DEFINE_string("remat", "full", "remat policy")
-flags.DEFINE_integer("timeout_s", 1500, "per row")
-flags.DEFINE_string("worker", "", "internal: 'preset,P,mesh,scheme' -> one JSON line")
-flags.DEFINE_string("out", "", "append JSON lines here")
+
+
+def define_flags():
+  """Defined when the script runs, not on import (tests import it beside other experiments)."""
+  flags.DEFINE_multi_string("preset", ["small"], "model presets")
+  flags.DEFINE_multi_integer("prefix_len", [8192, 32768], "P values")
+  flags.DEFINE_multi_string(
+    "mesh",
+    ["context:1", "context:2", "context:4", "context:8"],
+    "mesh specs over the 8 devices' first (product) devices",
+  )
+  flags.DEFINE_multi_string("scheme", ["all_gather", "gspmd"], "model.context_parallel values")
+  flags.DEFINE_integer("tail_len", 512, "T")
+  flags.DEFINE_integer("branches", 16, "R")
+  flags.DEFINE_integer("prompts", 1, "B (raised to the mesh's data*fsdp size when smaller)")
+  flags.DEFINE_string("dtype", "bfloat16", "compute dtype")
+  flags.DEFINE_string("remat", "full", "remat policy")
+  flags.DEFINE_integer("timeout_s", 1500, "per row")
+  flags.DEFINE_string("worker", "", "internal: 'preset,P,mesh,scheme' -> one JSON line")
+  flags.DEFINE_string("out", "", "append JSON lines here")
 
 
 def worker(preset, P, spec, scheme):
@@ -140,4 +144,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -22,18 +22,22 @@ from absl import app, flags  # noqa: E402
 from experiments import compare  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum(
-  "kernel",
-  "tokamax",
-  ["tokamax", "reference"],
-  "reference: tokamax's contract in plain jax (checks the dispatch and merge on a CPU)",
-)
-flags.DEFINE_string("preset", "small", "model preset of the step check")
-flags.DEFINE_integer("prefix_len", 512, "P")
-flags.DEFINE_integer("tail_len", 64, "T")
-flags.DEFINE_integer("branches", 4, "R")
-flags.DEFINE_float("rtol", 1e-3, "per-leaf tolerance relative to the leaf's max")
-flags.DEFINE_string("out", "", "append the JSON line here")
+
+
+def define_flags():
+  """Defined when the script runs, not on import (tests import it beside other experiments)."""
+  flags.DEFINE_enum(
+    "kernel",
+    "tokamax",
+    ["tokamax", "reference"],
+    "reference: tokamax's contract in plain jax (checks the dispatch and merge on a CPU)",
+  )
+  flags.DEFINE_string("preset", "small", "model preset of the step check")
+  flags.DEFINE_integer("prefix_len", 512, "P")
+  flags.DEFINE_integer("tail_len", 64, "T")
+  flags.DEFINE_integer("branches", 4, "R")
+  flags.DEFINE_float("rtol", 1e-3, "per-leaf tolerance relative to the leaf's max")
+  flags.DEFINE_string("out", "", "append the JSON line here")
 
 
 def attention_check():
@@ -139,4 +143,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

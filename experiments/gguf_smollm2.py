@@ -15,11 +15,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from absl import app, flags
 
-flags.DEFINE_string("out", "", "Append the JSON lines here ('' prints only).")
-flags.DEFINE_multi_string(
-  "prompt", ["What is 17 + 25? Answer with just the number."], "User turns (repeatable)."
-)
-flags.DEFINE_integer("max_new_tokens", 32, "Greedy tokens per answer (stops at <|im_end|>).")
+
+def define_flags():
+  """Defined when the script runs, not on import (tests import it beside other experiments)."""
+  flags.DEFINE_string("out", "", "Append the JSON lines here ('' prints only).")
+  flags.DEFINE_multi_string(
+    "prompt", ["What is 17 + 25? Answer with just the number."], "User turns (repeatable)."
+  )
+  flags.DEFINE_integer("max_new_tokens", 32, "Greedy tokens per answer (stops at <|im_end|>).")
+
+
 FLAGS = flags.FLAGS
 
 
@@ -97,4 +102,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -23,27 +23,32 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from absl import app, flags  # noqa: E402
 
-flags.DEFINE_enum(
-  "what",
-  "memory",
-  ["memory", "speed", "table"],
-  "footprint rows, speed rows, or a markdown table of --inputs",
-)
-flags.DEFINE_list("inputs", [], "table: results files of --what=memory and --what=speed")
-flags.DEFINE_string("out", "", "results JSON-lines file ('' prints only)")
-flags.DEFINE_list("presets", ["small", "large"], "memory: model presets")
-flags.DEFINE_list("prefix_lens", ["8192", "32768"], "memory: P values")
-flags.DEFINE_integer("rank", 16, "LoRA rank")
-flags.DEFINE_list("methods", ["full", "lora"], "memory: methods, in the order measured")
-flags.DEFINE_bool(
-  "compile",
-  True,
-  "memory: compile for the footprint (false: the state's bytes "
-  "from shapes only, one row per preset, method and mode)",
-)
-flags.DEFINE_integer("reps", 2, "speed: timed steps per configuration")
-flags.DEFINE_string("speed_preset", "small", "speed: model preset")
-flags.DEFINE_integer("speed_prefix_len", 2048, "speed: P")
+
+def define_flags():
+  """Defined when the script runs, not on import (tests import it beside other experiments)."""
+  flags.DEFINE_enum(
+    "what",
+    "memory",
+    ["memory", "speed", "table"],
+    "footprint rows, speed rows, or a markdown table of --inputs",
+  )
+  flags.DEFINE_list("inputs", [], "table: results files of --what=memory and --what=speed")
+  flags.DEFINE_string("out", "", "results JSON-lines file ('' prints only)")
+  flags.DEFINE_list("presets", ["small", "large"], "memory: model presets")
+  flags.DEFINE_list("prefix_lens", ["8192", "32768"], "memory: P values")
+  flags.DEFINE_integer("rank", 16, "LoRA rank")
+  flags.DEFINE_list("methods", ["full", "lora"], "memory: methods, in the order measured")
+  flags.DEFINE_bool(
+    "compile",
+    True,
+    "memory: compile for the footprint (false: the state's bytes "
+    "from shapes only, one row per preset, method and mode)",
+  )
+  flags.DEFINE_integer("reps", 2, "speed: timed steps per configuration")
+  flags.DEFINE_string("speed_preset", "small", "speed: model preset")
+  flags.DEFINE_integer("speed_prefix_len", 2048, "speed: P")
+
+
 FLAGS = flags.FLAGS
 R, T = 16, 128
 
@@ -273,4 +278,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -29,15 +29,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer(
-  "sft_steps",
-  100,
-  "warm-up steps (the default run: 600; the policy then answers more alike, as in the default run)",
-)
-flags.DEFINE_integer("rl_steps", 20, "RL steps per mode (the default run: 150)")
-flags.DEFINE_list("modes", ["replay", "naive", "auto_tree"], "replay | naive | auto_tree")
-flags.DEFINE_multi_string("set", [], "extra config overrides, as run.py's --set")
-flags.DEFINE_string("out", "", "append JSON lines here")
+
+
+def define_flags():
+  """Defined when the script runs, not on import (tests import it beside other experiments)."""
+  flags.DEFINE_integer(
+    "sft_steps",
+    100,
+    "warm-up steps (the default run: 600; the policy then answers more alike, as in the default run)",
+  )
+  flags.DEFINE_integer("rl_steps", 20, "RL steps per mode (the default run: 150)")
+  flags.DEFINE_list("modes", ["replay", "naive", "auto_tree"], "replay | naive | auto_tree")
+  flags.DEFINE_multi_string("set", [], "extra config overrides, as run.py's --set")
+  flags.DEFINE_string("out", "", "append JSON lines here")
+
 
 PHASES = ("sample", "reward", "old_logp", "ref_logp", "update")
 OVERRIDES = {"replay": [], "naive": ["replay.mode=naive"], "auto_tree": ["replay.auto_tree=true"]}
@@ -104,4 +109,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -34,15 +34,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("prefix_len", 2048, "P")
-flags.DEFINE_integer("tail_len", 128, "T")
-flags.DEFINE_integer("branches", 16, "R")
-flags.DEFINE_string("preset", "small", "model size preset")
-flags.DEFINE_integer("reps", 3, "timed repetitions per stage (median)")
-flags.DEFINE_integer("trace_reps", 2, "fused steps under the profiler trace")
-flags.DEFINE_integer("top", 20, "ops reported")
-flags.DEFINE_string("out", "", "write the JSON lines here (else stdout only)")
-flags.DEFINE_string("md", "", "write the markdown table here")
+
+
+def define_flags():
+  """Defined when the script runs, not on import (tests import it beside other experiments)."""
+  flags.DEFINE_integer("prefix_len", 2048, "P")
+  flags.DEFINE_integer("tail_len", 128, "T")
+  flags.DEFINE_integer("branches", 16, "R")
+  flags.DEFINE_string("preset", "small", "model size preset")
+  flags.DEFINE_integer("reps", 3, "timed repetitions per stage (median)")
+  flags.DEFINE_integer("trace_reps", 2, "fused steps under the profiler trace")
+  flags.DEFINE_integer("top", 20, "ops reported")
+  flags.DEFINE_string("out", "", "write the JSON lines here (else stdout only)")
+  flags.DEFINE_string("md", "", "write the markdown table here")
 
 
 def timed(fn, *args, reps):
@@ -434,4 +438,5 @@ def markdown(lines, prov):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

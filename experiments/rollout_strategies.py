@@ -39,15 +39,19 @@ from absl import app, flags  # noqa: E402
 from experiments import compare, flops  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("strategies", "sampler_t1,file_t07,greedy_noise,shared_open", "which")
-flags.DEFINE_string("preset", "small", "model preset")
-flags.DEFINE_integer("prompt_len", 256, "P")
-flags.DEFINE_integer("n_branches", 8, "R")
-flags.DEFINE_integer("tail_len", 64, "T: response tokens")
-flags.DEFINE_integer("opening", 32, "(d): shared opening tokens")
-flags.DEFINE_integer("prompts", 1, "B")
-flags.DEFINE_integer("reps", 3, "timed steps after a warm-up (median)")
-flags.DEFINE_string("out", "", "append JSON lines here")
+
+
+def define_flags():
+  """Defined when the script runs, not on import (tests import it beside other experiments)."""
+  flags.DEFINE_string("strategies", "sampler_t1,file_t07,greedy_noise,shared_open", "which")
+  flags.DEFINE_string("preset", "small", "model preset")
+  flags.DEFINE_integer("prompt_len", 256, "P")
+  flags.DEFINE_integer("n_branches", 8, "R")
+  flags.DEFINE_integer("tail_len", 64, "T: response tokens")
+  flags.DEFINE_integer("opening", 32, "(d): shared opening tokens")
+  flags.DEFINE_integer("prompts", 1, "B")
+  flags.DEFINE_integer("reps", 3, "timed steps after a warm-up (median)")
+  flags.DEFINE_string("out", "", "append JSON lines here")
 
 
 def responses_of(strategy, params, cfg, prompts, rng, tmp):
@@ -227,4 +231,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)
