@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from branch_replay.core import losses, policy, tree
+from branch_replay.core import engine, losses, tree
 from models import transformer as tfm
 
 
@@ -65,7 +65,7 @@ def measure(
   params = tfm.init_params(cfg, jax.random.key(0))
   loss_cfg = losses.LossConfig(name=loss)
   fn = jax.jit(
-    lambda p, b: policy.loss_and_grad(
+    lambda p, b: engine.loss_and_grad(
       p, b, cfg, loss_cfg, mode, branch_chunk if mode == "replay" else None
     )[::2]
   )

@@ -150,7 +150,7 @@ def ours_step_fn(folder, batch, threads):
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from branch_replay.core import losses, policy, tree
+  from branch_replay.core import engine, losses, tree
   from models import hf
 
   cfg, params = hf.load(folder)
@@ -164,7 +164,7 @@ def ours_step_fn(folder, batch, threads):
   )
   loss_cfg = losses.LossConfig("grpo")
   compiled = (
-    jax.jit(lambda p, b: policy.loss_and_grad(p, b, cfg, loss_cfg, "replay")[::2])
+    jax.jit(lambda p, b: engine.loss_and_grad(p, b, cfg, loss_cfg, "replay")[::2])
     .lower(params, rb)
     .compile()
   )

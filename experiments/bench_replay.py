@@ -121,7 +121,7 @@ def run_worker(mode, P, T, R):
   import jax.numpy as jnp
   import numpy as np
   import psutil
-  from branch_replay.core import losses, policy, tree
+  from branch_replay.core import engine, losses, tree
   from models import transformer as tfm
 
   jnp.zeros(()).block_until_ready()  # the backend is up: count from here
@@ -147,7 +147,7 @@ def run_worker(mode, P, T, R):
   if loss_cfg.objective.needs_ref:  # e.g. DPO: reference log-probs of every tail token
     batch = batch.with_leaves(ref_logp_BRT=jnp.asarray(-rng.exponential(size=(B, R, T)), dt))
   tree.validate(batch, cfg.vocab_size, chunk)
-  step = jax.jit(lambda p, b: policy.loss_and_grad(p, b, cfg, loss_cfg, mode, chunk)[::2])
+  step = jax.jit(lambda p, b: engine.loss_and_grad(p, b, cfg, loss_cfg, mode, chunk)[::2])
   if FLAGS.mesh:  # both paths on the mesh: params FSDP/tensor-sharded, batch by the RULES
     from branch_replay.core import sharding
 
@@ -156,7 +156,7 @@ def run_worker(mode, P, T, R):
     batch = sharding.put(batch, sharding.batch_shardings(mesh, batch))
     if mode == "replay":
       step = jax.jit(
-        lambda p, b: sharding.sharded_loss_and_grad(mesh, p, b, cfg, loss_cfg, chunk)[::2]
+        lambda p, b: engine.loss_and_grad(p, b, cfg, loss_cfg, "replay", chunk, mesh=mesh)[::2]
       )
   _measure(mode, step, params, batch, rss_after_imports)
 

@@ -2,9 +2,9 @@
 as JSON lines (one line per shape).
 
   naive  every root-to-leaf path as its own [P + T_1 + ... + T_D] sequence
-         (engine.naive_loss_and_grad);
+         (engine.loss_and_grad, mode naive);
   flat   today's branch replay with the prompt as the prefix and each leaf's whole response
-         (its openings re-run per leaf, then its tail) as one longer tail (policy.py);
+         (its openings re-run per leaf, then its tail) as one longer tail (the depth-1 tree);
   tree   tree replay (engine.py): the prompt once, each opening once, each tail once.
 
 All three compute the same objective (an opening's tokens scored by every leaf below it with
@@ -119,7 +119,7 @@ def run_worker(mode):
   import jax.numpy as jnp
   import numpy as np
   import psutil
-  from branch_replay.core import engine, losses, policy, tree
+  from branch_replay.core import engine, losses, tree
   from models import transformer as tfm
 
   jnp.zeros(()).block_until_ready()
@@ -132,7 +132,7 @@ def run_worker(mode):
   tree.validate(flat_batch, cfg.vocab_size)
   loss_cfg = losses.LossConfig()
   if mode == "flat":
-    batch, fn = flat_batch, lambda p, b: policy.loss_and_grad(p, b, cfg, loss_cfg, "replay")
+    batch, fn = flat_batch, lambda p, b: engine.loss_and_grad(p, b, cfg, loss_cfg, "replay")
   else:
     batch = tree_batch
     fn = lambda p, b: engine.loss_and_grad(

@@ -11,8 +11,10 @@ completions of up to T tokens at the recipe's temperature, the `final_number` re
 group advantages, token-mean loss (TRL: loss_type="dapo"), clip epsilon 0.2, one update per
 batch (TRL: num_iterations=1, so no old log-probs), LoRA rank r on q/k/v/o/gate/up/down with
 alpha = 16 (peft), the base as the KL reference with beta = loss.kl_coef (k3), AdamW at the
-same learning rate, gradient clip 1.0, the same recomputation (our model.remat; TRL's
-gradient_checkpointing, on by its default, follows it).
+same learning rate, gradient clip 1.0, the same recomputation (our model.remat, --remat to
+override the recipe's none; TRL's gradient_checkpointing follows it: with none on both sides
+TRL's step ran this 24 GiB machine out of memory on 2026-12-04, the process killed at 24.4 GB
+resident, so a matched run here is --remat=full).
 
 Per step and side: seconds of generation, reward, old/ref log-probs, update (TRL: the
 optimizer step and its forward + backward, i.e. the whole step less its generate-and-score;
@@ -54,6 +56,12 @@ def define_flags():
   flags.DEFINE_integer("branches", 0, "R completions per prompt (0: the recipe's)")
   flags.DEFINE_integer("max_new_tokens", 0, "T (0: the recipe's)")
   flags.DEFINE_integer("threads", 2, "torch intra-op threads")
+  flags.DEFINE_string(
+    "remat",
+    "",
+    "model.remat for ours ('': the recipe's); TRL's gradient_checkpointing follows (on unless "
+    "none). Without checkpointing TRL's step ran out of this 24 GiB machine (killed at 24.4 GB)",
+  )
   flags.DEFINE_string("out", "", "also append the JSON lines to this file")
   flags.DEFINE_string("export_only", "", "write the HF folder of the GGUF here and stop")
   flags.DEFINE_bool("twin", True, "also time replay vs the naive twin's loss+grad on our batches")
@@ -120,6 +128,7 @@ def recipe_config(folder: str, steps: int):
     ("train.batch_size", FLAGS.batch),
     ("train.n_branches", FLAGS.branches),
     ("sampler.max_new_tokens", FLAGS.max_new_tokens),
+    ("model.remat", FLAGS.remat),
   ):
     if value:
       sets.append(f"{name}={value}")
@@ -214,7 +223,7 @@ class Ours:
     their losses, the worst gradient leaf's relative gap and the useful-FLOP ratio."""
     import jax
     import numpy as np
-    from branch_replay.core import policy
+    from branch_replay.core import engine
     from branch_replay.train import steps
     from experiments import flops
     from models import lora as lora_lib
@@ -223,7 +232,7 @@ class Ours:
     if not hasattr(self, "_twin_fns"):
       self._twin_fns = {
         m: jax.jit(
-          lambda a, base, b, m=m: policy.loss_and_grad(
+          lambda a, base, b, m=m: engine.loss_and_grad(
             a, b, cfg.model, loss_cfg, mode=m, params_fn=lambda x: lora_lib.merge(base, x, cfg.lora)
           )
         )

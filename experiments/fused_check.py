@@ -2,7 +2,7 @@
 
 Two checks: (1) attention alone on the replay tail's shape (a prefix segment folded over R
 branch rows + the tails' own causal keys, left/right padding): the output and the gradients
-of q and of every segment's k, v; (2) the whole replay step (policy.loss_and_grad): the loss
+of q and of every segment's k, v; (2) the whole replay step (engine.loss_and_grad): the loss
 and every parameter gradient. Each leaf passes when max|fused - blockwise| <= rtol *
 max|blockwise| (rtol 1e-3 by default). Exit status 1 on a mismatch.
 
@@ -83,7 +83,7 @@ def step_check():
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from branch_replay.core import losses, policy, tree
+  from branch_replay.core import engine, losses, tree
   from models import config, transformer as tfm
 
   P, T, R = FLAGS.prefix_len, FLAGS.tail_len, FLAGS.branches
@@ -100,7 +100,7 @@ def step_check():
   )
   out = {
     impl: jax.jit(
-      lambda p, b, c=c: policy.loss_and_grad(p, b, c, losses.LossConfig("grpo"), "replay")[::2]
+      lambda p, b, c=c: engine.loss_and_grad(p, b, c, losses.LossConfig("grpo"), "replay")[::2]
     )(params, batch)
     for impl, c in cfgs.items()
   }

@@ -57,21 +57,22 @@ def _steps(cfg, lora_cfg, mode):
   """(jitted step, example args) of one AdamW step: full fine-tuning or LoRA."""
   import jax
   import optax
-  from branch_replay.core import losses, policy
-  from branch_replay.core import lora as lora_train
+  from branch_replay.core import engine, losses
+  from models import lora
 
   tx = optax.adamw(1e-5)
   loss_cfg = losses.LossConfig(name="grpo")
   if lora_cfg is None:
 
     def step(params, opt_state, batch):
-      _, _, grads = policy.loss_and_grad(params, batch, cfg, loss_cfg, mode)
+      _, _, grads = engine.loss_and_grad(params, batch, cfg, loss_cfg, mode)
       updates, opt_state = tx.update(grads, opt_state, params)
       return optax.apply_updates(params, updates), opt_state
   else:
 
     def step(base, adapters, opt_state, batch):
-      _, _, grads = lora_train.loss_and_grad(base, adapters, batch, cfg, loss_cfg, lora_cfg, mode)
+      attached = lambda a: lora.attach(base, a, lora_cfg)
+      _, _, grads = engine.loss_and_grad(adapters, batch, cfg, loss_cfg, mode, params_fn=attached)
       updates, opt_state = tx.update(grads, opt_state, adapters)
       return optax.apply_updates(adapters, updates), opt_state
 

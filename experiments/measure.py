@@ -133,8 +133,10 @@ def compile_replay_step(cfg, mesh, B: int, P: int, R: int, T: int):
   params, opt_state = place(params, p_sh), place(opt_state, o_sh)
   batch = place(batch, sharding.batch_shardings(mesh, batch))
 
+  from branch_replay.core import engine
+
   def step(params, opt_state, batch):
-    loss, _, grads = sharding.sharded_loss_and_grad(mesh, params, batch, cfg, loss_cfg)
+    loss, _, grads = engine.loss_and_grad(params, batch, cfg, loss_cfg, "replay", mesh=mesh)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 

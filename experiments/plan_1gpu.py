@@ -6,7 +6,8 @@ blockwise attention kernel (on the GPU: blockwise or tokamax's fused kernel, --a
 the MLP in chunks of --mlp_chunk positions and the log-probs in chunks of 1,024 of the R*T
 scored tokens (model.mlp_chunk, model.logits_chunk_rows: engine options, tested against the
 unchunked step and the naive twin in tests/core/long_context_test.py and tests/core/lora_test.py).
-The step is the trainer's LoRA step: branch_replay.core.lora.loss_and_grad (the one engine) + AdamW.
+The step is the trainer's LoRA step: engine.loss_and_grad over the adapters (params_fn =
+lora.attach to the frozen base) + AdamW.
 
   # compile only, by XLA:GPU for an H200 without a GPU (experiments/gpu_target.py), one
   # subprocess per row:
@@ -140,8 +141,7 @@ def lora_step(cfg, rank: int):
   state are donated; the bf16 base is a frozen argument."""
   import jax
   import optax
-  from branch_replay.core import losses
-  from branch_replay.core import lora as lora_train
+  from branch_replay.core import engine, losses
   from models import lora
 
   lora_cfg = lora.LoraConfig(rank=rank, alpha=2.0 * rank)
@@ -149,8 +149,8 @@ def lora_step(cfg, rank: int):
   loss_cfg = losses.LossConfig(name="grpo")
 
   def step(base, adapters, opt_state, batch):
-    loss, _, grads = lora_train.loss_and_grad(
-      base, adapters, batch, cfg, loss_cfg, lora_cfg, "replay"
+    loss, _, grads = engine.loss_and_grad(
+      adapters, batch, cfg, loss_cfg, "replay", params_fn=lambda a: lora.attach(base, a, lora_cfg)
     )
     updates, opt_state = tx.update(grads, opt_state, adapters)
     return optax.apply_updates(adapters, updates), opt_state, loss

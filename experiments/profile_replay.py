@@ -7,7 +7,7 @@ Stages (each its own jit, median of --reps, wall and CPU seconds), in the order 
                the R*T predicting hidden states (part of `tails`; `tails_body` = the rest)
   prefix_bwd   step 3: the prefix backward with the branch-summed cotangent
   optimizer    AdamW (clip + update + apply), as train.py's
-  step         the whole fused step (policy.loss_and_grad, one jit) for comparison
+  step         the whole fused step (engine.loss_and_grad, one jit) for comparison
 Ops: one jax.profiler trace of --trace_reps fused steps; every XLA CPU thunk's self time
 (its duration less the thunks nested in it on the same thread), summed per HLO instruction,
 with its opcode and the jax op that made it (HLO metadata), and summed per op class
@@ -87,7 +87,7 @@ def stage_times(cfg, params, batch):
   import jax
   import jax.numpy as jnp
   import optax
-  from branch_replay.core import engine, losses, policy, replay
+  from branch_replay.core import engine, losses, replay
   from models import transformer as tfm
 
   loss_cfg = losses.LossConfig("grpo")
@@ -133,7 +133,7 @@ def stage_times(cfg, params, batch):
 
   _, *t = timed(jax.jit(opt_step), params, opt_state, grads, reps=reps)
   rows["optimizer"] = t
-  step = jax.jit(lambda p, b: policy.loss_and_grad(p, b, cfg, loss_cfg, "replay")[::2])
+  step = jax.jit(lambda p, b: engine.loss_and_grad(p, b, cfg, loss_cfg, "replay")[::2])
   _, *t = timed(step, params, batch, reps=reps)
   rows["step"] = t
   rows["tails_body"] = [

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from branch_replay import config as config_lib
-from branch_replay.core import policy
+from branch_replay.core import engine
 from branch_replay.train import steps
 from branch_replay.data import tasks
 from branch_replay.algorithms import grpo
@@ -79,7 +79,7 @@ class Stepper:
 def _loss_and_grad(cfg, mode):
   chunk = cfg.replay.branch_chunk if mode == "replay" else None
   loss_cfg = steps.rl_loss_config(cfg)  # at the sampler's temperature, as the trainer
-  return jax.jit(lambda p, b: policy.loss_and_grad(p, b, cfg.model, loss_cfg, mode, chunk))
+  return jax.jit(lambda p, b: engine.loss_and_grad(p, b, cfg.model, loss_cfg, mode, chunk))
 
 
 def grads_both_modes(params, batch, cfg):

@@ -160,7 +160,7 @@ def main(argv):
   del argv
   import jax
   import numpy as np
-  from branch_replay.core import engine, losses, policy, trie
+  from branch_replay.core import engine, losses, trie
   from experiments import provenance
   from models import transformer as tfm
 
@@ -173,7 +173,7 @@ def main(argv):
   writer = (
     provenance.ResultsWriter(FLAGS.out, experiment="rollout_strategies") if FLAGS.out else None
   )
-  flat_fn = jax.jit(functools.partial(policy.loss_and_grad, model_cfg=cfg, loss_cfg=loss_cfg))
+  flat_fn = jax.jit(functools.partial(engine.loss_and_grad, model_cfg=cfg, loss_cfg=loss_cfg))
   tree_fn = jax.jit(functools.partial(engine.loss_and_grad, model_cfg=cfg, loss_cfg=loss_cfg))
   with tempfile.TemporaryDirectory() as tmp:
     for strategy in FLAGS.strategies.split(","):

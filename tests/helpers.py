@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from branch_replay.core import engine, policy, tree
+from branch_replay.core import engine, tree
 from branch_replay.core.tree import TreeBatch, TreeLevel
 from models import transformer as tfm
+from oracles import flat_naive_loss_and_grad
 
 
 def x64_enabled() -> bool:
@@ -259,10 +260,11 @@ def assert_equal_f64(got, want, tol=1e-10, keys=None):
 
 
 def both_paths(cfg, params, batch: TreeBatch, loss_cfg, branch_chunk=None):
-  """A flat batch by replay and by the flat naive twin (every branch its own sequence)."""
+  """A flat batch by replay and by the flat oracle (tests/oracles.py: every branch its own
+  sequence, no tree code)."""
   tree.validate(batch, cfg.vocab_size, branch_chunk)
-  fast = jax.jit(lambda p, b: policy.loss_and_grad(p, b, cfg, loss_cfg, "replay", branch_chunk))
-  slow = jax.jit(lambda p, b: policy.loss_and_grad(p, b, cfg, loss_cfg, "naive"))
+  fast = jax.jit(lambda p, b: engine.loss_and_grad(p, b, cfg, loss_cfg, "replay", branch_chunk))
+  slow = jax.jit(lambda p, b: flat_naive_loss_and_grad(p, b, cfg, loss_cfg))
   return fast(params, batch), slow(params, batch)
 
 

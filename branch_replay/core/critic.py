@@ -220,28 +220,6 @@ def head(
   )
 
 
-def replay_loss_and_grad(
-  params, cb: CriticBatch, model_cfg, cfg: CriticConfig, body_params=None, mesh=None
-):
-  """The critic's value loss and gradient through branch replay (the one engine with the
-  value head): (loss, aux_BR, grads); grads has params' tree ({'head'} alone for a shared
-  critic). With `mesh` (call it inside one jit, cb placed with `batch_shardings`): the
-  engine's mesh path, the prefix context-parallel, branches over `context`, the critic's
-  transformer and its grads sharded like the policy's (the head replicated)."""
-  value_head = head(model_cfg, cfg, cb, body_params)
-  if mesh is None:
-    return engine.replay_loss_and_grad(params, cb.batch, model_cfg, None, head=value_head)
-  return sharding.engine_loss_and_grad(
-    mesh,
-    params,
-    cb.batch,
-    model_cfg,
-    None,
-    head=value_head,
-    p_shardings=param_shardings(mesh, model_cfg, params),
-  )
-
-
 def param_shardings(mesh, model_cfg, params):
   """Where the critic's params live on `mesh`: its transformer ('model') like the policy's,
   the value head replicated. `params` (or their shapes) give the tree: {'model', 'head'} or
@@ -276,21 +254,9 @@ def naive_values(params, batch, model_cfg, body_params=None) -> jax.Array:
 
 
 def naive_loss(params, cb: CriticBatch, model_cfg, cfg: CriticConfig, body_params=None):
-  """The naive twin of the critic loss: every path its own sequence with its own targets,
-  (loss, aux_BR per path)."""
-  values_BLX = naive_values(params, cb.batch, model_cfg, body_params)
-  B, L, X = values_BLX.shape
-  fold = lambda x: x.reshape(B * L, X)
-  loss_M, aux = _branch_loss(
-    fold(values_BLX),
-    dict(
-      returns_BX=fold(cb.returns_BRX),
-      old_values_BX=fold(cb.old_values_BRX),
-      weight_BX=fold(_weights_BRX(cb.batch)),
-    ),
-    cfg,
-  )
-  return loss_M.sum(), jax.tree.map(lambda x: x.reshape(B, L), aux)
+  """The naive twin of the critic loss: every path its own sequence with its own targets
+  (the engine's naive twin with the value head), (loss, aux_BR per path)."""
+  return engine.naive_loss(params, cb.batch, model_cfg, None, head(model_cfg, cfg, cb, body_params))
 
 
 def loss_and_grad(
@@ -302,17 +268,22 @@ def loss_and_grad(
   body_params=None,
   mesh=None,
 ):
-  """(loss, aux_BR, grads w.r.t. params); body_params: the policy's params for a shared
-  critic (params = {'head'}), None for a separate value model. mesh: replay on a mesh (the
-  naive twin runs under the partitioner's defaults, from the inputs' shardings)."""
-  if mode == "replay":
-    return replay_loss_and_grad(params, cb, model_cfg, cfg, body_params, mesh)
-  if mode == "naive":
-    (loss, aux), grads = jax.value_and_grad(naive_loss, has_aux=True)(
-      params, cb, model_cfg, cfg, body_params
-    )
-    return loss, aux, grads
-  raise ValueError(f"replay.mode={mode!r}: expected replay or naive")
+  """(loss, aux_BR, grads w.r.t. params) through the one engine with the value head;
+  body_params: the policy's params for a shared critic (params = {'head'}), None for a
+  separate value model. mesh (call it inside one jit, cb placed with `batch_shardings`): the
+  engine's mesh path, the prefix context-parallel, branches over `context`, the critic's
+  transformer and its grads sharded like the policy's (the head replicated); the naive twin
+  runs under the partitioner's defaults, from the inputs' shardings."""
+  return engine.loss_and_grad(
+    params,
+    cb.batch,
+    model_cfg,
+    None,
+    mode,
+    mesh=mesh,
+    head=head(model_cfg, cfg, cb, body_params),
+    p_shardings=None if mesh is None else param_shardings(mesh, model_cfg, params),
+  )
 
 
 def values(params, model_cfg, batch, body_params=None) -> jax.Array:

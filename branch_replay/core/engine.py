@@ -1,8 +1,16 @@
-"""The transformer on a tree: every level runs as folded rows (B*N_d rows, row-major (b, node))
-against its ancestors' K/V segments, so each ancestor's dK/dV comes out of the attention
-contraction already summed; the objective scores every root-to-leaf path over its X scored
-positions (trunk, then each level's tokens). `naive_loss` is the twin: every path as its own
-sequence. A flat batch is the depth-1 tree (`tree.flat`)."""
+"""The transformer on a tree, and the library's one entry: `loss_and_grad(params, batch,
+model_cfg, loss_cfg, mode, branch_chunk, *, mesh, params_fn, head)`.
+
+Replay: every level runs as folded rows (B*N_d rows, row-major (b, node)) against its
+ancestors' K/V segments, so each ancestor's dK/dV comes out of the attention contraction
+already summed; the objective scores every root-to-leaf path over its X scored positions
+(trunk, then each level's tokens). A flat batch is the depth-1 tree (`tree.flat`). The naive
+twin (`naive_loss`, mode 'naive') runs every path as its own sequence through the same model
+and the same head. What is scored is a `Head`: the policy's objective (`policy_head`, the
+default) or PPO's value model (critic.head); a mesh (`sharding.make_mesh`) runs the same
+replay context-parallel; params_fn runs it over LoRA adapters. The flat twin that shares no
+tree code is a test oracle (tests/oracles.py).
+"""
 
 from __future__ import annotations
 
@@ -11,9 +19,10 @@ from typing import Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from branch_replay.core import losses, replay
+from branch_replay.core import losses, replay, sharding
 from branch_replay.core.tree import TreeBatch, leaf_weights
 from models import transformer as tfm
+from models.attention import context_parallel
 
 MODES = ("replay", "naive")
 
@@ -83,7 +92,8 @@ def path_inputs(batch: TreeBatch, loss_cfg: losses.LossConfig):
 
 
 def path_value(logp_MX, entropy_MT, path, loss_cfg: losses.LossConfig):
-  """(value_M, aux of per-path sums) of every path, as policy.branch_value scores a branch."""
+  """(value_M, aux of per-path sums) of every path (tests/oracles.py scores a flat branch
+  independently)."""
   sg = jax.lax.stop_gradient(logp_MX)
   old_MX = sg if path["old"] is None else path["old"]
   ref_MX = sg if path["ref"] is None else path["ref"]
@@ -109,7 +119,9 @@ def path_value(logp_MX, entropy_MT, path, loss_cfg: losses.LossConfig):
 
 
 def check(batch: TreeBatch, loss_cfg: losses.LossConfig, branch_chunk=None) -> None:
-  """Shape-level checks of the objective against the tree (static: before any compilation)."""
+  """Shape-level checks of the objective against the tree (static: before any compilation).
+  An objective (or KL penalty) that needs reference log-probs gets them, or a ValueError: a
+  missing reference must not silently read as the policy itself (KL 0, DPO margin 0)."""
   n = loss_cfg.objective.n_branches
   if n is not None and batch.fanouts[-1] != n:
     raise ValueError(
@@ -117,10 +129,14 @@ def check(batch: TreeBatch, loss_cfg: losses.LossConfig, branch_chunk=None) -> N
       f"{tuple(batch.leaves.tokens_BRT.shape)}: loss.name={loss_cfg.name!r} "
       f"expects a last fan-out of {n} (fanouts {batch.fanouts})"
     )
-  if loss_cfg.needs_ref and batch.leaves.ref_logp_BRT is None:
+  if loss_cfg.needs_ref and (
+    batch.leaves.ref_logp_BRT is None or (batch.trunk_len and batch.trunk_ref_logp_BW is None)
+  ):
+    why = "kl_coef > 0" if loss_cfg.kl_coef else f"objective {loss_cfg.name!r}"
     raise ValueError(
       f"tree.levels[{batch.depth - 1}].ref_logp_BRT: None, but loss.name="
-      f"{loss_cfg.name!r} (kl_coef={loss_cfg.kl_coef}) needs reference log-probs"
+      f"{loss_cfg.name!r} needs reference log-probs ({why}); score the batch "
+      "with the reference policy (sampler.score) first"
     )
   if branch_chunk is not None and (branch_chunk < 1 or batch.fanouts[-1] % branch_chunk):
     raise ValueError(
@@ -244,27 +260,22 @@ def _per_leaf(x_RM, B):
   return jnp.swapaxes(x_RM, 0, 1).reshape(B, -1)
 
 
-def replay_loss_and_grad(
+def _replay(
   params,
   batch: TreeBatch,
   model_cfg: tfm.ModelConfig,
-  loss_cfg: Optional[losses.LossConfig],
+  head: Head,
   branch_chunk: Optional[int] = None,
   *,
   root_wrap: Optional[Callable] = None,
   cache_constraint: Optional[Callable] = None,
   params_fn: Optional[Callable] = None,
-  head: Optional[Head] = None,
 ):
   """Tree replay: (loss, aux_BR per leaf, grads), grads equal to the naive gradient.
   root_wrap(root_fn) -> root_fn (the context-parallel prefill); cache_constraint(level, cache)
   -> cache where each level's cache crosses to the levels below; params_fn(params) -> the
   model's params, inside every differentiated function (LoRA: `params` are the adapters,
-  merged into the frozen base; grads are the adapters'); head: what is scored (default the
-  policy's objective `loss_cfg`; critic.py passes the value head and loss_cfg=None)."""
-  if head is None:
-    check(batch, loss_cfg, branch_chunk)
-    head = policy_head(batch, model_cfg, loss_cfg)
+  merged into the frozen base; grads are the adapters')."""
   root_fn, level_fns, leaf_loss_fn, leaves_R = replay_fns(batch, model_cfg, head)
   if params_fn is not None:
     root_fn = (lambda fn: lambda p: fn(params_fn(p)))(root_fn)
@@ -286,6 +297,61 @@ def replay_loss_and_grad(
   )
   B = batch.root_BP.shape[0]
   return loss, jax.tree.map(lambda x: _per_leaf(x, B), aux_R), grads
+
+
+def _replay_on_mesh(
+  mesh, params, batch: TreeBatch, model_cfg, head: Head, branch_chunk, params_fn, p_shardings
+):
+  """Replay on `mesh` (call it inside one jit): the batch placed by sharding.batch_shardings,
+  the root prefill context-parallel under the model's logical rules, its cache kept in its
+  sequence shards where it crosses to the levels below, each tail layer gathering its K/V
+  once; params and grads sharded like the parameters (p_shardings: the head's params tree,
+  default the policy's). With params_fn (LoRA: params are the adapters, replicated) the
+  weights it returns are sharded like the parameters instead. The leaves' cache cotangent is
+  summed across the branch shards by the partitioner (an all-reduce / reduce-scatter over
+  `context`) before the single prefix VJP. branch_chunk's chunks are strided over R, so each
+  chunk's branches stay split over `context` (a multiple of the `context` size)."""
+  batch = sharding.constrain(batch, sharding.batch_shardings(mesh, batch))
+  if p_shardings is None:
+    p_shardings = sharding.param_shardings(mesh, model_cfg)
+  if params_fn is None:
+    params = sharding.constrain(params, p_shardings)
+  else:
+    params_fn = (lambda fn: lambda p: sharding.constrain_weights(fn(p), p_shardings))(params_fn)
+  root_constraint = sharding.cache_constraint(mesh)
+
+  def root_wrap(root_fn):
+    prefill = sharding.sharded_prefill(mesh, lambda p, _: root_fn(p))
+    return lambda p: prefill(p, None)
+
+  with context_parallel.sharded_tails(mesh, sharding.RULES):
+    loss, aux_BR, grads = _replay(
+      params,
+      batch,
+      model_cfg,
+      head,
+      branch_chunk,
+      root_wrap=root_wrap,
+      cache_constraint=lambda level, cache: root_constraint(cache) if level == 0 else cache,
+      params_fn=params_fn,
+    )
+  aux_BR = sharding.constrain(
+    aux_BR,
+    jax.tree.map(  # per leaf, split like the leaves
+      lambda x: sharding.named_sharding(mesh, "aux", x.shape, ("batch", "branch")), aux_BR
+    ),
+  )
+  return loss, aux_BR, (grads if params_fn is not None else sharding.constrain(grads, p_shardings))
+
+
+def prefix_residuals(mesh, params, batch: TreeBatch, model_cfg, loss_cfg: losses.LossConfig):
+  """Replay's step 1 alone, on the mesh: (cache, prefix_vjp). prefix_vjp's leaves are the
+  residuals the prefix backward keeps alive; jit this to inspect their shardings."""
+  params = sharding.constrain(params, sharding.param_shardings(mesh, model_cfg))
+  batch = sharding.constrain(batch, sharding.batch_shardings(mesh, batch))
+  root_fn, _, _, _ = replay_fns(batch, model_cfg, policy_head(batch, model_cfg, loss_cfg))
+  prefill = sharding.sharded_prefill(mesh, lambda p, _: root_fn(p))
+  return replay.prefix_forward(prefill, params, None)
 
 
 def forward(
@@ -349,53 +415,68 @@ def path_sequences(batch: TreeBatch):
   return seq(batch.root_BP, tokens_BnY), seq(batch.root_valid_BP, valid_BnY), back
 
 
-def naive_loss(params, batch: TreeBatch, model_cfg: tfm.ModelConfig, loss_cfg: losses.LossConfig):
-  """Every root-to-leaf path as its own sequence through tfm.forward: the left-padded prompt,
-  then the path's tokens contiguous (each node's valid tokens behind its ancestors', padding
-  at the end). Returns (loss, aux_BR per leaf)."""
-  check(batch, loss_cfg)
+def naive_loss(
+  params,
+  batch: TreeBatch,
+  model_cfg: tfm.ModelConfig,
+  loss_cfg: Optional[losses.LossConfig],
+  head: Optional[Head] = None,
+):
+  """The naive twin: every root-to-leaf path as its own sequence through tfm.forward (the
+  left-padded prompt, then the path's tokens contiguous: each node's valid tokens behind its
+  ancestors', padding at the end), scored by the same head. Returns (loss, aux_BR per leaf)."""
+  if head is None:
+    check(batch, loss_cfg)
+    head = policy_head(batch, model_cfg, loss_cfg)
   tokens_MS, valid_MS, back = path_sequences(batch)
-  h_MSD = tfm.forward(params, model_cfg, tokens_MS, valid_MS)
+  h_MSD = tfm.forward(head.body(params), model_cfg, tokens_MS, valid_MS)
   first = batch.root_BP.shape[1] - batch.trunk_len  # the first position that may be scored
-  logp_MS, entropy_MS = tfm.token_logps(
-    params,
-    model_cfg,
-    h_MSD[:, first - 1 : -1],
-    tokens_MS[:, first:],
-    temperature=loss_cfg.temperature,
-  )
-  logp_MX, entropy_MX = back(logp_MS), back(entropy_MS)
-  B, n = batch.root_BP.shape[0], batch.n_leaves
+  score_MS, entropy_MS = head.score(params, h_MSD[:, first - 1 : -1], tokens_MS[:, first:])
   T_D = batch.leaves.tokens_BRT.shape[2]
-  value_M, aux = path_value(logp_MX, entropy_MX[:, -T_D:], path_inputs(batch, loss_cfg), loss_cfg)
-  combine = combine_fn(loss_cfg)
-  R = batch.fanouts[-1]
-  loss = value_M.sum() if combine is None else combine(value_M.reshape(-1, R).T)
+  entropy_MT = None if entropy_MS is None else back(entropy_MS)[:, -T_D:]
+  value_M, aux = head.value(back(score_MS), entropy_MT, head.path)
+  B, n, R = batch.root_BP.shape[0], batch.n_leaves, batch.fanouts[-1]
+  loss = value_M.sum() if head.combine is None else head.combine(value_M.reshape(-1, R).T)
   return loss, jax.tree.map(lambda x: x.reshape(B, n), aux)
 
 
-def naive_loss_and_grad(params, batch, model_cfg, loss_cfg, params_fn=None):
-  fn = lambda p: naive_loss(p if params_fn is None else params_fn(p), batch, model_cfg, loss_cfg)
-  (loss, aux), grads = jax.value_and_grad(fn, has_aux=True)(params)
-  return loss, aux, grads
+# ----------------------------------------------------------------------------- the entry
 
 
 def loss_and_grad(
   params,
   batch: TreeBatch,
-  model_cfg,
-  loss_cfg,
+  model_cfg: tfm.ModelConfig,
+  loss_cfg: Optional[losses.LossConfig],
   mode: str = "replay",
   branch_chunk: Optional[int] = None,
+  *,
+  mesh=None,
   params_fn: Optional[Callable] = None,
+  head: Optional[Head] = None,
+  p_shardings=None,
 ):
-  """(loss, aux_BR per leaf, grads) of the tree by replay or by its naive twin (on a mesh:
-  sharding.sharded_loss_and_grad, which wraps this engine's replay); params_fn as in
-  replay_loss_and_grad (LoRA)."""
+  """(loss, aux_BR per leaf, grads) of a tree (a flat batch is the depth-1 tree) by branch
+  replay (mode 'replay') or by its naive twin ('naive'): the one entry of the library.
+
+  mesh: a jax Mesh (sharding.make_mesh; call inside one jit): replay runs context-parallel
+  with the branches over `context`; the naive twin runs under the partitioner's defaults from
+  the inputs' shardings. params_fn(params) -> the model's params inside every differentiated
+  function (LoRA: params are the adapters, `lora.attach`ed to the frozen base; grads are the
+  adapters'). head: what is scored (default the policy's objective `loss_cfg`; critic.head
+  for PPO's value model, loss_cfg None, p_shardings its params' shardings on a mesh).
+  branch_chunk streams the last level's branches in chunks (replay only)."""
   if mode not in MODES:
     raise ValueError(f"replay.mode={mode!r}: expected one of {MODES}")
-  if mode == "replay":
-    return replay_loss_and_grad(
-      params, batch, model_cfg, loss_cfg, branch_chunk, params_fn=params_fn
+  if head is None:
+    check(batch, loss_cfg, branch_chunk if mode == "replay" else None)
+    head = policy_head(batch, model_cfg, loss_cfg)
+  if mode == "naive":
+    fn = lambda p: naive_loss(
+      p if params_fn is None else params_fn(p), batch, model_cfg, loss_cfg, head
     )
-  return naive_loss_and_grad(params, batch, model_cfg, loss_cfg, params_fn)
+    (loss, aux), grads = jax.value_and_grad(fn, has_aux=True)(params)
+    return loss, aux, grads
+  if mesh is None:
+    return _replay(params, batch, model_cfg, head, branch_chunk, params_fn=params_fn)
+  return _replay_on_mesh(mesh, params, batch, model_cfg, head, branch_chunk, params_fn, p_shardings)

@@ -1,4 +1,5 @@
-"""Mesh axes, the one logical->mesh RULES table, and branch replay on a mesh (GSPMD).
+"""Mesh axes, the one logical->mesh RULES table, and where each array of a replay step lives
+on a mesh (GSPMD); engine.loss_and_grad(..., mesh=mesh) runs the step.
 
 Parameters and activations carry logical names; `RULES` maps them to the four mesh axes.
 Layout of one replay step:
@@ -33,9 +34,7 @@ import numpy as np
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from branch_replay.core import engine, losses, policy, replay
 from branch_replay.core.tree import TreeBatch
-from models.attention import context_parallel
 from models import transformer as tfm
 
 # The mesh axes, declared once (role words; sizes come from a spec such as "fsdp:4,context:2").
@@ -296,87 +295,6 @@ def sharded_prefill(mesh: Mesh, prefill_fn):
   return fn
 
 
-def sharded_loss_and_grad(
-  mesh: Mesh,
-  params,
-  batch: TreeBatch,
-  model_cfg: tfm.ModelConfig,
-  loss_cfg: losses.LossConfig,
-  branch_chunk: Optional[int] = None,
-  params_fn=None,
-):
-  """Branch replay of a flat batch or a tree on `mesh` (call it inside one jit): (loss,
-  aux_BR per leaf, grads), equal to `engine.loss_and_grad(..., mode='replay')` on one device.
-  The leaves' cache cotangent is summed across the branch shards by the partitioner (an
-  all-reduce / reduce-scatter over `context`) before the single prefix VJP; grads come out
-  sharded like the parameters.
-
-  branch_chunk streams the branches in chunks under lax.scan (replay.py); chunks are strided
-  over R, so each chunk's branches stay split over `context` (branch_chunk must be a
-  multiple of the `context` size for that).
-  """
-  policy.check_ref(batch, loss_cfg)
-  return engine_loss_and_grad(
-    mesh,
-    params,
-    constrain(batch, batch_shardings(mesh, batch)),
-    model_cfg,
-    loss_cfg,
-    branch_chunk,
-    params_fn,
-  )
-
-
-def engine_loss_and_grad(
-  mesh: Mesh,
-  params,
-  batch,
-  model_cfg: tfm.ModelConfig,
-  loss_cfg: losses.LossConfig,
-  branch_chunk: Optional[int] = None,
-  params_fn=None,
-  head: Optional[engine.Head] = None,
-  p_shardings=None,
-):
-  """The one engine's replay (engine.replay_loss_and_grad) of a tree batch already placed on
-  `mesh` (flat: the depth-1 tree): the root prefill context-parallel under the model's
-  logical rules, its cache kept in its sequence shards where it crosses to the levels below,
-  params and grads sharded like the parameters. With params_fn (LoRA: params are the
-  adapters, replicated) the weights it returns are sharded like the parameters instead.
-  head: the engine's head (default the policy's; critic.head for PPO's value model, whose
-  params tree is given by p_shardings)."""
-  p_shardings = param_shardings(mesh, model_cfg) if p_shardings is None else p_shardings
-  if params_fn is None:
-    params = constrain(params, p_shardings)
-  else:
-    params_fn = (lambda fn: lambda p: constrain_weights(fn(p), p_shardings))(params_fn)
-  root_constraint = cache_constraint(mesh)
-
-  def root_wrap(root_fn):
-    prefill = sharded_prefill(mesh, lambda p, _: root_fn(p))
-    return lambda p: prefill(p, None)
-
-  with context_parallel.sharded_tails(mesh, RULES):  # each tail layer gathers its K/V once
-    loss, aux_BR, grads = engine.replay_loss_and_grad(
-      params,
-      batch,
-      model_cfg,
-      loss_cfg,
-      branch_chunk,
-      root_wrap=root_wrap,
-      cache_constraint=lambda level, cache: root_constraint(cache) if level == 0 else cache,
-      params_fn=params_fn,
-      head=head,
-    )
-  aux_BR = constrain(
-    aux_BR,
-    jax.tree.map(  # per leaf, split like the leaves
-      lambda x: named_sharding(mesh, "aux", x.shape, ("batch", "branch")), aux_BR
-    ),
-  )
-  return loss, aux_BR, (grads if params_fn is not None else constrain(grads, p_shardings))
-
-
 # Batches (a flat batch is the depth-1 tree): the root's prompts over (data, fsdp) and its
 # sequence over `context` (the context-parallel prefill); inner nodes split by prompt only
 # (every device of a `context` group runs every opening: they are few and short); leaves
@@ -433,19 +351,6 @@ def batch_shardings(mesh: Mesh, batch: TreeBatch) -> TreeBatch:
     ),
     levels=tuple(levels),
   )
-
-
-def prefix_residuals(
-  mesh: Mesh, params, batch: TreeBatch, model_cfg: tfm.ModelConfig, loss_cfg: losses.LossConfig
-):
-  """Step 1 alone, on the mesh: (cache, prefix_vjp). prefix_vjp's leaves are the residuals
-  the prefix backward keeps alive; jit this to inspect their shardings."""
-  params = constrain(params, param_shardings(mesh, model_cfg))
-  batch = constrain(batch, batch_shardings(mesh, batch))
-  root_fn, _, _, _ = engine.replay_fns(
-    batch, model_cfg, engine.policy_head(batch, model_cfg, loss_cfg)
-  )
-  return replay.prefix_forward(sharded_prefill(mesh, lambda p, _: root_fn(p)), params, None)
 
 
 # ----------------------------------------------------------------------------- memory

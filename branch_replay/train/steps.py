@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from branch_replay.core import engine, losses, policy, sampler, sharding
+from branch_replay.core import engine, losses, sampler, sharding
 from branch_replay.config import Config
 from branch_replay.train.state import TrainState, make_optimizer
 from branch_replay.data.tasks import TaskConfig
@@ -36,23 +36,17 @@ def rl_loss_config(cfg: Config) -> losses.LossConfig:
 
 
 def loss_and_grad(cfg: Config, params, batch, loss_cfg, branch_chunk=None, params_fn=None):
-  """(loss, aux_BR, grads) of a flat batch or a tree (TreeBatch): replay or the naive twin
-  (`replay.mode`), on one device or, with `mesh`, sharded (the naive twin by the partitioner
-  alone, from the sharded inputs). params_fn(params) -> the model's weights (LoRA:
-  `lora_params_fn`; params are the adapters and grads theirs)."""
-  if cfg.mesh and cfg.replay.mode == "replay":
-    mesh = sharding.make_mesh(cfg.mesh)
-    return sharding.sharded_loss_and_grad(
-      mesh, params, batch, cfg.model, loss_cfg, branch_chunk, params_fn
-    )
-  engine_ = policy if policy.is_flat(batch) else engine
-  return engine_.loss_and_grad(
+  """engine.loss_and_grad with the config's `replay.mode` and `mesh` (a flat batch or a tree;
+  the naive twin on a mesh by the partitioner alone, from the sharded inputs). params_fn:
+  `lora_params_fn` (params are the adapters and grads theirs)."""
+  return engine.loss_and_grad(
     params,
     batch,
     cfg.model,
     loss_cfg,
-    mode=cfg.replay.mode,
-    branch_chunk=branch_chunk,
+    cfg.replay.mode,
+    branch_chunk,
+    mesh=sharding.make_mesh(cfg.mesh) if cfg.mesh else None,
     params_fn=params_fn,
   )
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from branch_replay.core import engine, policy
+from branch_replay.core import engine
 
 MODES = ("auto", "first", "off")  # auto: first for imported checkpoints (run.py --model_dir)
 
@@ -62,12 +62,11 @@ def check(params, batch, model_cfg, loss_cfg, *, branch_chunk=None, tol=None) ->
   leaf and both values if the loss or any gradient leaf differs by more than `tol` (default:
   `tolerance(model_cfg)`). Returns metrics: verify/max_rel_err, verify/worst_leaf,
   time/verify_s (both paths, compilation included)."""
-  engine_ = policy if policy.is_flat(batch) else engine
   tol = tolerance(model_cfg) if tol is None else tol
   run = lambda mode: jax.block_until_ready(
     jax.jit(
       functools.partial(
-        engine_.loss_and_grad,
+        engine.loss_and_grad,
         model_cfg=model_cfg,
         loss_cfg=loss_cfg,
         mode=mode,

@@ -25,7 +25,7 @@ and stored in the keys' dtype, so the gathered sequence never has a float32 accu
 slices) is not built: a device's slice is contiguous, so the causal work grows with its index.
 
 The tails (queries with a prefix-cache segment first) run under `shard_map` too while a
-`sharded_tails` layout is active (sharding.engine_loss_and_grad sets it around the replay
+`sharded_tails` layout is active (engine.loss_and_grad with a mesh sets it around the replay
 step): their rows stay split over (batch axes, `context`) as the branches are, the prefix
 cache arrives in its sequence shards (sharding.CACHE_AXES), and each tail layer all-gathers
 its own layer's K/V once, before the blockwise kernel, whose AD transpose reduce-scatters

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from branch_replay.core import advantages, critic, losses, policy, sampler
+from branch_replay.core import advantages, critic, engine, losses, sampler
 from branch_replay.train import checkpoint, metrics
 from branch_replay import dapo
 from branch_replay.train import trainer
@@ -379,7 +379,7 @@ def test_temperature_first_epoch_ratio_is_one():
   batch = sampler.to_batch(prompt, valid, s, jnp.ones((2, 4)))
   for temperature, close in ((0.7, True), (1.0, False)):
     lc = losses.LossConfig(name="ppo", temperature=temperature)
-    _, aux, _ = jax.jit(lambda p, b: policy.loss_and_grad(p, b, cfg, lc))(params, batch)
+    _, aux, _ = jax.jit(lambda p, b: engine.loss_and_grad(p, b, cfg, lc))(params, batch)
     ratio_max = float(aux["ratio_max"].max())
     approx_kl = float(aux["approx_kl_sum"].sum())
     if close:

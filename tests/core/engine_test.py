@@ -1,6 +1,6 @@
 """The one engine's bug guards (issue 16, items 1-3, 7, 8): each failed at 625fa22. A depth-1
-tree is checked against the flat engine; deeper trees against every root-to-leaf path run as
-a flat branch of its own (policy.naive_loss, an implementation that shares no tree code)."""
+tree is checked against the flat oracle (tests/oracles.py); deeper trees against every root-to-leaf path run as
+a flat branch of its own (engine.naive_loss)."""
 
 import dataclasses
 
@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from branch_replay.core import engine, losses, policy, tree
+from branch_replay.core import engine, losses, tree
 from helpers import assert_equal_f64, make_batch, make_tree, max_rel_err, tiny_model
 from helpers import slow_where
+from oracles import flat_naive_loss_and_grad
 
 
 def paths_as_flat(batch: tree.TreeBatch) -> tree.TreeBatch:
@@ -60,7 +61,7 @@ def tree_run(cfg, params, batch, loss_cfg, mode="replay", branch_chunk=None):
 
 
 def flat_naive(cfg, params, flat, loss_cfg):
-  return jax.jit(lambda p, b: policy.loss_and_grad(p, b, cfg, loss_cfg, "naive"))(params, flat)
+  return jax.jit(lambda p, b: flat_naive_loss_and_grad(p, b, cfg, loss_cfg))(params, flat)
 
 
 # Per-path aux (a tree's logp/entropy/tokens sums cover the leaf's own tokens, a flat
@@ -74,7 +75,7 @@ def test_temperature_depth1_equals_flat_and_on_policy_ratio_is_one():
     cfg, params = tiny_model()
     lc = losses.LossConfig(name="ppo", temperature=0.7, kl_coef=0.1)
     batch = make_batch(3, B=2, R=3, P=9, T=5, W=2, logps=True, dtype=jnp.float64)
-    want = jax.jit(lambda p: policy.loss_and_grad(p, batch, cfg, lc))(params)
+    want = jax.jit(lambda p: engine.loss_and_grad(p, batch, cfg, lc))(params)
     for mode in engine.MODES:
       assert_equal_f64(tree_run(cfg, params, batch, lc, mode), want)
     # Depth 2: log-probs of the sampling distribution at T=0.7 are on-policy (ratio 1).
@@ -166,7 +167,7 @@ def test_tree_reports_the_flat_ppo_diagnostics():
     cfg, params = tiny_model()
     lc = losses.LossConfig(name="grpo", epsilon=0.1, kl_coef=0.05)
     batch = make_batch(10, B=2, R=4, P=8, T=5, W=1, logps=True, dtype=jnp.float64)
-    want = jax.jit(lambda p: policy.loss_and_grad(p, batch, cfg, lc))(params)
+    want = jax.jit(lambda p: engine.loss_and_grad(p, batch, cfg, lc))(params)
     got = tree_run(cfg, params, batch, lc)
     assert set(got[1]) == set(want[1])
     assert float(want[1]["clip_sum"].sum()) > 0  # the diagnostics are not trivially zero

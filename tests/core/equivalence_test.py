@@ -1,6 +1,6 @@
 """The equivalence grid: tree replay equals its naive twin (every root-to-leaf path as its own
 sequence) for every objective on every tree shape, depth 1 (a flat batch) included; at depth
-1 also the flat naive twin (policy.naive_loss, every branch its own [P+T] sequence, sharing no
+1 also the flat oracle (tests/oracles.py, every branch its own [P+T] sequence, sharing no
 tree code). float64: the loss, every aux sum and every gradient leaf at 1e-10; float32: rtol
 1e-5. One tiny model; one compile per cell (replay and the twins in one jit)."""
 
@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from branch_replay.core import critic, engine, losses, policy, tree
+from branch_replay.core import critic, engine, losses, tree
 from helpers import assert_equal_f64, make_batch, make_tree, tiny_model
+from oracles import flat_naive_loss_and_grad
 
 # Tree shapes: every one ragged (nodes of 1..T tokens) with a left-padded prompt 1.
 SHAPES = {
@@ -108,7 +109,7 @@ def critic_inputs(cfg, params, batch: tree.TreeBatch, seed: int):
 @functools.partial(jax.jit, static_argnums=(2, 3, 4))
 def policy_runs(params, batch, cfg, loss_cfg, chunk):
   """(replay, the tree's naive twin, the flat naive twin at depth 1 else None)."""
-  flat = policy.loss_and_grad(params, batch, cfg, loss_cfg, "naive") if batch.depth == 1 else None
+  flat = flat_naive_loss_and_grad(params, batch, cfg, loss_cfg) if batch.depth == 1 else None
   return (
     engine.loss_and_grad(params, batch, cfg, loss_cfg, "replay", chunk),
     engine.loss_and_grad(params, batch, cfg, loss_cfg, "naive"),

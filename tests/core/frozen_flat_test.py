@@ -1,4 +1,4 @@
-"""Regression guard: the flat engine (policy.loss_and_grad) still produces the float64 loss, aux
+"""Regression guard: the engine on flat batches (engine.loss_and_grad) still produces the float64 loss, aux
 and every gradient leaf frozen at 625fa22 (tests/fixtures/make_frozen_flat.py)."""
 
 import jax

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from branch_replay import config as config_lib
-from branch_replay.core import losses, policy
+from branch_replay.core import engine, losses
 from branch_replay.train import steps
 from branch_replay.train import state as train_state
 from models import transformer as tfm
@@ -42,7 +42,7 @@ def tiny(dtype="float64", **overrides):
 
 
 def replay_grad(cfg, params, batch, loss_cfg=losses.LossConfig()):
-  return jax.jit(lambda p: policy.loss_and_grad(p, batch, cfg, loss_cfg, "replay"))(params)
+  return jax.jit(lambda p: engine.loss_and_grad(p, batch, cfg, loss_cfg, "replay"))(params)
 
 
 def test_chunked_logps_equal_unchunked(x64):
@@ -96,7 +96,7 @@ def test_chunked_mlp_equals_whole_in_replay_and_naive(x64):
   batch = make_batch(6, 2, 3, 9, 3, W=1, dtype=jnp.float64)
   whole = dataclasses.replace(cfg, mlp_chunk=None, logits_chunk_rows=False)
   assert_equal_f64(replay_grad(cfg, params, batch), replay_grad(whole, params, batch))
-  naive = jax.jit(lambda p: policy.loss_and_grad(p, batch, cfg, losses.LossConfig(), "naive"))
+  naive = jax.jit(lambda p: engine.loss_and_grad(p, batch, cfg, losses.LossConfig(), "naive"))
   assert_equal_f64(replay_grad(cfg, params, batch), naive(params))
 
 
@@ -170,7 +170,7 @@ def test_tail_memory_does_not_grow_with_branches(attention):
 
   def temp_bytes(R, T):
     batch = make_batch(3, 1, R, P, T, ragged=False, vocab=cfg.vocab_size)
-    step = jax.jit(lambda p, b: policy.loss_and_grad(p, b, cfg, losses.LossConfig())[2])
+    step = jax.jit(lambda p, b: engine.loss_and_grad(p, b, cfg, losses.LossConfig())[2])
     return step.lower(params, batch).compile().memory_analysis().temp_size_in_bytes
 
   few, many = temp_bytes(2, 32), temp_bytes(32, 2)
@@ -196,4 +196,4 @@ def test_offload_remat_is_refused_on_cpu_before_compiling():
   cfg, params = tiny("float32", remat="offload")
   batch = make_batch(4, 1, 2, 5, 3, vocab=cfg.vocab_size)
   with pytest.raises(ValueError, match="model.remat='offload'"):
-    jax.eval_shape(lambda p: policy.loss_and_grad(p, batch, cfg, losses.LossConfig()), params)
+    jax.eval_shape(lambda p: engine.loss_and_grad(p, batch, cfg, losses.LossConfig()), params)

@@ -13,14 +13,23 @@ import optax
 import pytest
 import safetensors.numpy
 
-from branch_replay.core import losses, policy, tree
-from branch_replay.core import lora as lora_train
+from branch_replay.core import engine, losses, tree
 from models import hf
 from models import lora
 from models import transformer as tfm
 from helpers import make_batch, max_rel_err
+from oracles import flat_naive_loss_and_grad
 
 LORA = lora.LoraConfig(rank=4, alpha=8.0)
+
+
+def lora_loss_and_grad(base, adapters, batch, cfg, loss_cfg, lora_cfg, mode="replay"):
+  """Over the adapters, the base frozen (merged inside each layer): replay through the one
+  engine, or the flat oracle (every branch its own sequence, tests/oracles.py)."""
+  params_fn = lambda a: lora.attach(base, a, lora_cfg)
+  if mode == "naive":
+    return flat_naive_loss_and_grad(adapters, batch, cfg, loss_cfg, params_fn)
+  return engine.loss_and_grad(adapters, batch, cfg, loss_cfg, mode, params_fn=params_fn)
 
 
 def model_and_adapters(dtype="float64", lora_cfg=LORA, **overrides):
@@ -43,7 +52,7 @@ def test_lora_replay_equals_naive_float64(loss_name, W, logps):
     tree.validate(batch, cfg.vocab_size)
     loss_cfg = losses.LossConfig(name=loss_name, kl_coef=0.1 if logps else 0.0)
     run = lambda mode: jax.jit(
-      lambda a, b: lora_train.loss_and_grad(base, a, b, cfg, loss_cfg, LORA, mode)
+      lambda a, b: lora_loss_and_grad(base, a, b, cfg, loss_cfg, LORA, mode)
     )(adapters, batch)
     (l1, aux1, g1), (l2, aux2, g2) = run("replay"), run("naive")
     assert abs(float(l1) - float(l2)) <= 1e-10 * max(abs(float(l2)), 1e-3)
@@ -66,10 +75,10 @@ def test_lora_replay_equals_naive_with_the_one_gpu_plans_options():
     batch = make_batch(7, B=1, R=4, P=10, T=3, dtype=jnp.float64)
     loss_cfg = losses.LossConfig(name="grpo")
     l1, _, g1 = jax.jit(
-      lambda a: lora_train.loss_and_grad(base, a, batch, cfg, loss_cfg, LORA, "replay")
+      lambda a: lora_loss_and_grad(base, a, batch, cfg, loss_cfg, LORA, "replay")
     )(adapters)
     l2, _, g2 = jax.jit(
-      lambda a: lora_train.loss_and_grad(base, a, batch, plain, loss_cfg, LORA, "naive")
+      lambda a: lora_loss_and_grad(base, a, batch, plain, loss_cfg, LORA, "naive")
     )(adapters)
     assert abs(float(l1) - float(l2)) <= 1e-10 * max(abs(float(l2)), 1e-3)
     assert max_rel_err(g1, g2) < 1e-10
@@ -82,10 +91,10 @@ def test_adapter_gradient_is_the_full_gradient_projected():
     batch = make_batch(6, B=2, R=2, P=6, T=3, dtype=jnp.float64)
     loss_cfg = losses.LossConfig(name="grpo")
     _, _, g_adapters = jax.jit(
-      lambda a: lora_train.loss_and_grad(base, a, batch, cfg, loss_cfg, LORA, "replay")
+      lambda a: lora_loss_and_grad(base, a, batch, cfg, loss_cfg, LORA, "replay")
     )(adapters)
     merged = lora.merge(base, adapters, LORA)
-    g_full = jax.jit(jax.grad(lambda p: policy.naive_loss(p, batch, cfg, loss_cfg)[0]))(merged)
+    g_full = jax.jit(jax.grad(lambda p: engine.naive_loss(p, batch, cfg, loss_cfg)[0]))(merged)
     s = LORA.scale
     for layer, targets in adapters.items():
       for t, ad in targets.items():
@@ -108,17 +117,6 @@ def test_zero_b_starts_at_the_base_and_merge_changes_only_targets():
       same = np.array_equal(np.asarray(merged[layer][name]), np.asarray(base[layer][name]))
       assert same == (name not in ("q", "down")), (layer, name)
   np.testing.assert_array_equal(merged["embed"]["embedding"], base["embed"]["embedding"])
-
-
-def test_optimizer_holds_adapter_state_only():
-  cfg, base, adapters = model_and_adapters(dtype="float32")
-  tx = lora_train.optimizer(optax.adamw(1e-3), LORA)
-  state = tx.init({"base": base, "adapters": adapters})
-  n = lambda tree: sum(x.size for x in jax.tree.leaves(tree))
-  assert n(state) == 2 * n(adapters) + 1  # AdamW mu, nu over the adapters + the count
-  grads = {"base": jax.tree.map(jnp.ones_like, base), "adapters": adapters}
-  updates, _ = tx.update(grads, state, {"base": base, "adapters": adapters})
-  assert all(float(jnp.abs(u).max()) == 0 for u in jax.tree.leaves(updates["base"]))
 
 
 def test_bad_lora_options_name_the_field():
@@ -246,9 +244,7 @@ def test_import_a_peft_adapter_to_continue_training(tmp_path):
   np.testing.assert_allclose(np.asarray(ours), ref, rtol=1e-4, atol=1e-4)
   batch = make_batch(1, B=1, R=2, P=5, T=3)
   loss, _, grads = jax.jit(
-    lambda a: lora_train.loss_and_grad(
-      base, a, batch, cfg, losses.LossConfig(name="grpo"), lora_cfg
-    )
+    lambda a: lora_loss_and_grad(base, a, batch, cfg, losses.LossConfig(name="grpo"), lora_cfg)
   )(adapters)
   assert np.isfinite(float(loss)) and optax.tree.norm(grads) > 0
 

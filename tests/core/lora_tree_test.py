@@ -2,7 +2,7 @@
 over the adapters == its naive twin == the full gradient at the merged weights projected
 through each adapter (dA = s dW B^T, dB = s A^T dW: no params_fn in that oracle) at depth 2
 with a trunk, on the dense tiny model and the Qwen3.5 hybrid (its q adapter over query and
-gate); at depth 1 also == the flat naive twin (policy.naive_loss, no tree code); and on a
+gate); at depth 1 also == the flat oracle (tests/oracles.py, no tree code); and on a
 mesh of the 8 fake CPU devices, the trainer's sharded LoRA step == one device."""
 
 import dataclasses
@@ -15,11 +15,11 @@ import pytest
 
 from branch_replay.core import engine, losses, sharding, tree
 from branch_replay.train import steps
-from branch_replay.core import lora as lora_train
 from branch_replay.config import Config, apply_overrides
 from models import lora
 from models import transformer as tfm
 from helpers import assert_equal_f64, cache_per_x64, make_tree, max_rel_err, tiny_model
+from oracles import flat_naive_loss_and_grad
 
 LORA = lora.LoraConfig(rank=3, alpha=6.0)  # every target
 LOSS = losses.LossConfig(epsilon=0.1, epsilon_high=0.3, kl_coef=0.05)  # clipped ratios, KL
@@ -118,7 +118,7 @@ def test_tree_replay_equals_naive_and_the_projected_gradient_float64(model, fano
 
 def test_depth1_tree_equals_the_flat_oracle_float64(x64):
   """A flat batch with a trunk through the tree engine == the flat naive twin over the
-  adapters (branch_replay/core/lora.py: policy.naive_loss, every branch its own sequence)."""
+  adapters (tests/oracles.py: every branch its own sequence, the base attached)."""
   cfg, base = tiny_model()
   adapters = adapters_for(cfg, seed=3)
   batch = make_tree(8, (3,), B=2, P=7, T=(4,), W=2, logps=True)
@@ -128,7 +128,7 @@ def test_depth1_tree_equals_the_flat_oracle_float64(x64):
     lambda a: (
       engine.loss_and_grad(a, batch, cfg, LOSS, "replay", params_fn=params_fn),
       engine.loss_and_grad(a, batch, cfg, LOSS, "naive", params_fn=params_fn),
-      lora_train.naive_loss_and_grad(base, a, batch, cfg, LOSS, LORA),
+      flat_naive_loss_and_grad(a, batch, cfg, LOSS, lambda a: lora.attach(base, a, LORA)),
     )
   )(adapters)
   assert_equal_f64(fast, slow)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from branch_replay.core import losses, policy
+from branch_replay.core import engine, losses
 from models import transformer as tfm
 from helpers import make_batch, tiny_model
 
@@ -90,7 +90,7 @@ def np_log_softmax(x):
 
 def model_logps(cfg, params, batch, temperature=1.0):
   """log p of every scored token, [B, R, W+T], each branch as its own full sequence, with
-  the log-softmax and the token picking done in numpy (independent of policy.py)."""
+  the log-softmax and the token picking done in numpy (independent of engine.py)."""
   B, R, T = batch.leaves.tokens_BRT.shape
   P, W = batch.root_BP.shape[1], batch.trunk_len
   tokens = np.concatenate(
@@ -116,7 +116,7 @@ def _logits(params, cfg, tokens, valid):
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
 def naive_loss(params, batch, cfg, lc):
-  return policy.naive_loss(params, batch, cfg, lc)[0]
+  return engine.naive_loss(params, batch, cfg, lc)[0]
 
 
 def np_loss(cfg: losses.LossConfig, batch, logp_BRX):
@@ -256,15 +256,15 @@ def test_missing_reference_raises(case, match):
   for mode in ("replay", "naive"):
     with pytest.raises(ValueError, match=match):
       jax.eval_shape(
-        lambda p: policy.loss_and_grad(p, batch, cfg, losses.LossConfig(**case), mode), params
+        lambda p: engine.loss_and_grad(p, batch, cfg, losses.LossConfig(**case), mode), params
       )
 
 
 def test_dpo_needs_two_branches():
   cfg, params = tiny_model(dtype="float32", perturb=0.0)
   batch = make_batch(0, B=2, R=3, P=6, T=3, logps=True)
-  with pytest.raises(ValueError, match=r"expects R=2"):
-    jax.eval_shape(lambda p: policy.loss_and_grad(p, batch, cfg, losses.LossConfig("dpo")), params)
+  with pytest.raises(ValueError, match=r"expects a last fan-out of 2"):
+    jax.eval_shape(lambda p: engine.loss_and_grad(p, batch, cfg, losses.LossConfig("dpo")), params)
 
 
 def test_unknown_objective_lists_choices():

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from branch_replay.core import engine, losses, policy, replay, tree
+from branch_replay.core import engine, losses, replay, tree
 from helpers import assert_equal_f64, make_batch, max_rel_err, tiny_model
 from models import transformer as tfm
 
@@ -45,7 +45,7 @@ def test_staged_jits_equal_fused_and_prefix_compiles_once():
       cache, prefix_vjp = prefix_stage(params, batch)
       loss, _, dparams_tail, dcache = tail_stage(params, cache, batch)
       grads = jax.tree.map(jnp.add, dparams_tail, prefix_backward(prefix_vjp, dcache[0]))
-      fused_loss, _, fused = jax.jit(lambda p, b: policy.loss_and_grad(p, b, cfg, lc))(
+      fused_loss, _, fused = jax.jit(lambda p, b: engine.loss_and_grad(p, b, cfg, lc))(
         params, batch
       )
       assert abs(float(loss - fused_loss)) < 1e-12
@@ -105,7 +105,7 @@ def test_tail_padding_does_not_change_loss():
     other = batch.with_leaves(
       tokens_BRT=jnp.where(l.valid_BRT, l.tokens_BRT, (l.tokens_BRT + 17) % cfg.vocab_size)
     )
-    f = jax.jit(lambda b: policy.loss_and_grad(params, b, cfg, losses.LossConfig()))
+    f = jax.jit(lambda b: engine.loss_and_grad(params, b, cfg, losses.LossConfig()))
     assert_equal_f64(f(other), f(batch), tol=1e-13)
 
 

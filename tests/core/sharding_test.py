@@ -12,7 +12,7 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from branch_replay.core import losses, policy, sharding, tree
+from branch_replay.core import engine, losses, sharding, tree
 from models import transformer as tfm
 
 import helpers
@@ -37,7 +37,7 @@ def single_device():
   cfg, params = model()
   batch = make_batch(0, **BATCH)
   tree.validate(batch, cfg.vocab_size)
-  out = jax.jit(lambda p, b: policy.loss_and_grad(p, b, cfg, LOSS))(params, batch)
+  out = jax.jit(lambda p, b: engine.loss_and_grad(p, b, cfg, LOSS))(params, batch)
   return jax.tree.map(np.asarray, out)
 
 
@@ -48,7 +48,7 @@ def sharded(spec, devices=None, branch_chunk=None):
   params = sharding.put(params, sharding.param_shardings(mesh, cfg))
   batch = sharding.put(batch, sharding.batch_shardings(mesh, batch))
   step = jax.jit(
-    lambda p, b: sharding.sharded_loss_and_grad(mesh, p, b, cfg, LOSS, branch_chunk=branch_chunk)
+    lambda p, b: engine.loss_and_grad(p, b, cfg, LOSS, "replay", branch_chunk, mesh=mesh)
   )
   return mesh, step(params, batch)
 
@@ -96,8 +96,10 @@ def test_branch_parallel_step_splits_the_work():
     sharding.put(batch, sharding.batch_shardings(mesh, batch)),
   )
   flops = lambda fn, *args: _first(jax.jit(fn).lower(*args).compile().cost_analysis())["flops"]
-  one = flops(lambda p, b: policy.loss_and_grad(p, b, cfg, LOSS), params, batch)
-  per_device = flops(lambda p, b: sharding.sharded_loss_and_grad(mesh, p, b, cfg, LOSS), *placed)
+  one = flops(lambda p, b: engine.loss_and_grad(p, b, cfg, LOSS), params, batch)
+  per_device = flops(
+    lambda p, b: engine.loss_and_grad(p, b, cfg, LOSS, "replay", mesh=mesh), *placed
+  )
   assert per_device <= 0.35 * one, (per_device, one)
 
 
@@ -124,10 +126,10 @@ def test_every_param_leaf_gets_a_spec_and_fsdp_shards_it():
 def prefix_residual_leaves(cfg, params, batch, mesh, compile_step=True):
   p = sharding.put(params, sharding.param_shardings(mesh, cfg))
   b = sharding.put(batch, sharding.batch_shardings(mesh, batch))
-  vjp = jax.jit(lambda p, b: sharding.prefix_residuals(mesh, p, b, cfg, LOSS)[1])(p, b)
+  vjp = jax.jit(lambda p, b: engine.prefix_residuals(mesh, p, b, cfg, LOSS)[1])(p, b)
   if not compile_step:
     return jax.tree.leaves(vjp), None
-  step = jax.jit(lambda p, b: sharding.sharded_loss_and_grad(mesh, p, b, cfg, LOSS))
+  step = jax.jit(lambda p, b: engine.loss_and_grad(p, b, cfg, LOSS, "replay", mesh=mesh))
   return jax.tree.leaves(vjp), sharding.memory_report(step.lower(p, b).compile())
 
 

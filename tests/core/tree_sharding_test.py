@@ -32,9 +32,9 @@ def test_sharded_tree_equals_single_device(spec, fanouts, branch_chunk):
     ref = jax.jit(lambda p, b: engine.loss_and_grad(p, b, cfg, LOSS))(params, batch)
     placed_params = sharding.put(params, sharding.param_shardings(mesh, cfg))
     placed = sharding.put(batch, sharding.batch_shardings(mesh, batch))
-    got = jax.jit(lambda p, b: sharding.sharded_loss_and_grad(mesh, p, b, cfg, LOSS, branch_chunk))(
-      placed_params, placed
-    )
+    got = jax.jit(
+      lambda p, b: engine.loss_and_grad(p, b, cfg, LOSS, "replay", branch_chunk, mesh=mesh)
+    )(placed_params, placed)
     assert abs(float(got[0]) - float(ref[0])) <= 1e-10 * abs(float(ref[0]))
     assert max_rel_err(got[2], ref[2]) < 1e-10
     for name in ref[1]:

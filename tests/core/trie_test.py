@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from branch_replay.core import engine, losses, policy, tree, trie
+from branch_replay.core import engine, losses, tree, trie
 from helpers import max_rel_err, tiny_model
+from oracles import flat_naive_loss_and_grad
 
 RESPONSES = [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6, 7], [8, 9]]
 
@@ -69,9 +70,9 @@ def run_tree(params, cfg, batch, loss_cfg, mode="replay"):
 
 
 def run_flat(params, cfg, batch, loss_cfg, mode="naive"):
-  return jax.jit(
-    functools.partial(policy.loss_and_grad, model_cfg=cfg, loss_cfg=loss_cfg, mode=mode)
-  )(params, batch)
+  """A flat batch by replay, or by the flat oracle (every branch its own sequence)."""
+  fn = flat_naive_loss_and_grad if mode == "naive" else functools.partial(engine.loss_and_grad)
+  return jax.jit(functools.partial(fn, model_cfg=cfg, loss_cfg=loss_cfg))(params, batch)
 
 
 def assert_same(a, b, tol=1e-10):

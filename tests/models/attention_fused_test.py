@@ -93,7 +93,7 @@ def test_fused_tail_merge_matches_dense_float64(reference, name):
 
 def test_fused_replay_gradient_matches_blockwise_float64(reference):
   """The whole replay step (prefix cache, folded tails) with the fused dispatch."""
-  from branch_replay.core import losses, policy, tree
+  from branch_replay.core import engine, losses, tree
 
   with jax.enable_x64(True):
     cfgs = {
@@ -111,7 +111,7 @@ def test_fused_replay_gradient_matches_blockwise_float64(reference):
     )
     out = {
       impl: jax.jit(
-        lambda p, b, c=c: policy.loss_and_grad(p, b, c, losses.LossConfig("grpo"), "replay")[::2]
+        lambda p, b, c=c: engine.loss_and_grad(p, b, c, losses.LossConfig("grpo"), "replay")[::2]
       )(params, batch)
       for impl, c in cfgs.items()
     }

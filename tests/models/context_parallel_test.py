@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from branch_replay.core import engine, losses, policy, sharding, tree
+from branch_replay.core import engine, losses, sharding, tree
 from models import attention
 from models.attention import context_parallel
 from models import transformer as tfm
@@ -36,10 +36,10 @@ def setup():
   batch = make_batch(0, **BATCH, vocab=cfg.vocab_size, logps=True, dtype=jnp.float64)
   tree.validate(batch, cfg.vocab_size)
   ref = {
-    mode: jax.jit(lambda p, b, mode=mode: policy.loss_and_grad(p, b, cfg, LOSS, mode))(
+    mode: jax.jit(lambda p, b, mode=mode: engine.loss_and_grad(p, b, cfg, LOSS, mode))(
       params, batch
     )
-    for mode in policy.MODES
+    for mode in engine.MODES
   }
   return cfg, params, batch, ref
 
@@ -49,7 +49,7 @@ def on_mesh(mesh, cfg, params, batch):
     sharding.put(params, sharding.param_shardings(mesh, cfg)),
     sharding.put(batch, sharding.batch_shardings(mesh, batch)),
   )
-  return jax.jit(lambda p, b: sharding.sharded_loss_and_grad(mesh, p, b, cfg, LOSS))(*placed)
+  return jax.jit(lambda p, b: engine.loss_and_grad(p, b, cfg, LOSS, "replay", mesh=mesh))(*placed)
 
 
 @pytest.mark.parametrize(
@@ -96,7 +96,7 @@ def test_context_parallel_tree_equals_single_device():
       sharding.put(params, sharding.param_shardings(mesh, cfg)),
       sharding.put(batch, sharding.batch_shardings(mesh, batch)),
     )
-    got = jax.jit(lambda p, b: sharding.sharded_loss_and_grad(mesh, p, b, cfg, LOSS))(*placed)
+    got = jax.jit(lambda p, b: engine.loss_and_grad(p, b, cfg, LOSS, "replay", mesh=mesh))(*placed)
     assert abs(float(got[0]) - float(ref[0])) <= 1e-10 * abs(float(ref[0]))
     assert max_rel_err(got[2], ref[2]) < 1e-10
     assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(ref[2])) > 1e-6
@@ -145,7 +145,7 @@ def prefix_collectives(scheme, B=2, P=256, C=4):
   mesh = sharding.make_mesh(f"context:{C}", jax.devices()[:C])
 
   def prefix_step(p, b):
-    cache, prefix_vjp = sharding.prefix_residuals(mesh, p, b, cfg, LOSS)
+    cache, prefix_vjp = engine.prefix_residuals(mesh, p, b, cfg, LOSS)
     return prefix_vjp(jax.tree.map(jnp.ones_like, cache))
 
   with mock.patch.object(sharding, "param_rules", lambda mesh: sharding.RULES):
@@ -205,7 +205,7 @@ def test_prefix_the_context_axis_cannot_split():
   cfg, params = tiny_model()
   batch = make_batch(0, B=2, R=8, P=18, T=3, logps=True)  # 18 positions over context:4
   mesh = sharding.make_mesh("context:4", jax.devices()[:4])
-  step = jax.jit(lambda p, b: sharding.sharded_loss_and_grad(mesh, p, b, cfg, LOSS))
+  step = jax.jit(lambda p, b: engine.loss_and_grad(p, b, cfg, LOSS, "replay", mesh=mesh))
   with pytest.raises(
     ValueError,
     match=r"tree.root_BP: dimension 1 has size 18, not "

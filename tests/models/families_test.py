@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from branch_replay.core import losses, policy, tree
+from branch_replay.core import engine, losses, tree
 from models import transformer as tfm
 
 import helpers
@@ -35,7 +35,7 @@ def test_replay_equals_naive_float64(family):
     tree.validate(batch, cfg.vocab_size)
     loss_cfg = losses.LossConfig("grpo")
     run = jax.jit(
-      lambda p, b, mode: policy.loss_and_grad(p, b, cfg, loss_cfg, mode), static_argnums=2
+      lambda p, b, mode: engine.loss_and_grad(p, b, cfg, loss_cfg, mode), static_argnums=2
     )
     (l1, aux1, g1), (l2, aux2, g2) = run(params, batch, "replay"), run(params, batch, "naive")
     assert abs(float(l1) - float(l2)) <= 1e-10 * abs(float(l2))

@@ -121,7 +121,7 @@ def test_replay_grpo_gradient_matches_torch_autograd(checkpoint):
   states to the tails; left-padded prompts, ragged tails, a scored trunk) against torch
   autograd of the same GRPO loss over every full sequence (transformers' torch reference
   path, which runs its delta rule, norms and RoPE in float32 whatever the model dtype)."""
-  from branch_replay.core import losses, policy, tree
+  from branch_replay.core import engine, losses, tree
   from tests.models.hf_test import full_sequences, make_batch
 
   path, model = checkpoint
@@ -133,7 +133,7 @@ def test_replay_grpo_gradient_matches_torch_autograd(checkpoint):
       b = batch.with_leaves(advantages_BR=batch.leaves.advantages_BR.astype(dtype))
       tree.validate(b, cfg.vocab_size)
       loss, _, grads = jax.jit(
-        lambda p, b: policy.loss_and_grad(p, b, cfg, losses.LossConfig("grpo"), "replay")
+        lambda p, b: engine.loss_and_grad(p, b, cfg, losses.LossConfig("grpo"), "replay")
       )(params, b)
       ours[dtype] = float(loss), hf.tensors_from_params(cfg, grads)
 

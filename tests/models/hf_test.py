@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 import safetensors.numpy  # noqa: E402
 
-from branch_replay.core import losses, policy, tree  # noqa: E402
+from branch_replay.core import engine, losses, tree  # noqa: E402
 from models import hf  # noqa: E402
 from models import transformer as tfm  # noqa: E402
 
@@ -152,7 +152,7 @@ def test_replay_grpo_gradient_matches_torch_autograd(checkpoints, family):
   batch = make_batch()
   tree.validate(batch, cfg.vocab_size)
   loss, _, grads = jax.jit(
-    lambda p, b: policy.loss_and_grad(p, b, cfg, losses.LossConfig("grpo"), "replay")
+    lambda p, b: engine.loss_and_grad(p, b, cfg, losses.LossConfig("grpo"), "replay")
   )(params, batch)
 
   # The torch side, written out: token-mean over every scored token (the W trunk tokens of

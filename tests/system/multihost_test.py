@@ -23,7 +23,7 @@ def train_step_outputs(mesh_spec):
   import jax
   import optax
 
-  from branch_replay.core import sharding
+  from branch_replay.core import engine, sharding
   from models import transformer as tfm
   from sharding_test import LOSS, make_batch
 
@@ -40,7 +40,7 @@ def train_step_outputs(mesh_spec):
   opt_state = jax.jit(optimizer.init, out_shardings=state_shardings)(params)
 
   def step(params, opt_state, batch):
-    loss, _, grads = sharding.sharded_loss_and_grad(mesh, params, batch, cfg, LOSS)
+    loss, _, grads = engine.loss_and_grad(params, batch, cfg, LOSS, "replay", mesh=mesh)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return loss, grads, optax.apply_updates(params, updates), opt_state
 

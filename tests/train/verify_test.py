@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from branch_replay.core import losses, policy
+from branch_replay.core import engine, losses
 from branch_replay.train import verify
 from models import transformer as tfm
 from helpers import make_batch, make_tree, tiny_model
@@ -22,14 +22,14 @@ def test_verify_passes_a_right_engine_and_catches_a_wrong_one(monkeypatch):
   stats = verify.check(params, deep, cfg, loss_cfg)  # the tree engine and its naive twin
   assert stats["verify/max_rel_err"] < verify.tolerance(cfg)
 
-  right = policy.replay_loss_and_grad
+  right = engine._replay
 
   def wrong(*args, **kwargs):  # a bug in one leaf: the prefix half of its gradient lost
     loss, aux, grads = right(*args, **kwargs)
     grads = {**grads, "layer_0": {**grads["layer_0"], "q": grads["layer_0"]["q"] * 0.9}}
     return loss, aux, grads
 
-  monkeypatch.setattr(policy, "replay_loss_and_grad", wrong)
+  monkeypatch.setattr(engine, "_replay", wrong)
   with pytest.raises(verify.MismatchError) as e:
     verify.check(params, batch, cfg, loss_cfg)
   message = str(e.value)

@@ -1,13 +1,15 @@
-"""Flat batches (depth-1 trees, `tree.flat`) as a policy: replay through the one engine
-(engine.py) and a flat naive twin that shares no tree code: every branch as its own
-[P+T] sequence through the same model, attention and remat setting, scored by its own
-`branch_value`. A speedup therefore measures replay alone, and the two agreeing checks the
-engine's path scoring against an independent statement of the objective.
+"""Test oracles: statements of what the engine computes that share none of its tree code.
+
+`flat_naive_loss` is the flat naive twin: every branch of a flat batch (a depth-1 tree with
+every valid leaf token scored, `is_flat`) as its own [P+T] sequence through the same model,
+attention and remat setting, scored by its own `branch_value` (per branch, trunk then tail),
+not by the engine's path layout. Replay agreeing with it checks the engine's path scoring
+against an independent statement of the objective; the engine's own naive twin
+(engine.naive_loss, mode 'naive') shares the path layout with replay and cannot.
+Import by basename (`from oracles import ...`), as tests/helpers.py.
 """
 
 from __future__ import annotations
-
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -15,39 +17,15 @@ import jax.numpy as jnp
 from branch_replay.core import engine, losses, tree
 from models import transformer as tfm
 
-MODES = ("replay", "naive")
-
 
 def is_flat(batch: tree.TreeBatch) -> bool:
   """Whether the flat twin serves `batch`: depth 1, every valid leaf token scored."""
   return batch.depth == 1 and batch.leaves.scored_BRT is None
 
 
-def check_ref(batch: tree.TreeBatch, loss_cfg: losses.LossConfig) -> None:
-  """An objective (or KL penalty) that needs reference log-probs gets them, or a ValueError:
-  a missing reference must not silently read as the policy itself (KL 0, DPO margin 0)."""
-  leaves = batch.leaves
-  if loss_cfg.needs_ref and (
-    leaves.ref_logp_BRT is None or (batch.trunk_len and batch.trunk_ref_logp_BW is None)
-  ):
-    why = "kl_coef > 0" if loss_cfg.kl_coef else f"objective {loss_cfg.name!r}"
-    raise ValueError(
-      f"tree.levels[{batch.depth - 1}].ref_logp_BRT: None, but loss.name="
-      f"{loss_cfg.name!r} needs reference log-probs ({why}); score the batch "
-      "with the reference policy (sampler.score) first"
-    )
-  n = loss_cfg.objective.n_branches
-  if n is not None and batch.fanouts[-1] != n:
-    raise ValueError(
-      f"tree.levels[{batch.depth - 1}].tokens_BRT: shape "
-      f"{tuple(leaves.tokens_BRT.shape)}: loss.name={loss_cfg.name!r} expects "
-      f"R={n} branches (fanouts {batch.fanouts})"
-    )
-
-
 def _branches(batch: tree.TreeBatch, loss_cfg: losses.LossConfig):
   """Per-branch inputs with the branch axis first ([R, B, ...]) and shared trunk inputs."""
-  check_ref(batch, loss_cfg)
+  engine.check(batch, loss_cfg)
   leaves = batch.leaves
   tail_w_BRT, w_BR = losses.aggregation_weights(loss_cfg, leaves.valid_BRT, batch.trunk_len)
   r_first = lambda x: None if x is None else jnp.swapaxes(x, 0, 1)
@@ -114,35 +92,7 @@ def branch_value(tail_logp_BT, tail_entropy_BT, trunk_logp_BW, branch, trunk, lo
   return value_B, aux
 
 
-def replay_loss_and_grad(
-  params,
-  batch: tree.TreeBatch,
-  model_cfg: tfm.ModelConfig,
-  loss_cfg: losses.LossConfig,
-  branch_chunk: Optional[int] = None,
-  cache_constraint=None,
-  params_fn=None,
-):
-  """Branch replay: (loss, aux_BR, grads), through the one engine;
-  params_fn(params) -> the model's weights (LoRA: params are the adapters)."""
-  check_ref(batch, loss_cfg)
-  constrain = (
-    None
-    if cache_constraint is None
-    else (lambda level, cache: cache_constraint(cache) if level == 0 else cache)
-  )
-  return engine.replay_loss_and_grad(
-    params,
-    batch,
-    model_cfg,
-    loss_cfg,
-    branch_chunk,
-    cache_constraint=constrain,
-    params_fn=params_fn,
-  )
-
-
-def naive_loss(
+def flat_naive_loss(
   params, batch: tree.TreeBatch, model_cfg: tfm.ModelConfig, loss_cfg: losses.LossConfig
 ):
   """The naive twin of a flat batch (`is_flat`): every branch as its own [P+T] sequence.
@@ -190,26 +140,9 @@ def naive_loss(
   return loss, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), aux_R)
 
 
-def naive_loss_and_grad(params, batch, model_cfg, loss_cfg, params_fn=None):
-  fn = lambda p: naive_loss(p if params_fn is None else params_fn(p), batch, model_cfg, loss_cfg)
+def flat_naive_loss_and_grad(params, batch, model_cfg, loss_cfg, params_fn=None):
+  fn = lambda p: flat_naive_loss(
+    p if params_fn is None else params_fn(p), batch, model_cfg, loss_cfg
+  )
   (loss, aux), grads = jax.value_and_grad(fn, has_aux=True)(params)
   return loss, aux, grads
-
-
-def loss_and_grad(
-  params,
-  batch,
-  model_cfg,
-  loss_cfg,
-  mode: str = "replay",
-  branch_chunk: Optional[int] = None,
-  cache_constraint=None,
-  params_fn=None,
-):
-  if mode == "replay":
-    return replay_loss_and_grad(
-      params, batch, model_cfg, loss_cfg, branch_chunk, cache_constraint, params_fn
-    )
-  if mode == "naive":
-    return naive_loss_and_grad(params, batch, model_cfg, loss_cfg, params_fn)
-  raise ValueError(f"replay.mode={mode!r}: expected one of {MODES}")
