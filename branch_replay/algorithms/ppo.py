@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from branch_replay import algorithms
+from branch_replay import algorithms, rollout
 from branch_replay.core import critic, sharding, tree
 from branch_replay.train import steps
 from branch_replay.algorithms import grpo
@@ -197,7 +197,7 @@ class PPO:
     return state
 
   def batch(self, state, step):
-    batch, rewards_BR, stats = grpo.rl_batch(
+    batch, rewards_BR, stats = rollout.rl_batch(
       self.policy.fns, state, self.task, self.cfg, step, self.tok
     )
     batch, cb, critic_stats = gae_batch(self.fns, state, batch, rewards_BR, self.cfg)

@@ -84,7 +84,7 @@ FLOORS = (
   ("branch_replay.data",),
   ("branch_replay.config",),
   ("branch_replay.train",),
-  ("branch_replay.dapo",),
+  ("branch_replay.rollout",),
   ("branch_replay.algorithms",),
   ("experiments",),
 )

@@ -11,11 +11,11 @@ import jax
 import numpy as np
 import pytest
 
-from branch_replay import algorithms
+from branch_replay import algorithms, rollout
 from branch_replay.data import dpo, tasks, tree_task
 from branch_replay.core import engine
 from branch_replay.train import metrics, steps
-from branch_replay.algorithms import grpo, sft
+from branch_replay.algorithms import sft
 from branch_replay.train import trainer
 from branch_replay.train import state as train_state
 from branch_replay.config import Config, apply_overrides
@@ -92,14 +92,14 @@ def test_tree_trains_epochs_minibatches_and_kl_on_a_mesh(tmp_path, monkeypatch):
     "train.eval_size=0",
   )
   batches = []
-  rl_batch = grpo.rl_batch
+  rl_batch = rollout.rl_batch
 
   def keep(*args, **kwargs):
     batch, rewards, stats = rl_batch(*args, **kwargs)
     batches.append(batch)
     return batch, rewards, stats
 
-  monkeypatch.setattr(grpo, "rl_batch", keep)
+  monkeypatch.setattr(rollout, "rl_batch", keep)
   summary = trainer.run(cfg, str(tmp_path / "run"))
   records = metrics.read(summary["metrics"])
   train_recs = [r for r in records if r["kind"] == "train"]
@@ -193,7 +193,7 @@ def test_tree_rollout_encodes_prompt_ids(monkeypatch):
 
   state = types.SimpleNamespace(params=None, base=None, rng=jax.random.key_data(jax.random.key(0)))
   with pytest.raises(_Stop):
-    grpo.rl_batch(types.SimpleNamespace(sample=sample), state, task, cfg, 0)
+    rollout.rl_batch(types.SimpleNamespace(sample=sample), state, task, cfg, 0)
   P = task.max_prompt_len
   np.testing.assert_array_equal(np.asarray(seen["prompt_BP"])[:, P - len(ids) :], [ids, ids])
   assert np.asarray(seen["valid_BP"]).sum(1).tolist() == [len(ids)] * 2
