@@ -1,10 +1,12 @@
-"""Where an algorithm's batches come from: B prompts sampled (flat = R branches each, or trees,
-`tree.fanouts`), rewarded, shaped and refilled (DAPO), assembled as one TreeBatch with group
-advantages and reference log-probs (`rl_batch`); or the lines of a rollouts file, their
-behaviour log-probs recorded (`Recorded`, `old_logps`). Host side, between sampling and step."""
+"""Where an algorithm's batches come from, flat (fan-outs (R,), the depth-1 tree) or trees of the
+task's turns (`tree.fanouts`): sampled, rewarded, shaped and refilled (DAPO), with group
+advantages and reference log-probs (`sampled`); supervised (`sft_batch`), preference pairs
+(`Pairs`), greedy evaluations (`greedy_rewards`); or a rollouts file's lines (`old_logps`).
+This module decides flat or tree; an algorithm never reads `cfg.tree`."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -18,9 +20,42 @@ import numpy as np
 
 from branch_replay.config import Config
 from branch_replay.core import advantages, sampler, sharding, tree, trie
-from branch_replay.data import tasks, tree_task
+from branch_replay.data import dpo, tasks, tree_task
 from branch_replay.data.tokenizer import TOKENIZER
+from branch_replay.train import steps
 from branch_replay.train.state import TrainState, place, reference, sample_examples, weights
+
+# ----------------------------------------------------------------------------- the shape
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  """A run's rollouts: the fan-outs below each prompt (flat: (R,)), whether they are the
+  task's turns sampled level by level (`tree.fanouts`), and the setting that chose them."""
+
+  fanouts: tuple
+  turns: bool
+  setting: str  # for messages: "train.n_branches=8", "tree.fanouts='4x2'"
+
+
+def shape(cfg: Config) -> Shape:
+  if cfg.tree.fanouts:
+    return Shape(cfg.tree.fanout_tuple, True, f"tree.fanouts={cfg.tree.fanouts!r}")
+  return Shape((cfg.train.n_branches,), False, f"train.n_branches={cfg.train.n_branches}")
+
+
+def compiled(cfg: Config, task, tok=TOKENIZER) -> steps.Fns:
+  """The policy's jitted functions for these rollouts (`steps.compiled`): trees sample the
+  task's turns (its stop tokens, its turn lengths), flat groups stop at the tokenizer's."""
+  if cfg.tree.fanouts:
+    return steps.compiled(steps.compile_key(cfg), task.stop_tokens(tok), task.turn_lengths)
+  return steps.compiled(steps.compile_key(cfg), tuple(getattr(tok, "stop_ids", (tok.eos_id,))))
+
+
+def reward_keys(cfg: Config) -> tuple:
+  """The reward metrics shown beside the progress bar (trees: the first turn's accuracy too)."""
+  return ("reward/mean",) + (("reward/turn1",) if cfg.tree.fanouts else ())
+
 
 # ----------------------------------------------------------------------------- DAPO
 
@@ -98,6 +133,16 @@ def _overlong(samples, cfg: Config):
 
 
 # ----------------------------------------------------------------------------- sampled batches
+
+
+def sampled(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER):
+  """`rl_batch`, laid out as its token trie with replay.auto_tree (flat groups only; the
+  config refuses it with GAE): (batch, shaped rewards [B, R or leaves], stats)."""
+  batch, rewards_BR, stats = rl_batch(fns, state, task, cfg, step, tok)
+  if cfg.replay.auto_tree and not cfg.tree.fanouts:
+    batch, tree_stats = auto_tree(batch, cfg, tok.pad_id)
+    stats = {**stats, **tree_stats}
+  return batch, rewards_BR, stats
 
 
 def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER):
@@ -254,6 +299,136 @@ def auto_tree(batch, cfg: Config, pad_id: int = 0):
     "replay/fanouts": "x".join(map(str, s["fanouts"])),
     "time/layout_s": time.perf_counter() - t0,
   }
+
+
+# ----------------------------------------------------------------------------- supervised
+
+
+def sft_batch(task, rng: np.random.Generator, cfg: Config, tok=TOKENIZER):
+  """A warm-up batch: the task's long prefix shared by its reference answers (one per tail);
+  with tree.fanouts, trees of the task's turns (root = haystack, one opening per key `?kK`,
+  the question unscored, one second turn `v<eos>` each). Advantage 1 (objective -log p)."""
+  items = [task.supervised(rng) for _ in range(cfg.train.sft_batch_size)]
+  if cfg.tree.fanouts:
+    return tree_task.turn_tree(task, items, lambda b, r, value: [value], tok)
+  prefix_BP, prefix_valid_BP = tasks.encode_prompts([p for p, _ in items], task.sft_prompt_len, tok)
+  T = task.sft_tail_len  # the task's longest warm-up tail, EOS included
+  tails = [tasks.encode_right(t, T, tok) for _, t in items]
+  tails_BRT = np.stack([t for t, _ in tails])
+  valid_BRT = np.stack([v for _, v in tails])
+  B, R = tails_BRT.shape[:2]
+  chex.assert_shape([tails_BRT, valid_BRT], (B, R, T))
+  chex.assert_shape([prefix_BP, prefix_valid_BP], (B, task.sft_prompt_len))
+  return tree.flat(
+    prefix_BP=prefix_BP,
+    prefix_valid_BP=prefix_valid_BP,
+    tails_BRT=tails_BRT,
+    tail_valid_BRT=valid_BRT,
+    advantages_BR=np.ones(tails_BRT.shape[:2], np.float32),
+  )
+
+
+class Pairs:
+  """DPO's (chosen, rejected) pairs sharing a prompt, as TreeBatches: flat, two branches per
+  prompt, from algo.pairs_file or the task (its answer and a wrong value); or with
+  tree.fanouts the task's preference trees (one opening per record, a pair below each)."""
+
+  def __init__(self, cfg: Config, task, tok=TOKENIZER):
+    self.cfg, self.task, self.tok = cfg, task, tok
+    self.turns = bool(cfg.tree.fanouts)
+    if self.turns:  # preference trees from the task's turns: (records, 2) fan-outs
+      openings = len(task.supervised(np.random.default_rng(0))[1])
+      if cfg.tree.fanout_tuple != (openings, 2):
+        raise ValueError(
+          f"tree.fanouts={cfg.tree.fanouts!r} with algo.name='dpo': the "
+          f"preference trees of task {cfg.task.name!r} have one opening per "
+          f"record and a (chosen, rejected) pair below each; expected "
+          f"'{openings}x2' (task.n_keys={openings})"
+        )
+    self.file_pairs = dpo.load_pairs(cfg.algo.pairs_file) if cfg.algo.pairs_file else None
+    if self.file_pairs is not None:
+      enc = lambda text: len(tok.encode(text, bos=False, eos=False))
+      self.prompt_len = 1 + max(enc(p.prompt) for p in self.file_pairs)
+      self.answer_len = max(enc(x) for p in self.file_pairs for x in (p.chosen, p.rejected))
+    elif not self.turns:
+      self.prompt_len, self.answer_len = task.max_prompt_len, task.max_answer_len
+
+  def batch(self, step: int) -> tree.TreeBatch:
+    """Step `step`'s train.batch_size pairs (advantages unused: the objective is DPO's)."""
+    t = self.cfg.train
+    rng = np.random.default_rng([t.seed, step])
+    if self.turns:
+      return dpo.tree_pairs(self.task, rng, t.batch_size, self.tok)
+    pairs = (
+      [self.file_pairs[i] for i in rng.integers(0, len(self.file_pairs), t.batch_size)]
+      if self.file_pairs is not None
+      else [dpo.task_pair(self.task, rng) for _ in range(t.batch_size)]
+    )
+    return dpo.make_batch(pairs, self.prompt_len, self.answer_len, self.tok)
+
+
+# ----------------------------------------------------------------------------- greedy evaluation
+
+
+def eval_examples(task, cfg: Config) -> list:
+  """train.eval_size held-out prompts (a tree task's: draws from a stream training never uses)."""
+  t = cfg.train
+  if cfg.tree.fanouts:
+    return sample_examples(task, t.seed, 2**31, t.eval_size)
+  return task.eval_examples(t.seed, t.eval_size)
+
+
+def greedy_reward(fns, params, task, examples, cfg: Config, tok=TOKENIZER) -> float:
+  """The mean reward of greedy completions of `examples`, all at once (one per prompt;
+  trees: one path)."""
+  prompt_BP, valid_BP = tasks.encode_prompts(examples, task.max_prompt_len, tok)
+  s = fns.greedy(params, prompt_BP=prompt_BP, prompt_valid_BP=valid_BP, key=jax.random.key(0))
+  if cfg.tree.fanouts:
+    s = sharding.to_host(s)  # numpy; gathered when the mesh spans several processes
+    return float(tree_task.rewards_of(task, examples, s, (1, 1), tok).mean())
+  s = sharding.to_host(s) if cfg.mesh else s
+  return float(task.rewards(examples, sampler.completions(s, tok)).mean())
+
+
+def greedy_rewards(fns, params, task, examples, cfg: Config, tok=TOKENIZER) -> np.ndarray:
+  """The reward of each prompt's greedy completion (flat), in chunks of train.eval_batch
+  prompts (0: all at once; the last chunk padded with its last prompt, so one compiled
+  shape); with train.eval_shared_prefix, the ids every prompt starts with (a k-shot
+  header) prefilled once per chunk (`sampler.shared_header`). Trees: their one mean."""
+  t = cfg.train
+  if cfg.tree.fanouts:
+    return np.asarray([greedy_reward(fns, params, task, examples, cfg, tok)])
+  ids = [
+    list(e.prompt_ids)
+    if getattr(e, "prompt_ids", None) is not None
+    else tok.encode(e.prompt, bos=True)
+    for e in examples
+  ]
+  header_H = None
+  if t.eval_shared_prefix:
+    header_H, ids = sampler.shared_header(ids)
+    header_H = header_H if len(header_H) else None
+  L = max(len(x) for x in ids)
+  n = t.eval_batch or len(examples)
+  out = []
+  for i in range(0, len(examples), n):
+    chunk = ids[i : i + n]
+    chunk = chunk + [chunk[-1]] * (n - len(chunk))
+    prompt_BP, valid_BP = tasks.encode_prompts(
+      [tasks.Example("", "", prompt_ids=tuple(x)) for x in chunk], L, tok
+    )
+    s = fns.greedy(
+      params,
+      prompt_BP=prompt_BP,
+      prompt_valid_BP=valid_BP,
+      key=jax.random.key(0),
+      header_H=header_H,
+    )
+    s = sharding.to_host(s) if cfg.mesh else s
+    got = examples[i : i + n]
+    r = task.rewards(got, sampler.completions(s, tok)[: len(got)])
+    out += list(np.asarray(r, np.float64).reshape(len(got), -1).mean(-1))
+  return np.asarray(out, np.float64)
 
 
 # ----------------------------------------------------------------------------- a rollouts file

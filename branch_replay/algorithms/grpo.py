@@ -1,7 +1,6 @@
 """GRPO-family RL on sampled groups: every group advantage estimator (`algo.advantage`; GAE
-is PPO's, algorithms/ppo.py, which builds on these), DAPO, the KL reference, epochs x
-minibatches. `GRPO` samples flat
-groups (R branches per prompt, optional trunk) and trees (`tree.fanouts`)."""
+is PPO's, algorithms/ppo.py, which builds on these), the KL reference, epochs x minibatches.
+Its batches, flat groups or trees, DAPO included, are rollout.py's."""
 
 from __future__ import annotations
 
@@ -129,10 +128,8 @@ def format_summary(s: dict) -> str:
 
 
 class GRPO:
-  """Flat rollouts (the prompt prefilled once, R branches of it) or, with tree.fanouts,
-  trees (R_1 first turns, R_2 second turns of each; tree-aware advantages): `rl_batch`.
-  The update, epochs x minibatches, KL reference and mesh are one
-  (the step takes both)."""
+  """Sampled groups (`rollout.sampled`: flat or trees, one batch type) and their update:
+  epochs x minibatches of the replay step, against the KL reference."""
 
   phase = "rl"
 
@@ -144,9 +141,7 @@ class GRPO:
     self.warmup_batch, self.warmup_update = self.sft.warmup_batch, self.sft.warmup_update
     self.eval_examples, self.evaluate = self.sft.eval_examples, self.sft.evaluate
     self.evaluate_all = self.sft.evaluate_all
-    self.progress_keys = (
-      ("reward/mean",) + (("reward/turn1",) if self.sft.is_tree else ()) + ("loss/policy",)
-    )
+    self.progress_keys = rollout.reward_keys(cfg) + ("loss/policy",)
 
   def start(self, state):
     if state.ref_params is not None:  # the reference policy: the policy as RL begins
@@ -154,10 +149,7 @@ class GRPO:
     return state
 
   def batch(self, state, step):
-    batch, _, stats = rollout.rl_batch(self.fns, state, self.task, self.cfg, step, self.tok)
-    if self.cfg.replay.auto_tree and not self.sft.is_tree:  # config-checked: not with GAE
-      batch, tree_stats = rollout.auto_tree(batch, self.cfg, self.tok.pad_id)
-      stats = {**stats, **tree_stats}
+    batch, _, stats = rollout.sampled(self.fns, state, self.task, self.cfg, step, self.tok)
     return batch, stats
 
   def update(self, state, batch, step):

@@ -1,6 +1,6 @@
 """PPO: the policy's GRPO-family step with per-token advantages from a learned critic (GAE),
 the critic trained alongside through the same engine. Flat rollouts (R branches per prompt,
-optional trunk) and trees (`tree.fanouts`) alike; selected by `algo.name=ppo`.
+optional trunk) and trees alike (rollout.py's batches); selected by `algo.name=ppo`.
 
 What is PPO's alone lives here: the critic's init at the phase start, its values of the
 sampled batch (one replay forward), GAE per path with whitening, the critic step after each
@@ -173,7 +173,6 @@ class PPO:
     if not cfg.uses_critic:
       raise ValueError(f"algo.name={cfg.algo.name!r}: the PPO algorithm expects algo.name='ppo'")
     self.cfg, self.task, self.tok = cfg, task, tok
-    self.is_tree = bool(cfg.tree.fanouts)
     self.policy = algorithms.get("grpo")(cfg, task, tok, workdir=workdir)
     self.progress_keys = self.policy.progress_keys + ("loss/value",)
     self.fns = compiled(steps.compile_key(cfg))
@@ -197,12 +196,11 @@ class PPO:
     return state
 
   def batch(self, state, step):
-    batch, rewards_BR, stats = rollout.rl_batch(
+    batch, rewards_BR, stats = rollout.sampled(
       self.policy.fns, state, self.task, self.cfg, step, self.tok
     )
     batch, cb, critic_stats = gae_batch(self.fns, state, batch, rewards_BR, self.cfg)
-    if self.is_tree:
-      tree.validate(batch, self.cfg.model.vocab_size, self.cfg.replay.branch_chunk)
+    tree.validate(batch, self.cfg.model.vocab_size, self.cfg.replay.branch_chunk)
     return (batch, cb), {**stats, **critic_stats}
 
   def update(self, state, batch, step):

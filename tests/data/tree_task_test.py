@@ -10,7 +10,6 @@ import pytest
 from branch_replay import rollout
 from branch_replay.data import tasks
 from branch_replay.core import tree
-from branch_replay.algorithms import sft
 from branch_replay.config import Config, apply_overrides
 from branch_replay.data.tokenizer import TOKENIZER
 from models import transformer as tfm
@@ -32,7 +31,7 @@ def test_two_turn_task():
   assert len(turns) == 3
   for q, a, v in turns:
     assert q == "?" + a.lower() and len(a) == 1 and a + v in root
-  batch = sft.sft_batch(
+  batch = rollout.sft_batch(
     task, np.random.default_rng(2), Config(task=task_cfg, tree=tree.TreeConfig("3x1")), TOKENIZER
   )
   tree.validate(batch, TOKENIZER.vocab_size)

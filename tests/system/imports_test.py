@@ -5,6 +5,7 @@ trainer loop imports no algorithm, and no module imports another's private names
 
 import ast
 import os
+import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ALGORITHM_MODULES = (
@@ -158,4 +159,17 @@ def test_no_private_names_across_modules():
     for n in names
     if n.startswith("_") and not n.startswith("__")
   ]
+  assert not bad, bad
+
+
+def test_algorithms_never_read_the_rollout_shape():
+  """Flat or tree is rollout.py's decision: no algorithm reads `cfg.tree` or calls the tree
+  task's helpers (`tree_task.`); it gets its batches from rollout.py."""
+  folder = os.path.join(ROOT, "branch_replay", "algorithms")
+  bad = []
+  for f in sorted(os.listdir(folder)):
+    if f.endswith(".py"):
+      for number, line in enumerate(open(os.path.join(folder, f)), 1):
+        if re.search(r"\bcfg\.tree\b|\btree_task\.", line.split("#")[0]):
+          bad.append(f"algorithms/{f}:{number}: {line.strip()}")
   assert not bad, bad

@@ -15,7 +15,6 @@ from branch_replay import algorithms, rollout
 from branch_replay.data import dpo, tasks, tree_task
 from branch_replay.core import engine
 from branch_replay.train import metrics, steps
-from branch_replay.algorithms import sft
 from branch_replay.train import trainer
 from branch_replay.train import state as train_state
 from branch_replay.config import Config, apply_overrides
@@ -54,7 +53,7 @@ def test_tree_step_scores_at_the_sampler_temperature(monkeypatch):
 
   monkeypatch.setattr(engine, "loss_and_grad", spy)
   task = tasks.make(cfg.task)
-  batch = sft.sft_batch(task, np.random.default_rng(0), cfg)
+  batch = rollout.sft_batch(task, np.random.default_rng(0), cfg)
   state = jax.eval_shape(lambda: train_state.init_state(cfg))
   with pytest.raises(_Stop):
     jax.eval_shape(steps.make_train_step(cfg, "rl"), state, batch)
