@@ -1,7 +1,7 @@
 """Where an algorithm's batches come from, flat (fan-outs (R,), the depth-1 tree) or trees of the
 task's turns (`tree.fanouts`): sampled, rewarded, shaped and refilled (DAPO), with group
 advantages and reference log-probs (`sampled`); supervised (`sft_batch`), preference pairs
-(`Pairs`), greedy evaluations (`greedy_rewards`); or a rollouts file's lines (`old_logps`).
+(`Pairs`), greedy evaluations (`greedy_rewards`); or a rollouts file's lines (`from_file`).
 This module decides flat or tree; an algorithm never reads `cfg.tree`."""
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import numpy as np
 
 from branch_replay.config import Config
 from branch_replay.core import advantages, sampler, sharding, tree, trie
-from branch_replay.data import dpo, tasks, tree_task
+from branch_replay.data import dpo, rollouts, tasks, tree_task
 from branch_replay.data.tokenizer import TOKENIZER
-from branch_replay.train import steps
+from branch_replay.train import phases, steps
 from branch_replay.train.state import TrainState, place, reference, sample_examples, weights
 
 # ----------------------------------------------------------------------------- the shape
@@ -335,7 +335,7 @@ class Pairs:
 
   def __init__(self, cfg: Config, task, tok=TOKENIZER):
     self.cfg, self.task, self.tok = cfg, task, tok
-    self.turns = bool(cfg.tree.fanouts)
+    self.turns = shape(cfg).turns
     if self.turns:  # preference trees from the task's turns: (records, 2) fan-outs
       openings = len(task.supervised(np.random.default_rng(0))[1])
       if cfg.tree.fanout_tuple != (openings, 2):
@@ -451,6 +451,42 @@ class Recorded:
     if self.path:
       with open(self.path, "a") as f:
         f.write(json.dumps({"source": source, "logprobs": [x.tolist() for x in logps]}) + "\n")
+
+
+def from_file(task, recorded: Recorded, score_fn, state, cfg: Config, step: int, tok=TOKENIZER):
+  """Step `step`'s train.batch_size lines of the rollouts file as one TreeBatch (their shared
+  openings found by trie.py with task.auto_tree, else flat): group advantages of the file's
+  rewards, behaviour log-probs (`old_logps`), reference log-probs with a reference. Returns
+  (batch, its flat positions (the naive equivalent), stats)."""
+  t, timer = cfg.train, phases.Timer()
+  lines = task.batch_lines(step, t.batch_size)
+  rewards_BR = np.stack([l.rewards for l in lines])
+  adv_BR = advantages.compute(cfg.algo.advantage, rewards_BR, cfg.algo)
+  with timer("old_logp"):
+    old = old_logps(lines, recorded, score_fn, state.params, cfg, adv_BR, tok.pad_id)
+  batch, stats = rollouts.make_batch(lines, adv_BR, task.cfg, old_logps=old, pad_id=tok.pad_id)
+  tree.validate(batch, cfg.model.vocab_size, cfg.replay.branch_chunk)
+  if state.ref_params is not None:
+    with timer("ref_logp"):
+      ref_levels, ref_trunk = jax.block_until_ready(score_fn(state.ref_params, batch))
+    batch = batch.replace(
+      levels=tuple(l.replace(ref_logp_BRT=r) for l, r in zip(batch.levels, ref_levels)),
+      trunk_ref_logp_BW=ref_trunk if batch.trunk_len else None,
+    )
+  return (
+    batch,
+    stats["flat_positions"],
+    {
+      "epoch": step // task.steps_per_epoch(t.batch_size),
+      "reward/mean": float(rewards_BR.mean()),
+      "reward/std": float(rewards_BR.std()),
+      "replay/tree_token_ratio": stats["tree_token_ratio"],
+      "replay/trie_token_ratio": stats["trie_token_ratio"],
+      "replay/trunk_len": stats["trunk_len"],
+      "replay/fanouts": "x".join(map(str, stats["fanouts"])),
+      **timer.metrics(),
+    },
+  )
 
 
 def old_logps(lines, recorded: Recorded, score_fn, params, cfg, adv_BR, pad_id):

@@ -16,7 +16,7 @@ from branch_replay import rollout
 from branch_replay.core import sharding, tree
 from branch_replay.data import dpo
 from branch_replay.train import state as train_state
-from branch_replay.algorithms.grpo import GRPO
+from branch_replay.algorithms import base
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +44,10 @@ def check(cfg) -> None:
 KEYS = ("loss/policy", "grad/norm", "logp/mean", "entropy")  # of the replay step's metrics
 
 
-class DPO(GRPO):  # the warm-up and compiled steps (flat or tree); its own phase
+class DPO(base.Algorithm):
+  """The base's warm-up, then DPO steps on rollout.Pairs' batches (flat pairs or preference
+  trees) against the policy as DPO began; no greedy evaluation."""
+
   phase = "dpo"
   progress_keys = ("dpo/accuracy", "loss/policy")
 
@@ -80,9 +83,6 @@ class DPO(GRPO):  # the warm-up and compiled steps (flat or tree); its own phase
     state, out = self.fns.rl_step(state, train_state.place(batch, "batch", self.cfg))
     return state, {k: float(v) for k, v in jax.device_get(out).items() if k in KEYS}
 
-  def token_counts(self, batch, phase):
-    return batch.token_counts()
-
   def eval_examples(self):
     return []  # no greedy evaluation of preference pairs
 
@@ -94,7 +94,7 @@ class DPO(GRPO):  # the warm-up and compiled steps (flat or tree); its own phase
 
   def summarize(self, records):
     recs = [r for r in records if r.get("phase") == "dpo"]
-    k = max(1, min(10, len(recs) // 4))
+    k = base.window(recs)
     mean = lambda key, rs: float(np.mean([r[key] for r in rs])) if rs else float("nan")
     return {
       "accuracy_before": mean("dpo/accuracy", recs[:k]),

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from branch_replay import algorithms, rollout
+from branch_replay.algorithms import base
 from branch_replay.config import Config
-from branch_replay.train import metrics, phases, steps, verify
-from branch_replay.train import state as train_state
+from branch_replay.train import metrics, phases
 from branch_replay.train.state import place
 
 # experiments/rl_step.py's name for the sampled batch (its room is another change's)
@@ -64,7 +64,7 @@ def rl_update(fns, state, batch, cfg: Config, step: int, step_fn=None):
 def summarize(records, cfg: Config) -> dict:
   train = [r for r in records if r.get("kind", "train") == "train"]
   rl = [r for r in train if r.get("reward/mean") is not None]
-  k = max(1, min(10, len(rl) // 4))
+  k = base.window(rl)
   evals = {r["step"]: r["eval/greedy_reward"] for r in records if r.get("kind") == "eval"}
   mean = lambda xs: float(np.mean(xs)) if xs else float("nan")
   intervals = {}  # accuracy evaluations (train.eval_batch / eval_shared_prefix): n, Wilson 95%
@@ -108,7 +108,7 @@ def summarize(records, cfg: Config) -> dict:
 
 def format_summary(s: dict) -> str:
   ratio = s["naive_equiv_tokens"] / max(s["computed_tokens"], 1)
-  fmt = lambda x: "n/a" if x is None or x != x else f"{x:.3f}"
+  fmt = base.fmt
   return "\n".join(
     [
       f"reward/mean (sampled, mean of first/last {s['reward_window']} RL steps): "
@@ -127,20 +127,13 @@ def format_summary(s: dict) -> str:
   )
 
 
-class GRPO:
+class GRPO(base.Algorithm):
   """Sampled groups (`rollout.sampled`: flat or trees, one batch type) and their update:
-  epochs x minibatches of the replay step, against the KL reference."""
-
-  phase = "rl"
+  epochs x minibatches of the replay step, against the KL reference; the base's warm-up,
+  evaluation and self-check."""
 
   def __init__(self, cfg, task, tok, workdir=None):
-    self.cfg, self.task, self.tok = cfg, task, tok
-    # the warm-up and the greedy evaluation: SFT's (flat or tree, as the config's rollouts)
-    self.sft = algorithms.get("sft")(cfg, task, tok)
-    self.fns = self.sft.fns
-    self.warmup_batch, self.warmup_update = self.sft.warmup_batch, self.sft.warmup_update
-    self.eval_examples, self.evaluate = self.sft.eval_examples, self.sft.evaluate
-    self.evaluate_all = self.sft.evaluate_all
+    super().__init__(cfg, task, tok, workdir)
     self.progress_keys = rollout.reward_keys(cfg) + ("loss/policy",)
 
   def start(self, state):
@@ -155,23 +148,10 @@ class GRPO:
   def update(self, state, batch, step):
     return rl_update(self.fns, state, batch, self.cfg, step)
 
-  def verify(self, state, batch):
-    """replay.verify: the first batch through replay and the naive twin (raises on a gap)."""
-    return verify.check(
-      train_state.weights(state, self.cfg.lora),
-      batch,
-      self.cfg.model,
-      steps.rl_loss_config(self.cfg),
-      branch_chunk=self.cfg.replay.branch_chunk,
-    )
-
   def token_counts(self, batch, phase):
     if phase == "sft":
       return batch.token_counts()
     return tuple(self.cfg.algo.ppo_epochs * n for n in batch.token_counts())  # per pass
-
-  def restore_template(self, state, step):
-    return train_state.state_dict(state)
 
   def summarize(self, records):
     return summarize(records, self.cfg)

@@ -1,17 +1,14 @@
 """Supervised fine-tuning through the engine (`algo.name=sft`, train.sft_steps steps): the
 task's long prefix shared by its reference answers (flat: one tail each; trees: the task's
-turns), objective -log p. The other algorithms' warm-up (train.sft_steps before their phase) is
-this one's batches and step, and their greedy evaluation is this one's."""
+turns), objective -log p: the base's warm-up (algorithms/base.py), which every algorithm runs
+for train.sft_steps before its phase, run as the phase."""
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 
-from branch_replay import rollout
-from branch_replay.core import tree
+from branch_replay.algorithms import base
 from branch_replay.train import metrics
-from branch_replay.train import state as train_state
 from branch_replay.sections import NoOptions as Options  # noqa: F401 (SFT has no options)
 
 
@@ -24,39 +21,16 @@ def check(cfg) -> None:
     )
 
 
-def _floats(out) -> dict:
-  return {k: float(v) for k, v in jax.device_get(out).items()}
-
-
-class SFT:
-  """Warm-up batches (`rollout.sft_batch`, flat or trees); the greedy evaluation of the policy
-  on held-out prompts."""
+class SFT(base.Algorithm):
+  """The base's warm-up batches (`rollout.sft_batch`, flat or trees) and step as the phase;
+  the greedy evaluation of the policy on held-out prompts."""
 
   phase = "sft"
-  progress_keys = ("loss/policy",)
   warmup_steps = 0  # as the run, its steps are the phase (batch/update), not a warm-up
-
-  def __init__(self, cfg, task, tok, workdir=None):
-    self.cfg, self.task, self.tok = cfg, task, tok
-    self.fns = rollout.compiled(cfg, task, tok)
 
   @property
   def total_steps(self) -> int:  # as the run itself: its steps; as a warm-up: its owner's
     return self.cfg.train.sft_steps
-
-  def warmup_batch(self, step):
-    cfg = self.cfg
-    rng = np.random.default_rng([cfg.train.seed, step])
-    batch = rollout.sft_batch(self.task, rng, cfg, self.tok)
-    tree.validate(batch, cfg.model.vocab_size)
-    return batch
-
-  def warmup_update(self, state, batch):
-    state, out = self.fns.sft_step(state, train_state.place(batch, "batch", self.cfg))
-    return state, _floats(out)
-
-  def start(self, state):
-    return state
 
   def batch(self, state, step):
     return self.warmup_batch(step), {}
@@ -64,30 +38,12 @@ class SFT:
   def update(self, state, batch, step):
     return self.warmup_update(state, batch)
 
-  def token_counts(self, batch, phase):
-    return batch.token_counts()
-
-  def eval_examples(self):
-    return rollout.eval_examples(self.task, self.cfg)
-
-  def evaluate(self, state, examples):
-    """The mean reward of greedy completions (one per prompt; trees: one path)."""
-    if self.cfg.train.eval_batch or self.cfg.train.eval_shared_prefix:
-      return float(np.mean(self.evaluate_all(state, examples)))
-    params = train_state.weights(state, self.cfg.lora)
-    return rollout.greedy_reward(self.fns, params, self.task, examples, self.cfg, self.tok)
-
-  def evaluate_all(self, state, examples) -> np.ndarray:
-    """The reward of each prompt's greedy completion (`rollout.greedy_rewards`)."""
-    params = train_state.weights(state, self.cfg.lora)
-    return rollout.greedy_rewards(self.fns, params, self.task, examples, self.cfg, self.tok)
-
-  def restore_template(self, state, step):
-    return train_state.state_dict(state)
+  def verify(self, state, batch):
+    return {}  # supervised batches: the self-check is the RL objective's
 
   def summarize(self, records):
     rows = [r for r in records if r.get("kind", "train") == "train"]
-    k = max(1, min(10, len(rows) // 4))
+    k = base.window(rows)
     evals = {r["step"]: r["eval/greedy_reward"] for r in records if r.get("kind") == "eval"}
     mean = lambda xs: float(np.mean(xs)) if xs else float("nan")
     return {
@@ -104,7 +60,7 @@ class SFT:
 
   @staticmethod
   def format_summary(s: dict) -> str:
-    fmt = lambda x: "n/a" if x is None or x != x else f"{x:.3f}"
+    fmt = base.fmt
     ratio = s["naive_equiv_tokens"] / max(s["computed_tokens"], 1)
     return "\n".join(
       [

@@ -173,3 +173,20 @@ def test_algorithms_never_read_the_rollout_shape():
         if re.search(r"\bcfg\.tree\b|\btree_task\.", line.split("#")[0]):
           bad.append(f"algorithms/{f}:{number}: {line.strip()}")
   assert not bad, bad
+
+
+def test_the_trainer_asks_the_algorithm_nothing_optional():
+  """Every member of the protocol has a default (algorithms/base.py): the loop calls them, it
+  never probes the algorithm with getattr or hasattr."""
+  tree = ast.parse(open(os.path.join(ROOT, "branch_replay", "train", "trainer.py")).read())
+  probes = [
+    node.lineno
+    for node in ast.walk(tree)
+    if isinstance(node, ast.Call)
+    and isinstance(node.func, ast.Name)
+    and node.func.id in ("getattr", "hasattr")
+    and node.args
+    and isinstance(node.args[0], ast.Name)
+    and node.args[0].id == "algo"
+  ]
+  assert not probes, f"trainer.py probes the algorithm at lines {probes}"

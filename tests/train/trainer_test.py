@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from branch_replay import algorithms, rollout
+from branch_replay.algorithms import base
 from branch_replay.data import dpo, tasks, tree_task
 from branch_replay.core import engine
 from branch_replay.train import metrics, steps
@@ -283,15 +284,16 @@ def test_tree_run_writes_on_process_zero_only(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- the loop alone
 
 
-class _Counting:
+class _Counting(base.Algorithm):
   """An algorithm that trains nothing: each step adds 1 to every parameter and reports a
   loss (NaN at step `nan_at`); the loop's own logic (phases, checkpoints, resume, NaN stop)
-  runs as for any algorithm, without compiling a train step."""
+  runs as for any algorithm, without compiling a train step (the rest: the base's)."""
 
   phase, progress_keys, nan_at, made = "rl", (), None, []
 
   def __init__(self, cfg, task, tok, workdir=None):
-    self.cfg, self.steps = cfg, []
+    super().__init__(cfg, task, tok, workdir)
+    self.steps = []
     _Counting.made.append(self)
 
   def _step(self, state, step):
