@@ -1,28 +1,26 @@
 """Training algorithms behind one small protocol; the loop (trainer.py) drives any of them.
 
-An algorithm is a class built once per run, `Algorithm(cfg, task, tokenizer, workdir=...)`,
-which compiles its jitted steps (cached across runs in one process) and then answers the loop:
+An algorithm is one module: its `Options` (the `algo` section's fields when `algo.name` selects
+it), optionally `check(cfg)` (what it needs of the other sections, raised by field before any
+compute), and a class built once per run, `Algorithm(cfg, task, tokenizer, workdir=...)`, that
+subclasses `base.Algorithm` (or its parent's class) and overrides what differs. Its batches
+come from rollout.py. The members, each with the base's default:
 
-  total_steps: int                            steps of the run, warm-up included (optional:
-                                              default train.sft_steps + train.rl_steps)
-  warmup_steps: int                           supervised steps before the phase (optional:
-                                              default train.sft_steps; SFT's are its phase)
-  phase: str                                  the name of its phase in metrics ("rl", "dpo")
-  progress_keys: tuple                        metrics shown beside the progress bar
-  warmup_batch(step) -> batch                 the supervised warm-up (train.sft_steps)
-  warmup_update(state, batch) -> (state, metrics)
-  start(state) -> state                       the phase boundary: reference copy, critic init
-  batch(state, step) -> (batch, stats)        host: rollout and rewards, or preference pairs
-  update(state, batch, step) -> (state, metrics)   its jitted steps (epochs x minibatches)
-  token_counts(batch, phase) -> (prefix, tails, naive-equivalent) positions computed
-  eval_examples() -> list; evaluate(state, examples) -> greedy reward
-  restore_template(state, step) -> dict       the checkpoint's tree at `step` (resume)
-  summarize(records) -> dict; format_summary(summary) -> str
+  total_steps: int                  steps of the run, warm-up included (train.total_steps)
+  warmup_steps: int                 supervised steps before the phase (train.sft_steps)
+  phase: str; progress_keys: tuple  its phase's name in metrics ("rl"); the progress bar's keys
+  warmup_batch(step); warmup_update(state, batch)   the supervised warm-up (rollout.sft_batch)
+  start(state) -> state             the phase boundary: reference copy, critic init (nothing)
+  batch(state, step) -> (batch, stats)             its phase's batch (each algorithm's own)
+  update(state, batch, step) -> (state, metrics)   its jitted steps (each algorithm's own)
+  verify(state, batch) -> dict      replay == naive on the first batch (the RL objective)
+  token_counts(batch, phase) -> (prefix, tails, naive-equivalent) positions (the batch's)
+  eval_examples(); evaluate(state, examples); evaluate_all(...)   greedy rewards (rollout.py)
+  restore_template(state, step) -> dict            the checkpoint's tree at `step` (the state)
+  summarize(records) -> dict; format_summary(summary) -> str   (steps, time by phase)
 
-Each lives in its own module with its `Options` (the `algo` section's fields when `algo.name`
-selects it) and, optionally, `check(cfg)` (what it needs of the other sections, raised by
-field before any compute); `for_config` and `options_class` import only the one a config
-selects. A new algorithm is one module and one line in ALGORITHMS (or `register`).
+`for_config` and `options_class` import only the module a config selects. A new algorithm is
+one module and one line in ALGORITHMS (or `register`).
 """
 
 from __future__ import annotations
@@ -33,7 +31,7 @@ import importlib
 from branch_replay.core import advantages
 
 # name -> (module, class): `algo.name` selects one; each serves flat and tree rollouts
-# (tree.fanouts).
+# (rollout.py decides which).
 ALGORITHMS = {
   "grpo": ("branch_replay.algorithms.grpo", "GRPO"),
   "ppo": ("branch_replay.algorithms.ppo", "PPO"),

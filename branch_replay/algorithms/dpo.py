@@ -12,10 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from branch_replay.data import dpo
+from branch_replay import rollout
 from branch_replay.core import sharding, tree
+from branch_replay.data import dpo
 from branch_replay.train import state as train_state
-from branch_replay.algorithms.grpo import GRPO
+from branch_replay.algorithms import base
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,43 +30,30 @@ class Options:
 
 def check(cfg) -> None:
   """Pairs: two branches per prompt (chosen, rejected); on trees the last level's siblings."""
-  if not cfg.tree.fanouts and cfg.train.n_branches != 2:
+  shape = rollout.shape(cfg)
+  if shape.fanouts[-1] == 2:
+    return
+  if shape.turns:
     raise ValueError(
-      f"train.n_branches={cfg.train.n_branches}: DPO trains on (chosen, rejected) pairs, expected 2"
+      f"{shape.setting} with algo.name='dpo': DPO pairs the last level's siblings "
+      "(chosen, rejected); expected a last fan-out of 2"
     )
-  if cfg.tree.fanouts and cfg.tree.fanout_tuple[-1] != 2:
-    raise ValueError(
-      f"tree.fanouts={cfg.tree.fanouts!r} with algo.name='dpo': DPO pairs the last level's "
-      "siblings (chosen, rejected); expected a last fan-out of 2"
-    )
+  raise ValueError(f"{shape.setting}: DPO trains on (chosen, rejected) pairs, expected 2")
 
 
 KEYS = ("loss/policy", "grad/norm", "logp/mean", "entropy")  # of the replay step's metrics
 
 
-class DPO(GRPO):  # the warm-up and compiled steps (flat or tree); its own phase
+class DPO(base.Algorithm):
+  """The base's warm-up, then DPO steps on rollout.Pairs' batches (flat pairs or preference
+  trees) against the policy as DPO began; no greedy evaluation."""
+
   phase = "dpo"
   progress_keys = ("dpo/accuracy", "loss/policy")
 
   def __init__(self, cfg, task, tok, workdir=None):
     super().__init__(cfg, task, tok, workdir)
-    self.is_tree = bool(cfg.tree.fanouts)
-    if self.is_tree:  # preference trees from the task's turns: (records, 2) fan-outs
-      openings = len(task.supervised(np.random.default_rng(0))[1])
-      if cfg.tree.fanout_tuple != (openings, 2):
-        raise ValueError(
-          f"tree.fanouts={cfg.tree.fanouts!r} with algo.name='dpo': the "
-          f"preference trees of task {cfg.task.name!r} have one opening per "
-          f"record and a (chosen, rejected) pair below each; expected "
-          f"'{openings}x2' (task.n_keys={openings})"
-        )
-    self.file_pairs = dpo.load_pairs(cfg.algo.pairs_file) if cfg.algo.pairs_file else None
-    if self.file_pairs is not None:
-      enc = lambda text: len(tok.encode(text, bos=False, eos=False))
-      self.prompt_len = 1 + max(enc(p.prompt) for p in self.file_pairs)
-      self.answer_len = max(enc(x) for p in self.file_pairs for x in (p.chosen, p.rejected))
-    elif not self.is_tree:
-      self.prompt_len, self.answer_len = task.max_prompt_len, task.max_answer_len
+    self.pairs = rollout.Pairs(cfg, task, tok)
 
   def start(self, state):
     if state.ref_params is None:  # the reference: the policy as DPO begins
@@ -73,17 +61,8 @@ class DPO(GRPO):  # the warm-up and compiled steps (flat or tree); its own phase
     return state
 
   def batch(self, state, step):
-    cfg, t = self.cfg, self.cfg.train
-    rng = np.random.default_rng([t.seed, step])
-    if self.is_tree:
-      batch = dpo.tree_pairs(self.task, rng, t.batch_size, self.tok)
-    else:
-      pairs = (
-        [self.file_pairs[i] for i in rng.integers(0, len(self.file_pairs), t.batch_size)]
-        if self.file_pairs is not None
-        else [dpo.task_pair(self.task, rng) for _ in range(t.batch_size)]
-      )
-      batch = dpo.make_batch(pairs, self.prompt_len, self.answer_len, self.tok)
+    cfg = self.cfg
+    batch = self.pairs.batch(step)
     place = lambda b: train_state.place(b, "batch", cfg)
     # 1. Reference log-probs of every node (flat: chosen and rejected), one shared-prefix
     #    forward; on every process.
@@ -104,9 +83,6 @@ class DPO(GRPO):  # the warm-up and compiled steps (flat or tree); its own phase
     state, out = self.fns.rl_step(state, train_state.place(batch, "batch", self.cfg))
     return state, {k: float(v) for k, v in jax.device_get(out).items() if k in KEYS}
 
-  def token_counts(self, batch, phase):
-    return batch.token_counts()
-
   def eval_examples(self):
     return []  # no greedy evaluation of preference pairs
 
@@ -118,7 +94,7 @@ class DPO(GRPO):  # the warm-up and compiled steps (flat or tree); its own phase
 
   def summarize(self, records):
     recs = [r for r in records if r.get("phase") == "dpo"]
-    k = max(1, min(10, len(recs) // 4))
+    k = base.window(recs)
     mean = lambda key, rs: float(np.mean([r[key] for r in rs])) if rs else float("nan")
     return {
       "accuracy_before": mean("dpo/accuracy", recs[:k]),

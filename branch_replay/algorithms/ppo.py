@@ -1,11 +1,11 @@
 """PPO: the policy's GRPO-family step with per-token advantages from a learned critic (GAE),
 the critic trained alongside through the same engine. Flat rollouts (R branches per prompt,
-optional trunk) and trees (`tree.fanouts`) alike; selected by `algo.name=ppo`.
+optional trunk) and trees alike (rollout.py's batches); selected by `algo.name=ppo`.
 
-What is PPO's alone lives here: the critic's init at the phase start, its values of the
-sampled batch (one replay forward), GAE per path with whitening, the critic step after each
-policy step of every minibatch, and the value metrics. Sampling, the policy step, the warm-up
-and evaluation are the policy algorithm's (GRPO's, flat or tree, through the registry).
+What is PPO's alone lives here (a subclass of GRPO): the critic's init at the phase start,
+its values of the sampled batch (one replay forward), GAE per path with whitening, the critic
+step after each policy step of every minibatch, and the value metrics. Sampling, the policy
+step, the warm-up and evaluation are GRPO's.
 
 On a tree the critic's targets and the policy's advantages are per path: a token of an inner
 node lies on every path through it, with one value (it depends only on what precedes it) but
@@ -24,10 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from branch_replay import algorithms
+from branch_replay import algorithms, rollout
+from branch_replay.algorithms import base, grpo
 from branch_replay.core import critic, sharding, tree
 from branch_replay.train import steps
-from branch_replay.algorithms import grpo
 from branch_replay.train import state as train_state
 from branch_replay.config import Config
 
@@ -163,29 +163,19 @@ def value_summary(records, k: int) -> dict:
   }
 
 
-class PPO:
-  """PPO on the policy algorithm a config's rollouts select (GRPO's, flat or tree):
-  its sampling, warm-up, evaluation and policy step; the critic's here."""
-
-  phase = "rl"
+class PPO(grpo.GRPO):
+  """GRPO's sampling, warm-up, evaluation and policy step; the critic's init, values, GAE and
+  step here."""
 
   def __init__(self, cfg, task, tok, workdir=None):
     if not cfg.uses_critic:
       raise ValueError(f"algo.name={cfg.algo.name!r}: the PPO algorithm expects algo.name='ppo'")
-    self.cfg, self.task, self.tok = cfg, task, tok
-    self.is_tree = bool(cfg.tree.fanouts)
-    self.policy = algorithms.get("grpo")(cfg, task, tok, workdir=workdir)
-    self.progress_keys = self.policy.progress_keys + ("loss/value",)
-    self.fns = compiled(steps.compile_key(cfg))
-
-  def warmup_batch(self, step):
-    return self.policy.warmup_batch(step)
-
-  def warmup_update(self, state, batch):
-    return self.policy.warmup_update(state, batch)
+    super().__init__(cfg, task, tok, workdir)
+    self.progress_keys = self.progress_keys + ("loss/value",)
+    self.critic_fns = compiled(steps.compile_key(cfg))
 
   def start(self, state):
-    state = self.policy.start(state)
+    state = super().start(state)
     if not self.cfg.critic.share:  # the value model starts from the policy too (a shared
       # critic's body IS the policy)
       state = state.replace(
@@ -197,12 +187,9 @@ class PPO:
     return state
 
   def batch(self, state, step):
-    batch, rewards_BR, stats = grpo.rl_batch(
-      self.policy.fns, state, self.task, self.cfg, step, self.tok
-    )
-    batch, cb, critic_stats = gae_batch(self.fns, state, batch, rewards_BR, self.cfg)
-    if self.is_tree:
-      tree.validate(batch, self.cfg.model.vocab_size, self.cfg.replay.branch_chunk)
+    batch, rewards_BR, stats = rollout.sampled(self.fns, state, self.task, self.cfg, step, self.tok)
+    batch, cb, critic_stats = gae_batch(self.critic_fns, state, batch, rewards_BR, self.cfg)
+    tree.validate(batch, self.cfg.model.vocab_size, self.cfg.replay.branch_chunk)
     return (batch, cb), {**stats, **critic_stats}
 
   def update(self, state, batch, step):
@@ -210,38 +197,26 @@ class PPO:
 
     def step_fn(state, minibatch):  # the policy's step, then the critic's on the same prompts
       mb, cmb = minibatch
-      state, out = self.policy.fns.rl_step(state, train_state.place(mb, "batch", cfg))
-      state, critic_out = self.fns.critic_step(state, train_state.place(cmb, "batch", cfg))
+      state, out = self.fns.rl_step(state, train_state.place(mb, "batch", cfg))
+      state, critic_out = self.critic_fns.critic_step(state, train_state.place(cmb, "batch", cfg))
       return state, {**out, **critic_out}
 
-    return grpo.rl_update(self.policy.fns, state, batch, cfg, step, step_fn=step_fn)
+    return grpo.rl_update(self.fns, state, batch, cfg, step, step_fn=step_fn)
 
   def verify(self, state, batch):
-    return self.policy.verify(state, batch[0])
+    return super().verify(state, batch[0])
 
   def token_counts(self, batch, phase):
-    return self.policy.token_counts(batch if phase == "sft" else batch[0], phase)
-
-  def eval_examples(self):
-    return self.policy.eval_examples()
-
-  def evaluate(self, state, examples):
-    return self.policy.evaluate(state, examples)
-
-  def evaluate_all(self, state, examples):
-    return self.policy.evaluate_all(state, examples)
-
-  def restore_template(self, state, step):
-    return self.policy.restore_template(state, step)
+    return super().token_counts(batch if phase == "sft" else batch[0], phase)
 
   def summarize(self, records):
-    summary = self.policy.summarize(records)
+    summary = super().summarize(records)
     return {**summary, **value_summary(records, summary["reward_window"])}
 
   @staticmethod
-  def format_summary(summary) -> str:  # a static method: run.py calls it on the class
+  def format_summary(summary) -> str:
     lines = grpo.format_summary(summary).split("\n")
-    fmt = lambda x: "n/a" if x is None or x != x else f"{x:.3f}"
+    fmt = base.fmt
     ev = (
       f"value/explained_variance (pooled, first/last {summary['reward_window']} RL steps): "
       f"{fmt(summary['value_ev_before'])} -> {fmt(summary['value_ev_after'])}"

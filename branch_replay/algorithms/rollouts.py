@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 
 import jax
 import numpy as np
 
-from branch_replay.core import advantages, engine, tree, trie
+from branch_replay import algorithms, rollout
+from branch_replay.algorithms import base
+from branch_replay.core import engine
+from branch_replay.rollout import Recorded
 from branch_replay.train import phases, steps, verify
-from branch_replay.data import rollouts
-from branch_replay.train import state as train_state
-from branch_replay import algorithms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,62 +38,26 @@ class Options:
     algorithms.check_estimator(self.advantage)
 
 
-class Recorded:
-  """Our own scoring of lines without logprobs, kept across epochs and runs (JSON lines;
-  `path=None`: in memory only, as on every process but the first)."""
+class Rollouts(base.Algorithm):
+  """Completions sampled elsewhere (vLLM, SGLang, a log; `rollout.from_file`): no sampling,
+  no warm-up, no greedy evaluation; `train.rl_steps` caps the steps at `task.epochs` passes
+  over the file."""
 
-  def __init__(self, path):
-    self.path, self.logps = path, {}
-    if path and os.path.exists(path):
-      with open(path) as f:
-        for line in f:
-          rec = json.loads(line)
-          self.logps[rec["source"]] = [np.asarray(x, np.float64) for x in rec["logprobs"]]
-
-  def add(self, source, logps):
-    self.logps[source] = logps
-    if self.path:
-      with open(self.path, "a") as f:
-        f.write(json.dumps({"source": source, "logprobs": [x.tolist() for x in logps]}) + "\n")
-
-
-def old_logps(lines, recorded: Recorded, score_fn, params, cfg, adv_BR, pad_id):
-  """Behaviour log-probs per line: the file's, else recorded, else scored now on the tree."""
-  missing = [l for l in lines if l.logprobs is None and l.source not in recorded.logps]
-  if missing:
-    probe, stats = trie.layout(
-      [l.prompt_ids for l in lines],
-      [list(l.responses) for l in lines],
-      adv_BR,
-      max_depth=cfg.task.max_depth,
-      min_shared=cfg.task.min_shared,
-      pad_id=pad_id,
-    )
-    per_level, trunk_BW = jax.device_get(score_fn(params, probe))
-    scored = trie.unroll(probe, stats["order"], per_level, trunk_BW)
-    for b, l in enumerate(lines):
-      if l.logprobs is None and l.source not in recorded.logps:
-        recorded.add(l.source, scored[b])
-  return [list(l.logprobs) if l.logprobs is not None else recorded.logps[l.source] for l in lines]
-
-
-class Rollouts:
-  """Completions sampled elsewhere (vLLM, SGLang, a log): no sampling, no warm-up, no greedy
-  evaluation; `train.rl_steps` caps the steps at `task.epochs` passes over the file."""
-
-  phase = "rl"
   progress_keys = ("reward/mean", "loss/policy")
 
   def __init__(self, cfg, task, tok, workdir=None):
-    self.cfg, self.task, self.tok = cfg, task, tok
-    t = cfg.train
-    self.total_steps = min(t.rl_steps, task.cfg.epochs * task.steps_per_epoch(t.batch_size))
+    super().__init__(cfg, task, tok, workdir)
     chief = jax.process_index() == 0
     self.recorded = Recorded(
       os.path.join(workdir, "recorded_logprobs.jsonl") if workdir and chief else None
     )
     self.step_fn = jax.jit(steps.make_train_step(cfg, "rl", cfg.loss), donate_argnums=0)
     self.score_fn = jax.jit(functools.partial(engine.forward, model_cfg=cfg.model))
+
+  @property
+  def total_steps(self) -> int:
+    t = self.cfg.train
+    return min(t.rl_steps, self.task.cfg.epochs * self.task.steps_per_epoch(t.batch_size))
 
   def warmup_batch(self, step):  # unreachable: task.check refuses train.sft_steps > 0
     raise ValueError("task.name=rollouts: no supervised warm-up (train.sft_steps=0)")
@@ -105,36 +68,10 @@ class Rollouts:
     return state
 
   def batch(self, state, step):
-    cfg, t, timer = self.cfg, self.cfg.train, phases.Timer()
-    lines = self.task.batch_lines(step, t.batch_size)
-    rewards_BR = np.stack([l.rewards for l in lines])
-    adv_BR = advantages.compute(cfg.algo.advantage, rewards_BR, cfg.algo)
-    with timer("old_logp"):
-      old = old_logps(
-        lines, self.recorded, self.score_fn, state.params, cfg, adv_BR, self.tok.pad_id
-      )
-    batch, stats = rollouts.make_batch(
-      lines, adv_BR, self.task.cfg, old_logps=old, pad_id=self.tok.pad_id
+    batch, self.flat_positions, stats = rollout.from_file(
+      self.task, self.recorded, self.score_fn, state, self.cfg, step, self.tok
     )
-    tree.validate(batch, cfg.model.vocab_size, cfg.replay.branch_chunk)
-    if state.ref_params is not None:
-      with timer("ref_logp"):
-        ref_levels, ref_trunk = jax.block_until_ready(self.score_fn(state.ref_params, batch))
-      batch = batch.replace(
-        levels=tuple(l.replace(ref_logp_BRT=r) for l, r in zip(batch.levels, ref_levels)),
-        trunk_ref_logp_BW=ref_trunk if batch.trunk_len else None,
-      )
-    self.flat_positions = stats["flat_positions"]
-    return batch, {
-      "epoch": step // self.task.steps_per_epoch(t.batch_size),
-      "reward/mean": float(rewards_BR.mean()),
-      "reward/std": float(rewards_BR.std()),
-      "replay/tree_token_ratio": stats["tree_token_ratio"],
-      "replay/trie_token_ratio": stats["trie_token_ratio"],
-      "replay/trunk_len": stats["trunk_len"],
-      "replay/fanouts": "x".join(map(str, stats["fanouts"])),
-      **timer.metrics(),
-    }
+    return batch, stats
 
   def update(self, state, batch, step):
     outs = []
@@ -155,12 +92,9 @@ class Rollouts:
   def eval_examples(self):
     return []
 
-  def restore_template(self, state, step):
-    return train_state.state_dict(state)
-
   def summarize(self, records):
     train = [r for r in records if r.get("kind") == "train"]
-    k = max(1, min(10, len(train) // 4))
+    k = base.window(train)
     mean = lambda rs: float(np.mean([r["reward/mean"] for r in rs])) if rs else float("nan")
     return {
       "steps": len(train),

@@ -73,7 +73,7 @@ def _train(cfg, workdir, algorithm, init_params, tokenizer, init_adapters, guard
     state = state.replace(**restored)
   chief = jax.process_index() == 0  # several processes run this loop alike; one writes
   t = cfg.train
-  total = getattr(algo, "total_steps", t.total_steps)  # a file's epochs may end a run sooner
+  total = algo.total_steps  # a file's epochs may end a run sooner
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   if chief:  # each record once: a torn last line and the steps to redo are dropped
     repaired = metrics.repair(metrics_path, start, total)
@@ -82,14 +82,10 @@ def _train(cfg, workdir, algorithm, init_params, tokenizer, init_adapters, guard
   writer = metrics.MetricsWriter(
     metrics_path if chief else os.devnull, tensorboard=cfg.train.tensorboard and chief
   )
-  warmup = getattr(algo, "warmup_steps", t.sft_steps)  # supervised steps before the phase
+  warmup = algo.warmup_steps  # supervised steps before the phase
   eval_examples = algo.eval_examples() if t.eval_size else []
   # The first-step self-check (replay.verify): replay == naive on the first batch, once.
-  verify_pending = (
-    verify.enabled(cfg.replay.verify, init_params is not None)
-    and hasattr(algo, "verify")
-    and not cfg.mesh
-  )
+  verify_pending = verify.enabled(cfg.replay.verify, init_params is not None) and not cfg.mesh
 
   def evaluate(state, step):
     if t.eval_batch or t.eval_shared_prefix:  # per prompt: n, and 0/1 rewards' interval

@@ -12,6 +12,7 @@ import pytest
 
 from branch_replay.train import metrics, phases, steps, trainer
 from branch_replay.core import tree
+from branch_replay import rollout
 from branch_replay.algorithms import grpo
 from branch_replay.train import state as train_state
 from branch_replay.config import Config, apply_overrides
@@ -68,7 +69,7 @@ def test_auto_tree_batch_trains_as_the_flat_batch_float64(overrides):
       ],
     )
     flat = sampled_batch()
-    batch, stats = grpo.auto_tree(flat, cfg)
+    batch, stats = rollout.auto_tree(flat, cfg)
     assert isinstance(batch, tree.TreeBatch)
     # 4 shared tokens (2 of them already the sampler's trunk) -> trunk; pairs -> a level
     # (one level only with branch_chunk: the chunk must divide the last fan-out).

@@ -13,7 +13,7 @@ import pytest
 
 from branch_replay.core import advantages, critic, engine, losses, sampler
 from branch_replay.train import checkpoint, metrics
-from branch_replay import dapo
+from branch_replay import rollout
 from branch_replay.train import trainer
 from branch_replay.algorithms import ppo
 from branch_replay.train import state as train_state
@@ -346,19 +346,19 @@ def test_dynamic_sampling_drops_and_refills():
   def draw(i):
     return {"id": np.arange(3) + 10 * i}, draws[i]
 
-  rows, rewards, stats = dapo.dynamic_sample(draw, 3, max_rounds=2)
+  rows, rewards, stats = rollout.dynamic_sample(draw, 3, max_rounds=2)
   np.testing.assert_array_equal(rows["id"], [1, 10, 12])  # informative groups, in order
   assert stats == {"dapo/rounds": 2, "dapo/kept_frac": 1.0}
-  rows, rewards, stats = dapo.dynamic_sample(draw, 3, max_rounds=1)  # the cap: top up
+  rows, rewards, stats = rollout.dynamic_sample(draw, 3, max_rounds=1)  # the cap: top up
   np.testing.assert_array_equal(rows["id"], [1, 0, 2])
   assert stats["dapo/kept_frac"] == pytest.approx(1 / 3)
-  np.testing.assert_array_equal(dapo.informative(rewards), [True, False, False])
+  np.testing.assert_array_equal(rollout.informative(rewards), [True, False, False])
 
 
 def test_overlong_penalty():
-  got = dapo.overlong_penalty(np.asarray([[2, 6, 7, 8, 9]]), max_len=8, buffer=4, penalty=0.5)
+  got = rollout.overlong_penalty(np.asarray([[2, 6, 7, 8, 9]]), max_len=8, buffer=4, penalty=0.5)
   np.testing.assert_allclose(got, [[0.0, -0.25, -0.375, -0.5, -0.5]])
-  assert not dapo.overlong_penalty(np.asarray([[8]]), 8, 0).any()
+  assert not rollout.overlong_penalty(np.asarray([[8]]), 8, 0).any()
 
 
 # ----------------------------------------------------------------------------- temperature

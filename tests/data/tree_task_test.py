@@ -7,10 +7,9 @@ import os
 import numpy as np
 import pytest
 
-from branch_replay import dapo
+from branch_replay import rollout
 from branch_replay.data import tasks
 from branch_replay.core import tree
-from branch_replay.algorithms import sft
 from branch_replay.config import Config, apply_overrides
 from branch_replay.data.tokenizer import TOKENIZER
 from models import transformer as tfm
@@ -32,7 +31,7 @@ def test_two_turn_task():
   assert len(turns) == 3
   for q, a, v in turns:
     assert q == "?" + a.lower() and len(a) == 1 and a + v in root
-  batch = sft.sft_batch(
+  batch = rollout.sft_batch(
     task, np.random.default_rng(2), Config(task=task_cfg, tree=tree.TreeConfig("3x1")), TOKENIZER
   )
   tree.validate(batch, TOKENIZER.vocab_size)
@@ -94,13 +93,13 @@ def test_tree_overlong_shaping_counts_every_turn_of_the_path():
     tuple(valid),
     tuple(np.zeros(v.shape) for v in valid),
   )
-  got = dapo.path_overlong(samples, lengths, buffer=3, penalty=0.5)
+  got = rollout.path_overlong(samples, lengths, buffer=3, penalty=0.5)
   for b in range(B):
     for leaf in range(6):
       n = valid[0][b, leaf // 3].sum() + valid[1][b, leaf].sum()
-      assert got[b, leaf] == pytest.approx(dapo.overlong_penalty(n, 7, 3, 0.5))
+      assert got[b, leaf] == pytest.approx(rollout.overlong_penalty(n, 7, 3, 0.5))
   assert got.min() < 0  # the penalty binds somewhere
-  assert dapo.path_overlong(samples, lengths, buffer=0, penalty=0.5) == 0.0
+  assert rollout.path_overlong(samples, lengths, buffer=0, penalty=0.5) == 0.0
 
 
 def test_tree_dynamic_sampling_and_overlong_shaping(tmp_path, monkeypatch):
@@ -110,9 +109,9 @@ def test_tree_dynamic_sampling_and_overlong_shaping(tmp_path, monkeypatch):
   from branch_replay.train import metrics, trainer
 
   seen = []
-  dynamic_sample = dapo.dynamic_sample
+  dynamic_sample = rollout.dynamic_sample
   monkeypatch.setattr(
-    dapo, "dynamic_sample", lambda *a: seen.append(dynamic_sample(*a)) or seen[-1]
+    rollout, "dynamic_sample", lambda *a: seen.append(dynamic_sample(*a)) or seen[-1]
   )
   advantages_of = []
   tree_advantages = tree.tree_advantages

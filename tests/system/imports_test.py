@@ -5,6 +5,7 @@ trainer loop imports no algorithm, and no module imports another's private names
 
 import ast
 import os
+import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ALGORITHM_MODULES = (
@@ -84,7 +85,7 @@ FLOORS = (
   ("branch_replay.data",),
   ("branch_replay.config",),
   ("branch_replay.train",),
-  ("branch_replay.dapo",),
+  ("branch_replay.rollout",),
   ("branch_replay.algorithms",),
   ("experiments",),
 )
@@ -159,3 +160,33 @@ def test_no_private_names_across_modules():
     if n.startswith("_") and not n.startswith("__")
   ]
   assert not bad, bad
+
+
+def test_algorithms_never_read_the_rollout_shape():
+  """Flat or tree is rollout.py's decision: no algorithm reads `cfg.tree` or calls the tree
+  task's helpers (`tree_task.`); it gets its batches from rollout.py."""
+  folder = os.path.join(ROOT, "branch_replay", "algorithms")
+  bad = []
+  for f in sorted(os.listdir(folder)):
+    if f.endswith(".py"):
+      for number, line in enumerate(open(os.path.join(folder, f)), 1):
+        if re.search(r"\bcfg\.tree\b|\btree_task\.", line.split("#")[0]):
+          bad.append(f"algorithms/{f}:{number}: {line.strip()}")
+  assert not bad, bad
+
+
+def test_the_trainer_asks_the_algorithm_nothing_optional():
+  """Every member of the protocol has a default (algorithms/base.py): the loop calls them, it
+  never probes the algorithm with getattr or hasattr."""
+  tree = ast.parse(open(os.path.join(ROOT, "branch_replay", "train", "trainer.py")).read())
+  probes = [
+    node.lineno
+    for node in ast.walk(tree)
+    if isinstance(node, ast.Call)
+    and isinstance(node.func, ast.Name)
+    and node.func.id in ("getattr", "hasattr")
+    and node.args
+    and isinstance(node.args[0], ast.Name)
+    and node.args[0].id == "algo"
+  ]
+  assert not probes, f"trainer.py probes the algorithm at lines {probes}"

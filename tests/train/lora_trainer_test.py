@@ -16,7 +16,7 @@ import run
 from branch_replay.core import losses, sampler, sharding
 from branch_replay.train import steps, trainer
 from branch_replay.data import tasks
-from branch_replay.algorithms import grpo
+from branch_replay import rollout
 from branch_replay.train import state as train_state
 from branch_replay.config import Config, apply_overrides
 from branch_replay.data.tokenizer import TOKENIZER
@@ -159,7 +159,7 @@ def test_lora_samples_merged_weights_and_scores_kl_against_the_base():
 
   fns = fns._replace(sample=spy)
   task = tasks.make(cfg.task, TOKENIZER)
-  batch, _, _ = grpo.rl_batch(fns, state, task, cfg, 0)
+  batch, _, _ = rollout.rl_batch(fns, state, task, cfg, 0)
   jax.tree.map(
     lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), sampled_with[0], merged
   )

@@ -11,11 +11,11 @@ import jax
 import numpy as np
 import pytest
 
-from branch_replay import algorithms
+from branch_replay import algorithms, rollout
+from branch_replay.algorithms import base
 from branch_replay.data import dpo, tasks, tree_task
 from branch_replay.core import engine
 from branch_replay.train import metrics, steps
-from branch_replay.algorithms import grpo, sft
 from branch_replay.train import trainer
 from branch_replay.train import state as train_state
 from branch_replay.config import Config, apply_overrides
@@ -54,7 +54,7 @@ def test_tree_step_scores_at_the_sampler_temperature(monkeypatch):
 
   monkeypatch.setattr(engine, "loss_and_grad", spy)
   task = tasks.make(cfg.task)
-  batch = sft.sft_batch(task, np.random.default_rng(0), cfg)
+  batch = rollout.sft_batch(task, np.random.default_rng(0), cfg)
   state = jax.eval_shape(lambda: train_state.init_state(cfg))
   with pytest.raises(_Stop):
     jax.eval_shape(steps.make_train_step(cfg, "rl"), state, batch)
@@ -92,14 +92,14 @@ def test_tree_trains_epochs_minibatches_and_kl_on_a_mesh(tmp_path, monkeypatch):
     "train.eval_size=0",
   )
   batches = []
-  rl_batch = grpo.rl_batch
+  rl_batch = rollout.rl_batch
 
   def keep(*args, **kwargs):
     batch, rewards, stats = rl_batch(*args, **kwargs)
     batches.append(batch)
     return batch, rewards, stats
 
-  monkeypatch.setattr(grpo, "rl_batch", keep)
+  monkeypatch.setattr(rollout, "rl_batch", keep)
   summary = trainer.run(cfg, str(tmp_path / "run"))
   records = metrics.read(summary["metrics"])
   train_recs = [r for r in records if r["kind"] == "train"]
@@ -193,7 +193,7 @@ def test_tree_rollout_encodes_prompt_ids(monkeypatch):
 
   state = types.SimpleNamespace(params=None, base=None, rng=jax.random.key_data(jax.random.key(0)))
   with pytest.raises(_Stop):
-    grpo.rl_batch(types.SimpleNamespace(sample=sample), state, task, cfg, 0)
+    rollout.rl_batch(types.SimpleNamespace(sample=sample), state, task, cfg, 0)
   P = task.max_prompt_len
   np.testing.assert_array_equal(np.asarray(seen["prompt_BP"])[:, P - len(ids) :], [ids, ids])
   assert np.asarray(seen["valid_BP"]).sum(1).tolist() == [len(ids)] * 2
@@ -284,15 +284,16 @@ def test_tree_run_writes_on_process_zero_only(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- the loop alone
 
 
-class _Counting:
+class _Counting(base.Algorithm):
   """An algorithm that trains nothing: each step adds 1 to every parameter and reports a
   loss (NaN at step `nan_at`); the loop's own logic (phases, checkpoints, resume, NaN stop)
-  runs as for any algorithm, without compiling a train step."""
+  runs as for any algorithm, without compiling a train step (the rest: the base's)."""
 
   phase, progress_keys, nan_at, made = "rl", (), None, []
 
   def __init__(self, cfg, task, tok, workdir=None):
-    self.cfg, self.steps = cfg, []
+    super().__init__(cfg, task, tok, workdir)
+    self.steps = []
     _Counting.made.append(self)
 
   def _step(self, state, step):

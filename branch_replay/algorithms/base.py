@@ -1,0 +1,122 @@
+"""The algorithms' base: every member of the protocol (algorithms/__init__.py) with its default,
+so an algorithm overrides only what it does differently and the loop asks nothing optional."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+from branch_replay import rollout
+from branch_replay.core import tree
+from branch_replay.train import phases, steps, verify
+from branch_replay.train import state as train_state
+
+
+def window(rows) -> int:
+  """How many first and last steps a summary averages: a quarter of the run, 1 to 10."""
+  return max(1, min(10, len(rows) // 4))
+
+
+def fmt(x) -> str:
+  """A summary number: 3 decimals, 'n/a' for None or NaN."""
+  return "n/a" if x is None or x != x else f"{x:.3f}"
+
+
+def floats(out) -> dict:
+  """A jitted step's metrics on the host, as floats."""
+  return {k: float(v) for k, v in jax.device_get(out).items()}
+
+
+class Algorithm:
+  """Built once per run, `Algorithm(cfg, task, tokenizer, workdir=...)`. The defaults: the
+  supervised warm-up of train.sft_steps (rollout.sft_batch through the policy's sft_step),
+  then train.rl_steps of the phase (`batch` and `update`: every algorithm's own), the greedy
+  evaluation on held-out prompts, the first-batch self-check, the checkpoint's state."""
+
+  phase = "rl"  # the name of its phase in metrics
+  progress_keys = ("loss/policy",)  # metrics shown beside the progress bar
+
+  def __init__(self, cfg, task, tok, workdir=None):
+    self.cfg, self.task, self.tok = cfg, task, tok
+
+  @functools.cached_property
+  def fns(self) -> steps.Fns:
+    """The policy's jitted functions for this run's rollouts (compiled once per config)."""
+    return rollout.compiled(self.cfg, self.task, self.tok)
+
+  @property
+  def total_steps(self) -> int:  # a rollouts file's epochs may end a run sooner
+    return self.cfg.train.total_steps
+
+  @property
+  def warmup_steps(self) -> int:  # supervised steps before the phase
+    return self.cfg.train.sft_steps
+
+  def warmup_batch(self, step: int) -> tree.TreeBatch:
+    rng = np.random.default_rng([self.cfg.train.seed, step])
+    batch = rollout.sft_batch(self.task, rng, self.cfg, self.tok)
+    tree.validate(batch, self.cfg.model.vocab_size)
+    return batch
+
+  def warmup_update(self, state, batch):
+    state, out = self.fns.sft_step(state, train_state.place(batch, "batch", self.cfg))
+    return state, floats(out)
+
+  def start(self, state):
+    """The phase boundary (the reference copy, a critic's init); default: nothing."""
+    return state
+
+  def batch(self, state, step: int):
+    """(batch, stats) of phase step `step`, on the host."""
+    raise NotImplementedError(f"{type(self).__name__}.batch")
+
+  def update(self, state, batch, step: int):
+    """(state, metrics): its jitted steps on `batch`."""
+    raise NotImplementedError(f"{type(self).__name__}.update")
+
+  def verify(self, state, batch) -> dict:
+    """replay.verify: the first phase batch through replay and the naive twin at the RL
+    objective (raises on a gap); its metrics."""
+    return verify.check(
+      train_state.weights(state, self.cfg.lora),
+      batch,
+      self.cfg.model,
+      steps.rl_loss_config(self.cfg),
+      branch_chunk=self.cfg.replay.branch_chunk,
+    )
+
+  def token_counts(self, batch, phase: str) -> tuple:
+    """(prefix, tails, naive-equivalent) positions computed by one step on `batch`."""
+    return batch.token_counts()
+
+  def eval_examples(self) -> list:
+    return rollout.eval_examples(self.task, self.cfg)
+
+  def evaluate(self, state, examples) -> float:
+    """The mean reward of greedy completions (one per prompt; trees: one path)."""
+    if self.cfg.train.eval_batch or self.cfg.train.eval_shared_prefix:
+      return float(np.mean(self.evaluate_all(state, examples)))
+    params = train_state.weights(state, self.cfg.lora)
+    return rollout.greedy_reward(self.fns, params, self.task, examples, self.cfg, self.tok)
+
+  def evaluate_all(self, state, examples) -> np.ndarray:
+    """The reward of each prompt's greedy completion (`rollout.greedy_rewards`)."""
+    params = train_state.weights(state, self.cfg.lora)
+    return rollout.greedy_rewards(self.fns, params, self.task, examples, self.cfg, self.tok)
+
+  def restore_template(self, state, step: int) -> dict:
+    """The checkpoint's tree at `step` (resume)."""
+    return train_state.state_dict(state)
+
+  def summarize(self, records) -> dict:
+    train = [r for r in records if r.get("kind", "train") == "train"]
+    return {"steps": len(train), "time_by_phase": phases.totals(records)}
+
+  @staticmethod
+  def format_summary(summary: dict) -> str:  # run.py calls it on the class
+    lines = [f"{summary['steps']} steps"]
+    if summary.get("time_by_phase"):
+      lines.append(phases.format_totals(summary["time_by_phase"]))
+    return "\n".join(lines)
