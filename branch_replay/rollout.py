@@ -99,14 +99,21 @@ def dynamic_sample(
     dropped.append(_take(rows, rewards_BR, ~mask))
     n_kept += int(mask.sum())
   parts = kept + dropped
-  rows = jax.tree.map(lambda *xs: np.concatenate(xs)[:batch_size], *[p[0] for p in parts])
+  rows = jax.tree.map(lambda *xs: _concat(xs)[:batch_size], *[p[0] for p in parts])
   rewards_BR = np.concatenate([p[1] for p in parts])[:batch_size]
   stats = {"dapo/rounds": rounds, "dapo/kept_frac": min(n_kept, batch_size) / batch_size}
   return rows, rewards_BR, stats
 
 
 def _take(rows, rewards_BR, mask):
-  return jax.tree.map(lambda v: np.asarray(v)[mask], rows), np.asarray(rewards_BR)[mask]
+  """The rows of `mask`: host arrays on the host, device arrays on their device."""
+  idx = np.flatnonzero(mask)
+  take = lambda v: jnp.take(v, idx, axis=0) if isinstance(v, jax.Array) else np.asarray(v)[idx]
+  return jax.tree.map(take, rows), np.asarray(rewards_BR)[idx]
+
+
+def _concat(xs):
+  return jnp.concatenate(xs) if isinstance(xs[0], jax.Array) else np.concatenate(xs)
 
 
 def path_overlong(samples, turn_lengths, buffer: int, penalty: float) -> np.ndarray | float:
@@ -169,14 +176,17 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
   else:
     (rows, rewards_BR), stats = draw(0), {}
   t1 = time.perf_counter()
-  batch = _assemble(rows, rewards_BR, cfg)
+  adv = _advantages(rewards_BR, cfg)
+  # Checked on the host copy the rewards were read from (the same tokens, masks and old
+  # log-probs); the batch itself stays where the sampler left it: on the device.
+  tree.validate(_assemble(rows["host"], adv, cfg), cfg.model.vocab_size, cfg.replay.branch_chunk)
+  batch = place(_assemble(rows["device"], adv, cfg), "batch", cfg)  # advantages: host -> device
   ref = reference(state, cfg)  # LoRA: the base, adapters off
   if ref is not None:  # k3 KL: reference log-probs of every node, one shared-prefix forward
     r0 = time.perf_counter()
-    scored = jax.block_until_ready(fns.score(ref, batch=place(batch, "batch", cfg)))
+    scored = jax.block_until_ready(fns.score(ref, batch=batch))
     stats["time/ref_logp_s"] = time.perf_counter() - r0
-    batch = batch.with_reference(*sharding.to_host(scored))
-  tree.validate(batch, cfg.model.vocab_size, cfg.replay.branch_chunk)
+    batch = batch.with_reference(*scored)  # on the device, beside the batch
   raw = rows["raw_BR"]
   return (
     batch,
@@ -212,10 +222,15 @@ def _draw(fns, model_weights, state, task, cfg: Config, step: int, tok, phase_s,
   samples = jax.block_until_ready(
     fns.sample(model_weights, prompt_BP=placed_BP, prompt_valid_BP=placed_valid_BP, key=key)
   )
-  samples = sharding.to_host(samples)  # every process decodes and rewards all samples
+  host = sharding.to_host(samples)  # a copy: every process decodes and rewards all samples
   d2 = time.perf_counter()
-  raw_BR, shaping, extra = _rewards(task, examples, samples, cfg, tok)
-  rows = dict(prompt_BP=prompt_BP, valid_BP=valid_BP, raw_BR=raw_BR, **extra, samples=samples)
+  raw_BR, shaping, extra = _rewards(task, examples, host, cfg, tok)
+  rows = dict(
+    host=dict(prompt_BP=prompt_BP, valid_BP=valid_BP, samples=host),
+    device=dict(prompt_BP=placed_BP, valid_BP=placed_valid_BP, samples=samples),
+    raw_BR=raw_BR,
+    **extra,
+  )
   phase_s["data"] += d1 - d0
   phase_s["generate"] += d2 - d1
   phase_s["reward"] += time.perf_counter() - d2
@@ -246,21 +261,22 @@ def _rewards(task, examples, samples, cfg: Config, tok):
   return raw_BR, _overlong(samples, cfg), {}
 
 
-def _assemble(rows, rewards_BR, cfg: Config) -> tree.TreeBatch:
-  """The kept rows as one TreeBatch with the group advantages of their shaped rewards."""
+def _advantages(rewards_BR, cfg: Config):
+  """Host: the group advantages of the shaped rewards ([B, R]; a tree: one per level)."""
+  if cfg.tree.fanouts:
+    return _node_advantages(rewards_BR, cfg)
+  a = cfg.algo
+  if a.advantage in advantages.NEEDS_CRITIC:  # PPO replaces them from its critic
+    return np.zeros(rewards_BR.shape, np.float32)
+  return np.asarray(advantages.compute(a.advantage, rewards_BR, a))
+
+
+def _assemble(rows, adv, cfg: Config) -> tree.TreeBatch:
+  """The kept rows (host or device arrays) as one TreeBatch with these advantages."""
   prompt_BP, valid_BP, samples = rows["prompt_BP"], rows["valid_BP"], rows["samples"]
   if cfg.tree.fanouts:
-    return sampler.to_tree_batch(
-      prompt_BP, valid_BP, samples, cfg.tree.fanout_tuple, _node_advantages(rewards_BR, cfg)
-    )
-  a = cfg.algo
-  B, R = rewards_BR.shape
-  adv_BR = (
-    np.zeros((B, R), np.float32)
-    if a.advantage in advantages.NEEDS_CRITIC
-    else advantages.compute(a.advantage, rewards_BR, a)
-  )
-  return sampler.to_batch(prompt_BP, valid_BP, samples, jnp.asarray(adv_BR))
+    return sampler.to_tree_batch(prompt_BP, valid_BP, samples, cfg.tree.fanout_tuple, adv)
+  return sampler.to_batch(prompt_BP, valid_BP, samples, adv)
 
 
 def _node_advantages(rewards_BR, cfg: Config) -> list:

@@ -33,14 +33,16 @@ class Options(algorithms.SampledOptions):
 
 
 def minibatches(tree, cfg: Config, step: int, epoch: int):
-  """The sampled batch split by prompt into algo.minibatches parts, in a per-epoch order."""
+  """The sampled batch split by prompt into algo.minibatches parts, in a per-epoch order
+  (a device batch split on its device)."""
   B = cfg.train.batch_size
   M = cfg.algo.minibatches
   if M == 1 and epoch == 0:
     return [tree]
   order = np.random.default_rng([cfg.train.seed, step, epoch, 7]).permutation(B)
   parts = np.split(order, M)
-  return [jax.tree.map(lambda x, idx=np.sort(idx): np.asarray(x)[idx], tree) for idx in parts]
+  take = lambda x, idx: jnp.take(x, idx, axis=0) if isinstance(x, jax.Array) else np.asarray(x)[idx]
+  return [jax.tree.map(lambda x, idx=np.sort(idx): take(x, idx), tree) for idx in parts]
 
 
 def rl_update(fns, state, batch, cfg: Config, step: int, step_fn=None):

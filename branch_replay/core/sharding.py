@@ -213,11 +213,12 @@ def prompt_shardings(mesh: Mesh, tree):
 def put(tree, shardings):
   """Host arrays (identical on every process) -> global arrays with these shardings.
   Works on one process and across several (each process fills its own shards); arrays
-  that already span several processes are resharded."""
+  that already span several processes, or any device array on one process, are resharded
+  on the devices (no host round trip)."""
 
   def one(x, sharding):
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-      return jax.device_put(x, sharding)
+    if isinstance(x, jax.Array) and (not x.is_fully_addressable or jax.process_count() == 1):
+      return jax.device_put(x, sharding)  # device -> device (a no-op where it already lies)
     x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
