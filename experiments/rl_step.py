@@ -1,5 +1,5 @@
-"""One whole RL step taken apart by phase, through train.py's public rollout (the Q1 and Q2
-experiments and the notebooks use it): sample -> reward -> assemble -> (reference score) ->
+"""One whole RL step taken apart by phase, through the public rollout (branch_replay/rollout.py;
+the Q1 and Q2 experiments and the notebooks use it): sample -> reward -> assemble -> (reference score) ->
 update, each phase timed with its results ready.
 
   cfg = config_for("grpo_haystack", ["task.prompt_len=1024"], mode="naive")
@@ -20,7 +20,7 @@ from branch_replay import config as config_lib
 from branch_replay.core import engine
 from branch_replay.train import steps
 from branch_replay.data import tasks
-from branch_replay.algorithms import grpo
+from branch_replay import rollout
 from branch_replay.train import state as train_state
 from experiments import registry
 
@@ -50,10 +50,10 @@ class Stepper:
     self.state = train_state.init_state(cfg) if state is None else state
 
   def batch(self, step: int):
-    """(batch, phase seconds, reward/mean) from the trainer's own rollout (grpo.rl_batch:
+    """(batch, phase seconds, reward/mean) from the trainer's own rollout (rollout.rl_batch:
     sample, reward, advantages, reference scores), placed as the trainer places it."""
     cfg = self.cfg
-    batch, _, stats = grpo.rl_batch(self.fns, self.state, self.task, cfg, step)
+    batch, _, stats = rollout.rl_batch(self.fns, self.state, self.task, cfg, step)
     t0 = time.perf_counter()
     batch = jax.block_until_ready(train_state.place(batch, "batch", cfg))
     t = {f"{name}_s": stats[f"time/{name}_s"] for name in ("data", "reward", "assemble")}

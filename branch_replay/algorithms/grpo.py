@@ -16,9 +16,6 @@ from branch_replay.config import Config
 from branch_replay.train import metrics, phases
 from branch_replay.train.state import place
 
-# experiments/rl_step.py's name for the sampled batch (its room is another change's)
-rl_batch = rollout.rl_batch
-
 
 @dataclasses.dataclass(frozen=True)
 class Options(algorithms.SampledOptions):
