@@ -105,11 +105,16 @@ def dynamic_sample(
   return rows, rewards_BR, stats
 
 
-def _take(rows, rewards_BR, mask):
-  """The rows of `mask`: host arrays on the host, device arrays on their device."""
-  idx = np.flatnonzero(mask)
+def take_rows(rows, idx):
+  """Rows `idx` (by prompt, axis 0) of every array of a pytree: host arrays on the host,
+  device arrays on their device (no round trip)."""
   take = lambda v: jnp.take(v, idx, axis=0) if isinstance(v, jax.Array) else np.asarray(v)[idx]
-  return jax.tree.map(take, rows), np.asarray(rewards_BR)[idx]
+  return jax.tree.map(take, rows)
+
+
+def _take(rows, rewards_BR, mask):
+  idx = np.flatnonzero(mask)
+  return take_rows(rows, idx), np.asarray(rewards_BR)[idx]
 
 
 def _concat(xs):

@@ -69,7 +69,7 @@ class Algorithm:
     return state
 
   def batch(self, state, step: int):
-    """(batch, stats) of phase step `step`, on the host."""
+    """(batch, stats) of phase step `step` (sampled batches stay on the device)."""
     raise NotImplementedError(f"{type(self).__name__}.batch")
 
   def update(self, state, batch, step: int):

@@ -38,8 +38,7 @@ def minibatches(tree, cfg: Config, step: int, epoch: int):
     return [tree]
   order = np.random.default_rng([cfg.train.seed, step, epoch, 7]).permutation(B)
   parts = np.split(order, M)
-  take = lambda x, idx: jnp.take(x, idx, axis=0) if isinstance(x, jax.Array) else np.asarray(x)[idx]
-  return [jax.tree.map(lambda x, idx=np.sort(idx): take(x, idx), tree) for idx in parts]
+  return [rollout.take_rows(tree, np.sort(idx)) for idx in parts]
 
 
 def rl_update(fns, state, batch, cfg: Config, step: int, step_fn=None):
@@ -53,7 +52,7 @@ def rl_update(fns, state, batch, cfg: Config, step: int, step_fn=None):
   for epoch in range(cfg.algo.ppo_epochs):
     for mb in minibatches(batch, cfg, step, epoch):
       state, out = step_fn(state, mb)
-      outs.append({k: float(v) for k, v in jax.device_get(out).items()})
+      outs.append(base.floats(out))
   avg = {k: float(np.mean([o[k] for o in outs])) for k in outs[0]}
   avg["ratio/max"] = max(o["ratio/max"] for o in outs)
   avg["clip_frac/last"] = outs[-1]["clip_frac"]
