@@ -8,7 +8,8 @@ The rooms, each importing only the ones before it (tests/system/imports_test.py)
                one batch type), losses.py (a new objective: `@losses.register`),
                advantages.py (a new estimator: `@advantages.register`), critic.py, sampler.py,
                trie.py, sharding.py (the one RULES table)
-  data/        what is trained on: a new task is one file with `@tasks.register`; rewards
+  data/        what is trained on: a new task is one file with `@tasks.register` (a multi-turn
+               one sampled as trees: a `turns.TurnsTask` subclass); rewards
                (`@rewards.register`), prompts from JSONL, recorded rollouts, preference pairs
   config.py    the frozen config and its sections (sections.py), --set, the resume check
   train/       the loop around any algorithm: trainer, the jitted step, state, checkpoints,

@@ -11,11 +11,12 @@ import typing
 from typing import Any, Optional, Sequence
 
 from branch_replay import algorithms  # the registry: an algorithm's options, by name
-from branch_replay.core import advantages, losses
+from branch_replay.core import advantages
 from branch_replay.sections import NamedSection
 from branch_replay.core.critic import CriticConfig
 from branch_replay.core.losses import LossConfig
 from branch_replay.core.sampler import SamplerConfig
+from branch_replay.data import tasks
 from branch_replay.data.tasks import TaskConfig
 from branch_replay.data.tokenizer import TOKENIZER
 from branch_replay.core.tree import TreeConfig
@@ -220,25 +221,30 @@ class Config:
         f"model.vocab_size={self.model.vocab_size}: expected >= the "
         f"tokenizer's {TOKENIZER.vocab_size}"
       )
-    self._check_algorithm()
-    algorithms.check(self)  # what the selected algorithm needs of the other sections
-    # DPO trains pairs (algorithms/dpo.py:check), every other objective sampled groups
-    if self.loss.name != "dpo" and not self.loss.objective.trainable:
-      trainable = sorted(n for n, o in losses.OBJECTIVES.items() if o.trainable)
+    self._check_task()
+    if self.replay.branch_chunk is not None and self.loss.objective.combine is not None:
       raise ValueError(
-        f"loss.name={self.loss.name!r}: the trainer samples groups; expected "
-        f"one of {trainable} (DPO: algo.name=dpo, experiments/configs/dpo_haystack.py)"
+        f"replay.branch_chunk={self.replay.branch_chunk} with loss.name="
+        f"{self.loss.name!r}: streaming needs an objective that sums over "
+        "branches (DPO combines each pair); expected replay.branch_chunk=None"
       )
+    # What the selected algorithm needs of the other sections: its objectives, critic and
+    # layout (declared by its class), its options' and its module's check(cfg).
+    algorithms.check(self)
     if self.tree.fanouts:
       self._check_tree()
     elif self.loss.name == "grpo" and self.train.n_branches < 2:
       raise ValueError(
         f"train.n_branches={self.train.n_branches}: GRPO normalises over a group, expected >= 2"
       )
-    self._check_rl_algorithm()
-    self._check_lora()
-    if self.replay.auto_tree:
-      self._check_auto_tree()
+    self._check_sampler()
+    if self.lora.enabled:
+      lora_lib.adapter_shapes(self.model, self.lora)  # targets on no layer: ValueError
+    if self.replay.auto_tree and self.tree.fanouts:
+      raise ValueError(
+        f"tree.fanouts={self.tree.fanouts!r} with replay.auto_tree=true: sampled trees are "
+        "trees already; expected ''"
+      )
     chunk = self.replay.branch_chunk
     if chunk is not None and not self.tree.fanouts and self.train.n_branches % chunk:
       raise ValueError(
@@ -248,46 +254,31 @@ class Config:
     if self.mesh and not re.fullmatch(r"[a-z]+:\d+(,[a-z]+:\d+)*", self.mesh):
       raise ValueError(f"mesh={self.mesh!r}: expected '' or 'axis:size,...' e.g. 'data:2,fsdp:2'")
 
-  def _check_algorithm(self):
-    """What `algo.name` needs of the other sections, by field: its objective, its data, its
-    step counts, and no options of another algorithm's value model."""
-    name = self.algo.name
-    paired = [  # (field, value, the value that belongs to algorithm `owner` alone, owner, what)
-      ("loss.name", self.loss.name, "dpo", "dpo", "its objective"),
-      ("task.name", self.task.name, "rollouts", "rollouts", "the completions file"),
-    ]
-    for field, value, own, owner, what in paired:
-      if value == own and name != owner:
-        raise ValueError(f"{field}={value!r} with algo.name={name!r}: expected algo.name={owner!r}")
-      if name == owner and value != own:
-        raise ValueError(
-          f"algo.name={owner!r} with {field}={value!r}: expected {field}={own!r} ({what})"
-        )
-    if name != "ppo" and self.critic != CriticConfig():
-      changed = [
-        f.name
-        for f in dataclasses.fields(CriticConfig)
-        if getattr(self.critic, f.name) != getattr(CriticConfig(), f.name)
-      ]
+  def _check_task(self):
+    """What the task states of its rollouts (tasks.Task: `algorithm`, `turns`) against the
+    algorithm and tree.fanouts, by field."""
+    task = tasks.task_class(self.task.name)
+    if task.algorithm is not None and self.algo.name != task.algorithm:
       raise ValueError(
-        f"critic.{changed[0]}={getattr(self.critic, changed[0])!r} with "
-        f"algo.name={name!r}: the critic is PPO's value model; expected "
-        "algo.name='ppo' or the critic's defaults"
+        f"task.name={self.task.name!r} with algo.name={self.algo.name!r}: expected "
+        f"algo.name={task.algorithm!r} (the one algorithm that trains its data)"
       )
-    if self.replay.branch_chunk is not None and self.loss.objective.combine is not None:
+    fanouts = self.tree.fanout_tuple
+    if task.turns and len(fanouts) != task.turns:
       raise ValueError(
-        f"replay.branch_chunk={self.replay.branch_chunk} with loss.name="
-        f"{self.loss.name!r}: streaming needs an objective that sums over "
-        "branches (DPO combines each pair); expected replay.branch_chunk=None"
+        f"tree.fanouts={self.tree.fanouts!r}: task {self.task.name!r} is sampled as a tree of "
+        f"its {task.turns} turns; expected {task.turns} fan-outs, e.g. "
+        f"{'x'.join(['2'] * task.turns)!r}"
       )
-    minibatches = getattr(self.algo, "minibatches", 1)
-    if self.train.batch_size % minibatches:
+    if not task.turns and fanouts:
       raise ValueError(
-        f"algo.minibatches={minibatches}: expected a divisor of "
-        f"train.batch_size={self.train.batch_size} (minibatches split the prompts)"
+        f"tree.fanouts={self.tree.fanouts!r} with task.name={self.task.name!r}: the task's "
+        "completions are one turn each (flat groups; a rollouts file's lines are laid out as "
+        "their trie by task.auto_tree); expected '' or a task of several turns (e.g. "
+        "task.name='tree_haystack')"
       )
 
-  def _check_rl_algorithm(self):
+  def _check_sampler(self):
     if not self.train.rl_steps:
       return
     s = self.sampler
@@ -307,38 +298,6 @@ class Config:
         f"loss.temperature={self.loss.temperature}: the trainer scores at "
         f"sampler.temperature={s.temperature}; leave loss.temperature at 1"
       )
-    if getattr(self.algo, "advantage", None) == "rloo" and self.train.n_branches < 2:
-      raise ValueError(
-        f"train.n_branches={self.train.n_branches}: algo.advantage='rloo' expects >= 2"
-      )
-
-  def _check_lora(self):
-    """LoRA trains the policy of flat and tree GRPO-family runs (any mesh); what it does not
-    serve is refused by field."""
-    if not self.lora.enabled:
-      return
-    lora_lib.adapter_shapes(self.model, self.lora)  # targets on no layer: ValueError
-    refused = [  # (field, value, refused value, why)
-      (
-        "loss.name",
-        self.loss.name,
-        "dpo",
-        "DPO scores the policy and its reference with full weights",
-      ),
-      (
-        "algo.name",
-        self.algo.name,
-        "ppo",
-        "PPO's critic is a full copy of the model (critic.share included)",
-      ),
-      ("algo.name", self.algo.name, "rollouts", "the rollouts trainer scores with full weights"),
-    ]
-    for field, value, bad, why in refused:
-      if value == bad:
-        raise ValueError(
-          f"lora.rank={self.lora.rank} with {field}={value!r}: LoRA is not "
-          f"supported there ({why}); expected lora.rank=0 or another {field}"
-        )
 
   def _check_tree(self):
     """Tree rollouts (tree.fanouts): what the tree trainer cannot serve is refused here, by
@@ -353,20 +312,6 @@ class Config:
       )
     t, default = self.train, TrainConfig()
     refused = [  # (field, value, expected, why)
-      (
-        "algo.name",
-        self.algo.name,
-        ("grpo", "ppo", "sft", "dpo"),
-        "tree rollouts train GRPO's group estimators over each node's siblings "
-        "(tree.tree_advantages), PPO's per-path GAE, supervised or preference trees",
-      ),
-      (
-        "algo.pairs_file",
-        getattr(self.algo, "pairs_file", ""),
-        ("",),
-        "a pairs file holds flat (prompt, chosen, rejected) pairs; DPO on trees pairs the "
-        "task's last turns",
-      ),
       (
         "train.n_branches",
         t.n_branches,
@@ -386,52 +331,11 @@ class Config:
           f"{field}={value!r} with tree.fanouts={self.tree.fanouts!r}: {why}; "
           f"expected {' or '.join(map(repr, expected))}"
         )
-    if getattr(self.algo, "advantage", None) == "rloo" and min(fanouts) < 2:
-      raise ValueError(
-        f"algo.advantage='rloo' with tree.fanouts={self.tree.fanouts!r}: "
-        "leave-one-out needs >= 2 siblings at every level; expected every "
-        "fan-out >= 2"
-      )
-
-  def _check_auto_tree(self):  # [autotree]
-    """replay.auto_tree: what the flat sampler's tree layout cannot serve, by field."""
-    refused = [  # (field, value, allowed, expected, why)
-      ("tree.fanouts", self.tree.fanouts, ("",), "''", "sampled trees are trees already"),
-      (
-        "task.name",
-        self.task.name,
-        None,
-        "a sampled task (not 'rollouts')",
-        "a rollouts file has its own layout switch, task.auto_tree",
-      ),
-      (
-        "loss.name",
-        self.loss.name,
-        tuple(n for n in losses.OBJECTIVES if n != "dpo"),
-        None,
-        "preference pairs are not sampled groups",
-      ),
-      (
-        "algo.name",
-        self.algo.name,
-        ("grpo",),
-        None,
-        "per-token (GAE) advantages, the critic's batch, preference pairs and warm-up "
-        "batches are not laid out as a tree",
-      ),
-    ]
-    for field, value, allowed, expected, why in refused:
-      bad = value == "rollouts" if allowed is None else value not in allowed
-      if bad:
-        expected = expected or " or ".join(map(repr, allowed))
-        raise ValueError(
-          f"{field}={value!r} with replay.auto_tree=true: {why}; expected {expected}"
-        )
 
   @property
   def uses_critic(self) -> bool:
-    """PPO's value model (critic.py) is trained (its advantages come from it: GAE)."""
-    return self.algo.name == "ppo"
+    """The algorithm trains a value model (critic.py; PPO's: its advantages come from it)."""
+    return algorithms.get(self.algo.name).uses_critic
 
 
 # ----------------------------------------------------------------------------- overrides

@@ -6,7 +6,6 @@ This module decides flat or tree; an algorithm never reads `cfg.tree`."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
@@ -20,7 +19,7 @@ import numpy as np
 
 from branch_replay.config import Config
 from branch_replay.core import advantages, sampler, sharding, tree, trie
-from branch_replay.data import dpo, rollouts, tasks, tree_task
+from branch_replay.data import dpo, rollouts, tasks
 from branch_replay.data.tokenizer import TOKENIZER
 from branch_replay.train import phases, steps
 from branch_replay.train.state import TrainState, place, reference, sample_examples, weights
@@ -28,20 +27,8 @@ from branch_replay.train.state import TrainState, place, reference, sample_examp
 # ----------------------------------------------------------------------------- the shape
 
 
-@dataclasses.dataclass(frozen=True)
-class Shape:
-  """A run's rollouts: the fan-outs below each prompt (flat: (R,)), whether they are the
-  task's turns sampled level by level (`tree.fanouts`), and the setting that chose them."""
-
-  fanouts: tuple
-  turns: bool
-  setting: str  # for messages: "train.n_branches=8", "tree.fanouts='4x2'"
-
-
-def shape(cfg: Config) -> Shape:
-  if cfg.tree.fanouts:
-    return Shape(cfg.tree.fanout_tuple, True, f"tree.fanouts={cfg.tree.fanouts!r}")
-  return Shape((cfg.train.n_branches,), False, f"train.n_branches={cfg.train.n_branches}")
+# The run's rollouts as its task states them (tasks.Task.turns): fan-outs (R,) or tree.fanouts.
+Shape, shape = tasks.Shape, tasks.rollout_shape
 
 
 def compiled(cfg: Config, task, tok=TOKENIZER) -> steps.Fns:
@@ -52,9 +39,10 @@ def compiled(cfg: Config, task, tok=TOKENIZER) -> steps.Fns:
   return steps.compiled(steps.compile_key(cfg), tuple(getattr(tok, "stop_ids", (tok.eos_id,))))
 
 
-def reward_keys(cfg: Config) -> tuple:
-  """The reward metrics shown beside the progress bar (trees: the first turn's accuracy too)."""
-  return ("reward/mean",) + (("reward/turn1",) if cfg.tree.fanouts else ())
+def reward_keys(task) -> tuple:
+  """The reward metrics shown beside the progress bar (the task's own too, e.g. a tree
+  task's first-turn accuracy)."""
+  return ("reward/mean",) + tuple(f"reward/{name}" for name in task.metric_names)
 
 
 # ----------------------------------------------------------------------------- DAPO
@@ -200,7 +188,7 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
       "reward/mean": float(raw.mean()),
       "reward/std": float(raw.std()),
       "reward/shaped_mean": float(rewards_BR.mean()),
-      **({"reward/turn1": float(rows["turn1_B"].mean())} if "turn1_B" in rows else {}),
+      **{f"reward/{name}": float(v_B.mean()) for name, v_B in rows["metrics"].items()},
       **{f"time/{name}_s": seconds for name, seconds in phase_s.items()},
       "time/sample_s": phase_s["data"] + phase_s["generate"],
       "time/old_logp_s": 0.0,
@@ -229,12 +217,12 @@ def _draw(fns, model_weights, state, task, cfg: Config, step: int, tok, phase_s,
   )
   host = sharding.to_host(samples)  # a copy: every process decodes and rewards all samples
   d2 = time.perf_counter()
-  raw_BR, shaping, extra = _rewards(task, examples, host, cfg, tok)
+  raw_BR, shaping = _rewards(task, examples, host, cfg, tok)
   rows = dict(
     host=dict(prompt_BP=prompt_BP, valid_BP=valid_BP, samples=host),
     device=dict(prompt_BP=placed_BP, valid_BP=placed_valid_BP, samples=samples),
     raw_BR=raw_BR,
-    **extra,
+    metrics=task.prompt_metrics(examples, host, tok),  # {name: [B]}
   )
   phase_s["data"] += d1 - d0
   phase_s["generate"] += d2 - d1
@@ -243,27 +231,26 @@ def _draw(fns, model_weights, state, task, cfg: Config, step: int, tok, phase_s,
 
 
 def _rewards(task, examples, samples, cfg: Config, tok):
-  """(raw rewards [B, R or leaves], DAPO's overlong shaping (0.0 when off), extra rows: a
-  tree's first-turn accuracy turn1_B)."""
-  fanouts, a = cfg.tree.fanout_tuple, cfg.algo
-  if fanouts:
-    raw_BR = tree_task.rewards_of(task, examples, samples, fanouts, tok)
-    turn1_B = np.asarray(
-      [
-        np.mean([task.first_turn_right(e, x) for x in row])
-        for e, row in zip(examples, tree_task.texts(samples.tokens[0], tok))
-      ]
-    )
+  """(the task's raw rewards of every leaf [B, R or leaves], DAPO's overlong shaping (0.0
+  when off))."""
+  a, leaves = cfg.algo, int(np.prod(shape(cfg).fanouts))
+  if cfg.tree.fanouts:
     shaping = path_overlong(samples, task.turn_lengths, a.overlong_buffer, a.overlong_penalty)
-    return raw_BR, shaping, {"turn1_B": turn1_B}
-  B, R, W = len(examples), cfg.train.n_branches, cfg.sampler.trunk_len
-  chex.assert_shape(
-    [samples.tokens_BRT, samples.valid_BRT, samples.logp_BRT],
-    (B, R, cfg.sampler.max_new_tokens),
-  )
-  chex.assert_shape([samples.trunk_BW, samples.trunk_logp_BW], (B, W))
-  raw_BR = task.rewards(examples, sampler.completions(samples, tok))
-  return raw_BR, _overlong(samples, cfg), {}
+  else:
+    B, R, W = len(examples), cfg.train.n_branches, cfg.sampler.trunk_len
+    chex.assert_shape(
+      [samples.tokens_BRT, samples.valid_BRT, samples.logp_BRT],
+      (B, R, cfg.sampler.max_new_tokens),
+    )
+    chex.assert_shape([samples.trunk_BW, samples.trunk_logp_BW], (B, W))
+    shaping = _overlong(samples, cfg)
+  raw_BR = task.leaf_rewards(examples, samples, tok)
+  if np.shape(raw_BR) != (len(examples), leaves):
+    raise ValueError(
+      f"task {cfg.task.name!r}: leaf_rewards returned shape {np.shape(raw_BR)}; expected "
+      f"[B, leaves] = {(len(examples), leaves)} ({shape(cfg).setting})"
+    )
+  return raw_BR, shaping
 
 
 def _advantages(rewards_BR, cfg: Config):
@@ -329,9 +316,9 @@ def sft_batch(task, rng: np.random.Generator, cfg: Config, tok=TOKENIZER):
   """A warm-up batch: the task's long prefix shared by its reference answers (one per tail);
   with tree.fanouts, trees of the task's turns (root = haystack, one opening per key `?kK`,
   the question unscored, one second turn `v<eos>` each). Advantage 1 (objective -log p)."""
-  items = [task.supervised(rng) for _ in range(cfg.train.sft_batch_size)]
   if cfg.tree.fanouts:
-    return tree_task.turn_tree(task, items, lambda b, r, value: [value], tok)
+    return task.warmup_tree(rng, cfg.train.sft_batch_size, tok)
+  items = [task.supervised(rng) for _ in range(cfg.train.sft_batch_size)]
   prefix_BP, prefix_valid_BP = tasks.encode_prompts([p for p, _ in items], task.sft_prompt_len, tok)
   T = task.sft_tail_len  # the task's longest warm-up tail, EOS included
   tails = [tasks.encode_right(t, T, tok) for _, t in items]
@@ -392,11 +379,8 @@ class Pairs:
 
 
 def eval_examples(task, cfg: Config) -> list:
-  """train.eval_size held-out prompts (a tree task's: draws from a stream training never uses)."""
-  t = cfg.train
-  if cfg.tree.fanouts:
-    return sample_examples(task, t.seed, 2**31, t.eval_size)
-  return task.eval_examples(t.seed, t.eval_size)
+  """train.eval_size held-out prompts (draws from a stream training never uses)."""
+  return task.eval_examples(cfg.train.seed, cfg.train.eval_size)
 
 
 def greedy_reward(fns, params, task, examples, cfg: Config, tok=TOKENIZER) -> float:
@@ -406,7 +390,7 @@ def greedy_reward(fns, params, task, examples, cfg: Config, tok=TOKENIZER) -> fl
   s = fns.greedy(params, prompt_BP=prompt_BP, prompt_valid_BP=valid_BP, key=jax.random.key(0))
   if cfg.tree.fanouts:
     s = sharding.to_host(s)  # numpy; gathered when the mesh spans several processes
-    return float(tree_task.rewards_of(task, examples, s, (1, 1), tok).mean())
+    return float(task.leaf_rewards(examples, s, tok).mean())
   s = sharding.to_host(s) if cfg.mesh else s
   return float(task.rewards(examples, sampler.completions(s, tok)).mean())
 

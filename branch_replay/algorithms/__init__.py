@@ -28,7 +28,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
-from branch_replay.core import advantages
+from branch_replay.core import advantages, losses
+from branch_replay.data import tasks
 
 # name -> (module, class): `algo.name` selects one; each serves flat and tree rollouts
 # (rollout.py decides which).
@@ -68,10 +69,52 @@ def options_class(name: str) -> type:
 
 
 def check(cfg) -> None:
-  """The selected algorithm's `check(cfg)`, if it has one (Config.__post_init__ calls it)."""
-  fn = getattr(_module(cfg.algo.name), "check", None)
+  """What the selected algorithm needs of the other sections (Config.__post_init__ calls it),
+  by field: what its class declares (`objectives`, `uses_critic`, `auto_tree`: base.Algorithm),
+  what every sampling algorithm's options need (`SampledOptions.check`), then its module's own
+  `check(cfg)`, if it has one."""
+  name, cls = cfg.algo.name, get(cfg.algo.name)
+  trains = _objectives_of(name)
+  if cfg.loss.name not in trains:
+    others = [n for n in ALGORITHMS if n != name and cfg.loss.name in _objectives_of(n)]
+    raise ValueError(
+      f"loss.name={cfg.loss.name!r} with algo.name={name!r}: expected "
+      + (f"algo.name={others[0]!r}" if others else f"loss.name in {sorted(trains)}")
+    )
+  default = type(cfg.critic)()
+  if not cls.uses_critic and cfg.critic != default:
+    changed = [
+      f.name
+      for f in dataclasses.fields(default)
+      if getattr(cfg.critic, f.name) != getattr(default, f.name)
+    ]
+    users = [n for n in ALGORITHMS if get(n).uses_critic]
+    raise ValueError(
+      f"critic.{changed[0]}={getattr(cfg.critic, changed[0])!r} with algo.name={name!r}: the "
+      f"critic is the value model of {users}; expected algo.name in {users} or the critic's "
+      "defaults"
+    )
+  if cfg.replay.auto_tree and not cls.auto_tree:
+    layouts = [n for n in ALGORITHMS if get(n).auto_tree]
+    raise ValueError(
+      f"algo.name={name!r} with replay.auto_tree=true: its batches (per-token advantages, a "
+      "critic's batch, preference pairs, warm-up batches or a file's lines) are not sampled "
+      f"groups laid out as their trie; expected algo.name in {layouts}"
+    )
+  if isinstance(cfg.algo.options, SampledOptions):
+    cfg.algo.options.check(cfg)
+  fn = getattr(_module(name), "check", None)
   if fn is not None:
     fn(cfg)
+
+
+def _objectives_of(name: str) -> tuple:
+  """The loss.name values algorithm `name` trains: its class's `objectives`, else every
+  objective of sampled groups (losses.OBJECTIVES' trainable ones)."""
+  declared = get(name).objectives
+  if declared is not None:
+    return tuple(declared)
+  return tuple(n for n, o in losses.OBJECTIVES.items() if o.trainable)
 
 
 def owners(field: str) -> list[str]:
@@ -115,3 +158,17 @@ class SampledOptions:
     int_at_least(self, ("overlong_buffer",), 0)
     if not self.overlong_penalty >= 0:
       raise ValueError(f"algo.overlong_penalty={self.overlong_penalty!r}: expected >= 0")
+
+  def check(self, cfg) -> None:
+    """What these options need of the other sections (algorithms.check calls it)."""
+    if cfg.train.batch_size % self.minibatches:
+      raise ValueError(
+        f"algo.minibatches={self.minibatches}: expected a divisor of "
+        f"train.batch_size={cfg.train.batch_size} (minibatches split the prompts)"
+      )
+    shape = tasks.rollout_shape(cfg)
+    if getattr(self, "advantage", None) == "rloo" and min(shape.fanouts) < 2:
+      raise ValueError(
+        f"algo.advantage='rloo' with {shape.setting}: leave-one-out needs >= 2 siblings at "
+        "every level; expected every fan-out >= 2"
+      )

@@ -37,6 +37,11 @@ class Algorithm:
 
   phase = "rl"  # the name of its phase in metrics
   progress_keys = ("loss/policy",)  # metrics shown beside the progress bar
+  # What it needs of the other sections, declared (algorithms.check reads them when a config
+  # is made, before any compute):
+  objectives = None  # the loss.name values it trains; None: those of sampled groups
+  uses_critic = False  # trains a value model (the `critic` section: PPO's)
+  auto_tree = False  # its sampled flat groups may be laid out as their trie (replay.auto_tree)
 
   def __init__(self, cfg, task, tok, workdir=None):
     self.cfg, self.task, self.tok = cfg, task, tok

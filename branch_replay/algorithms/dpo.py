@@ -29,8 +29,20 @@ class Options:
 
 
 def check(cfg) -> None:
-  """Pairs: two branches per prompt (chosen, rejected); on trees the last level's siblings."""
+  """Pairs: two branches per prompt (chosen, rejected); on trees the last level's siblings;
+  the policy and its reference scored with full weights (no LoRA)."""
+  if cfg.lora.enabled:
+    raise ValueError(
+      f"lora.rank={cfg.lora.rank} with loss.name={cfg.loss.name!r}: LoRA is not supported "
+      "there (DPO scores the policy and its reference with full weights); expected "
+      "lora.rank=0 or another loss.name"
+    )
   shape = rollout.shape(cfg)
+  if shape.turns and cfg.algo.pairs_file:
+    raise ValueError(
+      f"algo.pairs_file={cfg.algo.pairs_file!r} with {shape.setting}: a pairs file holds flat "
+      "(prompt, chosen, rejected) pairs; DPO on trees pairs the task's last turns; expected ''"
+    )
   if shape.fanouts[-1] == 2:
     return
   if shape.turns:
@@ -49,6 +61,7 @@ class DPO(base.Algorithm):
   trees) against the policy as DPO began; no greedy evaluation."""
 
   phase = "dpo"
+  objectives = ("dpo",)  # its pairs' objective (losses.py), not a sampled group's
   progress_keys = ("dpo/accuracy", "loss/policy")
 
   def __init__(self, cfg, task, tok, workdir=None):

@@ -130,9 +130,11 @@ class GRPO(base.Algorithm):
   epochs x minibatches of the replay step, against the KL reference; the base's warm-up,
   evaluation and self-check."""
 
+  auto_tree = True  # flat groups laid out as their trie (rollout.auto_tree)
+
   def __init__(self, cfg, task, tok, workdir=None):
     super().__init__(cfg, task, tok, workdir)
-    self.progress_keys = rollout.reward_keys(cfg) + ("loss/policy",)
+    self.progress_keys = rollout.reward_keys(task) + ("loss/policy",)
 
   def start(self, state):
     if state.ref_params is not None:  # the reference policy: the policy as RL begins

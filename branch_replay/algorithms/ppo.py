@@ -40,6 +40,15 @@ class Options(algorithms.SampledOptions):
   advantage = "gae"  # not an option: what PPO's advantages are
 
 
+def check(cfg) -> None:
+  if cfg.lora.enabled:
+    raise ValueError(
+      f"lora.rank={cfg.lora.rank} with algo.name={cfg.algo.name!r}: LoRA is not supported there "
+      "(PPO's critic is a full copy of the model, critic.share included); expected lora.rank=0 "
+      "or another algo.name"
+    )
+
+
 def critic_body(state: train_state.TrainState, cfg: Config):
   """The transformer a shared critic's head reads (the policy's); None for a separate one."""
   return state.params if cfg.critic.share else None
@@ -167,9 +176,10 @@ class PPO(grpo.GRPO):
   """GRPO's sampling, warm-up, evaluation and policy step; the critic's init, values, GAE and
   step here."""
 
+  uses_critic = True  # the `critic` section is its value model
+  auto_tree = False  # its advantages are per token (GAE), its critic has its own batch
+
   def __init__(self, cfg, task, tok, workdir=None):
-    if not cfg.uses_critic:
-      raise ValueError(f"algo.name={cfg.algo.name!r}: the PPO algorithm expects algo.name='ppo'")
     super().__init__(cfg, task, tok, workdir)
     self.progress_keys = self.progress_keys + ("loss/value",)
     self.critic_fns = compiled(steps.compile_key(cfg))

@@ -38,6 +38,27 @@ class Options:
     algorithms.check_estimator(self.advantage)
 
 
+def check(cfg) -> None:
+  """A rollouts file's lines (task.name=rollouts, whose lines it alone trains; laid out by the
+  file's own switch, task.auto_tree, as the config's task check says), scored with full
+  weights."""
+  refused = [  # (field, value, expected, why)
+    ("task.name", cfg.task.name, "'rollouts'", cfg.task.name != "rollouts", "the completions file"),
+    (
+      "lora.rank",
+      cfg.lora.rank,
+      "0",
+      cfg.lora.enabled,
+      "LoRA is not supported there: the rollouts trainer scores with full weights",
+    ),
+  ]
+  for field, value, expected, bad, why in refused:
+    if bad:
+      raise ValueError(
+        f"algo.name={cfg.algo.name!r} with {field}={value!r}: expected {field}={expected} ({why})"
+      )
+
+
 class Rollouts(base.Algorithm):
   """Completions sampled elsewhere (vLLM, SGLang, a log; `rollout.from_file`): no sampling,
   no warm-up, no greedy evaluation; `train.rl_steps` caps the steps at `task.epochs` passes

@@ -47,6 +47,8 @@ class Rollout:
 
 @register("rollouts")
 class RolloutsTask(Task):
+  algorithm = "rollouts"  # its lines are trained by algorithms/rollouts.py alone
+
   @dataclasses.dataclass(frozen=True)
   class Options:
     path: str = ""  # the JSON-lines file of rollouts

@@ -127,11 +127,22 @@ class Task:
   eval_examples(seed, n) -> [Example]    held-out prompts for the greedy evaluation
   check(cfg)                             raise ValueError before compute if the run's
                                          config asks what the task cannot give
+  Its rollouts, stated (rollout.py samples and rewards them; the config checks them):
+  turns                                  0: one completion per branch (flat, R =
+                                         train.n_branches); n: a tree of n turns, one
+                                         tree.fanouts level each (data/turns.py: TurnsTask)
+  leaf_rewards(examples, samples, tok) -> [B, leaves]   every leaf's reward (flat: R)
+  prompt_metrics(examples, samples, tok) -> {name: [B]}  more per-prompt means, logged as
+                                         reward/<name> (metric_names: the progress bar's)
+  algorithm                              None, or the one algorithm that trains its data
   """
 
   Options = NoOptions
   reward_name = "exact_match"
   reward_options: dict = {}
+  turns = 0
+  metric_names: tuple = ()
+  algorithm = None
 
   def __init__(self, options, tokenizer=TOKENIZER):
     self.cfg = options
@@ -150,6 +161,15 @@ class Task:
     return rewards.compute(
       rewards.get(self.reward_name), examples, completions_BR, **self.reward_options
     )
+
+  def leaf_rewards(self, examples, samples, tok) -> np.ndarray:
+    """[B, R]: the reward of every sampled completion (trunk + branch, decoded up to EOS)."""
+    from branch_replay.core import sampler
+
+    return np.asarray(self.rewards(examples, sampler.completions(samples, tok)))
+
+  def prompt_metrics(self, examples, samples, tok) -> dict:
+    return {}
 
   def eval_examples(self, seed: int, n: int) -> list:
     rng = np.random.default_rng([seed, 2**31])  # a stream the training steps never use
@@ -259,6 +279,25 @@ class Arithmetic(Task):
 def _positive(name, value):
   if not isinstance(value, int) or value < 1:
     raise ValueError(f"task.{name}={value!r}: expected a positive int")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  """A run's rollouts: the fan-outs below each prompt (flat: (R,)), whether they are the
+  task's turns sampled level by level (`tree.fanouts`), and the setting that chose them."""
+
+  fanouts: tuple
+  turns: bool
+  setting: str  # for messages: "train.n_branches=8", "tree.fanouts='4x2'"
+
+
+def rollout_shape(cfg) -> Shape:
+  """The rollouts of a run's config, as its task states them: a task of several turns
+  (`Task.turns`) is sampled as a tree, one tree.fanouts level per turn (the config checks that
+  they agree); any other, flat groups of train.n_branches."""
+  if task_class(cfg.task.name).turns:
+    return Shape(cfg.tree.fanout_tuple, True, f"tree.fanouts={cfg.tree.fanouts!r}")
+  return Shape((cfg.train.n_branches,), False, f"train.n_branches={cfg.train.n_branches}")
 
 
 def make(cfg: TaskConfig, tokenizer=TOKENIZER) -> Task:

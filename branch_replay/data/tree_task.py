@@ -5,7 +5,7 @@ The prompt hides key records `Kv` (an uppercase key, value digits) in filler and
 value, `v<eos>`, which lies deep in the long prompt. Sampled as a tree: R_1 first turns per
 prompt, R_2 second turns of each; a leaf's reward is 1 when both turns are right, so a wrong
 first turn dooms all its leaves. Registered as task `tree_haystack` (its options are the
-haystack task's).
+haystack task's); a `turns.TurnsTask` of two turns.
 (Variants with a turn separator `K;`, or alias records `ak` making turn 1 a lookup too, were
 not learned by the 2-layer model's warm-up within a few minutes: see the README.)
 """
@@ -17,7 +17,7 @@ from typing import Optional
 
 import numpy as np
 
-from branch_replay.data import rewards, tasks
+from branch_replay.data import tasks, turns
 from branch_replay.core import tree
 from branch_replay.data.tokenizer import TOKENIZER
 
@@ -31,10 +31,12 @@ class TreeExample:
 
 
 @tasks.register("tree_haystack")
-class TreeHaystack(tasks.Task):
+class TreeHaystack(turns.TurnsTask):
   """`?k` -> turn 1 `K` -> turn 2 the value of record `Kv`."""
 
   Options = tasks.Haystack.Options  # prompt_len, n_keys, value_len, sft_prompt_len (validated)
+  turns = 2
+  metric_names = ("turn1",)  # reward/turn1: the first turns' accuracy
 
   def __init__(self, cfg, tokenizer=TOKENIZER):
     super().__init__(cfg, tokenizer)
@@ -42,17 +44,6 @@ class TreeHaystack(tasks.Task):
     self.sft_prompt_len = cfg.sft_prompt_len or cfg.prompt_len
     self.turn_lengths = (1, cfg.value_len + 1)  # `K`, then `v<eos>`
     self._haystack = tasks.Haystack(cfg, tokenizer)
-
-  def check(self, cfg) -> None:
-    if len(cfg.tree.fanout_tuple) != 2:
-      raise ValueError(
-        f"tree.fanouts={cfg.tree.fanouts!r}: task {cfg.task.name!r} has two "
-        "turns; expected two fan-outs, e.g. '4x4'"
-      )
-
-  def stop_tokens(self, tok=TOKENIZER):
-    """Per turn: EOS (turn 1 is one token; an EOS there leaves it empty, hence wrong)."""
-    return ((tok.eos_id,), (tok.eos_id,))
 
   def sample(self, rng: np.random.Generator, prompt_len: int | None = None) -> TreeExample:
     ex = self._haystack.sample(rng, prompt_len or self.cfg.prompt_len)  # ends `?K`
@@ -62,9 +53,25 @@ class TreeHaystack(tasks.Task):
   def first_turn_right(self, example: TreeExample, turn1: str) -> bool:
     return turn1 == example.key
 
-  def reward(self, example: TreeExample, turn1: str, turn2: str) -> float:
-    """1 when turn 1 names the asked key and turn 2 is its value (decoded up to EOS)."""
+  def reward(self, example: TreeExample, turns: tuple) -> float:
+    """1 when turn 1 names the asked key and turn 2 is its value (each decoded up to EOS:
+    turn 1 is one token; an EOS there leaves it empty, hence wrong)."""
+    turn1, turn2 = turns
     return float(self.first_turn_right(example, turn1) and turn2 == example.value)
+
+  def prompt_metrics(self, examples, samples, tok=TOKENIZER) -> dict:
+    """turn1: each prompt's share of right first turns."""
+    rows = turns.texts(samples.tokens[0], tok)
+    return {
+      "turn1": np.asarray(
+        [np.mean([self.first_turn_right(e, x) for x in row]) for e, row in zip(examples, rows)]
+      )
+    }
+
+  def warmup_tree(self, rng: np.random.Generator, n: int, tok=TOKENIZER) -> tree.TreeBatch:
+    """n warm-up trees (`supervised`, `turn_tree`): each key's opening and its value."""
+    items = [self.supervised(rng) for _ in range(n)]
+    return turn_tree(self, items, lambda b, r, value: [value], tok)
 
   def supervised(self, rng: np.random.Generator):
     """Warm-up tree: the haystack is the root; one opening per key, `?kK` (the question
@@ -114,31 +121,3 @@ def turn_tree(task, items, children, tok=TOKENIZER) -> tree.TreeBatch:
     ),
   )
   return tree.TreeBatch(root_BP, root_valid_BP, levels, fanouts=(R, R2))
-
-
-def texts(tokens_BRT, tok):
-  return [[tok.decode(row, strict=False) for row in rows] for rows in np.asarray(tokens_BRT)]
-
-
-def rewards_of(task, examples, samples, fanouts, tok=TOKENIZER) -> np.ndarray:
-  """[B, leaves]: each leaf's reward from its path's two turns, within
-  train.reward_timeout_s (`rewards.limited`: past it, the run stops naming the first leaf
-  that hangs alone)."""
-  turn1, turn2 = texts(samples.tokens[0], tok), texts(samples.tokens[-1], tok)
-  per = len(turn2[0]) // len(turn1[0])
-  leaves = [(b, leaf) for b in range(len(examples)) for leaf in range(len(turn2[0]))]
-  one = lambda b, leaf: task.reward(examples[b], turn1[b][leaf // per], turn2[b][leaf])
-  probes = (  # read only when the call hangs
-    (
-      f"example {b} leaf {leaf} (prompt {examples[b].prompt[-60:]!r}, turns "
-      f"{turn1[b][leaf // per][:30]!r} / {turn2[b][leaf][:30]!r})",
-      lambda b=b, leaf=leaf: one(b, leaf),
-    )
-    for b, leaf in leaves
-  )
-  values = rewards.limited(
-    f"task {type(task).__name__}'s reward on {len(leaves)} leaves",
-    lambda: [one(b, leaf) for b, leaf in leaves],
-    probes,
-  )
-  return np.asarray(values, np.float32).reshape(len(examples), len(turn2[0]))

@@ -149,7 +149,11 @@ def compiled(cfg: Config, stop_tokens=TOKENIZER.eos_id, turn_lengths: tuple = ()
       **steps,
       sample=jax.jit(functools.partial(sample, cfg=cfg.sampler)),
       greedy=jax.jit(
-        functools.partial(sample, cfg=sampler.SamplerConfig(temperature=0.0), fanouts=(1, 1))
+        functools.partial(
+          sample,
+          cfg=sampler.SamplerConfig(temperature=0.0),
+          fanouts=(1,) * len(cfg.tree.fanout_tuple),  # one greedy path
+        )
       ),
     )
   stops = (stop_tokens,) if isinstance(stop_tokens, int) else tuple(stop_tokens)

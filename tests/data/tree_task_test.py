@@ -24,9 +24,9 @@ def test_two_turn_task():
   haystack, query = ex.prompt[:-2], ex.prompt[-2:]
   assert len(ex.prompt) == 40 - 1 and query == "?" + ex.key.lower()
   assert haystack.count(ex.key) == 1 and ex.key + ex.value in haystack  # the record `Kv`
-  assert task.reward(ex, ex.key, ex.value) == 1.0
-  assert task.reward(ex, "", ex.value) == 0.0  # an empty first turn (EOS)
-  assert task.reward(ex, ex.key, ex.value + "1") == 0.0
+  assert task.reward(ex, (ex.key, ex.value)) == 1.0
+  assert task.reward(ex, ("", ex.value)) == 0.0  # an empty first turn (EOS)
+  assert task.reward(ex, (ex.key, ex.value + "1")) == 0.0
   root, turns = task.supervised(np.random.default_rng(1))
   assert len(turns) == 3
   for q, a, v in turns:
@@ -183,7 +183,7 @@ def test_tree_reward_within_the_time_limit():
   import time
   from types import SimpleNamespace
 
-  from branch_replay.data import rewards, tree_task
+  from branch_replay.data import rewards
 
   task_cfg = tasks.TaskConfig(name="tree_haystack", prompt_len=40, n_keys=3, sft_prompt_len=20)
   task = tasks.make(task_cfg)
@@ -196,17 +196,17 @@ def test_tree_reward_within_the_time_limit():
     [[enc(ex.value), enc("0" * len(ex.value)), enc(ex.value), enc(ex.value)] for ex in examples]
   )
   samples = SimpleNamespace(tokens=(t1, t2))
-  plain = tree_task.rewards_of(task, examples, samples, (2, 2))
+  plain = task.leaf_rewards(examples, samples)
   expected = [[1.0, float(ex.value == "0" * len(ex.value)), 0.0, 0.0] for ex in examples]
   np.testing.assert_array_equal(plain, np.asarray(expected, np.float32))
   with rewards.time_limit(5.0):
-    np.testing.assert_array_equal(tree_task.rewards_of(task, examples, samples, (2, 2)), plain)
+    np.testing.assert_array_equal(task.leaf_rewards(examples, samples), plain)
 
   class Hangs(type(task)):
-    def reward(self, example, turn1, turn2):
-      if example is examples[1] and turn1 == "Z":
+    def reward(self, example, turns):
+      if example is examples[1] and turns[0] == "Z":
         time.sleep(2.0)
-      return super().reward(example, turn1, turn2)
+      return super().reward(example, turns)
 
   hangs = Hangs(task_cfg)
   with rewards.time_limit(0.3):
@@ -215,4 +215,4 @@ def test_tree_reward_within_the_time_limit():
       match=r"task Hangs's reward on 8 leaves did not "
       r"return within train.reward_timeout_s=0.3 s; example 1 leaf 2 ",
     ):
-      tree_task.rewards_of(hangs, examples, samples, (2, 2))
+      hangs.leaf_rewards(examples, samples)

@@ -129,10 +129,14 @@ def test_tree_branch_chunk_divides_the_last_fanout():
   assert tiny_tree("algo.advantage=dr_grpo").algo.advantage == "dr_grpo"
 
 
-def test_tree_task_checks_its_turns():
-  cfg = tiny_tree("tree.fanouts=4")
-  with pytest.raises(ValueError, match=r"tree.fanouts='4': task 'tree_haystack' has two turns"):
-    tasks.make(cfg.task).check(cfg)
+def test_the_config_checks_the_tasks_turns():
+  """A task states its rollout shape (tasks.Task.turns); the config holds tree.fanouts to it."""
+  with pytest.raises(
+    ValueError, match=r"tree.fanouts='4': task 'tree_haystack' is sampled as a tree of its 2 turns"
+  ):
+    tiny_tree("tree.fanouts=4")
+  with pytest.raises(ValueError, match=r"tree.fanouts='2x2' with task.name='haystack': the task's"):
+    tiny_tree("task.name=haystack")
 
 
 # ----------------------------------------------------------------------------- (5) prompts
