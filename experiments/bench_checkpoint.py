@@ -23,13 +23,11 @@ import glob
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
 if __name__ == "__main__" and not (glob.glob("/dev/nvidia*") or shutil.which("nvidia-smi")):
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 

@@ -27,7 +27,6 @@ import time
 
 if __name__ == "__main__" and not (os.path.exists("/dev/nvidia0") or shutil.which("nvidia-smi")):
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # quiet on machines without a GPU
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 

@@ -36,11 +36,9 @@ import dataclasses
 import json
 import math
 import os
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from experiments import flops  # noqa: E402
 from models import transformer as tfm  # noqa: E402

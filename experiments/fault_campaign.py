@@ -47,7 +47,6 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 OVERRIDES = [
   "task.prompt_len=20",

@@ -12,10 +12,8 @@ max|blockwise| (rtol 1e-3 by default). Exit status 1 on a mismatch.
 
 from __future__ import annotations
 
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 

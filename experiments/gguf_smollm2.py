@@ -6,11 +6,8 @@ with its chat template. One JSON line (with provenance) per prompt, after a load
 """
 
 import os
-import sys
 import time
 
-if __name__ == "__main__":
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from absl import app, flags

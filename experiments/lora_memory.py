@@ -15,10 +15,8 @@ process CPU seconds per step, median of --reps after a warm-up).
 from __future__ import annotations
 
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from absl import app, flags  # noqa: E402

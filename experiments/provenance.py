@@ -268,5 +268,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  sys.path.insert(0, ROOT)
   main(sys.argv)

@@ -372,5 +372,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  sys.path.insert(0, ROOT)
   sys.exit(main())

@@ -24,11 +24,9 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
 
 import dataclasses  # noqa: E402
 

@@ -25,11 +25,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
 
 from branch_replay.config import TrainConfig  # noqa: E402
 from branch_replay.core.sampler import SamplerConfig  # noqa: E402

@@ -190,3 +190,43 @@ def test_the_trainer_asks_the_algorithm_nothing_optional():
     and node.args[0].id == "algo"
   ]
   assert not probes, f"trainer.py probes the algorithm at lines {probes}"
+
+
+def test_config_names_no_algorithms_rules():
+  """An algorithm's rules live with it (its class's declarations, its check(cfg)): outside
+  the migration of configs saved before the `algo` section (`migrate`), config.py compares no
+  field with an algorithm's name."""
+  src = open(os.path.join(ROOT, "branch_replay", "config.py")).read()
+  tree = ast.parse(src)
+  migrate = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "migrate")
+  names = {"ppo", "dpo", "sft", "rollouts"}  # not "grpo": also an objective's (loss.name) name
+  bad = [
+    f"config.py:{n.lineno}: {ast.unparse(n)}"
+    for n in ast.walk(tree)
+    if isinstance(n, ast.Compare)
+    and not (migrate.lineno <= n.lineno <= migrate.end_lineno)
+    and any(isinstance(c, ast.Constant) and c.value in names for c in [n.left, *n.comparators])
+  ]
+  assert not bad, bad
+
+
+def test_rollout_calls_the_task_not_a_tasks_helpers():
+  """A task states its rollouts and rewards its leaves (tasks.Task, turns.TurnsTask):
+  rollout.py calls the task, never one task's module (`tree_task`)."""
+  graph = _graph()
+  assert "branch_replay.data.tree_task" not in {d for d, _ in graph["branch_replay.rollout"]}
+
+
+def test_no_sys_path_edits():
+  """The checkout is installed (`pip install -e .`, the README's commands and .ci/run) or on
+  pytest's pythonpath (pyproject.toml): no script, test or notebook edits sys.path."""
+  bad = []
+  for dirpath, dirs, files in os.walk(ROOT):
+    dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("results", "__pycache__")]
+    for f in files:
+      if f.endswith((".py", ".ipynb")):
+        path = os.path.join(dirpath, f)
+        for number, line in enumerate(open(path, encoding="utf-8"), 1):
+          if re.search(r"sys\.path\.(insert|append)", line) and path != os.path.abspath(__file__):
+            bad.append(f"{os.path.relpath(path, ROOT)}:{number}")
+  assert not bad, bad
