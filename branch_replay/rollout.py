@@ -344,14 +344,20 @@ class Pairs:
   def __init__(self, cfg: Config, task, tok=TOKENIZER):
     self.cfg, self.task, self.tok = cfg, task, tok
     self.turns = shape(cfg).turns
-    if self.turns:  # preference trees from the task's turns: (records, 2) fan-outs
-      openings = len(task.supervised(np.random.default_rng(0))[1])
-      if cfg.tree.fanout_tuple != (openings, 2):
+    if self.turns:  # the task's preference trees (TurnsTask.preference_trees)
+      try:
+        fanouts = task.preference_trees(np.random.default_rng(0), 1, tok).fanouts
+      except NotImplementedError:
         raise ValueError(
-          f"tree.fanouts={cfg.tree.fanouts!r} with algo.name='dpo': the "
-          f"preference trees of task {cfg.task.name!r} have one opening per "
-          f"record and a (chosen, rejected) pair below each; expected "
-          f"'{openings}x2' (task.n_keys={openings})"
+          f"algo.name='dpo' with {shape(cfg).setting}: task {cfg.task.name!r} makes no "
+          "preference trees (TurnsTask.preference_trees); expected tree.fanouts='' and "
+          "algo.pairs_file, or another task"
+        ) from None
+      if cfg.tree.fanout_tuple != tuple(fanouts):
+        raise ValueError(
+          f"tree.fanouts={cfg.tree.fanouts!r} with algo.name='dpo': the preference trees of "
+          f"task {cfg.task.name!r} have fan-outs {tuple(fanouts)} (their (chosen, rejected) "
+          f"pairs below each opening); expected {'x'.join(map(str, fanouts))!r}"
         )
     self.file_pairs = dpo.load_pairs(cfg.algo.pairs_file) if cfg.algo.pairs_file else None
     if self.file_pairs is not None:
@@ -366,7 +372,7 @@ class Pairs:
     t = self.cfg.train
     rng = np.random.default_rng([t.seed, step])
     if self.turns:
-      return dpo.tree_pairs(self.task, rng, t.batch_size, self.tok)
+      return self.task.preference_trees(rng, t.batch_size, self.tok)
     pairs = (
       [self.file_pairs[i] for i in rng.integers(0, len(self.file_pairs), t.batch_size)]
       if self.file_pairs is not None

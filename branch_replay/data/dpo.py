@@ -14,12 +14,11 @@ rewards/chosen, rewards/rejected (beta * log pi/ref summed over the completion).
 from __future__ import annotations
 
 import dataclasses
-import string
 from typing import Optional
 
 import numpy as np
 
-from branch_replay.data import tasks, tree_task
+from branch_replay.data import tasks
 from branch_replay.core import tree
 from branch_replay.data.tokenizer import TOKENIZER
 
@@ -55,21 +54,7 @@ def task_pair(task, rng: np.random.Generator) -> Pair:
   return Pair(ex.prompt, ex.answer, wrong_value(ex.answer, rng), getattr(ex, "prompt_ids", None))
 
 
-def wrong_value(value: str, rng: np.random.Generator) -> str:
-  """Digits of the same length as `value`, not equal to it (the rejected answer)."""
-  while True:
-    wrong = "".join(rng.choice(list(string.digits), size=len(value)))
-    if wrong != value:
-      return wrong
-
-
-def tree_pairs(task, rng: np.random.Generator, batch_size: int, tok=TOKENIZER):
-  """Preference trees from a turn task (tree_haystack): root = a haystack, level 1 = one
-  opening `?kK` per record, level 2 = (chosen: its value, rejected: a wrong one), fan-outs
-  (records, 2). Chosen and rejected share the haystack and the opening, so the pair's log-ratio
-  margin is that of the last turn alone (the shared tokens cancel)."""
-  items = [task.supervised(rng) for _ in range(batch_size)]
-  return tree_task.turn_tree(task, items, lambda b, r, value: [value, wrong_value(value, rng)], tok)
+wrong_value = tasks.wrong_value  # the rejected answer of a task's pair
 
 
 def make_batch(pairs, prompt_len: int, answer_len: int, tok=TOKENIZER) -> tree.TreeBatch:

@@ -276,6 +276,15 @@ class Arithmetic(Task):
     return ex.prompt, [ex.answer]
 
 
+def wrong_value(value: str, rng: np.random.Generator) -> str:
+  """Digits of the same length as `value`, not equal to it (a preference pair's rejected
+  answer)."""
+  while True:
+    wrong = "".join(rng.choice(list(string.digits), size=len(value)))
+    if wrong != value:
+      return wrong
+
+
 def _positive(name, value):
   if not isinstance(value, int) or value < 1:
     raise ValueError(f"task.{name}={value!r}: expected a positive int")

@@ -73,6 +73,14 @@ class TreeHaystack(turns.TurnsTask):
     items = [self.supervised(rng) for _ in range(n)]
     return turn_tree(self, items, lambda b, r, value: [value], tok)
 
+  def preference_trees(self, rng: np.random.Generator, n: int, tok=TOKENIZER) -> tree.TreeBatch:
+    """Preference trees: root = a haystack, level 1 = one opening `?kK` per record, level 2 =
+    (chosen: its value, rejected: a wrong one), fan-outs (n_keys, 2). Chosen and rejected
+    share the haystack and the opening, so the pair's log-ratio margin is that of the last
+    turn alone (the shared tokens cancel)."""
+    items = [self.supervised(rng) for _ in range(n)]
+    return turn_tree(self, items, lambda b, r, value: [value, tasks.wrong_value(value, rng)], tok)
+
   def supervised(self, rng: np.random.Generator):
     """Warm-up tree: the haystack is the root; one opening per key, `?kK` (the question
     `?k` unscored, the answer `K` scored), each continued by its value `v<eos>`."""

@@ -76,6 +76,11 @@ class TurnsTask(tasks.Task):
     train.sft_steps in `check`."""
     raise NotImplementedError(f"{type(self).__name__}.warmup_tree")
 
+  def preference_trees(self, rng: np.random.Generator, n: int, tok=TOKENIZER):
+    """DPO on trees (algo.name=dpo): `n` trees whose last level pairs (chosen, rejected)
+    siblings; a task without them refuses DPO when the run starts (rollout.Pairs)."""
+    raise NotImplementedError(f"{type(self).__name__}.preference_trees")
+
   def check(self, cfg) -> None:
     if cfg.train.sft_steps and type(self).warmup_tree is TurnsTask.warmup_tree:
       raise ValueError(

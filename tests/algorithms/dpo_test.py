@@ -131,7 +131,7 @@ def test_preference_tree_scores_equal_its_flat_pairs():
   rejected): the leaves' log-probs through the tree equal the tails' through the flat batch."""
   cfg = tiny_tree()
   task = tasks.make(cfg.task)
-  batch = dpo.tree_pairs(task, np.random.default_rng(3), 2)
+  batch = task.preference_trees(np.random.default_rng(3), 2)
   assert batch.fanouts == (2, 2)
   tok = tasks.TOKENIZER
   root = [
@@ -171,8 +171,8 @@ def test_dpo_on_trees_refuses_what_it_cannot_pair(tmp_path):
     tiny_tree(f"algo.pairs_file={pairs}")
   with pytest.raises(
     ValueError,
-    match=r"tree.fanouts='3x2' with algo.name='dpo': .*expected "
-    r"'2x2' \(task.n_keys=2\)",
+    match=r"tree.fanouts='3x2' with algo.name='dpo': the preference trees of task "
+    r"'tree_haystack' have fan-outs \(2, 2\).*expected '2x2'",
   ):
     trainer.run(tiny_tree("tree.fanouts=3x2"), str(tmp_path / "w"))
 

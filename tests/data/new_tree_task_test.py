@@ -12,6 +12,7 @@ import pytest
 from branch_replay.data import tasks
 from branch_replay.data.tokenizer import TOKENIZER
 from branch_replay.train import metrics, trainer
+from branch_replay import rollout
 from branch_replay.config import Config, apply_overrides
 from helpers import QUIET
 from models import transformer as tfm
@@ -93,6 +94,10 @@ def test_the_new_task_states_its_turns(spell):
   warm = spell_run("train.sft_steps=1")
   with pytest.raises(ValueError, match=r"train.sft_steps=1: task 'spell3' has no supervised"):
     tasks.make(warm.task).check(warm)
+  # DPO on its trees needs the task's preference trees, which this one does not make.
+  dpo = spell_run("algo.name=dpo", "loss.name=dpo")
+  with pytest.raises(ValueError, match=r"task 'spell3' makes no preference trees"):
+    rollout.Pairs(dpo, tasks.make(dpo.task))
 
 
 def test_the_new_task_trains_on_three_level_trees(spell, tmp_path, monkeypatch):
