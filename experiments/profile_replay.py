@@ -11,7 +11,8 @@ Stages (each its own jit, median of --reps, wall and CPU seconds), in the order 
 Ops: one jax.profiler trace of --trace_reps fused steps; every XLA CPU thunk's self time
 (its duration less the thunks nested in it on the same thread), summed per HLO instruction,
 with its opcode and the jax op that made it (HLO metadata), and summed per op class
-(`op_classes`: matmul, copy, reduce, elementwise, control; inside a while loop or not).
+(`op_classes`: matmul, copy, reduce, transpose, elementwise, control; inside a while loop
+or not).
 
   python experiments/profile_replay.py --out=experiments/results/profile_cpu_after_2026-12-02.jsonl \
       --md=experiments/results/profile_cpu_after_2026-12-02.md
@@ -159,8 +160,10 @@ def hlo_index(hlo_text):
 def op_classes(hlo_text):
   """HLO instruction name -> (class, in_loop). class: `matmul` (a dot or convolution, or a
   fusion whose computations hold one), `reduce` (or a fusion holding one), `copy` (copy /
-  transpose / slice moves, or a fusion of only those), `elementwise` (other fusions and
-  element-wise ops), `control` (while, conditional, call: their own dispatch time) or `other`;
+  transpose / slice moves, or a fusion of only those), `transpose` (element-wise work fused
+  with a layout change: a fusion holding a transpose, e.g. an activation's gradient written
+  transposed for a weight-gradient matmul), `elementwise` (other fusions and element-wise
+  ops), `control` (while, conditional, call: their own dispatch time) or `other`;
   in_loop: the instruction runs inside an XLA while loop (the blockwise attention's tiles,
   chunked log-probs, a layer scan)."""
   comps, current = {}, None
@@ -229,6 +232,8 @@ def op_classes(hlo_text):
         cls = "reduce"
       elif inner <= moves and opcode not in ("parameter", "constant", "tuple", "get-tuple-element"):
         cls = "copy"
+      elif opcode == "fusion" and "transpose" in inner:
+        cls = "transpose"
       elif opcode == "fusion" or opcode in ELEMENTWISE:
         cls = "elementwise"
       else:

@@ -47,6 +47,7 @@ KINDS = {
     "bench_peer": "side by side with PrefixGrouper (torch)",
     "bench_trl": "side by side with TRL's GRPOTrainer on SmolLM2-135M (the recipe's shape)",
     "profile_replay": "where replay's step goes: stages and top XLA ops",
+    "profile_peer": "where PrefixGrouper's step goes: aten ops by class (bench_peer's inputs)",
     "lora_memory": "LoRA vs full fine-tuning: compiled memory and speed",
     "context_parallel_memory": "per-device compiled memory under context parallelism",
     "plan_8gpu": "the 8-GPU plan from compiled footprints (Llama-3-8B shapes)",

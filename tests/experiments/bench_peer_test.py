@@ -48,3 +48,31 @@ def test_peer_and_ours_agree_on_loss_and_every_gradient():
     "provenance",
   ):
     assert key in row, key
+
+
+def test_profile_peer_names_the_peers_time_by_class():
+  """experiments/profile_peer.py on the tiny shape: PrefixGrouper's step by aten op, every op
+  in one of three classes, the classes summing to the traced time."""
+  out = subprocess.run(
+    [
+      sys.executable,
+      "experiments/profile_peer.py",
+      "--preset=tiny",
+      "--prefix_len=24",
+      "--tail_len=8",
+      "--branches=3",
+      "--reps=1",
+      "--trace_reps=1",
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  rows = [json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")]
+  (summary,) = [r for r in rows if r["kind"] == "summary"]
+  classes = {r["op_class"]: r["ms_per_step"] for r in rows if r["kind"] == "class"}
+  assert {"matmul", "attention"} <= set(classes) <= {"matmul", "attention", "elementwise"}
+  assert abs(sum(classes.values()) - summary["traced_ms_per_step"]) < 0.5
+  assert summary["step_s"] > 0 and rows[-1]["provenance"]["command"].startswith("python")

@@ -22,3 +22,16 @@ def test_op_classes_of_a_known_function():
   assert ("reduce", False) in got  # exp + sum fused outside the loop
   by = profile_replay.by_class({name: 1000 for name in classes}, classes, reps=1)
   assert abs(sum(r["share"] for r in by) - 1.0) < 0.01
+
+
+def test_a_fused_transpose_is_its_own_class():
+  """Element-wise work written in another layout (a fusion holding a transpose) is `transpose`,
+  plain element-wise work is not."""
+
+  def f(x_NM):
+    return jnp.tanh(x_NM).T * 2.0, jnp.tanh(x_NM) + 1.0
+
+  text = jax.jit(f).lower(jnp.ones((64, 32))).compile().as_text()
+  classes = profile_replay.op_classes(text)
+  got = {cls for cls, _ in classes.values()}
+  assert "transpose" in got and "elementwise" in got, classes

@@ -1,0 +1,126 @@
+"""Where PrefixGrouper's step goes, beside experiments/profile_replay.py's view of ours: the same
+model, weights, tokens and loss as experiments/bench_peer.py (its `write_inputs` and
+`peer_step_fn`), one torch.profiler trace of --trace_reps steps after two warm-up steps; every
+aten op's self CPU time per step, and the time by class: `matmul` (mm, bmm, addmm, linear),
+`attention` (scaled_dot_product_attention's forward and backward kernels), `elementwise`
+(every other op). One JSON line per class and per op (with provenance), and the median step.
+
+  pip install -r requirements-peer.txt
+  python experiments/profile_peer.py --prefix_len=1024 --tail_len=512 --branches=8 \
+      --out=experiments/results/profile_peer_cpu_T512_2026-12-04.jsonl
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+
+
+def define_flags():
+  """Defined when the script runs, not on import (tests import it beside other experiments)."""
+  flags.DEFINE_integer("prefix_len", 2048, "P")
+  flags.DEFINE_integer("tail_len", 128, "T")
+  flags.DEFINE_integer("branches", 16, "R")
+  flags.DEFINE_string("preset", "small", "model size preset (as bench_peer's)")
+  flags.DEFINE_integer("threads", 2, "torch's intra-op threads")
+  flags.DEFINE_integer("reps", 4, "timed steps (median) before the trace")
+  flags.DEFINE_integer("trace_reps", 2, "steps under the profiler")
+  flags.DEFINE_integer("top", 25, "ops reported")
+  flags.DEFINE_string("out", "", "write the JSON lines here (else stdout only)")
+
+
+def op_class(name: str) -> str:
+  """An aten op's class: matmul, attention (SDPA's kernels) or elementwise (the rest)."""
+  if "scaled_dot_product" in name or "flash_attention" in name:
+    return "attention"
+  if name in ("aten::mm", "aten::bmm", "aten::addmm", "aten::matmul", "aten::linear"):
+    return "matmul"
+  return "elementwise"
+
+
+def main(argv):
+  del argv
+  import importlib.util
+
+  missing = [
+    m for m in ("torch", "transformers", "prefix_grouper") if importlib.util.find_spec(m) is None
+  ]
+  if missing:
+    raise SystemExit(
+      f"profile_peer: the peer needs {', '.join(missing)} (not installed); run "
+      "pip install -r requirements-peer.txt"
+    )
+  import numpy as np
+  from torch.profiler import ProfilerActivity, profile
+
+  from experiments import bench_peer, provenance
+
+  P, T, R = FLAGS.prefix_len, FLAGS.tail_len, FLAGS.branches
+  with tempfile.TemporaryDirectory() as folder:
+    bench_peer.write_inputs(folder, P, T, R)
+    batch = dict(np.load(os.path.join(folder, "batch.npz")))
+    step, _ = bench_peer.peer_step_fn(folder, batch, FLAGS.threads)
+    step(), step()  # warm-up
+    times = []
+    for _ in range(FLAGS.reps):
+      t0 = time.perf_counter()
+      step()
+      times.append(time.perf_counter() - t0)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+      for _ in range(FLAGS.trace_reps):
+        step()
+  ops = sorted(
+    (
+      (e.key, e.self_cpu_time_total / 1e3 / FLAGS.trace_reps, e.count / FLAGS.trace_reps)
+      for e in prof.key_averages()
+    ),
+    key=lambda x: -x[1],
+  )
+  total = sum(ms for _, ms, _ in ops)
+  shape = dict(prefix_len=P, tail_len=T, branches=R, preset=FLAGS.preset, dtype="float32")
+  classes = {}
+  for name, ms, _ in ops:
+    classes[op_class(name)] = classes.get(op_class(name), 0.0) + ms
+  lines = [
+    dict(
+      kind="summary",
+      step_s=round(float(np.median(times)), 4),
+      traced_ms_per_step=round(total, 1),
+      **shape,
+    )
+  ]
+  lines += [
+    dict(kind="class", op_class=c, ms_per_step=round(ms, 1), share=round(ms / total, 3), **shape)
+    for c, ms in sorted(classes.items(), key=lambda x: -x[1])
+  ]
+  lines += [
+    dict(
+      kind="op",
+      rank=i + 1,
+      op=name,
+      op_class=op_class(name),
+      ms_per_step=round(ms, 2),
+      calls_per_step=calls,
+      **shape,
+    )
+    for i, (name, ms, calls) in enumerate(ops[: FLAGS.top])
+  ]
+  prov = provenance.provenance()
+  text = "\n".join(json.dumps(dict(line, provenance=prov)) for line in lines)
+  print(text, flush=True)
+  if FLAGS.out:
+    with open(FLAGS.out, "w") as f:
+      f.write(text + "\n")
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)
