@@ -165,10 +165,11 @@ TABLES = {
         1,
       ),
       Source(
-        "peer_cpu_quiet_2026-12-03.jsonl",
+        "peer_cpu_quiet_2026-12-04.jsonl",
         (
           "against PrefixGrouper (torch), P={prefix_len}, R={branches}, T={tail_len}, quiet CPU: "
-          "PrefixGrouper's time / ours (below 1: ours slower); peak memory",
+          "PrefixGrouper's time / ours (below 1: ours slower; at P=2048 and at T=512 ours is "
+          "slower: docs/performance.md); peak memory",
           "{ratio:.2f} ({ours_s:.2f} vs {peer_s:.2f} s); {ours_peak_mb:,.0f} vs "
           "{peer_peak_mb:,.0f} MB",
           "`{_file}`",
@@ -1083,6 +1084,8 @@ COMPANIONS = {
   "profile_cpu_after_2026-12-02.md": "profile_replay (rendered)",
   "profile_cpu_before_2026-12-01.md": "profile_replay (rendered)",
   "profile_cpu_T512_2026-12-04.md": "profile_replay (rendered)",
+  "profile_cpu_T512_transpose_2026-12-04.md": "profile_replay with the transpose class (rendered)",
+  "profile_cpu_P2048_transpose_2026-12-04.md": "profile_replay with the transpose class (rendered)",
   "profile_cpu_P2048_2026-12-04.md": "profile_replay (rendered)",
   "q2_cpu_2026-11-30.png": "q2_convergence (plot)",
   "q2_cpu_5seeds_2026-11-30.png": "q2_convergence (plot)",
