@@ -66,6 +66,15 @@ class RMSNorm(nn.Module):
     return rms_norm(x, scale, self.eps, self.offset)
 
 
+def dense(x, w, n_in: int = 1):
+  """x's last n_in axes contracted with w's first n_in, as one 2-D matmul over the flattened
+  leading (token) axes: [tokens, in] @ [in, out], reshaped back to [..., *w.shape[n_in:]]."""
+  lead, k = x.shape[: x.ndim - n_in], math.prod(x.shape[x.ndim - n_in :])
+  if w.shape[:n_in] != x.shape[x.ndim - n_in :]:
+    raise ValueError(f"dense: x {x.shape} and w {w.shape} do not share {n_in} axes")
+  return (x.reshape(-1, k) @ w.reshape(k, -1)).reshape(*lead, *w.shape[n_in:])
+
+
 def rms_norm(x, scale, eps: float, offset: float = 0.0):
   """RMSNorm's computation on its scale parameter (for code outside a flax module)."""
   acc = jnp.float64 if x.dtype == jnp.float64 else jnp.float32

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from models import attention
 from models.attention import context_parallel
 from models import deltanet  # hybrid: Gated DeltaNet layers (layer_types)
-from models.layers import RMSNorm, rope, rope_inv_freq  # noqa: F401
+from models.layers import RMSNorm, dense, rope, rope_inv_freq  # noqa: F401
 
 # The model's config, re-exported (callers write `tfm.ModelConfig`, `tfm.preset`).
 from models.config import (  # noqa: F401
@@ -142,9 +142,10 @@ class Block(nn.Module):
     cfg = self.cfg
     dt = x_BTD.dtype
     h_BTD = self.attn_norm(x_BTD)
-    q_BTNH = jnp.einsum("BTD,DNH->BTNH", h_BTD, self.w_DNH.astype(dt))
-    k_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, self.w_k_DKH.astype(dt))
-    v_BTKH = jnp.einsum("BTD,DKH->BTKH", h_BTD, self.w_v_DKH.astype(dt))
+    proj = _projection(cfg)
+    q_BTNH = proj("BTD,DNH->BTNH", h_BTD, self.w_DNH.astype(dt))
+    k_BTKH = proj("BTD,DKH->BTKH", h_BTD, self.w_k_DKH.astype(dt))
+    v_BTKH = proj("BTD,DKH->BTKH", h_BTD, self.w_v_DKH.astype(dt))
     if cfg.qkv_bias:
       q_BTNH = q_BTNH + self.b_q_NH.astype(dt)
       k_BTKH = k_BTKH + self.b_k_KH.astype(dt)
@@ -188,14 +189,26 @@ class Block(nn.Module):
       block_k=cfg.attention_block_k,
     )
     if cfg.attn_output_gate:  # hybrid (Qwen3.5)
-      a_BTNH = a_BTNH * jax.nn.sigmoid(
-        jnp.einsum("BTD,DNH->BTNH", h_BTD, self.w_gate_DNH.astype(dt))
-      )
-    a_BTD = jnp.einsum("BTNH,NHD->BTD", a_BTNH, self.w_o_NHD.astype(dt))
+      a_BTNH = a_BTNH * jax.nn.sigmoid(proj("BTD,DNH->BTNH", h_BTD, self.w_gate_DNH.astype(dt)))
+    a_BTD = proj("BTNH,NHD->BTD", a_BTNH, self.w_o_NHD.astype(dt))
     x_BTD = x_BTD + (self.post_attn_norm(a_BTD) if cfg.post_norms else a_BTD)
     m_BTD = mlp(cfg, (self.w_gate_DF, self.w_up_DF, self.w_down_FD), self.mlp_norm(x_BTD))
     x_BTD = x_BTD + (self.post_mlp_norm(m_BTD) if cfg.post_norms else m_BTD)
     return nn.with_logical_constraint(x_BTD, ("batch", "seq", None)), own
+
+
+def _projection(cfg: ModelConfig):
+  """proj(spec, x, w): a weight projection written as its einsum; with model.flat_matmuls
+  (the default) one 2-D matmul over the flattened tokens (layers.dense: the spec's inputs are
+  x's trailing axes that w leads with)."""
+  if not cfg.flat_matmuls:
+    return jnp.einsum
+
+  def proj(spec, x, w):
+    x_axes, w_axes = spec.split("->")[0].split(",")
+    return dense(x, w, n_in=len(set(x_axes) & set(w_axes)))
+
+  return proj
 
 
 def mlp(cfg: ModelConfig, weights, h_BTD):
@@ -208,11 +221,12 @@ def mlp(cfg: ModelConfig, weights, h_BTD):
   weight rounded once, as the unchunked matmul's do)."""
   dt = h_BTD.dtype
   act = ACTIVATIONS[cfg.activation]
+  proj = _projection(cfg)
 
   def block(w_gate_DF, w_up_DF, w_down_FD, h_BCD):
-    gate_BCF = jnp.einsum("BTD,DF->BTF", h_BCD, w_gate_DF.astype(dt))
-    up_BCF = jnp.einsum("BTD,DF->BTF", h_BCD, w_up_DF.astype(dt))
-    return jnp.einsum("BTF,FD->BTD", act(gate_BCF) * up_BCF, w_down_FD.astype(dt))
+    gate_BCF = proj("BTD,DF->BTF", h_BCD, w_gate_DF.astype(dt))
+    up_BCF = proj("BTD,DF->BTF", h_BCD, w_up_DF.astype(dt))
+    return proj("BTF,FD->BTD", act(gate_BCF) * up_BCF, w_down_FD.astype(dt))
 
   B, T, D = h_BTD.shape
   C = cfg.mlp_chunk
