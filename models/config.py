@@ -98,7 +98,8 @@ class ModelConfig:
   # products; autodiff's weight gradient is then one [in, tokens] @ [tokens, out] matmul, which
   # XLA's CPU backend runs without writing each output gradient transposed (the einsum's two
   # token axes made it do so: 290 ms of a 1.89 s small-preset step at P=1024 T=512 R=8; this
-  # option: -9% step time, docs/performance.md). False: the einsums (float32 sums in another
+  # option: -9% step time, docs/performance.md). On one device; under a mesh the einsums
+  # (they keep the token axes' shardings). False: the einsums (float32 sums in another
   # order: gradients within ~1e-6 relative of these).
   flat_matmuls: bool = True
   # lax.scan over (periods of) identical layers: true | false | None (auto: scanned when

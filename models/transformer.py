@@ -200,8 +200,10 @@ class Block(nn.Module):
 def _projection(cfg: ModelConfig):
   """proj(spec, x, w): a weight projection written as its einsum; with model.flat_matmuls
   (the default) one 2-D matmul over the flattened tokens (layers.dense: the spec's inputs are
-  x's trailing axes that w leads with)."""
-  if not cfg.flat_matmuls:
+  x's trailing axes that w leads with), on one device: under a mesh's logical rules the
+  einsum keeps [B, T] apart (merging a replicated B with a sequence-sharded T is no tiling the
+  partitioner can keep: it would all-gather the activations)."""
+  if not cfg.flat_matmuls or nn.get_logical_axis_rules():
     return jnp.einsum
 
   def proj(spec, x, w):
