@@ -97,7 +97,7 @@ TABLES = {
     ("claim", "measured", "results file"),
     (
       Source(
-        "default_run_2026-12-04.jsonl",
+        "default_run_flat_2026-12-04.jsonl",
         (
           "the default run (`python run.py`) learns the task: sampled reward, greedy reward",
           "{reward_before:.3f} -> {reward_after:.3f}; {eval_before:.3f} -> {eval_after:.3f}",
@@ -107,7 +107,7 @@ TABLES = {
         1,
       ),
       Source(
-        "default_run_2026-12-04.jsonl",
+        "default_run_flat_2026-12-04.jsonl",
         (
           "token positions the default run computes vs its naive twin",
           "{computed_tokens:,} vs {naive_equiv_tokens:,}",
@@ -350,7 +350,7 @@ TABLES = {
     ("", "before RL", "after RL"),
     (
       Source(
-        "default_run_2026-12-04.jsonl",
+        "default_run_flat_2026-12-04.jsonl",
         (
           "sampled `reward/mean` (mean of first / last 10 RL steps)",
           "{reward_before:.3f}",
@@ -360,7 +360,7 @@ TABLES = {
         1,
       ),
       Source(
-        "default_run_2026-12-04.jsonl",
+        "default_run_flat_2026-12-04.jsonl",
         (
           "greedy reward on 128 held-out 256-token prompts",
           "{eval_before:.3f}",
@@ -1059,6 +1059,8 @@ SUPERSEDED = {
   "default_run_2026-12-02.png": "default_run_2026-12-03.png",
   "default_run_2026-12-03.jsonl": "default_run_2026-12-04.jsonl",
   "default_run_2026-12-03.png": "default_run_2026-12-04.png",
+  "default_run_2026-12-04.jsonl": "default_run_flat_2026-12-04.jsonl",
+  "default_run_2026-12-04.png": "default_run_flat_2026-12-04.png",
   "tree_cpu_2026-11-30.jsonl": "tree_cpu_2026-12-01.jsonl",
   "tree_cpu_2026-12-01.jsonl": "tree_cpu_2026-12-02.jsonl",
   "tree_cpu_2026-12-02.jsonl": "tree_cpu_2026-12-03.jsonl",
@@ -1077,6 +1079,7 @@ COMPANIONS = {
   "default_run_2026-12-02.png": "default run (plot)",
   "default_run_2026-12-03.png": "default run (plot)",
   "default_run_2026-12-04.png": "default run (plot)",
+  "default_run_flat_2026-12-04.png": "default run (plot)",
   "math_smollm2_2026-12-04.png": "the 36-step recipe run (plot)",
   "gpu_h200_2026-11-30_env.txt": "H200 device check (environment)",
   "lora_memory_2026-12-01.md": "lora_memory (rendered)",
@@ -1141,7 +1144,7 @@ FIGURES = {
   ),
   "default_run_curve": (
     "the default run's reward and step time",
-    "default_run_2026-12-04.png",
-    "default_run_2026-12-04.jsonl",
+    "default_run_flat_2026-12-04.png",
+    "default_run_flat_2026-12-04.jsonl",
   ),
 }
