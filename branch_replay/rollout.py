@@ -314,8 +314,8 @@ def auto_tree(batch, cfg: Config, pad_id: int = 0):
 
 def sft_batch(task, rng: np.random.Generator, cfg: Config, tok=TOKENIZER):
   """A warm-up batch: the task's long prefix shared by its reference answers (one per tail);
-  with tree.fanouts, trees of the task's turns (root = haystack, one opening per key `?kK`,
-  the question unscored, one second turn `v<eos>` each). Advantage 1 (objective -log p)."""
+  with tree.fanouts, the task's warm-up trees (`TurnsTask.warmup_tree`; tree_haystack's: the
+  haystack, one opening per key, its value below). Advantage 1 (objective -log p)."""
   if cfg.tree.fanouts:
     return task.warmup_tree(rng, cfg.train.sft_batch_size, tok)
   items = [task.supervised(rng) for _ in range(cfg.train.sft_batch_size)]
