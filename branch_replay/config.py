@@ -461,6 +461,7 @@ RESUMABLE = (
   "train.preemption_grace_s",
   "train.reward_timeout_s",
   "replay.mode",
+  "model.flat_matmuls",  # the same products, summed in another order (as replay.mode's twin)
   "replay.branch_chunk",
   "replay.auto_tree",
   "mesh",

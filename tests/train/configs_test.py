@@ -17,7 +17,8 @@ FROZEN = os.path.join(
 # Fields added since the dump, at their defaults (none of them changes what a run computes:
 # all are in config.RESUMABLE): section -> {field: default}.
 ADDED = {
-  "train": {"async_checkpoints": True, "preemption_grace_s": 120.0, "reward_timeout_s": 600.0}
+  "train": {"async_checkpoints": True, "preemption_grace_s": 120.0, "reward_timeout_s": 600.0},
+  "model": {"flat_matmuls": True},
 }
 
 
@@ -59,6 +60,19 @@ def test_each_config_equals_its_dump_at_d1fa8e0(name):
   # and as a Config: the dump read back (temp directory restored) is == the config
   text = json.dumps(frozen).replace("<tmp>", tempfile.gettempdir())
   assert config.from_dict(json.loads(text)) == cfg
+
+
+def test_a_run_saved_before_flat_matmuls_resumes():
+  """A checkpoint's config.json from before model.flat_matmuls (the field absent) is the same
+  experiment: the resume check lets it through, and names a real change beside it."""
+  cfg = registry.get_config("grpo_haystack")
+  saved = json.loads(json.dumps(config.to_dict(cfg)))
+  del saved["model"]["flat_matmuls"]
+  assert config.incompatible(saved, cfg) == []
+  saved["model"]["d_model"] += 1
+  assert config.incompatible(saved, cfg) == [
+    f"model.d_model: saved {cfg.model.d_model + 1}, now {cfg.model.d_model}"
+  ]
 
 
 def test_base_is_what_the_haystack_configs_share():
