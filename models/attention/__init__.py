@@ -101,6 +101,16 @@ def attend_dense(
 
 
 MIN_TILE = 1 << 14  # scores per tile below which key blocks grow (see _prepare)
+# A short causal segment's key blocks shrink from block_k to the smallest multiple of the
+# query block whose tiles still hold CAUSAL_TILE scores (Bk * N * bq * bk): tiles above the
+# diagonal are then skipped and only the diagonal ones masked. It applies where a key block
+# longer than the query block wastes much (masked scores are about (bk - bq) / S of those
+# computed: above 1/8, i.e. S < 8 (bk - bq)). Tails of 8 x 512 at bq=128, bk=512, 4 query heads:
+# key blocks of 128, 10 of 16 tile areas computed (the CPU step -3%, docs/performance.md). A
+# lone 1,024-token prefix (Bk=1) keeps block_k: its tiles would be too small to pay the
+# loop's per-tile cost. A 128K prefix keeps it too: its masked share is small, and shrinking
+# would multiply the loop's iterations.
+CAUSAL_TILE = 1 << 18
 
 
 class _Static(NamedTuple):
@@ -111,6 +121,7 @@ class _Static(NamedTuple):
   block_q: int
   block_k: int
   min_tile: int = 0
+  causal_tile: int = 0  # 0: causal segments keep block_k
   # Backward loop order: key blocks outside, so dK/dV are finished one key block at a time
   # and stored in the keys' dtype (not a whole-length accumulator in float32); the
   # context-parallel paths set it, where the keys are the whole gathered sequence.
@@ -189,6 +200,10 @@ def _prepare(st: _Static, qs_BTNH, q_pos_BT, q_valid_BT, k, v, kpos, kvalid, cau
   # Few query rows (decoding): longer key blocks, so a tile still holds ~MIN_TILE scores
   # instead of looping over many tiny tiles.
   nk, bk = _blocks(S, max(st.block_k, st.min_tile // (Bk * N * bq)))
+  if causal and st.causal_tile and 8 * (bk - bq) > S:
+    bk_causal = _cdiv(max(st.causal_tile // (Bk * N * bq), 1), bq) * bq
+    if bk_causal < bk:
+      nk, bk = _blocks(S, bk_causal)
   Tp, Sp = nq * bq, nk * bk
   q_BKQH = _fold(qs_BTNH, g, K, Tp)
   qpos_BQ = _pad_axis(q_pos_BT.reshape(Bk, g * T), 1, Tp)
@@ -558,6 +573,7 @@ def attend(
     block_q=block_q,
     block_k=block_k,
     min_tile=MIN_TILE,
+    causal_tile=CAUSAL_TILE,
     key_major_bwd=bool(key_major_bwd),
   )
   segs = tuple((s.k_BSKH, s.v_BSKH, s.pos_BS, s.valid_BS) for s in segments)

@@ -237,6 +237,63 @@ def test_schedule_skips_masked_tiles():
   np.testing.assert_array_equal(sg.hi_I, [0, 0, 3, 4, 5, 6, 7, 8])
 
 
+CAUSAL_SHRINK_CASES = {  # causal key blocks shrunk to the query block (attention.CAUSAL_TILE)
+  "prefix_pad": ("prefix", dict(P=37, pad_left=(5, 0)), dict(block_q=8, block_k=32)),
+  "prefix_window_softcap": (
+    "prefix",
+    dict(P=45, K=1),
+    dict(block_q=8, block_k=32, window=13, softcap=2.0),
+  ),
+  "prefix_odd": ("prefix", dict(P=29, pad_left=(3, 11)), dict(block_q=7, block_k=16)),
+  "tail_right_pad": (
+    "tail",
+    dict(T=20, tail_len=[20, 3, 1, 0, 17, 9]),
+    dict(block_q=4, block_k=16),
+  ),
+  "tail_three_segments": ("tail", dict(T=13, generated=7), dict(block_q=4, block_k=16)),
+}
+
+
+@pytest.mark.parametrize("name", list(CAUSAL_SHRINK_CASES))
+def test_causal_key_blocks_shrunk_match_dense_float64(name, monkeypatch):
+  """A short causal segment's key blocks shrink to the query block's multiple (every tile
+  qualifies at CAUSAL_TILE=1): the same result as dense, and the schedule is the triangle."""
+  monkeypatch.setattr(attention, "CAUSAL_TILE", 1)
+  which, case_kw, kw = CAUSAL_SHRINK_CASES[name]
+  make = _prefix_case if which == "prefix" else _tail_case
+  with jax.enable_x64(True):
+    case = make(np.random.default_rng(8), jnp.float64, **case_kw)
+    _assert_match(case, 1e-10, **kw)
+    q, q_pos, q_valid, segs = case
+    st = attention._Static(
+      (True,), 1.0, None, None, kw["block_q"], kw["block_k"], causal_tile=1
+    )
+    sg = attention._prepare(st, q, q_pos, q_valid, *segs[-1][:4], True)
+    assert sg.bk == sg.bq < kw["block_k"]
+
+
+def test_causal_key_blocks_shrink_only_where_it_pays():
+  """The rule's two limits: tiles keep CAUSAL_TILE scores (a lone prefix row of 1,024 keys
+  keeps block_k) and the segment is short (S < 8 (block_k - block_q): a long one keeps it);
+  8 tail rows of 512 shrink to 128, computing 10 of 16 tile areas instead of 4 whole blocks."""
+  N, K, H, bq, bk = 4, 2, 8, 128, 512
+
+  def key_block(rows, S):
+    q = jnp.zeros((rows, S, N, H))
+    pos = jnp.broadcast_to(jnp.arange(S), (rows, S))
+    valid = jnp.ones((rows, S), bool)
+    kv = jnp.zeros((rows, S, K, H))
+    st = attention._Static((True,), 1.0, None, None, bq, bk, causal_tile=attention.CAUSAL_TILE)
+    sg = attention._prepare(st, q, pos, valid, kv, kv, pos, valid, True)
+    return sg.bk, int(np.sum(np.asarray(sg.hi_I) - np.asarray(sg.lo_I)))
+
+  assert key_block(8, 512) == (128, 10)
+  assert key_block(1, 1024) == (512, 12)  # Bk * N * bq * 128 = 2^16 scores: too small a tile
+  assert key_block(8, 1536) == (128, 12 * 13 // 2)  # the naive twin's rows of P + T
+  # S = 8 (bk - bq): query block i of 24 needs key blocks 0..i // 4
+  assert key_block(8, 3072) == (512, sum(i // 4 + 1 for i in range(24)))
+
+
 def _tail_temp_bytes(g, vmapped=False):
   """Compiled temporary memory of d(tail loss)/d(q, prefix k, v) at g branches x T = 96/g.
   vmapped: the trap, the kernel vmapped over branches with the prefix K/V unbatched."""
