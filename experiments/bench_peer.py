@@ -20,8 +20,11 @@ for at most --wait_timeout_s; past it the run stops, naming the load, unless
 --wait_timeout_action=run, which measures anyway and records quiet=false). During every timed
 step it records the load: the load average and the cores other processes used (the
 machine's busy CPU seconds over the step minus the stepping worker's own, per wall second;
-psutil), per side. One JSON line:
-both times (median, min; wall and CPU), both peak RSS growths, the ratio (peer / ours: > 1
+psutil), per side. Both workers get the same malloc: with --hugepages (the default, as run.py
+runs) glibc's `glibc.malloc.hugetlb=1` tunable (branch_replay/train/hugepages.py), recorded as
+`glibc_tunables`; each step's minor page faults are recorded per side. One JSON line:
+both times (median, min; wall and CPU; `*_warm_s`: the median of each side's steps that follow
+its own step, the second of an ABBA pair), both peak RSS growths, the ratio (peer / ours: > 1
 means ours is faster), useful-FLOP rates and the gradient agreement (every leaf, float32).
 
   pip install -r requirements-peer.txt
@@ -35,6 +38,8 @@ from __future__ import annotations
 
 import json
 import os
+import platform
+import resource
 import subprocess
 import sys
 import tempfile
@@ -68,6 +73,12 @@ def define_flags():
     "stop",
     ["stop", "run"],
     "past --wait_timeout_s: stop (exit naming the load) or run anyway (recorded as quiet=false)",
+  )
+  flags.DEFINE_bool(
+    "hugepages",
+    True,
+    "both workers with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (as run.py runs; "
+    "branch_replay/train/hugepages.py): the same malloc for both frameworks",
   )
   flags.DEFINE_string("worker", "", "internal: 'ours' or 'peer', driven over stdin")
   flags.DEFINE_string("data", "", "internal: the folder holding the checkpoint and the batch")
@@ -204,10 +215,14 @@ def run_worker(kind, folder):
     for line in sys.stdin:
       cmd = line.split()
       if cmd[0] == "step":
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0, c0 = time.perf_counter(), time.process_time()
         loss = step()
         reply = dict(
-          seconds=time.perf_counter() - t0, cpu_seconds=time.process_time() - c0, loss=loss
+          seconds=time.perf_counter() - t0,
+          cpu_seconds=time.process_time() - c0,
+          loss=loss,
+          page_faults=resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0,
         )
       elif cmd[0] == "grads":
         np.savez(cmd[1], **grads())
@@ -222,6 +237,20 @@ def run_worker(kind, folder):
 # ----------------------------------------------------------------------------- driver
 
 
+def worker_environ(env, hugepages: bool):
+  """Both workers' environment: with `hugepages`, glibc's huge-page tunable added (where it
+  applies: Linux/glibc, THP not `never`); without, removed, as a plain process has it."""
+  from branch_replay.train import hugepages as hp
+
+  env = dict(env)
+  tunables = [t for t in env.pop("GLIBC_TUNABLES", "").split(":") if t and t != hp.TUNABLE]
+  if tunables:
+    env["GLIBC_TUNABLES"] = ":".join(tunables)
+  if hugepages and hp.wanted(env, platform.system(), platform.libc_ver()[0], hp.thp_mode()):
+    env = hp.environ_with_tunable(env)
+  return env
+
+
 class Worker:
   def __init__(self, kind, folder):
     argv = [
@@ -232,6 +261,7 @@ class Worker:
       f"--threads={FLAGS.threads}",
     ]
     env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS=str(FLAGS.threads))
+    env = worker_environ(env, FLAGS.hugepages)
     self.kind = kind
     self.proc = subprocess.Popen(
       argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
@@ -335,6 +365,7 @@ def main(argv):
       cpu = {k: [] for k in workers}
       load = {k: [] for k in workers}
       others = {k: [] for k in workers}
+      faults = {k: [] for k in workers}
       order = ["ours", "peer", "peer", "ours"]
       for i in range(FLAGS.reps * 2):  # ABBA ABBA ...
         kind = order[i % 4]
@@ -343,6 +374,7 @@ def main(argv):
         wall, busy1 = time.perf_counter() - t0, measure.busy_cpu_seconds()
         times[kind].append(reply["seconds"])
         cpu[kind].append(reply["cpu_seconds"])
+        faults[kind].append(reply["page_faults"])
         load[kind].append(round(os.getloadavg()[0], 2))
         others[kind].append(round(measure.other_cores(busy0, busy1, reply["cpu_seconds"], wall), 3))
       peaks = {k: w.ask("peak")["peak_mb"] for k, w in workers.items()}
@@ -356,6 +388,8 @@ def main(argv):
     err, worst, close = grad_agreement(paths["ours"], paths["peer"])
   useful = flops.step_flops(cfg, flops.flat(1, R, P, T, "replay"))
   med = {k: float(np.median(v)) for k, v in times.items()}
+  warm = {k: times[k][2::2] if k == "ours" else times[k][1::2] for k in times}
+  warm = {k: round(float(np.median(v)), 4) if v else None for k, v in warm.items()}
   row = dict(
     prefix_len=P,
     tail_len=T,
@@ -363,6 +397,7 @@ def main(argv):
     preset=FLAGS.preset,
     dtype="float32",
     threads=FLAGS.threads,
+    glibc_tunables=worker_environ(os.environ, FLAGS.hugepages).get("GLIBC_TUNABLES", ""),
     reps=FLAGS.reps,
     order="ABBA",
     peer=PEER_NAME,
@@ -374,6 +409,13 @@ def main(argv):
     peer_cpu_s=round(float(np.median(cpu["peer"])), 4),
     ratio=round(med["peer"] / med["ours"], 3),
     cpu_ratio=round(float(np.median(cpu["peer"]) / np.median(cpu["ours"])), 3),
+    ours_page_faults=int(np.median(faults["ours"])),
+    peer_page_faults=int(np.median(faults["peer"])),
+    # each side's steps that follow its own step (the second of an ABBA pair): no switch from
+    # the other framework just before (cold caches, its memory touched last)
+    ours_warm_s=warm["ours"],
+    peer_warm_s=warm["peer"],
+    warm_ratio=round(warm["peer"] / warm["ours"], 3) if warm["ours"] and warm["peer"] else None,
     ours_times=[round(t, 4) for t in times["ours"]],
     peer_times=[round(t, 4) for t in times["peer"]],
     wait=wait,

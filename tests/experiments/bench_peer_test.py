@@ -39,7 +39,10 @@ def test_peer_and_ours_agree_on_loss_and_every_gradient():
   assert abs(row["loss_ours"] - row["loss_peer"]) <= 1e-5 * abs(row["loss_peer"]) + 1e-7
   assert len(row["ours_times"]) == len(row["peer_times"]) == 2
   assert row["ours_s"] > 0 and row["peer_s"] > 0 and row["ratio"] > 0
+  assert row["ours_page_faults"] >= 0 and row["peer_page_faults"] >= 0
+  assert row["ours_warm_s"] is None and row["warm_ratio"] is None  # 2 reps: no second of a pair
   for key in (
+    "glibc_tunables",
     "ours_peak_mb",
     "peer_peak_mb",
     "ours_gflops",
@@ -48,6 +51,23 @@ def test_peer_and_ours_agree_on_loss_and_every_gradient():
     "provenance",
   ):
     assert key in row, key
+
+
+def test_both_workers_get_the_same_malloc_tunables():
+  """--hugepages adds glibc's huge-page tunable to the one environment both workers get (where
+  it applies), keeping other tunables; --nohugepages removes it, as a plain process has it."""
+  from branch_replay.train import hugepages as hp
+  from experiments import bench_peer
+
+  base = {"GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{hp.TUNABLE}", "PATH": "/bin"}
+  off = bench_peer.worker_environ(base, False)
+  assert off == {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "PATH": "/bin"}
+  assert bench_peer.worker_environ({"PATH": "/bin"}, False) == {"PATH": "/bin"}
+  on = bench_peer.worker_environ(base, True)
+  system, libc = bench_peer.platform.system(), bench_peer.platform.libc_ver()[0]
+  applies = hp.wanted({}, system, libc, hp.thp_mode())
+  want = f"glibc.malloc.arena_max=2:{hp.TUNABLE}" if applies else "glibc.malloc.arena_max=2"
+  assert on == {"GLIBC_TUNABLES": want, "PATH": "/bin"}
 
 
 def test_profile_peer_names_the_peers_time_by_class():
