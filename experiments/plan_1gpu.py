@@ -11,7 +11,7 @@ lora.attach to the frozen base) + AdamW.
 
   # compile only, by XLA:GPU for an H200 without a GPU (experiments/gpu_target.py), one
   # subprocess per row:
-  python experiments/plan_1gpu.py --out=experiments/results/plan_1gpu_gpu_aot_flat_2026-12-04.jsonl
+  python experiments/plan_1gpu.py --out=experiments/results/plan_1gpu_gpu_aot_causal_2026-12-05.jsonl
   python experiments/plan_1gpu.py --backend=cpu   # the CPU backend's footprint (a proxy)
   python experiments/plan_1gpu.py --model=llama3_8b --layers=2 --layers=4 --prefix_len=131072
   # on one GPU (experiments/gpu_check.sh): random weights, compile, 1 warm-up + 2 timed steps

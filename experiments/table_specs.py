@@ -178,7 +178,7 @@ TABLES = {
         1,
       ),
       Source(
-        "plan_1gpu_gpu_aot_flat_2026-12-04.jsonl",
+        "plan_1gpu_gpu_aot_causal_2026-12-05.jsonl",
         (
           "the seed's 16 x 131,072 positions on ONE GPU: Llama-3-8B, LoRA r16, bf16 base, one "
           "RL update compiled by XLA's GPU compiler for an H200 (no GPU run yet)",
@@ -1012,7 +1012,7 @@ TABLES = {
     ),
     (
       Source(
-        "plan_1gpu_gpu_aot_flat_2026-12-04.jsonl",
+        "plan_1gpu_gpu_aot_causal_2026-12-05.jsonl",
         (
           "{model}",
           "{P:,}",
@@ -1061,6 +1061,7 @@ SUPERSEDED = {
   "default_run_2026-12-03.png": "default_run_2026-12-04.png",
   "default_run_2026-12-04.jsonl": "default_run_flat_2026-12-04.jsonl",
   "plan_1gpu_gpu_aot_2026-12-04.jsonl": "plan_1gpu_gpu_aot_flat_2026-12-04.jsonl",
+  "plan_1gpu_gpu_aot_flat_2026-12-04.jsonl": "plan_1gpu_gpu_aot_causal_2026-12-05.jsonl",
   "default_run_2026-12-04.png": "default_run_flat_2026-12-04.png",
   "tree_cpu_2026-11-30.jsonl": "tree_cpu_2026-12-01.jsonl",
   "tree_cpu_2026-12-01.jsonl": "tree_cpu_2026-12-02.jsonl",
