@@ -165,11 +165,11 @@ TABLES = {
         1,
       ),
       Source(
-        "peer_cpu_quiet_flat_2026-12-04.jsonl",
+        "peer_cpu_quiet_hugepages_2026-12-05.jsonl",
         (
           "against PrefixGrouper (torch), P={prefix_len}, R={branches}, T={tail_len}, quiet CPU: "
-          "PrefixGrouper's time / ours (below 1: ours slower; faster at P=2048 too, slower at "
-          "T=512: docs/performance.md); peak memory",
+          "PrefixGrouper's time / ours (below 1: ours slower; in the same run 0.98 at P=2048 and "
+          "0.86 at T=512, parity with memory kept resident: docs/performance.md); peak memory",
           "{ratio:.2f} ({ours_s:.2f} vs {peer_s:.2f} s); {ours_peak_mb:,.0f} vs "
           "{peer_peak_mb:,.0f} MB",
           "`{_file}`",
