@@ -265,9 +265,7 @@ def test_causal_key_blocks_shrunk_match_dense_float64(name, monkeypatch):
     case = make(np.random.default_rng(8), jnp.float64, **case_kw)
     _assert_match(case, 1e-10, **kw)
     q, q_pos, q_valid, segs = case
-    st = attention._Static(
-      (True,), 1.0, None, None, kw["block_q"], kw["block_k"], causal_tile=1
-    )
+    st = attention._Static((True,), 1.0, None, None, kw["block_q"], kw["block_k"], causal_tile=1)
     sg = attention._prepare(st, q, q_pos, q_valid, *segs[-1][:4], True)
     assert sg.bk == sg.bq < kw["block_k"]
 

@@ -51,9 +51,7 @@ print("run", os.environ.get("GLIBC_TUNABLES", ""), sys.argv[1:], flush=True)
 
 
 @pytest.mark.skipif(
-  platform.system() != "Linux"
-  or platform.libc_ver()[0] != "glibc"
-  or hp.thp_mode() == "never",
+  platform.system() != "Linux" or platform.libc_ver()[0] != "glibc" or hp.thp_mode() == "never",
   reason="the tunable applies on Linux/glibc with THP available",
 )
 def test_process_restarts_once_with_the_tunable_and_its_arguments():
