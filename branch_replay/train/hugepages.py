@@ -5,8 +5,8 @@ XLA:CPU takes a step's temporaries from malloc. glibc serves requests above its 
 faults its large buffers back in, 4 KiB at a time: about 160,000 minor faults per step for the
 small preset at P=1024, T=512, R=8 (~650 MB). With glibc's tunable `glibc.malloc.hugetlb=1`
 (glibc >= 2.35) malloc advises the kernel to back its memory with transparent huge pages
-(`madvise`, the THP mode most distributions ship): ~650 faults per step, and the step 1.50 ->
-1.36 s on this project's 2-core CPU (docs/performance.md, "Page faults").
+(`madvise`, the THP mode most distributions ship): 650-4,000 faults per step, and the step
+1.50 -> 1.36 s on this project's 2-core CPU (docs/performance.md, "Page faults").
 
 GLIBC_TUNABLES is read once, when a process starts, so `run.py` restarts itself (execve, same
 pid, same arguments) with the tunable added. It does nothing where it cannot help or was
@@ -63,8 +63,7 @@ def reexec_with_hugepages() -> None:
   system, libc = platform.system(), platform.libc_ver()[0]
   if not wanted(os.environ, system, libc, thp_mode()):
     return
-  env = environ_with_tunable(os.environ)
-  env[OPT_OUT] = "0"  # the restarted process does not restart again
+  env = environ_with_tunable(os.environ)  # present now: the restarted process does not restart
   sys.stdout.flush()
   sys.stderr.flush()
   os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
