@@ -215,14 +215,17 @@ def run_worker(kind, folder):
     for line in sys.stdin:
       cmd = line.split()
       if cmd[0] == "step":
-        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        u0 = resource.getrusage(resource.RUSAGE_SELF)
         t0, c0 = time.perf_counter(), time.process_time()
         loss = step()
+        seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+        u1 = resource.getrusage(resource.RUSAGE_SELF)
         reply = dict(
-          seconds=time.perf_counter() - t0,
-          cpu_seconds=time.process_time() - c0,
+          seconds=seconds,
+          cpu_seconds=cpu_seconds,
+          sys_seconds=u1.ru_stime - u0.ru_stime,
           loss=loss,
-          page_faults=resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0,
+          page_faults=u1.ru_minflt - u0.ru_minflt,
         )
       elif cmd[0] == "grads":
         np.savez(cmd[1], **grads())
@@ -252,7 +255,9 @@ def worker_environ(env, hugepages: bool):
 
 
 class Worker:
-  def __init__(self, kind, folder):
+  def __init__(self, kind, folder, tunables=None):
+    """A worker subprocess; `tunables`: its GLIBC_TUNABLES exactly ("" none), else as
+    --hugepages says (worker_environ)."""
     argv = [
       sys.executable,
       os.path.abspath(__file__),
@@ -262,6 +267,10 @@ class Worker:
     ]
     env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS=str(FLAGS.threads))
     env = worker_environ(env, FLAGS.hugepages)
+    if tunables is not None:
+      env.pop("GLIBC_TUNABLES", None)
+      if tunables:
+        env["GLIBC_TUNABLES"] = tunables
     self.kind = kind
     self.proc = subprocess.Popen(
       argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
@@ -366,12 +375,17 @@ def main(argv):
       load = {k: [] for k in workers}
       others = {k: [] for k in workers}
       faults = {k: [] for k in workers}
+      sys_s = {k: [] for k in workers}
+      reclaimed = {k: [] for k in workers}
       order = ["ours", "peer", "peer", "ours"]
       for i in range(FLAGS.reps * 2):  # ABBA ABBA ...
         kind = order[i % 4]
+        rep0 = measure.page_reporting()
         busy0, t0 = measure.busy_cpu_seconds(), time.perf_counter()
         reply = workers[kind].ask("step")
         wall, busy1 = time.perf_counter() - t0, measure.busy_cpu_seconds()
+        reclaimed[kind].append(measure.reported_mb(rep0, measure.page_reporting()))
+        sys_s[kind].append(round(reply["sys_seconds"], 3))
         times[kind].append(reply["seconds"])
         cpu[kind].append(reply["cpu_seconds"])
         faults[kind].append(reply["page_faults"])
@@ -411,6 +425,13 @@ def main(argv):
     cpu_ratio=round(float(np.median(cpu["peer"]) / np.median(cpu["ours"])), 3),
     ours_page_faults=int(np.median(faults["ours"])),
     peer_page_faults=int(np.median(faults["peer"])),
+    # kernel time inside each step (faults, zeroing, unmapping) and the memory the guest
+    # handed back to the host meanwhile (free page reporting; None: not such a VM)
+    ours_sys_s=round(float(np.median(sys_s["ours"])), 4),
+    peer_sys_s=round(float(np.median(sys_s["peer"])), 4),
+    sys_during_steps=sys_s,
+    page_reporting=measure.page_reporting(),
+    reported_mb_during_steps=reclaimed,
     # each side's steps that follow its own step (the second of an ABBA pair): no switch from
     # the other framework just before (cold caches, its memory touched last)
     ours_warm_s=warm["ours"],

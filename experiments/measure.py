@@ -98,6 +98,32 @@ def busy_cpu_seconds() -> float:
   return sum(t) - t.idle - getattr(t, "iowait", 0.0)
 
 
+PAGE_REPORTING = "/sys/module/page_reporting/parameters"
+
+
+def page_reporting(folder: str = PAGE_REPORTING):
+  """The guest kernel's free page reporting, where this is a VM whose balloon device has it
+  (virtio-balloon): free blocks of 2^order pages that stay free are handed to the host, which
+  takes the memory back; touching it again costs a host fault and zeroing. Returns
+  dict(order=..., reported_kib=...) read now, or None where the kernel has no such module."""
+  try:
+    with open(os.path.join(folder, "page_reporting_order")) as f:
+      order = int(f.read())
+    with open(os.path.join(folder, "reported_kib")) as f:
+      kib = int(f.read())
+  except (OSError, ValueError):
+    return None
+  return dict(order=order, reported_kib=kib)
+
+
+def reported_mb(before, after) -> "float | None":
+  """MB the guest reported free to the host between two `page_reporting` readings (machine
+  wide: any process's freed memory), None where there is no page reporting."""
+  if before is None or after is None:
+    return None
+  return round((after["reported_kib"] - before["reported_kib"]) / 1024, 1)
+
+
 def other_cores(busy_before: float, busy_after: float, own_cpu_s: float, wall_s: float) -> float:
   """Cores that processes other than the stepping worker kept busy during a step: the
   machine's busy CPU seconds over it, less the worker's own, per wall second (>= 0)."""

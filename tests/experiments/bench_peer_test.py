@@ -40,6 +40,9 @@ def test_peer_and_ours_agree_on_loss_and_every_gradient():
   assert len(row["ours_times"]) == len(row["peer_times"]) == 2
   assert row["ours_s"] > 0 and row["peer_s"] > 0 and row["ratio"] > 0
   assert row["ours_page_faults"] >= 0 and row["peer_page_faults"] >= 0
+  assert row["ours_sys_s"] >= 0 and row["peer_sys_s"] >= 0
+  assert [len(row["sys_during_steps"][k]) for k in ("ours", "peer")] == [2, 2]
+  assert [len(row["reported_mb_during_steps"][k]) for k in ("ours", "peer")] == [2, 2]
   assert row["ours_warm_s"] is None and row["warm_ratio"] is None  # 2 reps: no second of a pair
   for key in (
     "glibc_tunables",
