@@ -255,9 +255,9 @@ def worker_environ(env, hugepages: bool):
 
 
 class Worker:
-  def __init__(self, kind, folder, tunables=None):
+  def __init__(self, kind, folder, tunables=None, extra_env=None):
     """A worker subprocess; `tunables`: its GLIBC_TUNABLES exactly ("" none), else as
-    --hugepages says (worker_environ)."""
+    --hugepages says (worker_environ); `extra_env`: more variables (e.g. LD_PRELOAD)."""
     argv = [
       sys.executable,
       os.path.abspath(__file__),
@@ -271,6 +271,7 @@ class Worker:
       env.pop("GLIBC_TUNABLES", None)
       if tunables:
         env["GLIBC_TUNABLES"] = tunables
+    env.update(extra_env or {})
     self.kind = kind
     self.proc = subprocess.Popen(
       argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
@@ -412,6 +413,10 @@ def main(argv):
     dtype="float32",
     threads=FLAGS.threads,
     glibc_tunables=worker_environ(os.environ, FLAGS.hugepages).get("GLIBC_TUNABLES", ""),
+    # another malloc for both workers, where the environment preloads one (e.g. mimalloc)
+    malloc_env={
+      k: v for k, v in os.environ.items() if k == "LD_PRELOAD" or k.startswith("MIMALLOC_")
+    },
     reps=FLAGS.reps,
     order="ABBA",
     peer=PEER_NAME,

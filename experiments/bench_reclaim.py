@@ -12,7 +12,9 @@ gives our worker exactly such a gap: the other framework's step.
 
 For each malloc setting (--malloc: `plain` none, `huge` glibc.malloc.hugetlb=1 as run.py runs,
 `resident` huge pages with nothing returned to the kernel: no mmap, one arena, a 64 GB trim
-threshold) and each gap (--gaps, seconds), a fresh worker (bench_peer's `ours`, the same
+threshold; `mimalloc` the mimalloc library given by --mimalloc_lib, preloaded, never purging
+its freed memory: not a requirement of this project, e.g. from the `cmeel-mimalloc` wheel) and
+each gap (--gaps, seconds), a fresh worker (bench_peer's `ours`, the same
 compiled step) warms up, then sleeps the gap before each of --steps timed steps. One JSON line
 per (malloc, gap): each step's wall, kernel (sys) seconds and minor faults, the MB the guest
 reported to the host during the gap and during the step, and the worker's peak RSS growth.
@@ -46,10 +48,22 @@ def malloc_tunables(name: str) -> str:
   """GLIBC_TUNABLES for a --malloc setting."""
   from branch_replay.train import hugepages as hp
 
-  table = {"plain": "", "huge": hp.TUNABLE, "resident": f"{hp.TUNABLE}:{RESIDENT}"}
+  table = {"plain": "", "huge": hp.TUNABLE, "resident": f"{hp.TUNABLE}:{RESIDENT}", "mimalloc": ""}
   if name not in table:
     raise ValueError(f"--malloc: {name!r} is not one of {sorted(table)}")
   return table[name]
+
+
+def malloc_env(name: str, mimalloc_lib: str) -> dict:
+  """Variables beyond GLIBC_TUNABLES for a --malloc setting: mimalloc preloaded, never
+  purging (its freed memory stays with the process)."""
+  if name != "mimalloc":
+    return {}
+  if not mimalloc_lib or not os.path.isfile(mimalloc_lib):
+    raise ValueError(
+      f"--malloc=mimalloc needs --mimalloc_lib, the path of libmimalloc.so; got {mimalloc_lib!r}"
+    )
+  return {"LD_PRELOAD": os.path.abspath(mimalloc_lib), "MIMALLOC_PURGE_DELAY": "-1"}
 
 
 def parse_gaps(text: str) -> list[float]:
@@ -81,10 +95,12 @@ def summarize(steps: list[dict]) -> dict:
   )
 
 
-def run_one(folder: str, malloc: str, gap: float, steps: int) -> dict:
+def run_one(folder: str, malloc: str, gap: float, steps: int, mimalloc_lib: str = "") -> dict:
   from experiments import measure
 
-  worker = bench_peer.Worker("ours", folder, tunables=malloc_tunables(malloc))
+  worker = bench_peer.Worker(
+    "ours", folder, tunables=malloc_tunables(malloc), extra_env=malloc_env(malloc, mimalloc_lib)
+  )
   try:
     out = []
     for _ in range(steps):
@@ -114,8 +130,9 @@ def main(argv):
 
   gaps = parse_gaps(FLAGS.gaps)
   mallocs = [m for m in FLAGS.malloc.split(",") if m]
-  for m in mallocs:
-    malloc_tunables(m)  # a clear error before anything runs
+  for m in mallocs:  # a clear error before anything runs
+    malloc_tunables(m)
+    malloc_env(m, FLAGS.mimalloc_lib)
   if FLAGS.steps < 1:
     raise ValueError(f"--steps: {FLAGS.steps}: expected >= 1")
   wait = measure.wait_for_quiet(FLAGS.max_load, FLAGS.wait_timeout_s, FLAGS.wait_poll_s)
@@ -131,10 +148,11 @@ def main(argv):
           preset=FLAGS.preset,
           malloc=malloc,
           glibc_tunables=malloc_tunables(malloc),
+          malloc_env=malloc_env(malloc, FLAGS.mimalloc_lib),
           gap_s=gap,
           page_reporting=measure.page_reporting(),
           wait=wait,
-          **run_one(folder, malloc, gap, FLAGS.steps),
+          **run_one(folder, malloc, gap, FLAGS.steps, FLAGS.mimalloc_lib),
           date=time.strftime("%Y-%m-%d"),
         )
         provenance.emit(row, FLAGS.out)
@@ -143,6 +161,7 @@ def main(argv):
 if __name__ == "__main__":
   bench_peer.define_flags()
   flags.DEFINE_string("gaps", "0,3", "idle seconds before each timed step, comma-separated")
-  flags.DEFINE_string("malloc", "huge,resident", "malloc settings: plain, huge, resident")
+  flags.DEFINE_string("malloc", "huge,resident", "malloc settings: plain, huge, resident, mimalloc")
+  flags.DEFINE_string("mimalloc_lib", "", "libmimalloc.so for --malloc=mimalloc")
   flags.DEFINE_integer("steps", 6, "timed steps per (malloc, gap)")
   app.run(main)

@@ -22,6 +22,16 @@ def test_malloc_settings_and_their_tunables():
     bench_reclaim.malloc_tunables("jemalloc")
 
 
+def test_mimalloc_needs_its_library(tmp_path):
+  assert bench_reclaim.malloc_env("huge", "") == {}
+  with pytest.raises(ValueError, match="--malloc=mimalloc needs --mimalloc_lib"):
+    bench_reclaim.malloc_env("mimalloc", str(tmp_path / "absent.so"))
+  lib = tmp_path / "libmimalloc.so"
+  lib.write_bytes(b"")
+  env = bench_reclaim.malloc_env("mimalloc", str(lib))
+  assert env == {"LD_PRELOAD": str(lib), "MIMALLOC_PURGE_DELAY": "-1"}
+
+
 def test_gaps_parse_and_bad_gaps_are_named():
   assert bench_reclaim.parse_gaps("0, 3,0.5") == [0.0, 3.0, 0.5]
   for bad in ("", "a,1", "-1"):
