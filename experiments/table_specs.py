@@ -165,11 +165,12 @@ TABLES = {
         1,
       ),
       Source(
-        "peer_cpu_quiet_hugepages_2026-12-05.jsonl",
+        "peer_cpu_quiet_sys_2026-12-05.jsonl",
         (
           "against PrefixGrouper (torch), P={prefix_len}, R={branches}, T={tail_len}, quiet CPU: "
-          "PrefixGrouper's time / ours (below 1: ours slower; in the same run 0.98 at P=2048 and "
-          "0.86 at T=512, parity with memory kept resident: docs/performance.md); peak memory",
+          "PrefixGrouper's time / ours (below 1: ours slower; in the same run 0.92 at P=2048 and "
+          "0.90 at T=512, 1.23 and 1.03 over our steps that follow our own: the others pay this "
+          "VM's host taking our freed memory back, docs/performance.md); peak memory",
           "{ratio:.2f} ({ours_s:.2f} vs {peer_s:.2f} s); {ours_peak_mb:,.0f} vs "
           "{peer_peak_mb:,.0f} MB",
           "`{_file}`",
