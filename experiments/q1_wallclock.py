@@ -10,7 +10,7 @@ length set to each P. Both modes sample with the same shared-prefix sampler (the
 naive mode changes only the update); the first step of each (mode, P) compiles and is not
 reported. Each line: P, mode, the median over --steps of each phase's seconds, and the
 update's share of the step. Measured: docs/reproduction.md, Q1
-(experiments/results/q1_cpu_2026-11-30.jsonl).
+(experiments/results/q1_cpu_2026-12-05.jsonl).
 """
 
 from __future__ import annotations

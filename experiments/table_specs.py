@@ -190,7 +190,7 @@ TABLES = {
         1,
       ),
       Source(
-        "q1_cpu_2026-11-30.jsonl",
+        "q1_cpu_2026-12-05.jsonl",
         (
           "the whole RL step (sampling included), P={P}, R={R}",
           "{step_speedup_of_replay:.1f}x faster (update alone {update_speedup_of_replay:.1f}x)",
@@ -414,7 +414,7 @@ TABLES = {
     ),
     (
       Source(
-        "q1_cpu_2026-11-30.jsonl",
+        "q1_cpu_2026-12-05.jsonl",
         (
           "{P:,}",
           "{mode}",
@@ -428,7 +428,7 @@ TABLES = {
         ("mode=replay",),
       ),
       Source(
-        "q1_cpu_2026-11-30.jsonl",
+        "q1_cpu_2026-12-05.jsonl",
         (
           "{P:,}",
           "{mode}",
