@@ -222,7 +222,7 @@ TABLES = {
         1,
       ),
       Source(
-        "tree_cpu_2026-12-03.jsonl",
+        "tree_cpu_2026-12-05.jsonl",
         (
           "a 4x4 tree of rollouts, P={prefix_len}: tree replay vs naive",
           "{tree_speedup:.2f}x faster ({tree_cpu_speedup:.2f}x CPU time); peak "
@@ -829,7 +829,7 @@ TABLES = {
     ),
     (
       Source(
-        "tree_cpu_2026-12-03.jsonl",
+        "tree_cpu_2026-12-05.jsonl",
         (
           "{prefix_len}",
           "{fanouts}",
@@ -1066,7 +1066,7 @@ SUPERSEDED = {
   "default_run_2026-12-04.png": "default_run_flat_2026-12-04.png",
   "tree_cpu_2026-11-30.jsonl": "tree_cpu_2026-12-01.jsonl",
   "tree_cpu_2026-12-01.jsonl": "tree_cpu_2026-12-02.jsonl",
-  "tree_cpu_2026-12-02.jsonl": "tree_cpu_2026-12-03.jsonl",
+  "tree_cpu_2026-12-02.jsonl": "tree_cpu_2026-12-05.jsonl",
   "peer_cpu_before_2026-12-01.jsonl": "peer_cpu_after_2026-12-02.jsonl",
   "profile_cpu_before_2026-12-01.jsonl": "profile_cpu_after_2026-12-02.jsonl",
   "profile_cpu_before_2026-12-01.md": "profile_cpu_after_2026-12-02.md",
