@@ -233,7 +233,7 @@ TABLES = {
         1,
       ),
       Source(
-        "q5_cpu_2026-11-30.jsonl",
+        "q5_cpu_rerun_2026-12-05.jsonl",
         (
           "PPO's policy step through replay, P={prefix_len}, R={branches}: CPU-time speedup",
           "{cpu_speedup:.2f}x (grad rel err {grad_max_rel_err:.1e})",
@@ -540,7 +540,7 @@ TABLES = {
     ),
     (
       Source(
-        "q5_cpu_2026-11-30.jsonl",
+        "q5_cpu_rerun_2026-12-05.jsonl",
         (
           "{objective}",
           "{branches}",
