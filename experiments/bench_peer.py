@@ -22,7 +22,10 @@ step it records the load: the load average and the cores other processes used (t
 machine's busy CPU seconds over the step minus the stepping worker's own, per wall second;
 psutil), per side. Both workers get the same malloc: with --hugepages (the default, as run.py
 runs) glibc's `glibc.malloc.hugetlb=1` tunable (branch_replay/train/hugepages.py), recorded as
-`glibc_tunables`; each step's minor page faults are recorded per side. One JSON line:
+`glibc_tunables`; each step's minor page faults and kernel (sys) seconds are recorded per
+side, and the MB the guest handed back to the host during it where this is a VM with free page
+reporting (`reported_mb_during_steps`: our freed step memory, taken back while the other
+framework steps, is what our next step faults in again; docs/performance.md). One JSON line:
 both times (median, min; wall and CPU; `*_warm_s`: the median of each side's steps that follow
 its own step, the second of an ABBA pair), both peak RSS growths, the ratio (peer / ours: > 1
 means ours is faster), useful-FLOP rates and the gradient agreement (every leaf, float32).
