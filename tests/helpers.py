@@ -4,6 +4,10 @@ Import by basename (`from helpers import ...`), the name pytest imports test mod
 (tests/ has no __init__.py): `tests.helpers` would be a second copy with caches of its own."""
 
 import functools
+import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -288,3 +292,20 @@ def slow_where(values, slow, key=lambda v: v):
     )
     for v in values
   ]
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+
+
+def run_script(script: str, *flags: str) -> list[dict]:
+  """Run a script of the repository (e.g. "experiments/bench_reclaim.py") on the CPU with
+  `flags`; assert it exits 0 (its stderr's tail otherwise) and return its JSON lines."""
+  out = subprocess.run(
+    [sys.executable, script, *flags],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  return [json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")]

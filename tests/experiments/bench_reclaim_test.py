@@ -1,16 +1,10 @@
 """experiments/bench_reclaim.py: its flags' checks, its summary, the page-reporting readings it
 takes (experiments/measure.py), and one tiny run end to end."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+from helpers import run_script
 
 from experiments import bench_reclaim, measure
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_malloc_settings_and_their_tunables():
@@ -78,26 +72,17 @@ def test_page_reporting_reads_the_module_or_says_none(tmp_path):
 
 
 def test_one_tiny_run_end_to_end():
-  out = subprocess.run(
-    [
-      sys.executable,
-      "experiments/bench_reclaim.py",
-      "--preset=tiny",
-      "--prefix_len=16",
-      "--tail_len=4",
-      "--branches=2",
-      "--gaps=0.1",
-      "--malloc=plain,huge",
-      "--steps=2",
-      "--max_load=0",
-    ],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  rows = run_script(
+    "experiments/bench_reclaim.py",
+    "--preset=tiny",
+    "--prefix_len=16",
+    "--tail_len=4",
+    "--branches=2",
+    "--gaps=0.1",
+    "--malloc=plain,huge",
+    "--steps=2",
+    "--max_load=0",
   )
-  assert out.returncode == 0, out.stderr[-3000:]
-  rows = [json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")]
   assert [(r["malloc"], r["gap_s"]) for r in rows] == [("plain", 0.1), ("huge", 0.1)]
   for r in rows:
     assert len(r["steps"]) == 2 and r["step_s"] > 0 and r["sys_s"] >= 0 and r["peak_mb"] > 0

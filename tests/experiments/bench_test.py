@@ -1,14 +1,9 @@
 """The benchmark runs end to end and prints the keys the README's table reads (tiny shapes:
 this checks the plumbing; the numbers live in experiments/results/)."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+from helpers import run_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KEYS = (
   "prefix_len",
   "tail_len",
@@ -27,24 +22,15 @@ KEYS = (
 
 
 def bench(*flags):
-  out = subprocess.run(
-    [
-      sys.executable,
-      "experiments/bench_replay.py",
-      "--preset=tiny",
-      "--prefix_len=16",
-      "--tail_len=4",
-      "--branches=2",
-      "--reps=1",
-      *flags,
-    ],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  return run_script(
+    "experiments/bench_replay.py",
+    "--preset=tiny",
+    "--prefix_len=16",
+    "--tail_len=4",
+    "--branches=2",
+    "--reps=1",
+    *flags,
   )
-  assert out.returncode == 0, out.stderr[-2000:]
-  return [json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")]
 
 
 def test_bench_prints_every_key_and_exact_gradients():
