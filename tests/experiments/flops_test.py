@@ -98,9 +98,10 @@ def test_bad_layouts_are_refused_by_name():
 def test_bench_tree_ratios_of_its_results_files():
   """flat_flop_ratio 4.775 / tree_flop_ratio 7.847 at bench_tree's default shape (as executed:
   dense), and the superseded file's shape."""
-  (row,) = rows("tree_cpu_2026-12-03.jsonl")
-  assert (row["prefix_len"], row["fanouts"], row["lengths"]) == (2048, "4x4", "256x128")
-  assert (row["flat_flop_ratio"], row["tree_flop_ratio"]) == (4.775, 7.847)
+  for name in ("tree_cpu_2026-12-05.jsonl", "superseded/tree_cpu_2026-12-03.jsonl"):
+    (row,) = rows(name)
+    assert (row["prefix_len"], row["fanouts"], row["lengths"]) == (2048, "4x4", "256x128")
+    assert (row["flat_flop_ratio"], row["tree_flop_ratio"]) == (4.775, 7.847)
   (row,) = rows("superseded/tree_cpu_2026-12-02.jsonl")
   assert (row["flat_flop_ratio"], row["tree_flop_ratio"]) == (4.775, 7.847)
   for row in rows("superseded/tree_cpu_2026-12-01.jsonl") + rows(
@@ -125,7 +126,9 @@ REPLAY_FILES = {
   "hybrid_cpu_2026-12-01.jsonl": False,
   "hybrid_remat_cpu_2026-12-01.jsonl": False,
   "hybrid_speed_cpu_2026-12-01.jsonl": False,
-  "q5_cpu_2026-11-30.jsonl": False,
+  "q5_cpu_2026-12-05.jsonl": False,
+  "q5_cpu_rerun_2026-12-05.jsonl": False,
+  "superseded/q5_cpu_2026-11-30.jsonl": False,
   "q5_haystack_cpu_2026-11-30.jsonl": False,
   "gpu_h200_2026-11-30.jsonl": True,
   "superseded/cpu_sweep_2026-11-30.jsonl": True,
