@@ -26,11 +26,9 @@ reported to the host during the gap and during the step, and the worker's peak R
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from absl import app, flags  # noqa: E402
