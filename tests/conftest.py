@@ -43,6 +43,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "true")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# ... read and written by the subprocesses only, not by the long-lived xdist workers: in them,
+# serializing an executable for the cache segfaulted twice in CI (jax 0.10.2,
+# compilation_cache.put_executable_and_time, after hundreds of tests in one worker), and
+# xdist then hung.
+import jax  # noqa: E402  (after the environment above)
+
+jax.config.update("jax_enable_compilation_cache", False)
 
 import pytest  # noqa: E402
 
