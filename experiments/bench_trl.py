@@ -113,7 +113,9 @@ def recipe_config(folder: str, steps: int):
   """The recipe's config on the exported folder (run.py's --model_dir path), with the
   bench's overrides; (cfg, params, tokenizer)."""
   from absl import flags as absl_flags
-  import run
+  from experiments import registry
+
+  run = registry.run_module()
 
   fv = run.define_flags(absl_flags.FlagValues())
   sets = [

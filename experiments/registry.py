@@ -38,6 +38,7 @@ KINDS = {
     "ablations": "R, trunk W, branch_chunk, remat (notebooks/ablations.ipynb)",
     "rollout_strategies": "flat replay vs the automatic tree over rollout layouts",
     "fault_campaign": "SIGKILL at random moments, resumed: metrics equal the uninterrupted run's",
+    "verify_tolerance": "replay vs naive at every RL step of a run: the self-check's tolerance",
   },
   "bench": {
     "bench_replay": "one loss+gradient step, naive vs replay (the step benchmark)",
@@ -92,3 +93,21 @@ def config_module(name: str):
 
 def get_config(name: str):
   return config_module(name).get_config()
+
+
+def run_module():
+  """The checkout's run.py as a module (its flags, `parse`, `lora_options`), for scripts that
+  train as `python run.py` does: run.py sits at the root, outside the installed packages, so
+  `python experiments/NAME.py` cannot `import run` by name."""
+  import importlib.util
+  import os
+  import sys
+
+  if "run" in sys.modules and hasattr(sys.modules["run"], "config_from"):
+    return sys.modules["run"]
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "run.py")
+  spec = importlib.util.spec_from_file_location("run", path)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules["run"] = module
+  spec.loader.exec_module(module)
+  return module

@@ -53,6 +53,24 @@ jax.config.update("jax_enable_compilation_cache", False)
 
 import pytest  # noqa: E402
 
+# BRANCH_REPLAY_REQUIRE_TEST_PACKAGES=1 (.ci/run sets it): every package a test imports with
+# pytest.importorskip is part of the test install (requirements-test.txt), so a missing one
+# fails the test by name instead of skipping it; a skip there would hide a check CI never ran.
+if os.environ.get("BRANCH_REPLAY_REQUIRE_TEST_PACKAGES") == "1":
+  import importlib
+
+  def _require(modname, minversion=None, reason=None, **kwargs):
+    del minversion, reason, kwargs
+    try:
+      return importlib.import_module(modname)
+    except ImportError as e:
+      raise ImportError(
+        f"{modname}: the test install must bring it (requirements-test.txt; "
+        f"BRANCH_REPLAY_REQUIRE_TEST_PACKAGES=1 makes this a failure, not a skip): {e}"
+      ) from e
+
+  pytest.importorskip = _require
+
 
 @pytest.fixture
 def x64():

@@ -81,15 +81,16 @@ class Algorithm:
     """(state, metrics): its jitted steps on `batch`."""
     raise NotImplementedError(f"{type(self).__name__}.update")
 
-  def verify(self, state, batch) -> dict:
+  def verify(self, state, batch, tol: float | None = None) -> dict:
     """replay.verify: the first phase batch through replay and the naive twin at the RL
-    objective (raises on a gap); its metrics."""
+    objective (raises on a gap beyond `tol`, default `verify.tolerance`); its metrics."""
     return verify.check(
       train_state.weights(state, self.cfg.lora),
       batch,
       self.cfg.model,
       steps.rl_loss_config(self.cfg),
       branch_chunk=self.cfg.replay.branch_chunk,
+      tol=tol,
     )
 
   def token_counts(self, batch, phase: str) -> tuple:

@@ -213,8 +213,8 @@ class PPO(grpo.GRPO):
 
     return grpo.rl_update(self.fns, state, batch, cfg, step, step_fn=step_fn)
 
-  def verify(self, state, batch):
-    return super().verify(state, batch[0])
+  def verify(self, state, batch, tol=None):
+    return super().verify(state, batch[0], tol)
 
   def token_counts(self, batch, phase):
     return super().token_counts(batch if phase == "sft" else batch[0], phase)

@@ -101,9 +101,14 @@ class Rollouts(base.Algorithm):
       outs.append(jax.device_get(out))
     return state, {k: float(np.mean([o[k] for o in outs])) for k in outs[0]}
 
-  def verify(self, state, batch):
+  def verify(self, state, batch, tol=None):
     return verify.check(
-      state.params, batch, self.cfg.model, self.cfg.loss, branch_chunk=self.cfg.replay.branch_chunk
+      state.params,
+      batch,
+      self.cfg.model,
+      self.cfg.loss,
+      branch_chunk=self.cfg.replay.branch_chunk,
+      tol=tol,
     )
 
   def token_counts(self, batch, phase):

@@ -38,7 +38,7 @@ class SFT(base.Algorithm):
   def update(self, state, batch, step):
     return self.warmup_update(state, batch)
 
-  def verify(self, state, batch):
+  def verify(self, state, batch, tol=None):
     return {}  # supervised batches: the self-check is the RL objective's
 
   def summarize(self, records):

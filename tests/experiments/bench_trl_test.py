@@ -39,12 +39,24 @@ def test_default_gguf_names_the_wheel_when_missing(monkeypatch):
     bench_trl.default_gguf()
 
 
-def test_missing_peer_packages_are_named(monkeypatch):
+@pytest.mark.parametrize("absent", [("trl",), ("trl", "datasets"), ("torch", "peft", "accelerate")])
+def test_missing_peer_packages_are_named(monkeypatch, absent):
+  """The test decides which peers exist (not the machine): each absent one is named, in order."""
   from experiments import bench_trl
 
-  real = bench_trl.importlib.util.find_spec
+  present = object()
   monkeypatch.setattr(
-    bench_trl.importlib.util, "find_spec", lambda name: None if name == "trl" else real(name)
+    bench_trl.importlib.util, "find_spec", lambda name: None if name in absent else present
   )
-  with pytest.raises(SystemExit, match=r"bench_trl: trl not installed: .*requirements-peer.txt"):
+  names = ", ".join(n for n in bench_trl.PEERS if n in absent)
+  with pytest.raises(
+    SystemExit, match=rf"bench_trl: {names} not installed: .*requirements-peer.txt"
+  ):
     bench_trl.require_peers()
+
+
+def test_no_message_when_every_peer_is_present(monkeypatch):
+  from experiments import bench_trl
+
+  monkeypatch.setattr(bench_trl.importlib.util, "find_spec", lambda name: object())
+  bench_trl.require_peers()  # returns, raises nothing

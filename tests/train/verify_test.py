@@ -44,3 +44,33 @@ def test_tolerance_follows_the_dtype():
   assert verify.enabled("first", imported=False) and not verify.enabled("off", imported=True)
   with pytest.raises(ValueError, match="replay.verify='sometimes'"):
     verify.enabled("sometimes", imported=False)
+
+
+def test_loss_error_is_absolute_near_zero_and_relative_above_one():
+  """A GRPO loss sits near 0 (group-centred advantages): float32 rounding there is no mismatch,
+  while a real gap is caught at any size, and a non-finite loss always is."""
+  assert verify.loss_error(1.1e-7, 2.4e-7) == pytest.approx(1.3e-7)  # 0.54 relative: passes
+  assert verify.loss_error(0.0, 0.1) == pytest.approx(0.1)
+  assert verify.loss_error(10.02, 10.0) == pytest.approx(2e-3)
+  assert verify.loss_error(float("nan"), 1.0) == float("inf")
+
+
+def test_a_near_zero_loss_passes_and_a_wrong_loss_stops_the_run(monkeypatch):
+  cfg, params = tiny_model(dtype="float32")
+  params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+  batch = make_batch(0, B=2, R=3, P=6, T=4, W=1, logps=True, dtype=jnp.float32)
+  right = engine._replay
+  shift = {"by": 0.0}
+
+  def shifted(*args, **kwargs):  # the loss moved, the gradients right
+    loss, aux, grads = right(*args, **kwargs)
+    return loss + shift["by"], aux, grads
+
+  monkeypatch.setattr(engine, "_replay", shifted)
+  shift["by"] = 1e-6  # float32 rounding's size at a loss of ~0: not a mismatch
+  stats = verify.check(params, batch, cfg, losses.LossConfig())
+  assert stats["verify/loss_rel_err"] < verify.tolerance(cfg)
+  assert stats["verify/loss_replay"] != stats["verify/loss_naive"]
+  shift["by"] = 0.05
+  with pytest.raises(verify.MismatchError, match="the loss is .* through replay"):
+    verify.check(params, batch, cfg, losses.LossConfig())
