@@ -23,13 +23,15 @@ if __name__ == "__main__" and not (os.path.exists("/dev/nvidia0") or shutil.whic
 
 from absl import app, flags  # noqa: E402
 
-from experiments import bench_replay, flops  # noqa: E402  (its flags: --reps, --dtype, ...)
+from experiments import bench_replay, flops  # noqa: E402  (define_flags: bench_replay's too)
 
 FLAGS = flags.FLAGS
 
 
 def define_flags():
-  """Defined when the script runs, not on import (tests import it beside other experiments)."""
+  """Defined when the script runs, not on import (tests import it beside other experiments):
+  bench_replay's (--reps, --dtype, --out, ...) and its own."""
+  bench_replay.define_flags()
   flags.DEFINE_multi_string("presets", ["hybrid_small", "small"], "model presets to compare")
   flags.DEFINE_multi_integer("timed", [2048], "P values timed (both modes)")
   flags.DEFINE_multi_integer("compile_only", [8192, 32768], "P values only compiled")

@@ -20,6 +20,9 @@ class Source:
   count: int | None = None
   ratios: tuple[tuple, ...] = ()  # (name, numerator field, denominator field or number) added
   optional: tuple[str, ...] = ()  # fields a row may lack (rendered as -, e.g. after an oom)
+  # (name, where): the one other row of the same file matching `where`, as field `name`
+  # (a caveat's number read from its own line, e.g. "{p2048[ratio]:.2f}", never typed here)
+  joins: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,13 +97,14 @@ def _cp_memory(file: str) -> Table:
 TABLES = {
   # ---- README ----
   "headline": Table(
-    ("claim", "measured", "results file"),
+    ("claim", "measured", "conditions", "results file"),
     (
       Source(
         "default_run_flat_2026-12-04.jsonl",
         (
           "the default run (`python run.py`) learns the task: sampled reward, greedy reward",
           "{reward_before:.3f} -> {reward_after:.3f}; {eval_before:.3f} -> {eval_after:.3f}",
+          "`python run.py` as shipped (config grpo_haystack; model size not recorded in the file); {steps} steps, {rl_steps} of RL; 1 run; load {_load}; {_tree}",
           "`{_file}`",
         ),
         ("kind=summary",),
@@ -111,6 +115,7 @@ TABLES = {
         (
           "token positions the default run computes vs its naive twin",
           "{computed_tokens:,} vs {naive_equiv_tokens:,}",
+          "`python run.py` as shipped; summed over its {steps} steps; 1 run; load {_load}; {_tree}",
           "`{_file}`",
         ),
         ("kind=summary",),
@@ -123,6 +128,7 @@ TABLES = {
           "{eval_before_n} held-out problems before RL (95% Wilson interval)",
           "{eval_before_correct}/{eval_before_n} = {eval_before:.3f} "
           "[{eval_before_ci95[0]:.3f}, {eval_before_ci95[1]:.3f}]",
+          "SmolLM2-135M-Instruct (GGUF Q4_1), LoRA r16 (compute dtype not recorded in the file); 1 run; load {_load} (shared machine); {_tree}",
           "`{_file}`",
         ),
         ("kind=summary",),
@@ -134,6 +140,7 @@ TABLES = {
           "... after {rl_steps} GRPO steps with LoRA r16 (`--experiment=math_smollm2`, B=2 x R=8)",
           "{eval_after_correct}/{eval_after_n} = {eval_after:.3f} "
           "[{eval_after_ci95[0]:.3f}, {eval_after_ci95[1]:.3f}]",
+          "as the row above; {rl_steps} RL steps; load {_load}; {_tree}",
           "`{_file}`",
         ),
         ("kind=summary",),
@@ -148,6 +155,7 @@ TABLES = {
           "whole step {median_s[ours][step]:.1f} vs {median_s[trl][step]:.1f} s "
           "({ratio_trl_over_ours[step]:.1f}x); update {median_s[ours][update]:.1f} vs "
           "{median_s[trl][update]:.1f} s ({ratio_trl_over_ours[update]:.1f}x)",
+          "SmolLM2-135M-Instruct, B={shape[B]} x R={shape[R]}, T={shape[T]}, prompts {shape[prompt_tokens][0]} tokens, LoRA r{shape[lora_rank]}; remat: ours none, TRL gradient checkpointing (unmatched); median of {steps} steps after {warmup} warm-up; in-run twin off; load {_load}; {_tree}",
           "`{_file}`",
         ),
         ("summary=True",),
@@ -159,6 +167,7 @@ TABLES = {
           "one loss+gradient step, P={prefix_len}, R={branches}, T={tail_len}, CPU: replay vs naive",
           "{speedup:.2f}x faster ({speedup_over_flop_ratio:.2f} x the useful-FLOP ratio "
           "{flop_ratio:.2f}); peak {replay_peak_mb:,.0f} vs {naive_peak_mb:,.0f} MB",
+          "{_model}, {dtype}, remat {remat} on both paths; {_reps} repetition(s); load {_load}; {_tree}",
           "`{_file}`",
         ),
         ("prefix_len=8192", "remat=full"),
@@ -168,15 +177,18 @@ TABLES = {
         "peer_cpu_quiet_sys_2026-12-05.jsonl",
         (
           "against PrefixGrouper (torch), P={prefix_len}, R={branches}, T={tail_len}, quiet CPU: "
-          "PrefixGrouper's time / ours (below 1: ours slower; in the same run 0.92 at P=2048 and "
-          "0.90 at T=512, 1.23 and 1.03 over our steps that follow our own: the others pay this "
+          "PrefixGrouper's time / ours (below 1: ours slower; in the same run "
+          "{p2048[ratio]:.2f} at P=2048 and {t512[ratio]:.2f} at T=512, {p2048[warm_ratio]:.2f} "
+          "and {t512[warm_ratio]:.2f} over our steps that follow our own: the others pay this "
           "VM's host taking our freed memory back, docs/performance.md); peak memory",
           "{ratio:.2f} ({ours_s:.2f} vs {peer_s:.2f} s); {ours_peak_mb:,.0f} vs "
           "{peer_peak_mb:,.0f} MB",
+          "{_model}, {dtype}; remat none on both sides; {reps} steps a side; load {_load}; {_tree}",
           "`{_file}`",
         ),
         ("prefix_len=8192",),
         1,
+        joins=(("p2048", ("prefix_len=2048",)), ("t512", ("tail_len=512",))),
       ),
       Source(
         "plan_1gpu_gpu_aot_causal_2026-12-05.jsonl",
@@ -184,6 +196,7 @@ TABLES = {
           "the seed's 16 x 131,072 positions on ONE GPU: Llama-3-8B, LoRA r16, bf16 base, one "
           "RL update compiled by XLA's GPU compiler for an H200 (no GPU run yet)",
           "{total_gb:.1f} GB of 141 (within 90%: {fits_with_headroom[H200]})",
+          "Llama-3-8B shapes ({n_layers} layers), base {base_dtype}, adapters {adapter_dtype}, compute {compute_dtype}, remat {remat}, P={P:,}, R={R}, T={T}; compiled, not run",
           "`{_file}`",
         ),
         ("model=llama3_8b", "P=131072"),
@@ -194,6 +207,7 @@ TABLES = {
         (
           "the whole RL step (sampling included), P={P}, R={R}",
           "{step_speedup_of_replay:.1f}x faster (update alone {update_speedup_of_replay:.1f}x)",
+          "model {model[n_layers]} layers, d={model[d_model]}; B={B}, T={T} (answer tokens); {steps} steps a mode; load {_load}; {_tree}",
           "`{_file}`",
         ),
         ("mode=naive", "P=1024"),
@@ -204,6 +218,7 @@ TABLES = {
         (
           "longest prefix in 20 GB (compiled), R={R}, T={T}: {mode}",
           "{longest_prefix:,} positions",
+          "{_model}, {dtype}, remat {remat}; compiled memory, not run; cap {cap_mb:,} MB",
           "`{_file}`",
         ),
         ("kind=frontier", "R=16"),
@@ -216,6 +231,7 @@ TABLES = {
           "naive's band",
           "{replay_mean_inside_naive_band:.0%}; final reward {final_reward_replay:.3f} vs "
           "{final_reward_naive:.3f}",
+          "the default run (grpo_haystack) x 5 seeds per mode; {steps_compared} steps compared; load {_load}; {_tree}",
           "`{_file}`",
         ),
         ("kind=verdict",),
@@ -227,6 +243,7 @@ TABLES = {
           "a 4x4 tree of rollouts, P={prefix_len}: tree replay vs naive",
           "{tree_speedup:.2f}x faster ({tree_cpu_speedup:.2f}x CPU time); peak "
           "{tree_peak_mb:,.0f} vs {naive_peak_mb:,.0f} MB",
+          "{_model}, {dtype}, lengths {lengths}; {_reps} rounds; load {_load}; {_tree}",
           "`{_file}`",
         ),
         (),
@@ -237,6 +254,7 @@ TABLES = {
         (
           "PPO's policy step through replay, P={prefix_len}, R={branches}: CPU-time speedup",
           "{cpu_speedup:.2f}x (grad rel err {grad_max_rel_err:.1e})",
+          "{_model}, {dtype}, remat {remat} on both paths, T={tail_len}; load {_load}; {_tree}",
           "`{_file}`",
         ),
         ("objective=ppo",),
@@ -1067,6 +1085,9 @@ SUPERSEDED = {
   "tree_cpu_2026-11-30.jsonl": "tree_cpu_2026-12-01.jsonl",
   "tree_cpu_2026-12-01.jsonl": "tree_cpu_2026-12-02.jsonl",
   "tree_cpu_2026-12-02.jsonl": "tree_cpu_2026-12-05.jsonl",
+  "tree_cpu_2026-12-03.jsonl": "tree_cpu_2026-12-05.jsonl",
+  "q1_cpu_2026-11-30.jsonl": "q1_cpu_2026-12-05.jsonl",
+  "q5_cpu_2026-11-30.jsonl": "q5_cpu_2026-12-05.jsonl",
   "peer_cpu_before_2026-12-01.jsonl": "peer_cpu_after_2026-12-02.jsonl",
   "profile_cpu_before_2026-12-01.jsonl": "profile_cpu_after_2026-12-02.jsonl",
   "profile_cpu_before_2026-12-01.md": "profile_cpu_after_2026-12-02.md",

@@ -3,6 +3,7 @@
   python -m experiments.tables            # rewrite every table between its markers
   python -m experiments.tables --check    # exit 1 naming each table that differs (the test)
   python -m experiments.tables --index    # rewrite experiments/results/INDEX.md
+  python -m experiments.tables --check_commands  # every current file's commands parse
 
 A table in a markdown file sits between two marker comments; what lies between them is this
 module's rendering of the table of that name in `TABLES` (experiments/table_specs.py), never
@@ -16,7 +17,9 @@ typed by hand:
 A table is a header and one or more sources; a source is a results file, a filter
 (`key=value`, as results_table.py's --where) and one cell template per column: a
 `str.format` string over the row's fields (`{replay_s:.3g}`, `{provenance[git_commit]:.7}`;
-a bare `{field}` is formatted as results_table.fmt does; `{_file}` is the results file). Every row rendered must carry its
+a bare `{field}` is formatted as results_table.fmt does; `{_file}` is the results file;
+`{_load}`, `{_tree}` and `{_machine}` are the row's conditions from its provenance:
+`conditions`). Every row rendered must carry its
 provenance (git commit, command, machine: in its `provenance` dict or at its top level), and
 every field a template names must be in the row: otherwise a ValueError naming the results
 file and line (and the markdown file and line of the table).
@@ -80,6 +83,63 @@ def provenance_of(row: dict) -> dict | None:
   }
 
 
+_UNITS = ((1e9, "B", 2), (1e6, "M", 1), (1e3, "K", 1))
+
+
+def model_size(row: dict) -> str:
+  """A row's model as 'NAME (L layers, d=D, N params)': its own n_layers/d_model/n_params when
+  it records them, else from its `preset` field through models.transformer.preset and
+  cost_model.param_count; '-' when the row names no model."""
+  name = row.get("preset") or row.get("model_preset")
+  layers, d, n = row.get("n_layers"), row.get("d_model"), row.get("n_params")
+  if name and (layers is None or d is None or n is None):
+    from experiments import cost_model
+    from models import transformer as tfm
+
+    try:
+      cfg = tfm.preset(str(name))
+    except (ValueError, KeyError):
+      return str(name)
+    layers, d, n = cfg.n_layers, cfg.d_model, cost_model.param_count(cfg)
+  if layers is None or d is None:
+    return "-" if not name else str(name)
+  size = ""
+  if n:
+    size = next(f"{n / u:.{k}f}{s} params" for u, s, k in _UNITS if n >= u or s == "K")
+  return f"{name or 'model'} ({layers} layers, d={d}" + (f", {size})" if size else ")")
+
+
+def repetitions(row: dict) -> str:
+  """How many timed repetitions a row's numbers are: its `reps` field, the length of its
+  `rounds`, else the --reps of the command that made it; '-' when none says."""
+  if isinstance(row.get("reps"), int):
+    return str(row["reps"])
+  if isinstance(row.get("rounds"), list):
+    return str(len(row["rounds"]))
+  p = row.get("provenance") if isinstance(row.get("provenance"), dict) else row
+  m = re.search(r"--reps=(\d+)", str(p.get("command") or ""))
+  return m.group(1) if m else "-"
+
+
+def conditions(row: dict) -> dict:
+  """The conditions every row can state from its own fields: `_model` (model_size), `_reps`
+  (repetitions), `_load`
+  (the 1-minute load
+  average when it started, '-' if not recorded), `_tree` ('clean tree', 'dirty tree' or 'tree
+  state not recorded') and `_machine` (the CPU model, or the device)."""
+  p = row.get("provenance") if isinstance(row.get("provenance"), dict) else row
+  load = p.get("load_avg_1m")
+  dirty = p.get("git_dirty")
+  machine = p.get("cpu_model") or p.get("device_kind") or p.get("platform") or "-"
+  return {
+    "_model": model_size(row),
+    "_reps": repetitions(row),
+    "_load": "-" if load is None else f"{load:.2f}",
+    "_tree": {True: "dirty tree", False: "clean tree"}.get(dirty, "tree state not recorded"),
+    "_machine": machine,
+  }
+
+
 def _lookup(row: dict, field: str):
   """row[field], or for "a.b" row[a][b] (None when missing)."""
   value = row
@@ -117,7 +177,17 @@ def render(name: str, table: Table, root: str = ROOT, at: str = "") -> str:
         f"expected {src.count or 'at least 1'}"
       )
     for n, row in rows:
-      row = dict({k: None for k in src.optional}, **row, _file=src.file)
+      row = dict({k: None for k in src.optional}, **row, _file=src.file, **conditions(row))
+      all_rows = None
+      for join, join_where in src.joins:
+        all_rows = read_rows(path) if all_rows is None else all_rows
+        hits = [r for _, r in all_rows if _matches(r, join_where)]
+        if len(hits) != 1:
+          raise ValueError(
+            f"{where_md}: {rel}: {len(hits)} rows match join {join!r} {list(join_where)}, "
+            "expected 1"
+          )
+        row[join] = hits[0]
       for name, a, b in src.ratios:  # b: a field, or a number (e.g. 2**20 for bytes -> MB)
         den = _lookup(row, b) if isinstance(b, str) else b  # "a.b": a nested field
         num = _lookup(row, a)
@@ -240,7 +310,8 @@ def _tables() -> dict:
 
 def index_rows(root: str = ROOT) -> list[dict]:
   """One row per file under experiments/results/ (and results/superseded/): the experiment,
-  command, commit, engine and date of its first line with provenance, and whether it is
+  command, commit, engine and date of its first line with provenance, every distinct command
+  of its lines (`commands`: a file that several runs appended to lists each), and whether it is
   current or superseded (table_specs.SUPERSEDED, table_specs.ENGINE)."""
   from experiments import table_specs
 
@@ -254,7 +325,15 @@ def index_rows(root: str = ROOT) -> list[dict]:
       continue
     row = {"file": name, "experiment": "-", "command": "-", "commit": "-", "date": "-"}
     if name.endswith(".jsonl"):
-      for _, r in read_rows(path):
+      rows_ = read_rows(path)
+      row["commands"] = list(
+        dict.fromkeys(
+          r.get("run_command") or p["command"]
+          for _, r in rows_
+          if (p := provenance_of(r)) is not None
+        )
+      )
+      for _, r in rows_:
         prov = provenance_of(r)
         if prov:
           command = r.get("run_command") or prov["command"]
@@ -294,12 +373,95 @@ def index_markdown(root: str = ROOT) -> str:
     "|---|---|---|---|---|---|---|",
   ]
   for r in index_rows(root):
-    cmd = r["command"] if r["command"] == "-" else "`" + r["command"].replace("|", "\\|") + "`"
+    cmds = r.get("commands") or []
+    cmd = "<br>".join("`" + c.replace("|", "\\|") + "`" for c in cmds) if cmds else "-"
     lines.append(
       f"| `{r['file']}` | {r['experiment']} | {cmd} | {r['commit']} | "
       f"{r['engine']} | {r['date']} | {r['status']} |"
     )
   return "\n".join(lines) + "\n"
+
+
+def _parse_command(command: str) -> str | None:
+  """None if `command` (python SCRIPT FLAGS... as a results line records it) parses with its
+  script's own flags, else what is wrong. run.py: a fresh set of its flags; any other script
+  runs as __main__ with absl's app.run and argparse's parse_args stopped right after they
+  parsed (nothing else runs: every script's main block only defines flags and calls one of
+  them), then its flags and the experiments modules it imported are removed again."""
+  import argparse
+  import runpy
+  import shlex
+
+  from absl import app, flags
+
+  argv = shlex.split(command)
+  if len(argv) < 2 or not argv[0].startswith("python"):
+    return "not a python command"
+  if argv[1] == "-":
+    return "ran from standard input (python -): no script reproduces it"
+  if argv[1] == "-m":
+    path, args = os.path.join(ROOT, *argv[2].split(".")) + ".py", argv[3:]
+  else:
+    path, args = os.path.join(ROOT, argv[1]), argv[2:]
+  if not path.endswith(".py") or not os.path.exists(path):
+    return f"{argv[1]}: no such script in the checkout"
+  if os.path.abspath(path) == os.path.join(ROOT, "run.py"):
+    from experiments import registry
+
+    fv = registry.run_module().define_flags(flags.FlagValues())
+    try:
+      fv([argv[1], *args])
+    except flags.Error as e:
+      return str(e)
+    return None
+
+  class _Parsed(Exception):
+    pass
+
+  def parse_absl(main, argv=None, **kwargs):
+    del main, kwargs
+    flags.FLAGS(argv or sys.argv)
+    raise _Parsed
+
+  def parse_argparse(self, a=None, namespace=None):
+    real_parse(self, a, namespace)
+    raise _Parsed
+
+  before_flags, before_modules = set(flags.FLAGS), set(sys.modules)
+  real_run, real_parse, real_argv = app.run, argparse.ArgumentParser.parse_args, sys.argv
+  app.run, argparse.ArgumentParser.parse_args = parse_absl, parse_argparse
+  sys.argv = [path, *args]
+  try:
+    runpy.run_path(path, run_name="__main__")
+  except _Parsed:
+    return None
+  except flags.Error as e:
+    return str(e)
+  except SystemExit as e:
+    return f"its parser refused it (exit {e.code})"
+  finally:
+    app.run, argparse.ArgumentParser.parse_args, sys.argv = real_run, real_parse, real_argv
+    flags.FLAGS.unparse_flags()
+    for name in set(flags.FLAGS) - before_flags:
+      delattr(flags.FLAGS, name)
+    for name in set(sys.modules) - before_modules:
+      if name.startswith("experiments."):
+        del sys.modules[name]
+  return "its main block never parsed the arguments"
+
+
+def command_problems(root: str = ROOT) -> list[str]:
+  """One line per command of a current results file (INDEX.md's) that does not parse with
+  its script's flags: a command that cannot reproduce its file."""
+  out = []
+  for r in index_rows(root):
+    if r["status"] != "current":
+      continue
+    for command in r.get("commands") or []:
+      problem = _parse_command(command)
+      if problem:
+        out.append(f"{r['file']}: `{command}`: {problem}")
+  return out
 
 
 # ---- experiments/README.md: one row per published table or figure ----
@@ -346,7 +508,17 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--check", action="store_true", help="report, do not rewrite")
   parser.add_argument("--index", action="store_true", help="(re)write results/INDEX.md only")
+  parser.add_argument(
+    "--check_commands",
+    action="store_true",
+    help="exit 1 naming each current results file's command that does not parse",
+  )
   args = parser.parse_args(argv)
+  if args.check_commands:
+    problems = command_problems()
+    for p in problems:
+      print(p)
+    return 1 if problems else 0
   index_path = os.path.join(ROOT, RESULTS, "INDEX.md")
   if args.index:
     with open(index_path, "w") as f:

@@ -186,3 +186,75 @@ def test_the_results_browser_has_a_cell_per_published_table_and_figure():
     cells = ["".join(c["source"]) for c in json.load(f)["cells"] if c["cell_type"] == "code"]
   for name in list(table_specs.TABLES) + list(table_specs.FIGURES):
     assert f"show({name!r})" in cells, name
+
+
+# Results lines that ran from standard input (`python -`) before commands were checked: no
+# script reproduces them, and INDEX.md says so. Listed here so that no new one can appear;
+# each goes when its file is re-measured by a script.
+STDIN_LINES = {"cpu_frontier_compiled_2026-11-30.jsonl", "cpu_long_context_2026-11-30.jsonl"}
+
+
+def test_every_current_files_commands_parse_with_their_scripts_flags():
+  """INDEX.md lists every distinct command of each file; each is the command that made its
+  lines, so each must parse with that script's flags today (a renamed or removed flag makes a
+  file unreproducible: bench_hybrid's --out and --reps once were)."""
+  import subprocess
+  import sys
+
+  out = subprocess.run(
+    [sys.executable, "-m", "experiments.tables", "--check_commands"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  problems = [line for line in out.stdout.splitlines() if line.strip()]
+  unexpected = [
+    p for p in problems if not (p.split(":", 1)[0] in STDIN_LINES and "standard input" in p)
+  ]
+  assert not unexpected, "\n".join(unexpected) + out.stderr[-2000:]
+  assert {p.split(":", 1)[0] for p in problems} <= STDIN_LINES
+
+
+def test_a_wrong_flag_is_named():
+  assert tables._parse_command("python run.py --workdir=/tmp/x") is None
+  assert "nonexistent_flag" in tables._parse_command("python run.py --nonexistent_flag=1")
+  assert "standard input" in tables._parse_command("python - --x=1")
+  assert "no such script" in tables._parse_command("python experiments/no_such.py")
+
+
+def test_headline_rows_state_their_conditions():
+  """Every headline row names its conditions from its own fields: the load when it ran and
+  whether the tree was clean (or says these were not recorded)."""
+  rendered = tables.render("headline", table_specs.TABLES["headline"])
+  rows = [r for r in rendered.splitlines() if r.startswith("| ") and "---" not in r][1:]
+  assert rows
+  header = rendered.splitlines()[0]
+  assert "conditions" in header
+  for row in rows:
+    cond = row.split(" | ")[2]
+    assert "load" in cond or "compiled" in cond, row
+    assert "tree" in cond or "compiled" in cond, row
+
+
+def test_conditions_come_from_the_row():
+  row = {"preset": "small", "reps": 5, "provenance": {"load_avg_1m": 0.5, "git_dirty": True}}
+  c = tables.conditions(row)
+  assert c["_load"] == "0.50" and c["_tree"] == "dirty tree" and c["_reps"] == "5"
+  assert c["_model"].startswith("small (4 layers, d=256, ")
+  bare = tables.conditions({"provenance": {"command": "python x.py --reps=3"}})
+  assert bare["_load"] == "-" and bare["_tree"] == "tree state not recorded"
+  assert bare["_reps"] == "3" and bare["_model"] == "-"
+
+
+def test_superseded_files_are_marked_so_everywhere():
+  """A file under results/superseded/ is superseded in INDEX.md (names its successor, which
+  exists) and a superseded file lives under superseded/."""
+  for r in tables.index_rows():
+    moved = r["file"].startswith("superseded/")
+    assert moved == (r["status"] != "current"), r
+    if moved:
+      later = table_specs.SUPERSEDED[os.path.basename(r["file"])]
+      assert any(
+        os.path.exists(os.path.join(ROOT, tables.RESULTS, d, later)) for d in ("", "superseded")
+      ), (r["file"], later)
