@@ -162,28 +162,42 @@ def sdpa_bottom_right(q_bNQH, k_bKSH, v_bKSH, key_valid_bS, scale=None, fast=Tru
 
 
 def peer_attention(
-  module, q_BNSH, k_BKSH, v_BKSH, attention_mask, *args, prefix_grouper, scaling=None, **kwargs
+  module,
+  q_BNSH,
+  k_BKSH,
+  v_BKSH,
+  attention_mask,
+  *args,
+  prefix_grouper,
+  scaling=None,
+  fast_attention=True,
+  **kwargs,
 ):
   """transformers' attention interface -> PrefixGrouper.forward with sdpa_bottom_right as the
   attention function (PrefixGrouper hands it padding masks [b, S], flash-attention-2's varlen
   convention). PrefixGrouper's own registration (prefix_grouper_attention) defaults to
   transformers' flash_attention_2, which a CPU lacks; its `sdpa` would read the [b, S] padding
-  mask as an attention mask (no causality), so this adapter is how it runs here."""
+  mask as an attention mask (no causality), so this adapter is how it runs here.
+  fast_attention=False: the explicit-mask twin throughout (profile_peer's before/after)."""
 
   def attn(q, k, v, key_valid_bS):
-    return sdpa_bottom_right(q, k, v, key_valid_bS, scale=scaling)
+    return sdpa_bottom_right(q, k, v, key_valid_bS, scale=scaling, fast=fast_attention)
 
   return prefix_grouper.forward(attn, q_BNSH, k_BKSH, v_BKSH), None
 
 
-def peer_step_fn(folder, batch, threads):
+def peer_step_fn(folder, batch, threads, fast_attention=True):
+  import functools
+
   import numpy as np
   import torch
   import transformers
   from prefix_grouper import PrefixGrouper
 
   torch.set_num_threads(threads)
-  transformers.AttentionInterface.register("prefix_grouper_sdpa", peer_attention)
+  transformers.AttentionInterface.register(
+    "prefix_grouper_sdpa", functools.partial(peer_attention, fast_attention=fast_attention)
+  )
   model = transformers.AutoModelForCausalLM.from_pretrained(
     folder, attn_implementation="prefix_grouper_sdpa", dtype=torch.float32
   )

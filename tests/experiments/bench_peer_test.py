@@ -198,9 +198,11 @@ def test_both_workers_get_the_same_malloc_tunables():
   assert on == {"GLIBC_TUNABLES": want, "PATH": "/bin"}
 
 
-def test_profile_peer_names_the_peers_time_by_class():
+@pytest.mark.parametrize("explicit_mask", [False, True])
+def test_profile_peer_names_the_peers_time_by_class(explicit_mask):
   """experiments/profile_peer.py on the tiny shape: PrefixGrouper's step by aten op, every op
-  in one of three classes, the classes summing to the traced time."""
+  in one of three classes, the classes summing to the traced time; the attention calls per step
+  by path (the fast paths, or with --explicit_mask the mask on all of them)."""
   rows = run_script(
     "experiments/profile_peer.py",
     "--preset=tiny",
@@ -209,9 +211,13 @@ def test_profile_peer_names_the_peers_time_by_class():
     "--branches=3",
     "--reps=1",
     "--trace_reps=1",
+    f"--explicit_mask={explicit_mask}",
   )
   (summary,) = [r for r in rows if r["kind"] == "summary"]
   classes = {r["op_class"]: r["ms_per_step"] for r in rows if r["kind"] == "class"}
   assert {"matmul", "attention"} <= set(classes) <= {"matmul", "attention", "elementwise"}
   assert abs(sum(classes.values()) - summary["traced_ms_per_step"]) < 0.5
   assert summary["step_s"] > 0 and rows[-1]["provenance"]["command"].startswith("python")
+  want = {"masked": 4} if explicit_mask else {"causal": 2, "lower_right": 2}
+  assert summary["attention_calls_per_step"] == want
+  assert (summary["n_layers"], summary["d_model"], summary["n_params"]) == (2, 32, 26784)
