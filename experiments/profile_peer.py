@@ -10,6 +10,15 @@ provenance), and the median step with the attention calls per step by path.
   pip install -r requirements-peer.txt
   python experiments/profile_peer.py --prefix_len=1024 --tail_len=512 --branches=8 \
       --out=experiments/results/profile_peer_cpu_T512_2026-12-04.jsonl
+  # after issue 45 (full strength) and the twin it replaced, at a small shape on a loaded
+  # machine (load ~11 on 2 cores): attention 1,037 vs 1,159 ms per step, elementwise 4,608 vs
+  # 6,066 (CPU self time; the step times, 8.8 vs 8.0 s, are the load's, not the method's)
+  python experiments/profile_peer.py --prefix_len=1024 --tail_len=128 --branches=8 --reps=3 \
+      --trace_reps=2 --explicit_mask=false \
+      --out=experiments/results/profile_peer_cpu_P1024_full_strength_2026-12-05.jsonl
+  python experiments/profile_peer.py --prefix_len=1024 --tail_len=128 --branches=8 --reps=3 \
+      --trace_reps=2 --explicit_mask=true \
+      --out=experiments/results/profile_peer_cpu_P1024_explicit_mask_2026-12-05.jsonl
 """
 
 from __future__ import annotations
