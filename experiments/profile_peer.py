@@ -1,13 +1,24 @@
 """Where PrefixGrouper's step goes, beside experiments/profile_replay.py's view of ours: the same
 model, weights, tokens and loss as experiments/bench_peer.py (its `write_inputs` and
-`peer_step_fn`), one torch.profiler trace of --trace_reps steps after two warm-up steps; every
-aten op's self CPU time per step, and the time by class: `matmul` (mm, bmm, addmm, linear),
-`attention` (scaled_dot_product_attention's forward and backward kernels), `elementwise`
-(every other op). One JSON line per class and per op (with provenance), and the median step.
+`peer_step_fn`: PrefixGrouper at full strength; --explicit_mask: the explicit-mask twin on every
+attention call, as bench_peer ran it before issue 45), one torch.profiler trace of --trace_reps
+steps after two warm-up steps; every aten op's self CPU time per step, and the time by class:
+`matmul` (mm, bmm, addmm, linear), `attention` (scaled_dot_product_attention's forward and
+backward kernels), `elementwise` (every other op). One JSON line per class and per op (with
+provenance), and the median step with the attention calls per step by path.
 
   pip install -r requirements-peer.txt
   python experiments/profile_peer.py --prefix_len=1024 --tail_len=512 --branches=8 \
       --out=experiments/results/profile_peer_cpu_T512_2026-12-04.jsonl
+  # after issue 45 (full strength) and the twin it replaced, at a small shape on a loaded
+  # machine (load ~11 on 2 cores): attention 1,037 vs 1,159 ms per step, elementwise 4,608 vs
+  # 6,066 (CPU self time; the step times, 8.8 vs 8.0 s, are the load's, not the method's)
+  python experiments/profile_peer.py --prefix_len=1024 --tail_len=128 --branches=8 --reps=3 \
+      --trace_reps=2 --explicit_mask=false \
+      --out=experiments/results/profile_peer_cpu_P1024_full_strength_2026-12-05.jsonl
+  python experiments/profile_peer.py --prefix_len=1024 --tail_len=128 --branches=8 --reps=3 \
+      --trace_reps=2 --explicit_mask=true \
+      --out=experiments/results/profile_peer_cpu_P1024_explicit_mask_2026-12-05.jsonl
 """
 
 from __future__ import annotations
@@ -35,6 +46,12 @@ def define_flags():
   flags.DEFINE_integer("trace_reps", 2, "steps under the profiler")
   flags.DEFINE_integer("top", 25, "ops reported")
   flags.DEFINE_string("out", "", "write the JSON lines here (else stdout only)")
+  flags.DEFINE_bool(
+    "explicit_mask",
+    False,
+    "the peer's attention with an explicit mask on every call (bench_peer's naive twin, the "
+    "bench before issue 45) instead of its fast paths",
+  )
 
 
 def op_class(name: str) -> str:
@@ -65,18 +82,22 @@ def main(argv):
 
   P, T, R = FLAGS.prefix_len, FLAGS.tail_len, FLAGS.branches
   with tempfile.TemporaryDirectory() as folder:
-    bench_peer.write_inputs(folder, P, T, R)
+    cfg = bench_peer.write_inputs(folder, P, T, R)
     batch = dict(np.load(os.path.join(folder, "batch.npz")))
-    step, _ = bench_peer.peer_step_fn(folder, batch, FLAGS.threads)
+    step, _ = bench_peer.peer_step_fn(
+      folder, batch, FLAGS.threads, fast_attention=not FLAGS.explicit_mask
+    )
     step(), step()  # warm-up
     times = []
     for _ in range(FLAGS.reps):
       t0 = time.perf_counter()
       step()
       times.append(time.perf_counter() - t0)
+    bench_peer.ATTENTION_CALLS.clear()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
       for _ in range(FLAGS.trace_reps):
         step()
+    calls = {k: n // FLAGS.trace_reps for k, n in bench_peer.ATTENTION_CALLS.items()}
   ops = sorted(
     (
       (e.key, e.self_cpu_time_total / 1e3 / FLAGS.trace_reps, e.count / FLAGS.trace_reps)
@@ -85,7 +106,16 @@ def main(argv):
     key=lambda x: -x[1],
   )
   total = sum(ms for _, ms, _ in ops)
-  shape = dict(prefix_len=P, tail_len=T, branches=R, preset=FLAGS.preset, dtype="float32")
+  shape = dict(
+    prefix_len=P,
+    tail_len=T,
+    branches=R,
+    preset=FLAGS.preset,
+    n_layers=cfg.n_layers,
+    d_model=cfg.d_model,
+    dtype="float32",
+    explicit_mask=FLAGS.explicit_mask,
+  )
   classes = {}
   for name, ms, _ in ops:
     classes[op_class(name)] = classes.get(op_class(name), 0.0) + ms
@@ -94,6 +124,8 @@ def main(argv):
       kind="summary",
       step_s=round(float(np.median(times)), 4),
       traced_ms_per_step=round(total, 1),
+      attention_calls_per_step=calls,
+      n_params=bench_peer.model_size(cfg)["n_params"],
       **shape,
     )
   ]
