@@ -123,21 +123,26 @@ def import_or_explain(name: str, needed_by: str) -> None:
           return
       except ModuleNotFoundError as e2:
         e = e2
-    where = _failing_file(e)
+    where = _failing_file(e, needed_by)
     raise PreflightFailed(
       f"no module named {e.name!r} (imported by {where}; {needed_by} needs {name}): this image "
       f"lacks it: install it there (requirements.txt pins it) or run on an image that has it"
     ) from None
 
 
-def _failing_file(e: BaseException) -> str:
-  """The last file of the traceback inside the checkout (else the last file): who imported it."""
-  frames = traceback.extract_tb(e.__traceback__)
-  ours = [f for f in frames if os.path.abspath(f.filename).startswith(ROOT + os.sep)]
-  frame = (ours or frames or [None])[-1]
-  if frame is None or "importlib" in frame.filename:
-    return "the check"
-  return f"{os.path.relpath(frame.filename, ROOT)}:{frame.lineno}"
+def _failing_file(e: BaseException, needed_by: str) -> str:
+  """The file whose import statement failed (the traceback's last frame outside importlib and
+  this module): a project file, or a package's own file when a dependency of it is absent."""
+  frames = [
+    f
+    for f in traceback.extract_tb(e.__traceback__)
+    if not f.filename.startswith("<") and os.path.abspath(f.filename) != os.path.abspath(__file__)
+  ]
+  if not frames:
+    return needed_by
+  path = os.path.abspath(frames[-1].filename)
+  shown = os.path.relpath(path, ROOT) if path.startswith(ROOT + os.sep) else path
+  return f"{shown}:{frames[-1].lineno}"
 
 
 def check_imports(scripts=SCRIPTS, extra=EXTRA_MODULES) -> dict:
