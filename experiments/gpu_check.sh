@@ -8,8 +8,8 @@
 # default 630 s, so the whole script ends within 11 minutes, compile included):
 #   0. the card (nvidia_smi_q.txt, env.txt)                                    ~5 s
 #   1. preflight (experiments/gpu_preflight.py): every module the later steps   <= 60 s
-#      import, jax/jaxlib/flax/optax versions, the card, one tiny compiled
-#      trainer step, the one-GPU row's shape from the card's memory; stops the
+#      import, jax/jaxlib/flax/optax versions, the card, one tiny compiled       (killed at
+#      trainer step, the one-GPU row's shape from the card's memory; stops the    90 s)
 #      script with one `preflight: FAILED: ...` line naming what is missing
 #   2. the one-GPU row (experiments/plan_1gpu.py --run): Llama-3-8B shapes,     <= 450 s
 #      R=16 x T=512, LoRA rank 16, bf16; P=131,072 on an H200 (warm-up + 1
@@ -26,6 +26,7 @@
 # 1 when a later step failed, else 0.
 # MFU = useful FLOPs (causal attention counted once) / (step seconds x 989 TFLOP/s, the
 # H100/H200 dense bf16 peak), computed by plan_1gpu.py.
+# The limits: BUDGET_S, PREFLIGHT_S, ONE_GPU_S, FUSED_S (seconds) override the defaults.
 # SMOKE=1: the same steps at tiny shapes on a CPU (JAX_PLATFORMS=cpu unless set; the fused
 # check runs tokamax's contract in plain jax), with limits for a slow shared CPU.
 set -uo pipefail
@@ -53,7 +54,7 @@ if [ "$SMOKE" = 1 ]; then  # a loaded CPU compiles far slower than the card
   BUDGET_S=${BUDGET_S:-2400} PREFLIGHT_S=${PREFLIGHT_S:-300} ONE_GPU_S=${ONE_GPU_S:-900}
   FUSED_S=${FUSED_S:-600}
 else
-  BUDGET_S=${BUDGET_S:-630} PREFLIGHT_S=${PREFLIGHT_S:-60} ONE_GPU_S=${ONE_GPU_S:-450}
+  BUDGET_S=${BUDGET_S:-630} PREFLIGHT_S=${PREFLIGHT_S:-90} ONE_GPU_S=${ONE_GPU_S:-450}
   FUSED_S=${FUSED_S:-90}
 fi
 MIN_STEP_S=30
@@ -107,8 +108,9 @@ cat "$OUT/env.txt"
 # 1. Preflight: stops here, with its one line, when anything is missing.
 smoke_flag=()
 [ "$SMOKE" = 1 ] && smoke_flag=(--smoke)
-if ! run_step preflight "$PREFLIGHT_S" "$PY" experiments/gpu_preflight.py "${smoke_flag[@]}" \
-  --out="$OUT/preflight.jsonl" --shape_out="$OUT/shape.env"; then
+if ! run_step preflight "$PREFLIGHT_S" "$PY" experiments/gpu_preflight.py \
+  ${smoke_flag[@]+"${smoke_flag[@]}"} --out="$OUT/preflight.jsonl" --shape_out="$OUT/shape.env"
+then
   echo "gpu_check: stopped after the preflight (its FAILED line above says why)" | tee -a "$LOG"
   exit 2
 fi

@@ -77,7 +77,9 @@ def test_imports_of_a_script_include_function_level_and_skip_guarded_ones(tmp_pa
   ]
 
 
-def test_a_missing_module_stops_the_preflight_with_one_line_naming_it(tmp_path, capsys):
+def test_a_missing_module_stops_the_preflight_with_one_line_naming_it(
+  tmp_path, capsys, monkeypatch
+):
   """A module imported inside a function of a later step's script, and one imported by a
   module that script imports: the preflight exits 2 with one FAILED line naming the absent
   module, the file whose import failed and the script that needs it (nothing compiled)."""
@@ -96,16 +98,24 @@ def test_a_missing_module_stops_the_preflight_with_one_line_naming_it(tmp_path, 
   (pkg / "__init__.py").write_text("")
   (pkg / "mod.py").write_text("import json\nimport missing_dependency_abc\n")
   script.write_text("from gpu_check_fake_pkg import mod\n")
-  sys.path.insert(0, str(tmp_path))
+  monkeypatch.syspath_prepend(str(tmp_path))
   try:
     with pytest.raises(gpu_preflight.PreflightFailed) as e:
       gpu_preflight.check_imports([str(script)], extra=())
   finally:
-    sys.path.remove(str(tmp_path))
     sys.modules.pop("gpu_check_fake_pkg", None)
   message = str(e.value)
   assert message.startswith("no module named 'missing_dependency_abc' (imported by ")
   assert "mod.py:2" in message and "needs gpu_check_fake_pkg.mod" in message
+
+
+def test_without_a_gpu_the_preflight_stops_naming_the_backend(tmp_path, capsys):
+  """Not SMOKE and jax on its CPU: one line saying so, exit 2, no shape file for the row."""
+  shape = tmp_path / "shape.env"
+  assert gpu_preflight.main([f"--shape_out={shape}"]) == 2
+  out = capsys.readouterr().out
+  assert "preflight: FAILED: jax's backend is 'cpu', not 'gpu'" in out
+  assert not shape.exists()
 
 
 def test_the_later_steps_imports_are_all_here():
