@@ -34,13 +34,18 @@ def _git(*args: str) -> str | None:
 
 @functools.lru_cache(maxsize=1)
 def git_info() -> dict:
-  """Commit and dirty flag of the checkout this code runs from (None outside git)."""
+  """Commit and dirty flag of the checkout this code runs from. A copy of the tree without
+  `.git` (a device machine's) takes the commit from the GIT_COMMIT environment variable
+  (gpu_check.sh passes it on), marked `git_commit_from: env`; None where neither exists."""
   status = _git("status", "--porcelain", "--untracked-files=no")
-  return {
+  info = {
     "git_commit": _git("rev-parse", "HEAD"),
     "git_branch": _git("rev-parse", "--abbrev-ref", "HEAD"),
     "git_dirty": None if status is None else bool(status),
   }
+  if info["git_commit"] is None and os.environ.get("GIT_COMMIT", "unknown") != "unknown":
+    info.update(git_commit=os.environ["GIT_COMMIT"], git_commit_from="env")
+  return info
 
 
 def cpu_info() -> dict:

@@ -70,6 +70,7 @@ KINDS = {
     "base": "experiments/configs/base.py: the model and schedule the run configs share",
     "hlo_collectives": "the collectives of a compiled HLO module, counted as executed",
     "gpu_target": "compile for a GPU with no GPU (XLA:GPU deviceless AOT): the memory plans",
+    "gpu_preflight": "gpu_check.sh's first step: imports, versions, the card, the one-GPU shape",
   },
 }
 

@@ -194,7 +194,10 @@ TABLES = {
         "plan_1gpu_gpu_aot_causal_2026-12-05.jsonl",
         (
           "the seed's 16 x 131,072 positions on ONE GPU: Llama-3-8B, LoRA r16, bf16 base, one "
-          "RL update compiled by XLA's GPU compiler for an H200 (no GPU run yet)",
+          "RL update (`plan_1gpu.py`'s LoRA step: loss, gradient, AdamW; not sampling or its KV "
+          "cache) compiled by XLA's GPU compiler for an H200, held against the card; "
+          "`gpu_check.sh` gives JAX 95% of it and runs this row there (P=65,536 on an H100); "
+          "no GPU run yet",
           "{total_gb:.1f} GB of 141 (within 90%: {fits_with_headroom[H200]})",
           "Llama-3-8B shapes ({n_layers} layers), base {base_dtype}, adapters {adapter_dtype}, compute {compute_dtype}, remat {remat}, P={P:,}, R={R}, T={T}; compiled, not run",
           "`{_file}`",

@@ -1,6 +1,6 @@
 """experiments/plan_1gpu.py: the plan's model options, its step-time arithmetic against a hand
-computation, bad input; and (slow) gpu_check.sh's one-GPU row with SMOKE=1 at tiny shapes, and
-a compile-only row in a subprocess."""
+computation, bad input; and (slow) a compile-only row in a subprocess. gpu_check.sh's run of
+its one-GPU row: tests/experiments/gpu_check_test.py."""
 
 import json
 import os
@@ -41,41 +41,6 @@ def test_step_time_at_mfu_is_useful_flops_over_the_peak():
   assert out["step_s"]["H200"]["mfu_40"] == round(6 * macs / (0.4 * 989e12), 1)
   assert out["step_s"]["H20"]["mfu_60"] == round(6 * macs / (0.6 * 148e12), 1)
   assert out["step_s"]["H200"]["cost_model"] > out["step_s"]["H200"]["mfu_60"]  # remat, flash
-
-
-@pytest.mark.slow  # two subprocess compiles of the tiny step (~1-2 min on the loaded machine)
-def test_gpu_check_one_gpu_row_smoke_on_cpu(tmp_path):
-  """gpu_check.sh with SMOKE=1 ONE_GPU_ONLY=1: the fused check, then the one-GPU row at tiny
-  shapes writes the card's report and a run row with finite losses, step time and MFU
-  fields (memory_stats: None on the CPU)."""
-  out = subprocess.run(
-    ["bash", "experiments/gpu_check.sh"],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    env={
-      **os.environ,
-      "SMOKE": "1",
-      "ONE_GPU_ONLY": "1",
-      "OUT": str(tmp_path),
-      "JAX_PLATFORMS": "cpu",
-    },
-  )
-  assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
-  (check,) = [json.loads(l) for l in open(tmp_path / "fused_check.jsonl")]
-  assert check["passed"]
-  lines = [json.loads(l) for l in open(tmp_path / "one_gpu_8b.jsonl")]
-  assert [l["kind"] for l in lines] == ["compiled", "step", "step", "step", "run"]
-  assert lines[0]["compile_s"] > 0 and lines[0]["compiled_total_gb"] is not None
-  assert [l["step"] for l in lines[1:4]] == [0, 1, 2] and lines[1]["warm_up"]
-  row = lines[-1]
-  assert row["model"] == "tiny" and row["P"] == 64
-  assert row["step_times"] == [l["seconds"] for l in lines[2:4]]
-  assert row["finite"] and len(row["losses"]) == 3 and len(row["step_times"]) == 2
-  assert row["step_s"] > 0 and row["useful_pflop"] >= 0 and "mfu" in row and "peak_gb" in row
-  assert row["provenance"]["git_commit"]
-  assert (tmp_path / "nvidia_smi_q.txt").read_text()
-  assert not (tmp_path / "gpu_bench.jsonl").exists()  # ONE_GPU_ONLY stopped after the row
 
 
 def test_gpu_target_compiles_for_an_h200_without_one():

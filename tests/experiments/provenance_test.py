@@ -33,6 +33,26 @@ def test_writer_lines_carry_commit_command_jax_machine_and_date(tmp_path):
     assert p["cpu_isa"] in ("avx512f", "avx2", "avx", "sse4_2", None) and "cpu_model" in p
 
 
+def test_a_tree_without_git_takes_the_commit_from_git_commit(monkeypatch):
+  """A copy of the checkout without .git (a device machine's): the commit gpu_check.sh passes
+  in GIT_COMMIT, marked as such; neither: None, as before."""
+  monkeypatch.setattr(provenance, "_git", lambda *args: None)
+  provenance.git_info.cache_clear()
+  try:
+    monkeypatch.setenv("GIT_COMMIT", "0123abc")
+    info = provenance.git_info()
+    assert info["git_commit"] == "0123abc" and info["git_commit_from"] == "env"
+    assert info["git_dirty"] is None
+    provenance.git_info.cache_clear()
+    monkeypatch.setenv("GIT_COMMIT", "unknown")
+    assert provenance.git_info()["git_commit"] is None
+    provenance.git_info.cache_clear()
+    monkeypatch.delenv("GIT_COMMIT")
+    assert provenance.git_info() == {"git_commit": None, "git_branch": None, "git_dirty": None}
+  finally:
+    provenance.git_info.cache_clear()
+
+
 def _fake_workdir(tmp_path):
   from branch_replay import config as config_lib
   from experiments.configs import grpo_haystack

@@ -123,8 +123,8 @@ def test_fused_replay_gradient_matches_blockwise_float64(reference):
 
 @pytest.mark.slow  # three subprocess benches: > 15 min on the loaded 2-core machine
 def test_gpu_check_smoke_on_cpu(tmp_path):
-  """experiments/gpu_check.sh with SMOKE=1: the fused-vs-blockwise check (reference kernel)
-  passes and the bench writes a blockwise row and a fused row that records the refusal."""
+  """experiments/gpu_check.sh with SMOKE=1 EXTRA=1: the fused-vs-blockwise check (reference
+  kernel) passes and the bench writes a blockwise row and a fused row that records the refusal."""
   import json
   import os
   import subprocess
@@ -135,7 +135,7 @@ def test_gpu_check_smoke_on_cpu(tmp_path):
     cwd=root,
     capture_output=True,
     text=True,
-    env={**os.environ, "SMOKE": "1", "OUT": str(tmp_path), "JAX_PLATFORMS": "cpu"},
+    env={**os.environ, "SMOKE": "1", "EXTRA": "1", "OUT": str(tmp_path), "JAX_PLATFORMS": "cpu"},
   )
   assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
   (check,) = [json.loads(l) for l in open(tmp_path / "fused_check.jsonl")]
