@@ -179,14 +179,16 @@ TABLES = {
         1,
       ),
       Source(
-        "plan_1gpu_gpu_aot_causal_2026-12-05.jsonl",
+        "plan_1gpu_trainer_step_2026-12-05.jsonl",
         (
-          "the seed's 16 x 131,072 positions on ONE GPU: Llama-3-8B, LoRA r16, bf16 base, one "
-          "RL update compiled by XLA's GPU compiler for an H200 (no GPU run yet)",
-          "{total_gb:.1f} GB of 141 (within 90%: {fits_with_headroom[H200]})",
+          "the seed's 16 x 131,072 positions on ONE GPU: Llama-3-8B, LoRA r16, bf16 base, the "
+          "trainer's RL step (GRPO + KL) compiled by XLA's GPU compiler for an H200 (no GPU "
+          "run yet)",
+          "{total_gb:.1f} GB of {usable_gb[H200]:.1f} usable at memory fraction "
+          "{mem_fraction} (within 90%: {fits_with_headroom[H200]})",
           "`{_file}`",
         ),
-        ("model=llama3_8b", "P=131072"),
+        ("model=llama3_8b", "P=131072", "target=H200"),
         1,
       ),
       Source(
@@ -1007,13 +1009,13 @@ TABLES = {
       "model",
       "P",
       "compiled GB, XLA:GPU for H200: total (arguments / temporaries)",
-      "within 90% of H200 / H20 / H100",
+      "within 90% of the memory JAX is given (0.95 of the card): H200 / H20 / H100",
       "GPU estimate GB (bf16, analytic)",
       "step s on one H200: 40% / 60% MFU / cost model",
     ),
     (
       Source(
-        "plan_1gpu_gpu_aot_causal_2026-12-05.jsonl",
+        "plan_1gpu_trainer_step_2026-12-05.jsonl",
         (
           "{model}",
           "{P:,}",
@@ -1023,7 +1025,7 @@ TABLES = {
           "{prediction[step_s][H200][mfu_40]:.1f} / {prediction[step_s][H200][mfu_60]:.1f} / "
           "{prediction[step_s][H200][cost_model]:.1f}",
         ),
-        ("kind=row",),
+        ("kind=row", "target=H200"),
       ),
     ),
   ),
@@ -1063,6 +1065,7 @@ SUPERSEDED = {
   "default_run_2026-12-04.jsonl": "default_run_flat_2026-12-04.jsonl",
   "plan_1gpu_gpu_aot_2026-12-04.jsonl": "plan_1gpu_gpu_aot_flat_2026-12-04.jsonl",
   "plan_1gpu_gpu_aot_flat_2026-12-04.jsonl": "plan_1gpu_gpu_aot_causal_2026-12-05.jsonl",
+  "plan_1gpu_gpu_aot_causal_2026-12-05.jsonl": "plan_1gpu_trainer_step_2026-12-05.jsonl",
   "default_run_2026-12-04.png": "default_run_flat_2026-12-04.png",
   "tree_cpu_2026-11-30.jsonl": "tree_cpu_2026-12-01.jsonl",
   "tree_cpu_2026-12-01.jsonl": "tree_cpu_2026-12-02.jsonl",
