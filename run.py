@@ -27,6 +27,7 @@ large CPU buffers on transparent huge pages: the small CPU step -9%;
 branch_replay/train/hugepages.py); BRANCH_REPLAY_HUGEPAGES=0 declines it.
 """
 
+import dataclasses
 import glob
 import os
 import shutil
@@ -81,7 +82,9 @@ def define_flags(fv: flags.FlagValues) -> flags.FlagValues:
     "model_dtype",
     "float32",
     ["float32", "bfloat16"],
-    "compute dtype of --model_dir (parameters and AdamW state stay float32)",
+    "compute dtype of --model_dir; with LoRA (lora.rank > 0) also the frozen base's dtype "
+    "(bfloat16: loaded as bf16, adapters and their AdamW state float32); without LoRA the "
+    "parameters and AdamW state stay float32",
     flag_values=fv,
   )
   flags.DEFINE_bool(
@@ -151,23 +154,42 @@ def config_from(fv):
   overrides += [f"mesh={fv.mesh}"] if fv.mesh is not None else []
   base, init_params, tokenizer = module.get_config(), None, None
   if fv.model_dir:  # an imported Hugging Face checkpoint (models/hf.py) replaces the model
-    import dataclasses
     from branch_replay.data import tokenizer as tokenizer_lib
     from models import gguf  # an HF folder (models/hf.py) or a GGUF file (models/gguf.py)
+    from models import hf
 
-    try:
-      model_cfg, init_params = gguf.load_model(fv.model_dir, dtype=fv.model_dtype)
+    try:  # the config first: the overrides decide the dtype the weights are loaded in
+      hf_config = gguf.read_model_config(fv.model_dir)
+      model_cfg = hf.config_from_hf(hf_config, fv.model_dtype)
       tokenizer = tokenizer_lib.from_model_dir(
-        fv.model_dir, gguf.read_model_config(fv.model_dir), char_tokenizer=fv.char_tokenizer
+        fv.model_dir, hf_config, char_tokenizer=fv.char_tokenizer
       )
     except ValueError as e:
       raise app.UsageError(f"--model_dir={fv.model_dir}: {e}")
     base = dataclasses.replace(base, model=model_cfg)
   try:
     cfg = config_lib.apply_overrides(base, overrides)
+    if fv.model_dir:
+      cfg = _lora_base_dtype(cfg, fv.model_dtype, overrides)
   except ValueError as e:
     raise app.UsageError(str(e))
+  if fv.model_dir:
+    try:  # tensor by tensor in cfg.model.param_dtype: a bf16 base never exists as float32
+      _, init_params = gguf.load_model(
+        fv.model_dir, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype
+      )
+    except ValueError as e:
+      raise app.UsageError(f"--model_dir={fv.model_dir}: {e}")
   return cfg, init_params, tokenizer
+
+
+def _lora_base_dtype(cfg, model_dtype: str, overrides):
+  """With LoRA the frozen base is stored in --model_dtype (bf16: half a float32 copy's
+  memory; the adapters and their AdamW state stay float32, models/lora.py:adapter_dtype);
+  full fine-tuning keeps float32 masters. An explicit --set=model.param_dtype wins."""
+  if not cfg.lora.enabled or any(o.strip().startswith("model.param_dtype=") for o in overrides):
+    return cfg
+  return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, param_dtype=model_dtype))
 
 
 def main(argv):

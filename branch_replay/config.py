@@ -240,6 +240,7 @@ class Config:
     self._check_sampler()
     if self.lora.enabled:
       lora_lib.adapter_shapes(self.model, self.lora)  # targets on no layer: ValueError
+    self._check_param_dtype()
     if self.replay.auto_tree and self.tree.fanouts:
       raise ValueError(
         f"tree.fanouts={self.tree.fanouts!r} with replay.auto_tree=true: sampled trees are "
@@ -253,6 +254,20 @@ class Config:
       )
     if self.mesh and not re.fullmatch(r"[a-z]+:\d+(,[a-z]+:\d+)*", self.mesh):
       raise ValueError(f"mesh={self.mesh!r}: expected '' or 'axis:size,...' e.g. 'data:2,fsdp:2'")
+
+  def _check_param_dtype(self):
+    """A bf16 model.param_dtype is the frozen LoRA base stored as bf16 (adapters and their
+    AdamW state in float32, models/lora.py:adapter_dtype). bf16 masters for full fine-tuning
+    are refused: an AdamW update at a fine-tuning learning rate is below bf16's resolution and
+    rounds away. (LoRA with a value model, PPO, is refused by the algorithm's check.)"""
+    if self.model.param_dtype != "bfloat16":
+      return
+    if not self.lora.enabled:
+      raise ValueError(
+        "model.param_dtype='bfloat16' with lora.rank=0: bf16 master weights for full "
+        "fine-tuning are not supported (updates round away); expected "
+        "model.param_dtype='float32', or LoRA (lora.rank > 0) over a frozen bf16 base"
+      )
 
   def _check_task(self):
     """What the task states of its rollouts (tasks.Task: `algorithm`, `turns`) against the

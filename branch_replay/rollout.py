@@ -162,7 +162,15 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
   a = cfg.algo
   phase_s = dict.fromkeys(("data", "generate", "reward"), 0.0)  # summed over the rounds
   draw = functools.partial(
-    _draw, fns, weights(state, cfg.lora), state, task, cfg, step, tok, phase_s
+    _draw,
+    fns,
+    weights(state, cfg.lora, cfg.model.compute_dtype),
+    state,
+    task,
+    cfg,
+    step,
+    tok,
+    phase_s,
   )
   if a.dynamic_sampling:
     rows, rewards_BR, stats = dynamic_sample(draw, cfg.train.batch_size, a.max_sample_rounds)

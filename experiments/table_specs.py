@@ -191,18 +191,20 @@ TABLES = {
         joins=(("p2048", ("prefix_len=2048",)), ("t512", ("tail_len=512",))),
       ),
       Source(
-        "plan_1gpu_gpu_aot_causal_2026-12-05.jsonl",
+        "plan_1gpu_trainer_step_2026-12-05.jsonl",
         (
-          "the seed's 16 x 131,072 positions on ONE GPU: Llama-3-8B, LoRA r16, bf16 base, one "
-          "RL update (`plan_1gpu.py`'s LoRA step: loss, gradient, AdamW; not sampling or its KV "
-          "cache) compiled by XLA's GPU compiler for an H200, held against the card; "
-          "`gpu_check.sh` gives JAX 95% of it and runs this row there (P=65,536 on an H100); "
-          "no GPU run yet",
-          "{total_gb:.1f} GB of 141 (within 90%: {fits_with_headroom[H200]})",
-          "Llama-3-8B shapes ({n_layers} layers), base {base_dtype}, adapters {adapter_dtype}, compute {compute_dtype}, remat {remat}, P={P:,}, R={R}, T={T}; compiled, not run",
+          "the seed's 16 x 131,072 positions on ONE GPU: Llama-3-8B, LoRA r16, bf16 base, the "
+          "trainer's RL step (GRPO + KL: loss, gradient, AdamW; not sampling or its KV cache) "
+          "compiled by XLA's GPU compiler for an H200, held against the memory `gpu_check.sh` "
+          "gives JAX there (the fraction in the row; it runs this row on the card it finds, "
+          "P=65,536 on an H100); no GPU run yet",
+          "{total_gb:.1f} GB of {usable_gb[H200]:.1f} usable at memory fraction "
+          "{mem_fraction} (within 90%: {fits_with_headroom[H200]})",
+          "Llama-3-8B shapes ({n_layers} layers), base {base_dtype}, adapters {adapter_dtype}, "
+          "compute {compute_dtype}, remat {remat}, P={P:,}, R={R}, T={T}; compiled, not run",
           "`{_file}`",
         ),
-        ("model=llama3_8b", "P=131072"),
+        ("model=llama3_8b", "P=131072", "target=H200"),
         1,
       ),
       Source(
@@ -1028,13 +1030,13 @@ TABLES = {
       "model",
       "P",
       "compiled GB, XLA:GPU for H200: total (arguments / temporaries)",
-      "within 90% of H200 / H20 / H100",
+      "within 90% of the memory JAX is given (0.95 of the card): H200 / H20 / H100",
       "GPU estimate GB (bf16, analytic)",
       "step s on one H200: 40% / 60% MFU / cost model",
     ),
     (
       Source(
-        "plan_1gpu_gpu_aot_causal_2026-12-05.jsonl",
+        "plan_1gpu_trainer_step_2026-12-05.jsonl",
         (
           "{model}",
           "{P:,}",
@@ -1044,7 +1046,7 @@ TABLES = {
           "{prediction[step_s][H200][mfu_40]:.1f} / {prediction[step_s][H200][mfu_60]:.1f} / "
           "{prediction[step_s][H200][cost_model]:.1f}",
         ),
-        ("kind=row",),
+        ("kind=row", "target=H200"),
       ),
     ),
   ),
@@ -1084,6 +1086,7 @@ SUPERSEDED = {
   "default_run_2026-12-04.jsonl": "default_run_flat_2026-12-04.jsonl",
   "plan_1gpu_gpu_aot_2026-12-04.jsonl": "plan_1gpu_gpu_aot_flat_2026-12-04.jsonl",
   "plan_1gpu_gpu_aot_flat_2026-12-04.jsonl": "plan_1gpu_gpu_aot_causal_2026-12-05.jsonl",
+  "plan_1gpu_gpu_aot_causal_2026-12-05.jsonl": "plan_1gpu_trainer_step_2026-12-05.jsonl",
   "default_run_2026-12-04.png": "default_run_flat_2026-12-04.png",
   "tree_cpu_2026-11-30.jsonl": "tree_cpu_2026-12-01.jsonl",
   "tree_cpu_2026-12-01.jsonl": "tree_cpu_2026-12-02.jsonl",

@@ -132,13 +132,21 @@ def _shapes(cfg: tfm.ModelConfig, lora: LoraConfig):
   return tuple(out)
 
 
+def adapter_dtype(cfg: tfm.ModelConfig):
+  """The adapters' (and so their AdamW state's) dtype: the base's param_dtype, at least
+  float32. A bf16 base (the frozen weights stored as the checkpoint holds them) trains float32
+  adapter masters: a bf16 update at a fine-tuning learning rate would round away; a float64
+  base (the equivalence tests) keeps float64 adapters."""
+  return jnp.promote_types(tfm.DTYPES[cfg.param_dtype], jnp.float32)
+
+
 def init_adapters(cfg: tfm.ModelConfig, lora: LoraConfig, key: jax.Array):
   """A ~ U(-1/sqrt(in), 1/sqrt(in)) (PEFT's kaiming-uniform default), B = 0: the adapted
-  model starts as the base. In the model's param_dtype (float32 masters)."""
+  model starts as the base. In `adapter_dtype(cfg)` (float32 masters over a bf16 base)."""
   if not lora.enabled:
     raise ValueError("lora.rank=0: LoRA is off; set lora.rank > 0 to build adapters")
   shapes = adapter_shapes(cfg, lora)
-  dtype = tfm.DTYPES[cfg.param_dtype]
+  dtype = adapter_dtype(cfg)
   keys = iter(jax.random.split(key, cfg.n_layers * len(lora.targets)))
   out = {}
   for layer, targets in shapes.items():
@@ -157,9 +165,19 @@ def delta(adapter, shape, scale: float):
   return (scale * (adapter["a"] @ adapter["b"])).reshape(shape)
 
 
-def merge(base, adapters, lora: LoraConfig):
+def add_delta(w, d, dtype=None):
+  """W + delta, the sum in the wider of the two dtypes (a bf16 base with float32 adapters:
+  W + delta rounded once), stored in the wider of W's dtype and `dtype` (the compute dtype;
+  None: W's). For equal dtypes the plain sum."""
+  return (w + d).astype(w.dtype if dtype is None else jnp.promote_types(w.dtype, dtype))
+
+
+def merge(base, adapters, lora: LoraConfig, dtype=None):
   """The weights the adapted model runs: base with W + scale * A @ B at every target (a
-  gated attention's q adapter split into its query and gate halves)."""
+  gated attention's q adapter split into its query and gate halves). dtype: the compute
+  dtype; the merged weights in the wider of it and the base's (as the model merges them in
+  each layer, transformer.merge_adapters: a bf16 base under bf16 compute stays bf16, no
+  float32 copy of the model); None: the base's dtype."""
   out = dict(base)
   for layer, targets in adapters.items():
     out[layer] = dict(base[layer])
@@ -169,10 +187,10 @@ def merge(base, adapters, lora: LoraConfig):
         D, N, H = w.shape
         d_DN2H = delta(adapter, (D, N, 2, H), lora.scale)
         g = base[layer]["q_gate"]
-        out[layer]["q_gate"] = g + d_DN2H[:, :, 1].astype(g.dtype)
-        out[layer][t] = w + d_DN2H[:, :, 0].astype(w.dtype)
+        out[layer]["q_gate"] = add_delta(g, d_DN2H[:, :, 1], dtype)
+        out[layer][t] = add_delta(w, d_DN2H[:, :, 0], dtype)
       else:
-        out[layer][t] = w + delta(adapter, w.shape, lora.scale).astype(w.dtype)
+        out[layer][t] = add_delta(w, delta(adapter, w.shape, lora.scale), dtype)
   return out
 
 
@@ -344,7 +362,7 @@ def load_peft(
   shapes = adapter_shapes(cfg, found)
   expected = set()
   adapters = {}
-  dtype = tfm.DTYPES[cfg.param_dtype]
+  dtype = adapter_dtype(cfg)
   for (layer, t), module in names.items():
     if t not in found.targets:
       continue

@@ -381,15 +381,19 @@ def _remat(fn, cfg: ModelConfig):
 ADAPTERS = "lora"  # a layer's LoRA adapters beside its weights (models/lora.py: attach)
 
 
-def merge_adapters(layer_params):
-  """A layer's weights with its attached adapters merged: W + scale * A @ B in W's layout and
-  dtype (models/lora.py: the same arithmetic as lora.merge); unchanged without adapters."""
+def merge_adapters(layer_params, compute_dtype):
+  """A layer's weights with its attached adapters merged: W + scale * A @ B in W's layout, the
+  sum in the adapters' precision, stored in the wider of W's dtype and the compute dtype (a
+  bf16 base with float32 adapters: one rounding to bf16 under bf16 compute, none under
+  float32, whose weight cotangents then stay float32); the same arithmetic as lora.merge
+  with its `dtype` (lora.add_delta); unchanged without adapters."""
   if ADAPTERS not in layer_params:
     return layer_params
   out = {k: v for k, v in layer_params.items() if k != ADAPTERS}
   for t, ab in layer_params[ADAPTERS].items():
     w = out[t]
-    out[t] = w + (ab["scale"] * (ab["a"] @ ab["b"])).reshape(w.shape).astype(w.dtype)
+    d = (ab["scale"] * (ab["a"] @ ab["b"])).reshape(w.shape)
+    out[t] = (w + d).astype(jnp.promote_types(w.dtype, compute_dtype))
   return out
 
 
@@ -409,14 +413,24 @@ def run_layers(params, cfg: ModelConfig, x_BTD, positions_BT, valid_BT, context=
       return _remat(
         lambda layer_params, x_BTD, state: deltanet.GatedDeltaNetBlock(
           cfg, index, parent=None
-        ).apply({"params": merge_adapters(layer_params)}, x_BTD, positions_BT, valid_BT, state),
+        ).apply(
+          {"params": merge_adapters(layer_params, cfg.compute_dtype)},
+          x_BTD,
+          positions_BT,
+          valid_BT,
+          state,
+        ),
         cfg,
       )
 
     def fn(layer_params, x_BTD, key_arrays):  # only arrays cross jax.checkpoint
       segments = [attention.KeySegment(*arrays) for arrays in key_arrays]
       return Block(cfg, index, parent=None).apply(
-        {"params": merge_adapters(layer_params)}, x_BTD, positions_BT, valid_BT, segments
+        {"params": merge_adapters(layer_params, cfg.compute_dtype)},
+        x_BTD,
+        positions_BT,
+        valid_BT,
+        segments,
       )
 
     remat_fn = _remat(fn, cfg)

@@ -85,7 +85,7 @@ class Algorithm:
     """replay.verify: the first phase batch through replay and the naive twin at the RL
     objective (raises on a gap beyond `tol`, default `verify.tolerance`); its metrics."""
     return verify.check(
-      train_state.weights(state, self.cfg.lora),
+      train_state.weights(state, self.cfg.lora, self.cfg.model.compute_dtype),
       batch,
       self.cfg.model,
       steps.rl_loss_config(self.cfg),
@@ -104,12 +104,12 @@ class Algorithm:
     """The mean reward of greedy completions (one per prompt; trees: one path)."""
     if self.cfg.train.eval_batch or self.cfg.train.eval_shared_prefix:
       return float(np.mean(self.evaluate_all(state, examples)))
-    params = train_state.weights(state, self.cfg.lora)
+    params = train_state.weights(state, self.cfg.lora, self.cfg.model.compute_dtype)
     return rollout.greedy_reward(self.fns, params, self.task, examples, self.cfg, self.tok)
 
   def evaluate_all(self, state, examples) -> np.ndarray:
     """The reward of each prompt's greedy completion (`rollout.greedy_rewards`)."""
-    params = train_state.weights(state, self.cfg.lora)
+    params = train_state.weights(state, self.cfg.lora, self.cfg.model.compute_dtype)
     return rollout.greedy_rewards(self.fns, params, self.task, examples, self.cfg, self.tok)
 
   def restore_template(self, state, step: int) -> dict:

@@ -108,8 +108,24 @@ def place(tree, kind: str, cfg: Config):
 def init_state(cfg: Config, init_params=None, init_adapters=None) -> TrainState:
   """Shapes first (eval_shape), then placement, then the arrays (created where they live).
   init_params (e.g. an imported checkpoint, `models.hf.load`) replace the random init. With
-  LoRA they are the frozen base; the adapters start as PEFT's init (B = 0: the base), or as
-  init_adapters (an imported PEFT adapter, `models.lora.load_peft`)."""
+  LoRA they are the frozen base (in model.param_dtype: bf16 for a bf16 base); the adapters
+  start as PEFT's init (B = 0: the base), or as init_adapters (an imported PEFT adapter,
+  `models.lora.load_peft`), in `lora.adapter_dtype` (float32 over a bf16 base)."""
+  init = _check_init(cfg, init_params, init_adapters)
+  shapes = jax.eval_shape(init, init_params, init_adapters)
+  return jax.jit(init, out_shardings=shardings(shapes, "state", cfg))(init_params, init_adapters)
+
+
+def abstract_state(cfg: Config, init_params=None, init_adapters=None) -> TrainState:
+  """The TrainState init_state builds, as ShapeDtypeStructs (jax.eval_shape: nothing
+  allocated; init_params may themselves be ShapeDtypeStructs): what an ahead-of-time compile
+  of the train step takes (experiments/plan_1gpu.py)."""
+  return jax.eval_shape(_check_init(cfg, init_params, init_adapters), init_params, init_adapters)
+
+
+def _check_init(cfg: Config, init_params, init_adapters):
+  """init_state's pure init function, after checking init_params and init_adapters against
+  the config (ValueError naming what differs)."""
 
   def init(init_params, init_adapters):
     init_key, rng = jax.random.split(jax.random.key(cfg.train.seed))
@@ -143,25 +159,38 @@ def init_state(cfg: Config, init_params=None, init_adapters=None) -> TrainState:
     expected = jax.eval_shape(lambda: tfm.init_params(cfg.model, jax.random.key(0)))
     got = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), init_params)
     if jax.tree.structure(got) != jax.tree.structure(expected) or got != expected:
+      dtypes = sorted({str(x.dtype) for x in jax.tree.leaves(init_params)})
       raise ValueError(
         "init_params: the parameter tree does not match model config "
-        f"{cfg.model} (shapes/dtypes differ)"
+        f"{cfg.model} (shapes/dtypes differ; the params' dtypes {dtypes}, expected "
+        f"model.param_dtype={cfg.model.param_dtype!r})"
       )
   if init_adapters is not None:
     if not cfg.lora.enabled:
       raise ValueError("init_adapters: lora.rank=0 (LoRA off); expected lora.rank > 0")
     lora_lib.check_adapters(cfg.model, cfg.lora, init_adapters, "init_adapters")
-  shapes = jax.eval_shape(init, init_params, init_adapters)
-  return jax.jit(init, out_shardings=shardings(shapes, "state", cfg))(init_params, init_adapters)
+    want = lora_lib.adapter_dtype(cfg.model)
+    bad = [x.dtype for x in jax.tree.leaves(init_adapters) if x.dtype != want]
+    if bad:
+      raise ValueError(
+        f"init_adapters: dtype {bad[0]}, expected {want} (lora.adapter_dtype of "
+        f"model.param_dtype={cfg.model.param_dtype!r})"
+      )
+  return init
 
 
-def weights(state: TrainState, lora: lora_lib.LoraConfig):
+def weights(state: TrainState, lora: lora_lib.LoraConfig, dtype=None):
   """The weights the model runs (sampling, evaluation): the params, or with LoRA the base
-  merged with the adapters (a transient copy)."""
-  return state.params if state.base is None else _merged(state.base, state.params, lora)
+  merged with the adapters (a transient copy; dtype: the compute dtype, merged as the train
+  step merges them, lora.merge)."""
+  return (
+    state.params
+    if state.base is None
+    else _merged(state.base, state.params, lora, None if dtype is None else jnp.dtype(dtype))
+  )
 
 
-_merged = jax.jit(lora_lib.merge, static_argnums=2)
+_merged = jax.jit(lora_lib.merge, static_argnums=(2, 3))
 
 
 def reference(state: TrainState, cfg: Config):

@@ -2,11 +2,13 @@
 computation, bad input; and (slow) a compile-only row in a subprocess. gpu_check.sh's run of
 its one-GPU row: tests/experiments/gpu_check_test.py."""
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from experiments import flops, plan_1gpu
@@ -25,6 +27,37 @@ def test_the_plans_model_is_the_bf16_lora_step_with_chunks():
     plan_1gpu.model_config("llama")
   with pytest.raises(ValueError, match="--branches=0"):
     plan_1gpu.check_row(131072, 512, 0, 1, 16)
+
+
+def test_the_plan_compiles_the_trainers_state_and_step():
+  """The plan's arguments are init_state's TrainState of the run's Config (abstract: no
+  allocation), its step the trainer's jitted rl_step; state bytes per parameter by shapes:
+  Llama-3-8B with a bf16 base and float32 rank-16 adapters + AdamW is 2 B/param + 12 B per
+  adapter param (42M adapter params: 2.063 B/param); full fine-tuning's float32 masters with a
+  KL reference copy are 16 B/param; the recipe's SmolLM2-135M base at rank 16 in bf16 2.26."""
+  from branch_replay.config import Config
+  from branch_replay.train import state as train_state
+  from branch_replay.train import steps
+  from models import gguf, hf
+
+  cfg = plan_1gpu.train_config(plan_1gpu.model_config("llama3_8b"), 16, 1, 16)
+  assert cfg.loss.kl_coef > 0 and cfg.lora.rank == 16 and cfg.model.param_dtype == "bfloat16"
+  assert plan_1gpu.trainer_step(cfg) is steps.compiled(steps.compile_key(cfg), 2).rl_step
+  state, batch = plan_1gpu.abstract_args(cfg, 1, 1024, 16, 8)
+  assert batch.leaves.ref_logp_BRT.shape == batch.leaves.old_logp_BRT.shape == (1, 16, 8)
+  assert {x.dtype.name for x in jax.tree.leaves(state.base)} == {"bfloat16"}
+  assert {x.dtype.name for x in jax.tree.leaves((state.params, state.opt_state))} >= {"float32"}
+  b = plan_1gpu.state_bytes(state)
+  n, adapters = b["model_params"], b["params"] // 4
+  assert n == 8_030_261_248 and adapters == 41_943_040  # Llama-3-8B; rank 16 on 7 projections
+  assert b["base"] == 2 * n and b["opt_state"] == 2 * 4 * adapters + 4  # mu, nu; Adam's count
+  assert b["bytes_per_param"] == pytest.approx(2 + 12 * adapters / n, rel=1e-6)
+  full = Config(model=dataclasses.replace(cfg.model, param_dtype="float32"), loss=cfg.loss)
+  fb = plan_1gpu.state_bytes(train_state.abstract_state(full))
+  assert fb["bytes_per_param"] == pytest.approx(16.0, rel=1e-6)  # params, mu, nu, reference
+  recipe = hf.config_from_hf(gguf.read_model_config(gguf.smollm2_path()), "bfloat16", "bfloat16")
+  rb = plan_1gpu.state_bytes(train_state.abstract_state(plan_1gpu.train_config(recipe, 16, 2, 8)))
+  assert rb["base"] == 2 * rb["model_params"] and 2 < rb["bytes_per_param"] < 2.5
 
 
 def test_step_time_at_mfu_is_useful_flops_over_the_peak():
@@ -81,6 +114,7 @@ def test_compile_row_in_a_subprocess(tmp_path, backend):
       "--branches=4",
       "--rank=2",
       "--mlp_chunk=16",
+      "--target=H100",
       f"--out={path}",
     ],
     cwd=ROOT,
@@ -91,5 +125,7 @@ def test_compile_row_in_a_subprocess(tmp_path, backend):
   (row,) = [json.loads(l) for l in open(path)]
   assert "error" not in row, row
   assert row["total_bytes"] > 0 and row["fits_with_headroom"]["H100"]
+  assert row["mem_fraction"] == 0.95 and row["adapter_dtype"] == "float32"
+  assert row["base_dtype"] == "bfloat16" and row["kl_coef"] > 0
   assert row["mlp_chunk"] == 16 and row["logits_chunk_rows"]
   assert row["memory_backend"].startswith("xla:gpu" if backend == "gpu" else "cpu")
