@@ -40,7 +40,7 @@ VERSIONS = ("jax", "jaxlib", "flax", "optax", "numpy", "orbax.checkpoint", "chex
 # compiled step (plan_1gpu.py's row for the card, `plan_gb`, from PLAN_RESULTS) is within
 # HEADROOM of the memory JAX is given (MEM_FRACTION x the card). Llama-3-8B shapes, R=16
 # branches of T=512, LoRA rank 16; H200 at 143,771 MiB, H100 80GB at 81,559 MiB.
-PLAN_RESULTS = "experiments/results/plan_1gpu_gpu_aot_causal_2026-12-05.jsonl"
+PLAN_RESULTS = "experiments/results/plan_1gpu_trainer_step_2026-12-05.jsonl"
 MEM_FRACTION = 0.95  # gpu_check.sh's XLA_PYTHON_CLIENT_MEM_FRACTION
 HEADROOM = 0.9
 

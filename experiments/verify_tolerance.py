@@ -27,12 +27,16 @@ import numpy as np
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("experiment", "grpo_haystack", "A run config (as run.py --experiment).")
-flags.DEFINE_multi_string("set", [], "Config overrides section.field=value (as run.py --set).")
-flags.DEFINE_string("model_dir", None, "An HF folder or .gguf (as run.py --model_dir).")
-flags.DEFINE_string("model_dtype", "float32", "As run.py --model_dtype.")
-flags.DEFINE_integer("steps", 12, "RL steps to train and check (train.rl_steps is set to it).")
-flags.DEFINE_string("out", "", "JSON-lines results file ('' prints only).")
+
+
+def define_flags():
+  """Defined when the script runs, not on import (tests import it beside other experiments)."""
+  flags.DEFINE_string("experiment", "grpo_haystack", "A run config (as run.py --experiment).")
+  flags.DEFINE_multi_string("set", [], "Config overrides section.field=value (as run.py --set).")
+  flags.DEFINE_string("model_dir", None, "An HF folder or .gguf (as run.py --model_dir).")
+  flags.DEFINE_string("model_dtype", "float32", "As run.py --model_dtype.")
+  flags.DEFINE_integer("steps", 12, "RL steps to train and check (train.rl_steps is set to it).")
+  flags.DEFINE_string("out", "", "JSON-lines results file ('' prints only).")
 
 
 def run_argv(experiment, sets, model_dir, model_dtype, steps) -> list[str]:
@@ -48,7 +52,7 @@ def measure(parsed, workdir, on_step) -> dict:
   """Train run.py's parsed argv (`run.parse`'s flags, cfg, params, tokenizer) in `workdir`,
   calling on_step(step, verify metrics) before each RL update; returns the run's summary."""
   from branch_replay import algorithms
-  from branch_replay.train import trainer
+  from branch_replay.train import trainer, verify
   from experiments import registry
 
   fv, cfg, init_params, tokenizer = parsed
@@ -58,7 +62,8 @@ def measure(parsed, workdir, on_step) -> dict:
   class Checked(base):
     def update(self, state, batch, step):
       if step >= self.warmup_steps:
-        on_step(step, self.verify(state, batch, tol=float("inf")))
+        stats = self.verify(state, batch, tol=float("inf"))
+        on_step(step, {**stats, "has_signal": verify.has_signal(batch)})
       return super().update(state, batch, step)
 
   Checked.__name__ = f"Checked{base.__name__}"
@@ -68,11 +73,19 @@ def measure(parsed, workdir, on_step) -> dict:
 
 
 def summary_row(rows: list[dict]) -> dict:
-  errs = np.array([r["max_rel_err"] for r in rows], np.float64)
-  loss = np.array([r["loss_rel_err"] for r in rows], np.float64)
+  """The distribution over the batches the trainer would check (those with signal); the
+  deferred ones' errors are reported apart (`*_no_signal`)."""
+  checked = [r for r in rows if r.get("has_signal", True)]
+  skipped = [r for r in rows if not r.get("has_signal", True)]
+  if not checked:
+    raise ValueError(f"verify_tolerance: none of the {len(rows)} batches had signal")
+  errs = np.array([r["max_rel_err"] for r in checked], np.float64)
+  loss = np.array([r["loss_rel_err"] for r in checked], np.float64)
   return {
     "kind": "summary",
-    "n_steps": len(rows),
+    "n_steps": len(checked),
+    "n_no_signal": len(skipped),
+    "max_rel_err_no_signal": max((r["max_rel_err"] for r in skipped), default=None),
     "max_rel_err_max": float(errs.max()),
     "max_rel_err_median": float(np.median(errs)),
     "loss_rel_err_max": float(loss.max()),
@@ -106,6 +119,7 @@ def main(argv):
           "loss_replay": stats["verify/loss_replay"],
           "loss_naive": stats["verify/loss_naive"],
           "worst_leaf": stats["verify/worst_leaf"],
+          "has_signal": stats["has_signal"],  # False: the trainer would defer this batch
           "dtype": str(cfg_dtype[0]),
           "tolerance": cfg_dtype[1],
           "verify_s": stats["time/verify_s"],
@@ -124,4 +138,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

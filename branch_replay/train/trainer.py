@@ -84,7 +84,7 @@ def _train(cfg, workdir, algorithm, init_params, tokenizer, init_adapters, guard
   )
   warmup = algo.warmup_steps  # supervised steps before the phase
   eval_examples = algo.eval_examples() if t.eval_size else []
-  # The first-step self-check (replay.verify): replay == naive on the first batch, once.
+  # The first-step self-check (replay.verify): replay == naive on the first batch with signal.
   verify_pending = verify.enabled(cfg.replay.verify, init_params is not None) and not cfg.mesh
 
   def evaluate(state, step):
@@ -134,9 +134,11 @@ def _train(cfg, workdir, algorithm, init_params, tokenizer, init_adapters, guard
         state = algo.start(state)
       batch, sampled = algo.batch(state, step)
       rec.update(sampled)
-      if verify_pending:
+      if verify_pending and verify.has_signal(batch):  # a gradient of noise proves nothing
         rec.update(algo.verify(state, batch))
         verify_pending = False
+      elif verify_pending:
+        rec["verify/deferred"] = 1  # every advantage zero: the next batch is checked
       t1 = time.time()
       state, out = algo.update(state, batch, step)
       rec["time/update_s"] = time.time() - t1

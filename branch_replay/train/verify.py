@@ -1,4 +1,5 @@
-"""The first-step self-check (`replay.verify=first`): the first training batch runs through
+"""The first-step self-check (`replay.verify=first`): the first training batch with a learning
+signal (`has_signal`: not every advantage zero) runs through
 branch replay and through its naive twin on the user's own model and data, and the run stops
 if they differ beyond a tolerance for the compute dtype, naming the worst gradient leaf.
 
@@ -55,6 +56,21 @@ def _errors(fast, slow):
       err = float("inf")
     out.append((jax.tree_util.keystr(path), err, float(a[i]), float(b[i]), i))
   return out
+
+
+def has_signal(batch) -> bool:
+  """False when the batch carries advantages and every one of them is zero (a first GRPO batch
+  whose groups all drew equal rewards): its policy gradient is then zero by construction (and
+  KL's too at the first step, the policy being the reference), so replay and its naive twin
+  would differ only by rounding noise relative to a gradient of noise, which proves nothing
+  either way (measured: a bf16 run's first batch failed so). The trainer checks the first
+  batch that has signal instead."""
+  advantages = [
+    x
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]
+    if "advantages" in jax.tree_util.keystr(path) and x is not None
+  ]
+  return not advantages or any(bool(np.any(np.asarray(x) != 0)) for x in advantages)
 
 
 def loss_error(fast, slow) -> float:

@@ -74,3 +74,16 @@ def test_a_near_zero_loss_passes_and_a_wrong_loss_stops_the_run(monkeypatch):
   shift["by"] = 0.05
   with pytest.raises(verify.MismatchError, match="the loss is .* through replay"):
     verify.check(params, batch, cfg, losses.LossConfig())
+
+
+def test_a_batch_whose_advantages_are_all_zero_has_no_signal():
+  """Every advantage zero (equal rewards in every group): the gradient is zero by construction,
+  so the trainer defers the check to the next batch; one nonzero advantage is signal, and a
+  batch without advantages (DPO pairs) always is."""
+  batch = make_batch(0, B=2, R=3, P=6, T=4, W=1, logps=True, dtype=jnp.float32)
+  assert verify.has_signal(batch)
+  flat = jax.tree.map(jnp.zeros_like, batch)
+  assert not verify.has_signal(flat)
+  deep = make_tree(1, (2, 3), W=1, logps=True, dtype=jnp.float32)
+  assert verify.has_signal(deep) and not verify.has_signal(jax.tree.map(jnp.zeros_like, deep))
+  assert verify.has_signal({"chosen_tokens": jnp.zeros((2, 3))})

@@ -1,0 +1,44 @@
+"""experiments/verify_tolerance.py: replay vs naive at every RL step of a (tiny) run, the rows
+it writes, and the summary over the batches the trainer would check."""
+
+import pytest
+
+from experiments import registry, verify_tolerance as vt
+
+TINY = [
+  "train.sft_steps=1",
+  "train.sft_batch_size=2",
+  "task.prompt_len=20",
+  "task.n_keys=2",
+  "train.batch_size=2",
+  "train.n_branches=2",
+  "sampler.max_new_tokens=2",
+  "train.checkpoint_every=100",
+  "train.tensorboard=false",
+]
+
+
+def test_every_rl_step_is_checked_on_its_own_batch(tmp_path):
+  argv = vt.run_argv("grpo_haystack", TINY, None, "float32", 3)
+  assert "--set=replay.verify=off" in argv and "--set=train.rl_steps=3" in argv
+  parsed = registry.run_module().parse(argv)
+  seen = []
+  summary = vt.measure(parsed, str(tmp_path / "w"), lambda step, stats: seen.append((step, stats)))
+  assert [s for s, _ in seen] == [1, 2, 3] and summary["steps"] == 4  # 1 warm-up + 3 RL
+  for _, stats in seen:
+    assert 0 <= stats["verify/max_rel_err"] < 2e-3 and isinstance(stats["has_signal"], bool)
+    assert stats["verify/loss_replay"] == pytest.approx(stats["verify/loss_naive"], abs=1e-5)
+
+
+def test_summary_reads_the_batches_with_signal():
+  rows = [
+    {"max_rel_err": 1e-6, "loss_rel_err": 1e-8, "has_signal": True, "tolerance": 2e-3},
+    {"max_rel_err": 3e-6, "loss_rel_err": 2e-8, "has_signal": True, "tolerance": 2e-3},
+    {"max_rel_err": 0.9, "loss_rel_err": 1e-8, "has_signal": False, "tolerance": 2e-3},
+  ]
+  s = vt.summary_row(rows)
+  assert (s["n_steps"], s["n_no_signal"], s["max_rel_err_no_signal"]) == (2, 1, 0.9)
+  assert s["max_rel_err_max"] == 3e-6 and s["max_rel_err_median"] == pytest.approx(2e-6)
+  assert s["margin"] == pytest.approx(2e-3 / 3e-6)
+  with pytest.raises(ValueError, match="none of the 1 batches had signal"):
+    vt.summary_row(rows[2:])
