@@ -38,6 +38,7 @@ KINDS = {
     "ablations": "R, trunk W, branch_chunk, remat (notebooks/ablations.ipynb)",
     "rollout_strategies": "flat replay vs the automatic tree over rollout layouts",
     "fault_campaign": "SIGKILL at random moments, resumed: metrics equal the uninterrupted run's",
+    "longctx_accuracy": "SmolLM2's greedy accuracy on the needle / vartrack tasks by length",
   },
   "bench": {
     "bench_replay": "one loss+gradient step, naive vs replay (the step benchmark)",
