@@ -250,6 +250,8 @@ class LongContextTask(Task):
     fields = dict(
       drawn.fields,
       answer=drawn.answer,
+      intro=drawn.intro,
+      question=drawn.question,
       lines=drawn.lines,
       target_depths=depths,
       depths=realised,
