@@ -158,6 +158,19 @@ def _bool(name: str, value):
     raise ValueError(f"task.{name}={value!r}: expected a bool")
 
 
+@dataclasses.dataclass(frozen=True)
+class Drawn:
+  """One problem before the filler: its text around the hidden lines, and its answer."""
+
+  intro: str
+  lines: list  # the hidden lines
+  question: str
+  prefix: str  # the opening of the answer (task.answer_prefix)
+  answer: str  # the canonical completion after the prefix
+  fields: dict
+  chains: list = dataclasses.field(default_factory=list)  # indices of lines kept in order
+
+
 class LongContextTask(Task):
   """What both tasks share: the prompt assembled to `prompt_len` tokens around hidden lines,
   the splits, the answer length. A subclass draws its lines (`_draw`)."""
@@ -198,8 +211,8 @@ class LongContextTask(Task):
     text, bos = self.template.render(user)
     return ([self.tokenizer.bos_id] if bos else []) + self.tokenizer.encode(text + prefix)
 
-  def _compose(self, rng, drawn: "Drawn", depths: list):
-    """(prompt ids, user text, realised depths): filler sentences drawn from `rng` added
+  def _compose(self, rng, drawn: Drawn, depths: list):
+    """(prompt ids, the user turn's pieces, realised depths): filler sentences drawn from `rng` added
     whole while the prompt fits prompt_len; line i placed at the sentence boundary whose
     share of the filler's tokens before it is nearest depths[i]."""
     target, lines = self.cfg.prompt_len, drawn.lines
@@ -273,19 +286,6 @@ class LongContextTask(Task):
         f"sampler.max_new_tokens={cfg.sampler.max_new_tokens}: expected >= "
         f"{self.max_answer_len + 1} (the task's longest answer + EOS)"
       )
-
-
-@dataclasses.dataclass(frozen=True)
-class Drawn:
-  """One problem before the filler: its text around the hidden lines, and its answer."""
-
-  intro: str
-  lines: list  # the hidden lines
-  question: str
-  prefix: str  # the opening of the answer (task.answer_prefix)
-  answer: str  # the canonical completion after the prefix
-  fields: dict
-  chains: list = dataclasses.field(default_factory=list)  # indices of lines kept in order
 
 
 @register("needle")
