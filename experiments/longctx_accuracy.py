@@ -29,6 +29,9 @@ def define_flags():
   )
   flags.DEFINE_integer("n", 100, "Held-out problems per point.")
   flags.DEFINE_integer("eval_batch", 10, "Prompts per greedy call (train.eval_batch).")
+  flags.DEFINE_integer(
+    "max_new_tokens", 0, "Greedy tokens per answer (0 = the task's longest answer + EOS)."
+  )
   flags.DEFINE_integer("seed", 0, "train.seed: which held-out problems.")
   flags.DEFINE_string("model_dir", "", "A GGUF file or HF folder ('' = the packaged SmolLM2).")
 
@@ -71,7 +74,7 @@ def main(argv):
         task_cfg,
         model=model_cfg,
         train=base.train(seed=FLAGS.seed, eval_size=FLAGS.n, eval_batch=FLAGS.eval_batch),
-        sampler=SamplerConfig(max_new_tokens=task.max_answer_len + 1),  # greedy: fns.greedy
+        sampler=SamplerConfig(max_new_tokens=FLAGS.max_new_tokens or task.max_answer_len + 1),
       )
       cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_shared_prefix=True))
       task.check(cfg)
