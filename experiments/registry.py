@@ -25,7 +25,7 @@ KINDS = {
     "jsonl_reverse": "your own prompts: a JSON-lines file of 'reverse this word'",
     "math_jsonl": "GSM8K-layout k-shot math prompts for an imported checkpoint",
     "math_smollm2": "SmolLM2-135M-Instruct learns k-shot math with LoRA (the real-model recipe)",
-    "needle_smollm2": "SmolLM2-135M-Instruct, LoRA, GRPO on the 2K-token multi-key needle task",
+    "needle_smollm2": "SmolLM2-135M-Instruct, LoRA, GRPO on the 4K-token multi-key needle task",
   },
   "repro": {
     "q1_wallclock": "Q1: the whole RL step by phase, replay vs naive",
