@@ -25,6 +25,7 @@ KINDS = {
     "jsonl_reverse": "your own prompts: a JSON-lines file of 'reverse this word'",
     "math_jsonl": "GSM8K-layout k-shot math prompts for an imported checkpoint",
     "math_smollm2": "SmolLM2-135M-Instruct learns k-shot math with LoRA (the real-model recipe)",
+    "needle_smollm2": "SmolLM2-135M-Instruct, LoRA, GRPO on the 4K-token multi-key needle task",
   },
   "repro": {
     "q1_wallclock": "Q1: the whole RL step by phase, replay vs naive",
@@ -39,6 +40,7 @@ KINDS = {
     "rollout_strategies": "flat replay vs the automatic tree over rollout layouts",
     "fault_campaign": "SIGKILL at random moments, resumed: metrics equal the uninterrupted run's",
     "verify_tolerance": "replay vs naive at every RL step of a run: the self-check's tolerance",
+    "longctx_accuracy": "SmolLM2's greedy accuracy on the needle / vartrack tasks by length",
   },
   "bench": {
     "bench_replay": "one loss+gradient step, naive vs replay (the step benchmark)",

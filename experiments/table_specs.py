@@ -326,6 +326,49 @@ TABLES = {
       ),
     ),
   ),
+  "longctx_accuracy": Table(
+    (
+      "task",
+      "prompt_len",
+      "difficulty",
+      "mean prompt tokens",
+      "max new tokens",
+      "held-out problems",
+      "greedy accuracy [Wilson 95%]",
+      "s (loaded CPU)",
+    ),
+    (
+      Source(
+        "longctx_accuracy_cpu_2026-12-05.jsonl",
+        (
+          "needle",
+          "{prompt_len}",
+          "{options[n_keys]} keys",
+          "{mean_prompt_tokens:.0f}",
+          "{max_new_tokens}",
+          "{n}",
+          "{correct}/{n} = {accuracy:.2f} [{ci95_low:.2f}, {ci95_high:.2f}]",
+          "{seconds:.0f}",
+        ),
+        ("task=needle",),
+      ),
+      Source(
+        "longctx_accuracy_cpu_2026-12-05.jsonl",
+        (
+          "vartrack",
+          "{prompt_len}",
+          "{options[hops]} hops, {options[distractors]} distractor chains",
+          "{mean_prompt_tokens:.0f}",
+          "{max_new_tokens}",
+          "{n}",
+          "{correct}/{n} = {accuracy:.2f} [{ci95_low:.2f}, {ci95_high:.2f}]",
+          "{seconds:.0f}",
+        ),
+        ("task=vartrack",),
+      ),
+    ),
+    "SmolLM2-135M-Instruct (GGUF Q4_1), greedy, the task's held-out split; a loaded 2-core CPU",
+  ),
   "trl": Table(
     (
       "phase (median s over steps 1-5)",
@@ -1131,6 +1174,8 @@ CLAIMS = {
   "jsonl_reverse": "your own prompts from a file: the warm-up fits them, RL keeps them",
   "trl": "our GRPO step against TRL's GRPOTrainer on the same model, prompts and settings, "
   "phase by phase",
+  "longctx_accuracy": "SmolLM2-135M-Instruct's greedy accuracy on the needle and vartrack tasks "
+  "by prompt length and difficulty",
   "recipe": "a real pretrained model (SmolLM2-135M-Instruct) trained with LoRA on k-shot math: "
   "greedy held-out accuracy before -> after RL",
   "lora_memory": "LoRA on the large preset: ~1% of the trainable state, replay's memory saving kept",

@@ -6,6 +6,8 @@
   arithmetic  short reasoning: `a+b=` with n-digit operands; the answer is the sum.
 
   jsonl       your own prompts from a JSON-lines file (branch_replay/data/jsonl_task.py).
+  needle, vartrack   RULER's multi-key needle and variable tracking, filled to prompt_len
+              tokens of the run's tokenizer (branch_replay/data/longctx.py).
 
 A task draws `Example`s from a numpy Generator (deterministic per seed and step) and scores
 completion strings (decoded up to EOS) with `rewards` (branch_replay/data/rewards.py; the
@@ -71,6 +73,8 @@ BUILTIN = {
   "jsonl": "branch_replay.data.jsonl_task",
   "tree_haystack": "branch_replay.data.tree_task",
   "rollouts": "branch_replay.data.rollouts",
+  "needle": "branch_replay.data.longctx",
+  "vartrack": "branch_replay.data.longctx",
 }
 
 

@@ -28,7 +28,7 @@ ADDED_FIELDS = {
   "train": {"eval_batch": 0, "eval_shared_prefix": False, "eval_before": True},
   "model": {"logits_chunk_rows": False, "mlp_chunk": None},
 }
-ADDED_CONFIGS = ("math_smollm2",)
+ADDED_CONFIGS = ("math_smollm2", "needle_smollm2")
 
 
 def dump(cfg) -> dict:
