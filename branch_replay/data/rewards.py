@@ -52,9 +52,20 @@ def register(name: str, needs: Sequence[str] = ()):
   return wrap
 
 
+# Built-in rewards registered by a task module (imported when first asked for by name, as
+# tasks.py imports a task's module): the name resolves, and the list of names in an error is
+# the same, whatever was imported before.
+BUILTIN_MODULES = {
+  "needle_number": "branch_replay.data.longctx",
+  "variable_set": "branch_replay.data.longctx",
+}
+
+
 def get(spec: str) -> Reward:
   """A registered name, or `module:function` (imported; `needs` read from the function's
   optional `needs` attribute)."""
+  if spec not in REWARDS and spec in BUILTIN_MODULES:
+    importlib.import_module(BUILTIN_MODULES[spec])
   if spec in REWARDS:
     return REWARDS[spec]
   if ":" in spec:
@@ -69,7 +80,8 @@ def get(spec: str) -> Reward:
       raise ValueError(f"task.reward={spec!r}: {module_name}.{attr} is not callable")
     return Reward(spec, fn, tuple(getattr(fn, "needs", ())))
   raise ValueError(
-    f"task.reward={spec!r}: unknown reward; expected one of {sorted(REWARDS)} or 'module:function'"
+    f"task.reward={spec!r}: unknown reward; expected one of "
+    f"{sorted(set(REWARDS) | set(BUILTIN_MODULES))} or 'module:function'"
   )
 
 

@@ -77,7 +77,8 @@ def test_register_a_new_reward():
     (
       "exact",
       r"task.reward='exact': unknown reward; expected one of \['contains', "
-      r"'exact_match', 'final_number', 'numeric', 'regex'\] or 'module:function'",
+      r"'exact_match', 'final_number', 'needle_number', 'numeric', 'regex', 'variable_set'\] "
+      r"or 'module:function'",
     ),
     ("no_such_module:f", "cannot import 'f' from 'no_such_module'"),
     ("rewards_test:missing", "cannot import 'missing' from 'rewards_test'"),
@@ -86,6 +87,24 @@ def test_register_a_new_reward():
 def test_unknown_rewards(spec, match):
   with pytest.raises(ValueError, match=match):
     rewards.get(spec)
+
+
+def test_a_task_modules_reward_resolves_by_name_whatever_was_imported():
+  """In a fresh interpreter (nothing imported but rewards): a built-in task module's reward
+  resolves by name, and the error lists it."""
+  import subprocess
+  import sys
+
+  code = (
+    "from branch_replay.data import rewards\n"
+    "assert 'needle_number' not in rewards.REWARDS\n"
+    "print(rewards.get('needle_number').name)\n"
+    "try:\n  rewards.get('nope')\nexcept ValueError as e:\n  print(e)\n"
+  )
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr
+  first, second = out.stdout.splitlines()[:2]
+  assert first == "needle_number" and "'variable_set'" in second
 
 
 def test_garbage_stops_naming_the_example():
