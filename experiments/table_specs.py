@@ -183,7 +183,10 @@ TABLES = {
           "VM's host taking our freed memory back, docs/performance.md); peak memory",
           "{ratio:.2f} ({ours_s:.2f} vs {peer_s:.2f} s); {ours_peak_mb:,.0f} vs "
           "{peer_peak_mb:,.0f} MB",
-          "{_model}, {dtype}; remat none on both sides; {reps} steps a side; load {_load}; {_tree}",
+          "{_model}, {dtype}; remat none on both sides; {reps} steps a side, single steps "
+          "alternating between the two processes (the old protocol); peer attention {peer} "
+          "with an explicit mask on every call, not yet torch's causal fast path (bench_peer's "
+          "block protocol at full strength is not measured yet); load {_load}; {_tree}",
           "`{_file}`",
         ),
         ("prefix_len=8192",),
