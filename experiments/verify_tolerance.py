@@ -100,10 +100,13 @@ def main(argv):
 
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO (as run.py)
   from branch_replay.train import verify
+  from experiments import registry
   from experiments.provenance import ResultsWriter
 
   writer = ResultsWriter(FLAGS.out, experiment="verify_tolerance")
   argv = run_argv(FLAGS.experiment, FLAGS.set, FLAGS.model_dir, FLAGS.model_dtype, FLAGS.steps)
+  parsed = registry.run_module().parse(argv)
+  model_cfg = parsed[1].model
   rows = []
 
   def on_step(step, stats):
@@ -120,18 +123,13 @@ def main(argv):
           "loss_naive": stats["verify/loss_naive"],
           "worst_leaf": stats["verify/worst_leaf"],
           "has_signal": stats["has_signal"],  # False: the trainer would defer this batch
-          "dtype": str(cfg_dtype[0]),
-          "tolerance": cfg_dtype[1],
+          "dtype": str(model_cfg.dtype),
+          "tolerance": verify.tolerance(model_cfg),
           "verify_s": stats["time/verify_s"],
         }
       )
     )
 
-  from experiments import registry
-
-  parsed = registry.run_module().parse(argv)
-  cfg = parsed[1]
-  cfg_dtype = (cfg.model.dtype, verify.tolerance(cfg.model))
   with tempfile.TemporaryDirectory(prefix="verify_tol_") as workdir:
     measure(parsed, workdir, on_step)
   writer.write({**summary_row(rows), "run": FLAGS.experiment, "run_argv": argv})
