@@ -43,19 +43,23 @@ def config_for(
 class Stepper:
   """Holds a TrainState and the jitted functions of one config; `step(k)` takes RL step k."""
 
-  def __init__(self, cfg, state=None):
+  def __init__(self, cfg, state=None, tok=None):
     self.cfg = cfg
     self.task = tasks.make(cfg.task)
     self.fns = steps.compiled(steps.compile_key(cfg))
     self.state = train_state.init_state(cfg) if state is None else state
+    self.tok = tok  # None: the built-in tokenizer; an imported model's (run.parse) otherwise
+    self.last_batch = None
 
   def batch(self, step: int):
     """(batch, phase seconds, reward/mean) from the trainer's own rollout (rollout.rl_batch:
     sample, reward, advantages, reference scores), placed as the trainer places it."""
     cfg = self.cfg
-    batch, _, stats = rollout.rl_batch(self.fns, self.state, self.task, cfg, step)
+    extra = {} if self.tok is None else {"tok": self.tok}
+    batch, _, stats = rollout.rl_batch(self.fns, self.state, self.task, cfg, step, **extra)
     t0 = time.perf_counter()
     batch = jax.block_until_ready(train_state.place(batch, "batch", cfg))
+    self.last_batch = batch
     t = {f"{name}_s": stats[f"time/{name}_s"] for name in ("data", "reward", "assemble")}
     t["sample_s"] = stats["time/generate_s"]
     t["assemble_s"] += time.perf_counter() - t0

@@ -12,7 +12,9 @@ Each RL step, before the update, runs `algorithm.verify(state, batch, tol=inf)` 
 own batch and parameters (the check the trainer runs once, with the run's model, loss, LoRA
 and branch_chunk), and writes one line: the worst gradient leaf's error relative to that
 leaf's largest entry (`max_rel_err`, verify.py's measure), the loss's relative error, the leaf,
-the compute dtype and the tolerance in force. The last line summarises the run (max, median).
+the compute dtype and the tolerance in force, and the state it checked (the base's and the
+trained parameters' dtypes, the train state's bytes per model parameter: with LoRA over a bf16
+base the adapters are what is compared, and what the state costs). The last line summarises the run (max, median).
 The run itself trains as `python run.py` would (same flags: --experiment, --set, --model_dir,
 --model_dtype); the updates between checks move the parameters, so later steps check trained
 weights too.
@@ -63,13 +65,32 @@ def measure(parsed, workdir, on_step) -> dict:
     def update(self, state, batch, step):
       if step >= self.warmup_steps:
         stats = self.verify(state, batch, tol=float("inf"))
-        on_step(step, {**stats, "has_signal": verify.has_signal(batch)})
+        on_step(step, {**stats, "has_signal": verify.has_signal(batch), **layout(state)})
       return super().update(state, batch, step)
 
   Checked.__name__ = f"Checked{base.__name__}"
   return trainer.run(
     cfg, workdir, Checked, init_params=init_params, tokenizer=tokenizer, init_adapters=init_adapters
   )
+
+
+def layout(state) -> dict:
+  """What the check ran over: the frozen base's and the trained parameters' dtypes and the
+  train state's bytes per model parameter (plan_1gpu.state_bytes: base + trained parameters +
+  optimizer state + any reference copy, over the model's parameter count)."""
+  import jax
+
+  from experiments import plan_1gpu
+
+  dtypes = lambda tree: ",".join(sorted({str(x.dtype) for x in jax.tree.leaves(tree)})) or None
+  sizes = plan_1gpu.state_bytes(state)
+  return {
+    "base_dtype": dtypes(state.base),
+    "trained_dtype": dtypes(state.params),
+    "model_params": sizes["model_params"],
+    "state_bytes": sizes["total"],
+    "state_bytes_per_param": round(sizes["bytes_per_param"], 4),
+  }
 
 
 def summary_row(rows: list[dict]) -> dict:
@@ -126,6 +147,8 @@ def main(argv):
           "dtype": str(model_cfg.dtype),
           "tolerance": verify.tolerance(model_cfg),
           "verify_s": stats["time/verify_s"],
+          **{k: stats[k] for k in ("base_dtype", "trained_dtype", "model_params")},
+          **{k: stats[k] for k in ("state_bytes", "state_bytes_per_param")},
         }
       )
     )

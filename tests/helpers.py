@@ -309,3 +309,22 @@ def run_script(script: str, *flags: str) -> list[dict]:
   )
   assert out.returncode == 0, out.stderr[-3000:]
   return [json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")]
+
+
+def make_hf_folder(path, vocab_size=96):
+  """A tiny Llama checkpoint plus a character-level tokenizer.json whose ids differ from the
+  shipped CharTokenizer's (reversed order), so using the wrong tokenizer would show."""
+  import tokenizers  # a required dependency (requirements.txt)
+
+  from branch_replay.data import tokenizer as tokenizer_lib
+  from models import hf
+
+  cfg = tfm.preset("tiny", vocab_size=vocab_size)
+  params = tfm.init_params(cfg, jax.random.key(3))
+  hf.save(str(path), cfg, params, extra_config=dict(bos_token_id=1, eos_token_id=2, pad_token_id=0))
+  chars = tokenizer_lib.CHARS[::-1]
+  vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
+  tok.decoder = tokenizers.decoders.Fuse()
+  tok.save(str(path / "tokenizer.json"))
+  return cfg, params

@@ -83,14 +83,18 @@ class Algorithm:
 
   def verify(self, state, batch, tol: float | None = None) -> dict:
     """replay.verify: the first phase batch through replay and the naive twin at the RL
-    objective (raises on a gap beyond `tol`, default `verify.tolerance`); its metrics."""
+    objective, differentiating what the train step differentiates (with LoRA the adapters
+    over the frozen base); raises on a gap beyond `tol` (default `verify.tolerance`); its
+    metrics."""
     return verify.check(
-      train_state.weights(state, self.cfg.lora, self.cfg.model.compute_dtype),
+      state.params,  # with LoRA the adapters, attached to the frozen base as the step does
       batch,
       self.cfg.model,
       steps.rl_loss_config(self.cfg),
       branch_chunk=self.cfg.replay.branch_chunk,
       tol=tol,
+      base=state.base,
+      lora=None if state.base is None else self.cfg.lora,
     )
 
   def token_counts(self, batch, phase: str) -> tuple:

@@ -4,6 +4,13 @@ branch replay and through its naive twin on the user's own model and data, and t
 if they differ beyond a tolerance for the compute dtype, naming the worst gradient leaf.
 
   stats = verify.check(params, batch, model_cfg, loss_cfg)   # a flat batch or a tree
+  stats = verify.check(adapters, batch, model_cfg, loss_cfg, base=base, lora=lora_cfg)  # LoRA
+
+With LoRA the check differentiates what the trainer differentiates: the adapters, attached to
+the frozen base inside each layer (`lora.attach`, as `steps.lora_params_fn`), so it compares
+the adapters' gradients, the ones the optimizer applies. (Comparing the merged model's full
+gradient instead would judge leaves nobody trains: on SmolLM2 with a bf16 base a frozen norm
+scale's gradient read 3.0 relative while every adapter agreed; experiments/verify_tolerance.py.)
 
 Its cost (one replay and one naive loss-and-gradient, compiled once) is returned for the log.
 """
@@ -18,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from branch_replay.core import engine
+from models import lora as lora_lib
 
 MODES = ("auto", "first", "off")  # auto: first for imported checkpoints (run.py --model_dir)
 
@@ -84,23 +92,45 @@ def loss_error(fast, slow) -> float:
   return abs(fast - slow) / max(abs(slow), 1.0)
 
 
-def check(params, batch, model_cfg, loss_cfg, *, branch_chunk=None, tol=None) -> dict:
+def _loss_and_grad(params, base, batch, *, model_cfg, loss_cfg, mode, branch_chunk, lora):
+  """engine.loss_and_grad of `params`, or with LoRA (`base` given) of the adapters `params`
+  attached to the frozen base (a jit argument, not a constant baked into the program)."""
+  params_fn = None if base is None else functools.partial(_attach, base, lora=lora)
+  return engine.loss_and_grad(
+    params, batch, model_cfg, loss_cfg, mode, branch_chunk, params_fn=params_fn
+  )
+
+
+def _attach(base, adapters, lora):
+  return lora_lib.attach(base, adapters, lora)
+
+
+def check(
+  params, batch, model_cfg, loss_cfg, *, branch_chunk=None, tol=None, base=None, lora=None
+) -> dict:
   """Run `batch` through replay and the naive twin; raise MismatchError naming the worst
   leaf and both values if the loss (`loss_error`) or any gradient leaf differs by more than
-  `tol` (default: `tolerance(model_cfg)`). Returns metrics: verify/max_rel_err,
-  verify/loss_rel_err, both losses, verify/worst_leaf, time/verify_s (both paths, compilation
-  included)."""
+  `tol` (default: `tolerance(model_cfg)`). With LoRA, `params` are the adapters, `base` the
+  frozen base and `lora` its LoraConfig: the gradients compared are the adapters'. Returns
+  metrics: verify/max_rel_err, verify/loss_rel_err, both losses, verify/worst_leaf,
+  time/verify_s (both paths, compilation included)."""
+  if (base is None) != (lora is None):
+    raise ValueError(
+      f"verify.check: base and lora go together (LoRA adapters over a frozen base); got "
+      f"base={'set' if base is not None else None}, lora={lora!r}"
+    )
   tol = tolerance(model_cfg) if tol is None else tol
   run = lambda mode: jax.block_until_ready(
     jax.jit(
       functools.partial(
-        engine.loss_and_grad,
+        _loss_and_grad,
         model_cfg=model_cfg,
         loss_cfg=loss_cfg,
         mode=mode,
         branch_chunk=branch_chunk if mode == "replay" else None,
+        lora=lora,
       )
-    )(params, batch)
+    )(params, base, batch)
   )
   t0 = time.perf_counter()
   loss_fast, _, grads_fast = run("replay")

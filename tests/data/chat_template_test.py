@@ -14,7 +14,7 @@ from branch_replay.config import Config, apply_overrides
 from models import hf
 
 tokenizers = pytest.importorskip("tokenizers")
-from model_dir_test import make_folder  # noqa: E402
+from helpers import make_hf_folder as make_folder  # noqa: E402
 
 TEMPLATE = (
   "{{ bos_token }}{% for m in messages %}{{ m['role'][0] | upper }}:{{ m['content'] }};"

@@ -44,6 +44,38 @@ def test_q1_times_every_phase_of_both_modes(tmp_path):
   assert len(provenance.read(str(tmp_path / "q1.jsonl"))) == 2
 
 
+def test_q1_on_an_imported_model_uses_its_weights_tokenizer_and_lora(tmp_path):
+  """--model_dir: the Stepper holds run.py's imported weights (the frozen LoRA base here) and
+  samples with the checkpoint's own tokenizer; --prefix_len=0 keeps the experiment's prompt
+  length; the row names the model, its size, dtype and LoRA rank, and the positions computed."""
+  from helpers import make_hf_folder
+
+  model_cfg, params = make_hf_folder(tmp_path / "hf")
+  sets = [o for o in TINY if not o.startswith("model.")] + ["lora.rank=2"]
+  stepper = q1_wallclock.stepper_for("grpo_haystack", sets, "replay", str(tmp_path / "hf"))
+  assert stepper.cfg.task.prompt_len == 24 and stepper.tok.vocab_size == 79
+  jax.tree.map(np.testing.assert_array_equal, stepper.state.base, params)
+  rows = q1_wallclock.run(
+    [0], ["replay"], 1, "grpo_haystack", sets, writer(tmp_path, "q1m"), str(tmp_path / "hf")
+  )
+  (row,) = rows
+  assert (row["P"], row["mode"]) == (24, "replay")
+  n = sum(x.size for x in jax.tree.leaves(params))
+  assert row["model"] == dict(
+    name="hf",
+    d_model=model_cfg.d_model,
+    n_layers=model_cfg.n_layers,
+    n_params=n,
+    dtype="float32",
+    param_dtype="float32",
+    remat="none",
+    lora_rank=2,
+  )
+  B, R, T = row["B"], row["R"], row["T"]
+  assert row["positions"]["prefix"] == B * 24 and row["positions"]["tails"] <= B * R * T
+  assert row["positions"]["naive_equivalent"] == B * R * (24 + row["positions"]["tails"] // (B * R))
+
+
 def test_identical_batch_gradients_agree_and_the_cosine_is_computed_from_them():
   cfg = rl_step.config_for("grpo_haystack", TINY)
   stepper = rl_step.Stepper(cfg)

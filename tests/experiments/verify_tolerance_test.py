@@ -28,6 +28,38 @@ def test_every_rl_step_is_checked_on_its_own_batch(tmp_path):
   for _, stats in seen:
     assert 0 <= stats["verify/max_rel_err"] < 2e-3 and isinstance(stats["has_signal"], bool)
     assert stats["verify/loss_replay"] == pytest.approx(stats["verify/loss_naive"], abs=1e-5)
+    # full fine-tuning in float32, KL off: no base, no reference copy; parameters 4 B + AdamW's
+    # two moments 8 B (and its step counters)
+    assert stats["base_dtype"] is None and stats["trained_dtype"] == "float32"
+    assert 12.0 <= stats["state_bytes_per_param"] < 12.01
+
+
+def test_layout_of_a_bf16_base_with_float32_adapters():
+  """What the LoRA check runs over: a bf16 base (2 B a parameter) and float32 adapters with
+  their AdamW moments (12 B per adapter parameter), so about 2 B per model parameter."""
+  import jax
+
+  from branch_replay.config import Config, apply_overrides
+  from branch_replay.data.tokenizer import TOKENIZER
+  from branch_replay.train import state as train_state
+  from models import transformer as tfm
+
+  cfg = apply_overrides(
+    Config(model=tfm.preset("tiny", vocab_size=TOKENIZER.vocab_size, dtype="bfloat16")),
+    ["lora.rank=4", "model.param_dtype=bfloat16"],
+  )
+  state = train_state.init_state(cfg)
+  got = vt.layout(state)
+  n_base = sum(x.size for x in jax.tree.leaves(state.base))
+  n_adapters = sum(x.size for x in jax.tree.leaves(state.params))
+  assert (got["base_dtype"], got["trained_dtype"], got["model_params"]) == (
+    "bfloat16",
+    "float32",
+    n_base,
+  )
+  optimizer_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.opt_state))
+  assert got["state_bytes"] == 2 * n_base + 4 * n_adapters + optimizer_bytes
+  assert optimizer_bytes >= 8 * n_adapters  # AdamW's mu and nu in float32
 
 
 def test_summary_reads_the_batches_with_signal():

@@ -87,3 +87,43 @@ def test_a_batch_whose_advantages_are_all_zero_has_no_signal():
   deep = make_tree(1, (2, 3), W=1, logps=True, dtype=jnp.float32)
   assert verify.has_signal(deep) and not verify.has_signal(jax.tree.map(jnp.zeros_like, deep))
   assert verify.has_signal({"chosen_tokens": jnp.zeros((2, 3))})
+
+
+def test_lora_verify_compares_the_adapters_gradients_over_a_bf16_base(monkeypatch):
+  """With LoRA the check differentiates what the train step does (float32 adapters attached to
+  a frozen bf16 base): its leaves are the adapters' (a frozen norm's gradient is never judged),
+  they agree within the bf16 tolerance, and a wrong adapter gradient still stops the run."""
+  from branch_replay.config import Config, apply_overrides
+  from branch_replay.data.tokenizer import TOKENIZER
+  from branch_replay.train import state as train_state
+  from branch_replay.train import steps
+
+  cfg = apply_overrides(
+    Config(model=tfm.preset("tiny", vocab_size=TOKENIZER.vocab_size, dtype="bfloat16")),
+    ["lora.rank=4", "lora.targets=q,v,o,down", "model.param_dtype=bfloat16", "loss.kl_coef=0.05"],
+  )
+  state = train_state.init_state(cfg)
+  assert {x.dtype for x in jax.tree.leaves(state.base)} == {jnp.dtype(jnp.bfloat16)}
+  keys = iter(jax.random.split(jax.random.key(3), 64))
+  adapters = jax.tree.map(  # B = 0 at init: give every leaf values so both halves have signal
+    lambda x: x + 0.2 * jax.random.normal(next(keys), x.shape, x.dtype), state.params
+  )
+  batch = make_batch(4, B=2, R=3, P=6, T=4, vocab=cfg.model.vocab_size, logps=True)
+  loss_cfg = steps.rl_loss_config(cfg)
+  stats = verify.check(adapters, batch, cfg.model, loss_cfg, base=state.base, lora=cfg.lora)
+  assert stats["verify/max_rel_err"] < verify.tolerance(cfg.model) == 6e-2
+  assert stats["verify/worst_leaf"].endswith(("['a']", "['b']"))  # an adapter leaf
+
+  right = engine._replay
+
+  def wrong(*args, **kwargs):  # half of one adapter's gradient lost
+    loss, aux, grads = right(*args, **kwargs)
+    q = grads["layer_0"]["q"]
+    grads = {**grads, "layer_0": {**grads["layer_0"], "q": {**q, "b": q["b"] * 0.5}}}
+    return loss, aux, grads
+
+  monkeypatch.setattr(engine, "_replay", wrong)
+  with pytest.raises(verify.MismatchError, match=r"\['layer_0'\]\['q'\]\['b'\]"):
+    verify.check(adapters, batch, cfg.model, loss_cfg, base=state.base, lora=cfg.lora)
+  with pytest.raises(ValueError, match="base and lora go together"):
+    verify.check(adapters, batch, cfg.model, loss_cfg, base=state.base)
