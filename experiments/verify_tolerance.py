@@ -112,6 +112,11 @@ def summary_row(rows: list[dict]) -> dict:
     "loss_rel_err_max": float(loss.max()),
     "tolerance": rows[0]["tolerance"],
     "margin": float(rows[0]["tolerance"] / max(errs.max(), 1e-300)),
+    **{  # what was checked (the step rows carry it; absent in rows made before it was kept)
+      k: rows[0][k]
+      for k in ("dtype", "base_dtype", "trained_dtype", "model_params", "state_bytes_per_param")
+      if k in rows[0]
+    },
   }
 
 

@@ -71,6 +71,9 @@ def test_summary_reads_the_batches_with_signal():
   s = vt.summary_row(rows)
   assert (s["n_steps"], s["n_no_signal"], s["max_rel_err_no_signal"]) == (2, 1, 0.9)
   assert s["max_rel_err_max"] == 3e-6 and s["max_rel_err_median"] == pytest.approx(2e-6)
-  assert s["margin"] == pytest.approx(2e-3 / 3e-6)
+  assert s["margin"] == pytest.approx(2e-3 / 3e-6) and "dtype" not in s
+  rows[0].update(dtype="bfloat16", base_dtype="bfloat16", state_bytes_per_param=2.1)
+  s = vt.summary_row(rows)
+  assert (s["dtype"], s["base_dtype"], s["state_bytes_per_param"]) == ("bfloat16", "bfloat16", 2.1)
   with pytest.raises(ValueError, match="none of the 1 batches had signal"):
     vt.summary_row(rows[2:])
