@@ -32,6 +32,9 @@ class Table:
   note: str = ""  # one line under the table, before the provenance line
 
 
+# bench_peer.py at full strength, block protocol: 3 shapes x (back to back, 3 s pauses)
+PEER_BLOCKS = "peer_cpu_blocks_2026-12-06.jsonl"
+
 _BENCH_CPU = (
   "{prefix_len}",
   "{tail_len}",
@@ -162,7 +165,7 @@ TABLES = {
         1,
       ),
       Source(
-        "cpu_long_context_2026-11-30.jsonl",
+        "cpu_long_context_2026-12-05.jsonl",
         (
           "one loss+gradient step, P={prefix_len}, R={branches}, T={tail_len}, CPU: replay vs naive",
           "{speedup:.2f}x faster ({speedup_over_flop_ratio:.2f} x the useful-FLOP ratio "
@@ -174,24 +177,52 @@ TABLES = {
         1,
       ),
       Source(
-        "peer_cpu_quiet_sys_2026-12-05.jsonl",
+        PEER_BLOCKS,
         (
-          "against PrefixGrouper (torch), P={prefix_len}, R={branches}, T={tail_len}, quiet CPU: "
-          "PrefixGrouper's time / ours (below 1: ours slower; in the same run "
-          "{p2048[ratio]:.2f} at P=2048 and {t512[ratio]:.2f} at T=512, {p2048[warm_ratio]:.2f} "
-          "and {t512[warm_ratio]:.2f} over our steps that follow our own: the others pay this "
-          "VM's host taking our freed memory back, docs/performance.md); peak memory",
-          "{ratio:.2f} ({ours_s:.2f} vs {peer_s:.2f} s); {ours_peak_mb:,.0f} vs "
-          "{peer_peak_mb:,.0f} MB",
-          "{_model}, {dtype}; remat none on both sides; {reps} steps a side, single steps "
-          "alternating between the two processes (the old protocol); peer attention {peer} "
-          "with an explicit mask on every call, not yet torch's causal fast path (bench_peer's "
-          "block protocol at full strength is not measured yet); load {_load}; {_tree}",
+          "against PrefixGrouper (torch) at full strength, P=2048, R={branches}, T={tail_len}, "
+          "quiet CPU: PrefixGrouper's time / ours (above 1: ours faster), back to back and with "
+          "a {paused[gap_s]:g} s pause before every step of both; peak memory",
+          "{ratio:.2f} back to back ({ours_s:.2f} vs {peer_s:.2f} s), {paused[ratio]:.2f} with "
+          "pauses; peak {ours_peak_mb:,.0f} vs {peer_peak_mb:,.0f} MB",
+          "{_model}, {dtype}; remat none on both sides; {blocks} blocks of {reps} steps a side, "
+          "alternating (median of block medians); load {_load}; {_tree}",
           "`{_file}`",
         ),
-        ("prefix_len=8192",),
+        ("protocol=blocks", "gap_s=0.0", "prefix_len=2048", "tail_len=128"),
         1,
-        joins=(("p2048", ("prefix_len=2048",)), ("t512", ("tail_len=512",))),
+        joins=(("paused", ("protocol=blocks", "gap_s=3.0", "prefix_len=2048", "tail_len=128")),),
+      ),
+      Source(
+        PEER_BLOCKS,
+        (
+          "against PrefixGrouper (torch) at full strength, P=8192, R={branches}, T={tail_len}, "
+          "quiet CPU: PrefixGrouper's time / ours (above 1: ours faster), back to back and with "
+          "a {paused[gap_s]:g} s pause before every step of both; peak memory",
+          "{ratio:.2f} back to back ({ours_s:.2f} vs {peer_s:.2f} s), {paused[ratio]:.2f} with "
+          "pauses; peak {ours_peak_mb:,.0f} vs {peer_peak_mb:,.0f} MB",
+          "{_model}, {dtype}; remat none on both sides; {blocks} blocks of {reps} steps a side, "
+          "alternating (median of block medians); load {_load}; {_tree}",
+          "`{_file}`",
+        ),
+        ("protocol=blocks", "gap_s=0.0", "prefix_len=8192", "tail_len=128"),
+        1,
+        joins=(("paused", ("protocol=blocks", "gap_s=3.0", "prefix_len=8192", "tail_len=128")),),
+      ),
+      Source(
+        PEER_BLOCKS,
+        (
+          "against PrefixGrouper (torch) at full strength, P=1024, R={branches}, T={tail_len}, "
+          "quiet CPU: PrefixGrouper's time / ours (above 1: ours faster), back to back and with "
+          "a {paused[gap_s]:g} s pause before every step of both; peak memory",
+          "{ratio:.2f} back to back ({ours_s:.2f} vs {peer_s:.2f} s), {paused[ratio]:.2f} with "
+          "pauses; peak {ours_peak_mb:,.0f} vs {peer_peak_mb:,.0f} MB",
+          "{_model}, {dtype}; remat none on both sides; {blocks} blocks of {reps} steps a side, "
+          "alternating (median of block medians); load {_load}; {_tree}",
+          "`{_file}`",
+        ),
+        ("protocol=blocks", "gap_s=0.0", "prefix_len=1024", "tail_len=512"),
+        1,
+        joins=(("paused", ("protocol=blocks", "gap_s=3.0", "prefix_len=1024", "tail_len=512")),),
       ),
       Source(
         "plan_1gpu_trainer_step_2026-12-05.jsonl",
@@ -630,39 +661,109 @@ TABLES = {
       "P",
       "T",
       "R",
-      "ours s (min)",
-      "PrefixGrouper s (min)",
-      "ratio (PG / ours)",
-      "ours cpu s",
-      "PG cpu s",
-      "ours peak MB",
-      "PG peak MB",
-      "ours GFLOP/s",
-      "share of XLA matmul",
+      "pause before each step s",
+      "ours s (block medians)",
+      "PrefixGrouper s (block medians)",
+      "ratio PG / ours (per block)",
+      "ours / PG kernel s a step",
+      "ours / PG peak MB",
+      "ours GFLOP/s, share of XLA matmul",
       "PG share of torch matmul",
       "grad rel err",
+      "most other cores",
     ),
     (
       Source(
-        "peer_cpu_after_2026-12-02.jsonl",
+        PEER_BLOCKS,
         (
-          "{prefix_len}",
+          "{prefix_len:,}",
           "{tail_len}",
           "{branches}",
-          "{ours_s:.2f} ({ours_min_s:.2f})",
-          "{peer_s:.2f} ({peer_min_s:.2f})",
-          "{ratio:.2f}",
-          "{ours_cpu_s:.2f}",
-          "{peer_cpu_s:.2f}",
-          "{ours_peak_mb:.0f}",
-          "{peer_peak_mb:.0f}",
-          "{ours_gflops}",
-          "{ours_matmul_frac:.0%} of {xla_matmul_gflops}",
+          "{gap_s:g}",
+          "{ours_s:.2f} {ours_block_s}",
+          "{peer_s:.2f} {peer_block_s}",
+          "**{ratio:.2f}** {block_ratios}",
+          "{ours_sys_s:.2f} / {peer_sys_s:.2f}",
+          "{ours_peak_mb:,.0f} / {peer_peak_mb:,.0f}",
+          "{ours_gflops} ({ours_matmul_frac:.0%} of {xla_matmul_gflops})",
           "{peer_matmul_frac:.0%} of {torch_matmul_gflops}",
           "{grad_max_rel_err:.1e}",
+          "{max_other_cores:.2f}",
         ),
+        ("protocol=blocks",),
+        6,
       ),
     ),
+    note="Each framework in its own process; blocks alternate (ours x N, PrefixGrouper x N, "
+    "repeated); the time is the median of the block medians. Both sides: the same decoder and "
+    "weights, float32, no remat; PrefixGrouper's attention at full strength (torch's causal fast "
+    "path on the square prefix call, causal_lower_right on the tails).",
+  ),
+  # ---- docs/training.md ----
+  "verify_tolerance": Table(
+    (
+      "run (model)",
+      "compute dtype",
+      "base / trained dtype",
+      "batches checked (deferred: no signal)",
+      "largest gradient error (median)",
+      "largest loss error",
+      "tolerance",
+      "tolerance / largest error",
+    ),
+    (
+      Source(
+        "verify_tolerance_cpu_2026-12-05.jsonl",
+        (
+          "{run}",
+          "{dtype}",
+          "{base_dtype} / {trained_dtype}",
+          "{n_steps} ({n_no_signal})",
+          "{max_rel_err_max:.2g} ({max_rel_err_median:.2g})",
+          "{loss_rel_err_max:.1e}",
+          "{tolerance:g}",
+          "{margin:.3g}x",
+        ),
+        ("kind=summary", "run=grpo_haystack"),
+        1,
+        optional=("base_dtype", "trained_dtype", "dtype"),
+      ),
+      Source(
+        "verify_tolerance_cpu_2026-12-05.jsonl",
+        (
+          "{run}",
+          "{dtype}",
+          "{base_dtype} / {trained_dtype}",
+          "{n_steps} ({n_no_signal})",
+          "{max_rel_err_max:.2g} ({max_rel_err_median:.2g})",
+          "{loss_rel_err_max:.1e}",
+          "{tolerance:g}",
+          "{margin:.3g}x",
+        ),
+        ("kind=summary", "run=tree_haystack"),
+        1,
+        optional=("base_dtype", "trained_dtype", "dtype"),
+      ),
+      Source(
+        "verify_tolerance_smollm2_lora_cpu_2026-12-05.jsonl",
+        (
+          "{run}",
+          "{dtype}",
+          "{base_dtype} / {trained_dtype}",
+          "{n_steps} ({n_no_signal})",
+          "{max_rel_err_max:.2g} ({max_rel_err_median:.2g})",
+          "{loss_rel_err_max:.1e}",
+          "{tolerance:g}",
+          "{margin:.3g}x",
+        ),
+        ("kind=summary",),
+        2,
+      ),
+    ),
+    note="Error: the worst gradient leaf's largest |replay - naive| over that leaf's largest "
+    "entry (verify.py's measure) at every RL step of the run; a batch whose advantages are all "
+    "zero is deferred by the trainer and not counted. With LoRA the adapters' gradients are "
+    "compared (what the optimizer applies).",
   ),
   "long_context": Table(
     (
@@ -690,6 +791,7 @@ TABLES = {
         ("kind=-",),
         optional=("speedup_over_flop_ratio",),
       ),
+      Source("cpu_long_context_2026-12-05.jsonl", _BENCH_CPU, ("kind=-",), 1),
     ),
   ),
   "idle_step": Table(
@@ -1114,6 +1216,8 @@ ENGINE = {
   "default_run_99370c1_rerun_2026-12-04.jsonl": "after the rooms and the formatter (rerun, same machine)",
   "rollout_strategies_cpu_2026-12-01.jsonl": "before the one engine",
   "peer_cpu_before_2026-12-01.jsonl": "before issue 18's changes",
+  "peer_cpu_after_2026-12-02.jsonl": "old protocol: single steps alternating; peer's explicit mask",
+  "peer_cpu_quiet_sys_2026-12-05.jsonl": "old protocol: single steps alternating; peer's explicit mask",
   "profile_cpu_before_2026-12-01.jsonl": "before issue 18's changes",
   "profile_cpu_before_2026-12-01.md": "before issue 18's changes",
 }
@@ -1141,6 +1245,9 @@ SUPERSEDED = {
   "q1_cpu_2026-11-30.jsonl": "q1_cpu_2026-12-05.jsonl",
   "q5_cpu_2026-11-30.jsonl": "q5_cpu_2026-12-05.jsonl",
   "peer_cpu_before_2026-12-01.jsonl": "peer_cpu_after_2026-12-02.jsonl",
+  # the old protocol (single steps alternating between the processes; the peer's explicit mask)
+  "peer_cpu_after_2026-12-02.jsonl": PEER_BLOCKS,
+  "peer_cpu_quiet_sys_2026-12-05.jsonl": PEER_BLOCKS,
   "profile_cpu_before_2026-12-01.jsonl": "profile_cpu_after_2026-12-02.jsonl",
   "profile_cpu_before_2026-12-01.md": "profile_cpu_after_2026-12-02.md",
 }
@@ -1191,8 +1298,10 @@ CLAIMS = {
   "cost_model_fit": "Q4: the cost model fits every measured step within 30%",
   "cost_model_prediction": "Q4: by the model the 2.1M-position step fits 8 x H20 with replay",
   "q5": "Q5: GRPO, GSPO, PPO (policy and critic) and DPO steps carry over at P=2048",
-  "peer": "replay's step against PrefixGrouper's at three shapes, on a machine whose XLA "
-  "matmul ran 2.2x torch's (on a quiet machine with close rates ours is slower: docs)",
+  "peer": "replay's step against PrefixGrouper's at full strength at three shapes, timed as a "
+  "training run steps (blocks of back-to-back steps, with and without a generation's pause)",
+  "verify_tolerance": "the self-check's tolerance: replay vs naive at every step of real runs "
+  "(default, tree, SmolLM2 with LoRA in float32 and bf16)",
   "long_context": "at long prompts replay's speedup equals its useful-FLOP ratio",
   "idle_step": "the replay step on an idle machine against the matmul rate",
   "sweep": "over 12 shapes replay's CPU speedup is at or above its useful-FLOP ratio",

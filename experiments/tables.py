@@ -123,18 +123,21 @@ def repetitions(row: dict) -> str:
 
 def conditions(row: dict) -> dict:
   """The conditions every row can state from its own fields: `_model` (model_size), `_reps`
-  (repetitions), `_load`
-  (the 1-minute load
-  average when it started, '-' if not recorded), `_tree` ('clean tree', 'dirty tree' or 'tree
-  state not recorded') and `_machine` (the CPU model, or the device)."""
+  (repetitions), `_load` (the 1-minute load average before the run started where the row
+  records it, from a wait for a quiet machine: 'X at start'; else as the row was written, the
+  run's own work included: 'X when written'; '-' if not recorded), `_tree` ('clean tree',
+  'dirty tree' or 'tree state not recorded') and `_machine` (the CPU model, or the device)."""
   p = row.get("provenance") if isinstance(row.get("provenance"), dict) else row
-  load = p.get("load_avg_1m")
+  wait = row.get("wait") if isinstance(row.get("wait"), dict) else {}
+  start, load = wait.get("load_at_start"), p.get("load_avg_1m")
   dirty = p.get("git_dirty")
   machine = p.get("cpu_model") or p.get("device_kind") or p.get("platform") or "-"
   return {
     "_model": model_size(row),
     "_reps": repetitions(row),
-    "_load": "-" if load is None else f"{load:.2f}",
+    "_load": f"{start:.2f} at start"
+    if start is not None
+    else ("-" if load is None else f"{load:.2f} when written"),
     "_tree": {True: "dirty tree", False: "clean tree"}.get(dirty, "tree state not recorded"),
     "_machine": machine,
   }

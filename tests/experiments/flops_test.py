@@ -133,6 +133,7 @@ def test_bench_tree_default_shape_ratios():
 REPLAY_FILES = {
   "cpu_sweep_blockwise_2026-11-30.jsonl": False,
   "cpu_long_context_2026-11-30.jsonl": False,
+  "cpu_long_context_2026-12-05.jsonl": False,
   "replay_naive_cpu_P8192_2026-12-02.jsonl": False,
   "hybrid_cpu_2026-12-01.jsonl": False,
   "hybrid_remat_cpu_2026-12-01.jsonl": False,

@@ -240,8 +240,10 @@ def test_headline_rows_state_their_conditions():
 def test_conditions_come_from_the_row():
   row = {"preset": "small", "reps": 5, "provenance": {"load_avg_1m": 0.5, "git_dirty": True}}
   c = tables.conditions(row)
-  assert c["_load"] == "0.50" and c["_tree"] == "dirty tree" and c["_reps"] == "5"
+  assert c["_load"] == "0.50 when written" and c["_tree"] == "dirty tree" and c["_reps"] == "5"
   assert c["_model"].startswith("small (4 layers, d=256, ")
+  waited = {**row, "wait": {"load_at_start": 0.56, "quiet": True}}  # bench_peer's quiet wait
+  assert tables.conditions(waited)["_load"] == "0.56 at start"
   bare = tables.conditions({"provenance": {"command": "python x.py --reps=3"}})
   assert bare["_load"] == "-" and bare["_tree"] == "tree state not recorded"
   assert bare["_reps"] == "3" and bare["_model"] == "-"
