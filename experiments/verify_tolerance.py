@@ -12,7 +12,8 @@ Each RL step, before the update, runs `algorithm.verify(state, batch, tol=inf)` 
 own batch and parameters (the check the trainer runs once, with the run's model, loss, LoRA
 and branch_chunk), and writes one line: the worst gradient leaf's error relative to that
 leaf's largest entry (`max_rel_err`, verify.py's measure), the loss's relative error, the leaf,
-the compute dtype and the tolerance in force, and the state it checked (the base's and the
+the run's compute dtype, the check's (float32 for a half-precision run: verify.check_config)
+and the tolerance in force, and the state it checked (the base's and the
 trained parameters' dtypes, the train state's bytes per model parameter: with LoRA over a bf16
 base the adapters are what is compared, and what the state costs). The last line summarises the run (max, median).
 The run itself trains as `python run.py` would (same flags: --experiment, --set, --model_dir,
@@ -114,7 +115,14 @@ def summary_row(rows: list[dict]) -> dict:
     "margin": float(rows[0]["tolerance"] / max(errs.max(), 1e-300)),
     **{  # what was checked (the step rows carry it; absent in rows made before it was kept)
       k: rows[0][k]
-      for k in ("dtype", "base_dtype", "trained_dtype", "model_params", "state_bytes_per_param")
+      for k in (
+        "dtype",
+        "check_dtype",
+        "base_dtype",
+        "trained_dtype",
+        "model_params",
+        "state_bytes_per_param",
+      )
       if k in rows[0]
     },
   }
@@ -150,6 +158,7 @@ def main(argv):
           "worst_leaf": stats["verify/worst_leaf"],
           "has_signal": stats["has_signal"],  # False: the trainer would defer this batch
           "dtype": str(model_cfg.dtype),
+          "check_dtype": stats.get("verify/dtype"),  # float32 for a half-precision run
           "tolerance": verify.tolerance(model_cfg),
           "verify_s": stats["time/verify_s"],
           **{k: stats[k] for k in ("base_dtype", "trained_dtype", "model_params")},

@@ -7,6 +7,7 @@ import pytest
 
 from branch_replay.core import engine, losses
 from branch_replay.train import verify
+from models import lora as lora_lib
 from models import transformer as tfm
 from helpers import make_batch, make_tree, tiny_model
 
@@ -39,7 +40,12 @@ def test_verify_passes_a_right_engine_and_catches_a_wrong_one(monkeypatch):
 
 def test_tolerance_follows_the_dtype():
   assert verify.tolerance(tfm.preset("tiny", dtype="float64", param_dtype="float64")) == 1e-8
-  assert verify.tolerance(tfm.preset("tiny", dtype="bfloat16")) == 6e-2
+  # a half-precision run is checked in float32 over its stored weights, at float32's tolerance
+  bf16 = tfm.preset("tiny", dtype="bfloat16", param_dtype="bfloat16")
+  assert verify.tolerance(bf16) == 2e-3 and verify.check_config(bf16).dtype == "float32"
+  assert verify.check_config(bf16).param_dtype == "bfloat16"
+  f32 = tfm.preset("tiny", dtype="float32")
+  assert verify.check_config(f32) is f32 and verify.tolerance(f32) == 2e-3
   assert verify.enabled("auto", imported=True) and not verify.enabled("auto", imported=False)
   assert verify.enabled("first", imported=False) and not verify.enabled("off", imported=True)
   with pytest.raises(ValueError, match="replay.verify='sometimes'"):
@@ -92,7 +98,8 @@ def test_a_batch_whose_advantages_are_all_zero_has_no_signal():
 def test_lora_verify_compares_the_adapters_gradients_over_a_bf16_base(monkeypatch):
   """With LoRA the check differentiates what the train step does (float32 adapters attached to
   a frozen bf16 base): its leaves are the adapters' (a frozen norm's gradient is never judged),
-  they agree within the bf16 tolerance, and a wrong adapter gradient still stops the run."""
+  computed in float32 over the stored bf16 base (the run computes in bf16), where they agree
+  within float32's tolerance, and a wrong adapter gradient still stops the run."""
   from branch_replay.config import Config, apply_overrides
   from branch_replay.data.tokenizer import TOKENIZER
   from branch_replay.train import state as train_state
@@ -111,8 +118,20 @@ def test_lora_verify_compares_the_adapters_gradients_over_a_bf16_base(monkeypatc
   batch = make_batch(4, B=2, R=3, P=6, T=4, vocab=cfg.model.vocab_size, logps=True)
   loss_cfg = steps.rl_loss_config(cfg)
   stats = verify.check(adapters, batch, cfg.model, loss_cfg, base=state.base, lora=cfg.lora)
-  assert stats["verify/max_rel_err"] < verify.tolerance(cfg.model) == 6e-2
+  assert stats["verify/max_rel_err"] < verify.tolerance(cfg.model) == 2e-3
   assert stats["verify/worst_leaf"].endswith(("['a']", "['b']"))  # an adapter leaf
+  assert stats["verify/dtype"] == "float32"
+
+  # the check computed in float32 over the same bf16 weights: its loss is that engine's (to
+  # float32 rounding), not the bf16 engine's
+  def naive_loss(model_cfg):
+    attach = lambda a: lora_lib.attach(state.base, a, cfg.lora)
+    fn = lambda a: engine.loss_and_grad(a, batch, model_cfg, loss_cfg, "naive", params_fn=attach)
+    return float(jax.jit(fn)(adapters)[0])
+
+  loss32, loss16 = naive_loss(verify.check_config(cfg.model)), naive_loss(cfg.model)
+  assert abs(stats["verify/loss_naive"] - loss32) <= 1e-6 * max(1.0, abs(loss32))
+  assert abs(loss16 - loss32) > 10 * abs(stats["verify/loss_naive"] - loss32)
 
   right = engine._replay
 
@@ -123,7 +142,9 @@ def test_lora_verify_compares_the_adapters_gradients_over_a_bf16_base(monkeypatc
     return loss, aux, grads
 
   monkeypatch.setattr(engine, "_replay", wrong)
-  with pytest.raises(verify.MismatchError, match=r"\['layer_0'\]\['q'\]\['b'\]"):
+  with pytest.raises(
+    verify.MismatchError, match=r"\['layer_0'\]\['q'\]\['b'\].*float32 \(the check"
+  ):
     verify.check(adapters, batch, cfg.model, loss_cfg, base=state.base, lora=cfg.lora)
   with pytest.raises(ValueError, match="base and lora go together"):
     verify.check(adapters, batch, cfg.model, loss_cfg, base=state.base)
