@@ -40,6 +40,12 @@ def define_flags():
   flags.DEFINE_string("model_dtype", "float32", "As run.py --model_dtype.")
   flags.DEFINE_integer("steps", 12, "RL steps to train and check (train.rl_steps is set to it).")
   flags.DEFINE_string("out", "", "JSON-lines results file ('' prints only).")
+  flags.DEFINE_bool(
+    "dtype_gap",
+    False,
+    "Where the run computes in a half dtype, also run replay and naive in it on each batch "
+    "with signal: their gap, and each one's distance from the float32 gradient (dtype_gap).",
+  )
 
 
 def run_argv(experiment, sets, model_dir, model_dtype, steps) -> list[str]:
@@ -51,9 +57,11 @@ def run_argv(experiment, sets, model_dir, model_dtype, steps) -> list[str]:
   return argv + ([f"--model_dir={model_dir}"] if model_dir else [])
 
 
-def measure(parsed, workdir, on_step) -> dict:
+def measure(parsed, workdir, on_step, with_dtype_gap: bool = False) -> dict:
   """Train run.py's parsed argv (`run.parse`'s flags, cfg, params, tokenizer) in `workdir`,
-  calling on_step(step, verify metrics) before each RL update; returns the run's summary."""
+  calling on_step(step, verify metrics) before each RL update (with `dtype_gap`'s fields on
+  batches with signal if with_dtype_gap and the run computes in a half dtype); returns the
+  run's summary."""
   from branch_replay import algorithms
   from branch_replay.train import trainer, verify
   from experiments import registry
@@ -66,13 +74,58 @@ def measure(parsed, workdir, on_step) -> dict:
     def update(self, state, batch, step):
       if step >= self.warmup_steps:
         stats = self.verify(state, batch, tol=float("inf"))
-        on_step(step, {**stats, "has_signal": verify.has_signal(batch), **layout(state)})
+        signal = verify.has_signal(batch)
+        half = verify.check_config(self.cfg.model) is not self.cfg.model
+        if with_dtype_gap and signal and half:
+          stats.update(dtype_gap(self.cfg, state, batch))
+        on_step(step, {**stats, "has_signal": signal, **layout(state)})
       return super().update(state, batch, step)
 
   Checked.__name__ = f"Checked{base.__name__}"
   return trainer.run(
     cfg, workdir, Checked, init_params=init_params, tokenizer=tokenizer, init_adapters=init_adapters
   )
+
+
+def dtype_gap(cfg, state, batch) -> dict:
+  """The step's batch through replay and naive in the run's own (half) compute dtype and
+  through naive in float32 over the same stored weights: the half-precision gap between the
+  two paths (verify's measure: worst leaf's largest error over its largest entry) and each
+  path's distance from the float32 gradient (global: the norm of the difference over all
+  trained leaves over the float32 gradient's norm; and verify's measure)."""
+  import functools
+
+  import jax
+
+  from branch_replay.train import steps, verify
+
+  def grads(model_cfg, mode):
+    fn = functools.partial(
+      verify._loss_and_grad,
+      model_cfg=model_cfg,
+      loss_cfg=steps.rl_loss_config(cfg),
+      mode=mode,
+      branch_chunk=cfg.replay.branch_chunk if mode == "replay" else None,
+      lora=None if state.base is None else cfg.lora,
+    )
+    loss, _, g = jax.jit(fn)(state.params, state.base, batch)
+    return float(loss), [np.asarray(x, np.float64) for x in jax.tree.leaves(g)], g
+
+  (l_r, r, g_r), (l_n, n, g_n) = grads(cfg.model, "replay"), grads(cfg.model, "naive")
+  l_32, f, g_32 = grads(verify.check_config(cfg.model), "naive")
+  norm = lambda xs: float(np.sqrt(sum(np.sum(x * x) for x in xs)))
+  glob = lambda a, b: norm([x - y for x, y in zip(a, b)]) / max(norm(b), 1e-300)
+  name, err = max(verify._errors(g_r, g_n), key=lambda e: e[1])[:2]
+  return {
+    "half_max_rel_err": err,  # replay vs naive, both in the run's dtype
+    "half_worst_leaf": name,
+    "half_loss": {"replay": l_r, "naive": l_n, "float32_naive": l_32},
+    "half_vs_float32_global": {"replay": glob(r, f), "naive": glob(n, f)},
+    "half_vs_float32_max_rel_err": {
+      "replay": max(e[1] for e in verify._errors(g_r, g_32)),
+      "naive": max(e[1] for e in verify._errors(g_n, g_32)),
+    },
+  }
 
 
 def layout(state) -> dict:
@@ -113,6 +166,7 @@ def summary_row(rows: list[dict]) -> dict:
     "loss_rel_err_max": float(loss.max()),
     "tolerance": rows[0]["tolerance"],
     "margin": float(rows[0]["tolerance"] / max(errs.max(), 1e-300)),
+    **half_summary(checked),
     **{  # what was checked (the step rows carry it; absent in rows made before it was kept)
       k: rows[0][k]
       for k in (
@@ -124,6 +178,19 @@ def summary_row(rows: list[dict]) -> dict:
         "state_bytes_per_param",
       )
       if k in rows[0]
+    },
+  }
+
+
+def half_summary(rows: list[dict]) -> dict:
+  """The largest half-precision gaps over the rows that measured them (--dtype_gap)."""
+  gap = [r for r in rows if "half_max_rel_err" in r]
+  if not gap:
+    return {}
+  return {
+    "half_max_rel_err_max": max(r["half_max_rel_err"] for r in gap),
+    "half_vs_float32_global_max": {
+      k: max(r["half_vs_float32_global"][k] for r in gap) for k in ("replay", "naive")
     },
   }
 
@@ -163,12 +230,13 @@ def main(argv):
           "verify_s": stats["time/verify_s"],
           **{k: stats[k] for k in ("base_dtype", "trained_dtype", "model_params")},
           **{k: stats[k] for k in ("state_bytes", "state_bytes_per_param")},
+          **{k: v for k, v in stats.items() if k.startswith("half_")},
         }
       )
     )
 
   with tempfile.TemporaryDirectory(prefix="verify_tol_") as workdir:
-    measure(parsed, workdir, on_step)
+    measure(parsed, workdir, on_step, with_dtype_gap=FLAGS.dtype_gap)
   writer.write({**summary_row(rows), "run": FLAGS.experiment, "run_argv": argv})
 
 

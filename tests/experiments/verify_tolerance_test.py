@@ -77,3 +77,41 @@ def test_summary_reads_the_batches_with_signal():
   assert (s["dtype"], s["base_dtype"], s["state_bytes_per_param"]) == ("bfloat16", "bfloat16", 2.1)
   with pytest.raises(ValueError, match="none of the 1 batches had signal"):
     vt.summary_row(rows[2:])
+
+
+def test_dtype_gap_of_a_bf16_run_against_float32():
+  """--dtype_gap: replay and naive in the run's bf16 against each other and against the
+  float32 gradient of the same stored weights (the check's own dtype)."""
+  import jax
+  import jax.numpy as jnp
+
+  from branch_replay.config import Config, apply_overrides
+  from branch_replay.data.tokenizer import TOKENIZER
+  from branch_replay.train import state as train_state
+  from helpers import make_batch
+  from models import transformer as tfm
+
+  cfg = apply_overrides(
+    Config(model=tfm.preset("tiny", vocab_size=TOKENIZER.vocab_size, dtype="bfloat16")),
+    ["lora.rank=4", "model.param_dtype=bfloat16"],
+  )
+  state = train_state.init_state(cfg)
+  keys = iter(jax.random.split(jax.random.key(0), 64))
+  state = state.replace(  # B = 0 at init: every adapter leaf gets a gradient
+    params=jax.tree.map(
+      lambda x: x + 0.2 * jax.random.normal(next(keys), x.shape, x.dtype), state.params
+    )
+  )
+  batch = make_batch(4, B=2, R=3, P=6, T=4, vocab=cfg.model.vocab_size, logps=True)
+  got = vt.dtype_gap(cfg, state, batch)
+  assert got["half_worst_leaf"].endswith(("['a']", "['b']"))
+  assert 0 < got["half_max_rel_err"] < float("inf")
+  for side in ("replay", "naive"):  # bf16 rounding moves the gradient, but not past its size
+    assert 0 < got["half_vs_float32_global"][side] < 1
+    assert got["half_vs_float32_max_rel_err"][side] > 0
+  losses = got["half_loss"]
+  assert losses["float32_naive"] != losses["naive"]  # two dtypes, two computations
+  assert jnp.isfinite(jnp.asarray(list(losses.values()))).all()
+  summary = vt.half_summary([{**got}, {"max_rel_err": 0.0}])
+  assert summary["half_max_rel_err_max"] == got["half_max_rel_err"]
+  assert summary["half_vs_float32_global_max"] == got["half_vs_float32_global"]
