@@ -35,6 +35,18 @@ class Table:
 # bench_peer.py at full strength, block protocol: 3 shapes x (back to back, 3 s pauses)
 PEER_BLOCKS = "peer_cpu_blocks_2026-12-06.jsonl"
 
+# experiments/verify_tolerance.py's summary lines
+_VERIFY_CELLS = (
+  "{run}",
+  "{dtype} ({check_dtype})",
+  "{base_dtype} / {trained_dtype}",
+  "{n_steps} ({n_no_signal})",
+  "{max_rel_err_max:.2g} ({max_rel_err_median:.2g})",
+  "{loss_rel_err_max:.1e}",
+  "{tolerance:g}",
+  "{margin:.3g}x",
+)
+
 _BENCH_CPU = (
   "{prefix_len}",
   "{tail_len}",
@@ -703,7 +715,7 @@ TABLES = {
   "verify_tolerance": Table(
     (
       "run (model)",
-      "compute dtype",
+      "compute dtype (the check's)",
       "base / trained dtype",
       "batches checked (deferred: no signal)",
       "largest gradient error (median)",
@@ -714,56 +726,65 @@ TABLES = {
     (
       Source(
         "verify_tolerance_cpu_2026-12-05.jsonl",
-        (
-          "{run}",
-          "{dtype}",
-          "{base_dtype} / {trained_dtype}",
-          "{n_steps} ({n_no_signal})",
-          "{max_rel_err_max:.2g} ({max_rel_err_median:.2g})",
-          "{loss_rel_err_max:.1e}",
-          "{tolerance:g}",
-          "{margin:.3g}x",
-        ),
+        _VERIFY_CELLS,
         ("kind=summary", "run=grpo_haystack"),
         1,
-        optional=("base_dtype", "trained_dtype", "dtype"),
+        optional=("base_dtype", "trained_dtype", "dtype", "check_dtype"),
       ),
       Source(
         "verify_tolerance_cpu_2026-12-05.jsonl",
-        (
-          "{run}",
-          "{dtype}",
-          "{base_dtype} / {trained_dtype}",
-          "{n_steps} ({n_no_signal})",
-          "{max_rel_err_max:.2g} ({max_rel_err_median:.2g})",
-          "{loss_rel_err_max:.1e}",
-          "{tolerance:g}",
-          "{margin:.3g}x",
-        ),
+        _VERIFY_CELLS,
         ("kind=summary", "run=tree_haystack"),
         1,
-        optional=("base_dtype", "trained_dtype", "dtype"),
+        optional=("base_dtype", "trained_dtype", "dtype", "check_dtype"),
       ),
       Source(
         "verify_tolerance_smollm2_lora_cpu_2026-12-05.jsonl",
-        (
-          "{run}",
-          "{dtype}",
-          "{base_dtype} / {trained_dtype}",
-          "{n_steps} ({n_no_signal})",
-          "{max_rel_err_max:.2g} ({max_rel_err_median:.2g})",
-          "{loss_rel_err_max:.1e}",
-          "{tolerance:g}",
-          "{margin:.3g}x",
-        ),
+        _VERIFY_CELLS,
         ("kind=summary",),
         2,
+        optional=("check_dtype",),
+      ),
+      Source(
+        "verify_tolerance_smollm2_bf16_2026-12-06.jsonl",
+        _VERIFY_CELLS,
+        ("kind=summary",),
+        1,
       ),
     ),
     note="Error: the worst gradient leaf's largest |replay - naive| over that leaf's largest "
     "entry (verify.py's measure) at every RL step of the run; a batch whose advantages are all "
     "zero is deferred by the trainer and not counted. With LoRA the adapters' gradients are "
-    "compared (what the optimizer applies).",
+    "compared (what the optimizer applies). The check's dtype in brackets ('-': a row from "
+    "before it was recorded, checked in the run's own dtype).",
+  ),
+  "verify_dtype_gap": Table(
+    (
+      "run",
+      "step",
+      "bf16: replay vs naive (worst leaf)",
+      "bf16 replay vs float32 (global)",
+      "bf16 naive vs float32 (global)",
+      "float32 check: replay vs naive",
+      "loss: bf16 replay / bf16 naive / float32",
+    ),
+    (
+      Source(
+        "verify_tolerance_smollm2_bf16_2026-12-06.jsonl",
+        (
+          "{run}, LoRA over a {base_dtype} base",
+          "{step}",
+          "{half_max_rel_err:.2g} (`{half_worst_leaf}`)",
+          "{half_vs_float32_global[replay]:.0%}",
+          "{half_vs_float32_global[naive]:.0%}",
+          "{max_rel_err:.2g}",
+          "{half_loss[replay]:.4f} / {half_loss[naive]:.4f} / {half_loss[float32_naive]:.4f}",
+        ),
+        ("kind=step", "has_signal=true"),
+      ),
+    ),
+    note="global: the norm of the difference over all adapter gradients over the float32 "
+    "gradient's norm; float32 check: verify.py's measure in the check's own dtype.",
   ),
   "long_context": Table(
     (
@@ -1302,6 +1323,8 @@ CLAIMS = {
   "training run steps (blocks of back-to-back steps, with and without a generation's pause)",
   "verify_tolerance": "the self-check's tolerance: replay vs naive at every step of real runs "
   "(default, tree, SmolLM2 with LoRA in float32 and bf16)",
+  "verify_dtype_gap": "why a bf16 run is checked in float32: in bf16 both paths are as far "
+  "from the float32 gradient as from each other",
   "long_context": "at long prompts replay's speedup equals its useful-FLOP ratio",
   "idle_step": "the replay step on an idle machine against the matmul rate",
   "sweep": "over 12 shapes replay's CPU speedup is at or above its useful-FLOP ratio",
