@@ -197,7 +197,8 @@ TABLES = {
           "{ratio:.2f} back to back ({ours_s:.2f} vs {peer_s:.2f} s), {paused[ratio]:.2f} with "
           "pauses; peak {ours_peak_mb:,.0f} vs {peer_peak_mb:,.0f} MB",
           "{_model}, {dtype}; remat none on both sides; {blocks} blocks of {reps} steps a side, "
-          "alternating (median of block medians); load {_load}; {_tree}",
+          "alternating (median of block medians); this machine's 2048^3 matmul: XLA "
+          "{xla_matmul_gflops:.0f}, torch {torch_matmul_gflops:.0f} GFLOP/s; load {_load}; {_tree}",
           "`{_file}`",
         ),
         ("protocol=blocks", "gap_s=0.0", "prefix_len=2048", "tail_len=128"),
@@ -213,7 +214,8 @@ TABLES = {
           "{ratio:.2f} back to back ({ours_s:.2f} vs {peer_s:.2f} s), {paused[ratio]:.2f} with "
           "pauses; peak {ours_peak_mb:,.0f} vs {peer_peak_mb:,.0f} MB",
           "{_model}, {dtype}; remat none on both sides; {blocks} blocks of {reps} steps a side, "
-          "alternating (median of block medians); load {_load}; {_tree}",
+          "alternating (median of block medians); this machine's 2048^3 matmul: XLA "
+          "{xla_matmul_gflops:.0f}, torch {torch_matmul_gflops:.0f} GFLOP/s; load {_load}; {_tree}",
           "`{_file}`",
         ),
         ("protocol=blocks", "gap_s=0.0", "prefix_len=8192", "tail_len=128"),
@@ -229,7 +231,8 @@ TABLES = {
           "{ratio:.2f} back to back ({ours_s:.2f} vs {peer_s:.2f} s), {paused[ratio]:.2f} with "
           "pauses; peak {ours_peak_mb:,.0f} vs {peer_peak_mb:,.0f} MB",
           "{_model}, {dtype}; remat none on both sides; {blocks} blocks of {reps} steps a side, "
-          "alternating (median of block medians); load {_load}; {_tree}",
+          "alternating (median of block medians); this machine's 2048^3 matmul: XLA "
+          "{xla_matmul_gflops:.0f}, torch {torch_matmul_gflops:.0f} GFLOP/s; load {_load}; {_tree}",
           "`{_file}`",
         ),
         ("protocol=blocks", "gap_s=0.0", "prefix_len=1024", "tail_len=512"),
