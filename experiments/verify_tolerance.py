@@ -101,7 +101,7 @@ def dtype_gap(cfg, state, batch) -> dict:
 
   def grads(model_cfg, mode):
     fn = functools.partial(
-      verify._loss_and_grad,
+      verify.loss_and_grad,
       model_cfg=model_cfg,
       loss_cfg=steps.rl_loss_config(cfg),
       mode=mode,
@@ -115,15 +115,15 @@ def dtype_gap(cfg, state, batch) -> dict:
   l_32, f, g_32 = grads(verify.check_config(cfg.model), "naive")
   norm = lambda xs: float(np.sqrt(sum(np.sum(x * x) for x in xs)))
   glob = lambda a, b: norm([x - y for x, y in zip(a, b)]) / max(norm(b), 1e-300)
-  name, err = max(verify._errors(g_r, g_n), key=lambda e: e[1])[:2]
+  name, err = max(verify.leaf_errors(g_r, g_n), key=lambda e: e[1])[:2]
   return {
     "half_max_rel_err": err,  # replay vs naive, both in the run's dtype
     "half_worst_leaf": name,
     "half_loss": {"replay": l_r, "naive": l_n, "float32_naive": l_32},
     "half_vs_float32_global": {"replay": glob(r, f), "naive": glob(n, f)},
     "half_vs_float32_max_rel_err": {
-      "replay": max(e[1] for e in verify._errors(g_r, g_32)),
-      "naive": max(e[1] for e in verify._errors(g_n, g_32)),
+      "replay": max(e[1] for e in verify.leaf_errors(g_r, g_32)),
+      "naive": max(e[1] for e in verify.leaf_errors(g_n, g_32)),
     },
   }
 

@@ -73,7 +73,7 @@ def tolerance(model_cfg) -> float:
   return TOLERANCE[str(jnp.dtype(check_config(model_cfg).compute_dtype))]
 
 
-def _errors(fast, slow):
+def leaf_errors(fast, slow):
   """Per leaf: (path, max |fast - slow| / max |slow|, fast value, slow value) at the worst entry."""
   out = []
   for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(fast)[0], jax.tree.leaves(slow)):
@@ -114,7 +114,7 @@ def loss_error(fast, slow) -> float:
   return abs(fast - slow) / max(abs(slow), 1.0)
 
 
-def _loss_and_grad(params, base, batch, *, model_cfg, loss_cfg, mode, branch_chunk, lora):
+def loss_and_grad(params, base, batch, *, model_cfg, loss_cfg, mode, branch_chunk, lora):
   """engine.loss_and_grad of `params`, or with LoRA (`base` given) of the adapters `params`
   attached to the frozen base (a jit argument, not a constant baked into the program)."""
   params_fn = None if base is None else functools.partial(_attach, base, lora=lora)
@@ -146,7 +146,7 @@ def check(
   run = lambda mode: jax.block_until_ready(
     jax.jit(
       functools.partial(
-        _loss_and_grad,
+        loss_and_grad,
         model_cfg=model_cfg,
         loss_cfg=loss_cfg,
         mode=mode,
@@ -160,7 +160,7 @@ def check(
   t1 = time.perf_counter()
   loss_slow, _, grads_slow = run("naive")
   t2 = time.perf_counter()
-  leaves = _errors(grads_fast, grads_slow)
+  leaves = leaf_errors(grads_fast, grads_slow)
   name, err, fast, slow, index = max(leaves, key=lambda e: e[1])
   loss_err = loss_error(loss_fast, loss_slow)
   if not err <= tol:
