@@ -232,6 +232,7 @@ def test_run_py_bf16_lora_base_loads_bf16_trains_resumes_and_exports_peft(tmp_pa
   assert "verify/max_rel_err" in rl or rl.get("verify/deferred") == 1
   if "verify/max_rel_err" in rl:  # it judged what the step trains: an adapter's gradient
     assert rl["verify/worst_leaf"].endswith(("['a']", "['b']")), rl["verify/worst_leaf"]
+    assert rl["verify/dtype"] == "float32"  # a bf16 run is checked in float32 (verify.py)
   part = str(tmp_path / "part")
   one = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, rl_steps=0))
   trainer.run(one, part, init_params=base, tokenizer=tok)
