@@ -88,6 +88,28 @@ def _trl_phase(phase: str, label: str, digits: int) -> Source:
   )
 
 
+def _peer_headline(P: int, T: int) -> Source:
+  """The README's PrefixGrouper row at one shape: back to back, joined with its paused run."""
+  shape = (f"prefix_len={P}", f"tail_len={T}")
+  return Source(
+    PEER_BLOCKS,
+    (
+      f"against PrefixGrouper (torch) at full strength, P={P}, R={{branches}}, T={{tail_len}}, "
+      "quiet CPU: PrefixGrouper's time / ours (above 1: ours faster), back to back and with "
+      "a {paused[gap_s]:g} s pause before every step of both; peak memory",
+      "{ratio:.2f} back to back ({ours_s:.2f} vs {peer_s:.2f} s), {paused[ratio]:.2f} with "
+      "pauses; peak {ours_peak_mb:,.0f} vs {peer_peak_mb:,.0f} MB",
+      "{_model}, {dtype}; remat none on both sides; {blocks} blocks of {reps} steps a side, "
+      "alternating (median of block medians); this machine's 2048^3 matmul: XLA "
+      "{xla_matmul_gflops:.0f}, torch {torch_matmul_gflops:.0f} GFLOP/s; load {_load}; {_tree}",
+      "`{_file}`",
+    ),
+    ("protocol=blocks", "gap_s=0.0", *shape),
+    1,
+    joins=(("paused", ("protocol=blocks", "gap_s=3.0", *shape)),),
+  )
+
+
 def _cp_memory(file: str) -> Table:
   """A context-parallel memory table (experiments/context_parallel_memory.py rows)."""
   return Table(
@@ -188,57 +210,7 @@ TABLES = {
         ("prefix_len=8192", "remat=full"),
         1,
       ),
-      Source(
-        PEER_BLOCKS,
-        (
-          "against PrefixGrouper (torch) at full strength, P=2048, R={branches}, T={tail_len}, "
-          "quiet CPU: PrefixGrouper's time / ours (above 1: ours faster), back to back and with "
-          "a {paused[gap_s]:g} s pause before every step of both; peak memory",
-          "{ratio:.2f} back to back ({ours_s:.2f} vs {peer_s:.2f} s), {paused[ratio]:.2f} with "
-          "pauses; peak {ours_peak_mb:,.0f} vs {peer_peak_mb:,.0f} MB",
-          "{_model}, {dtype}; remat none on both sides; {blocks} blocks of {reps} steps a side, "
-          "alternating (median of block medians); this machine's 2048^3 matmul: XLA "
-          "{xla_matmul_gflops:.0f}, torch {torch_matmul_gflops:.0f} GFLOP/s; load {_load}; {_tree}",
-          "`{_file}`",
-        ),
-        ("protocol=blocks", "gap_s=0.0", "prefix_len=2048", "tail_len=128"),
-        1,
-        joins=(("paused", ("protocol=blocks", "gap_s=3.0", "prefix_len=2048", "tail_len=128")),),
-      ),
-      Source(
-        PEER_BLOCKS,
-        (
-          "against PrefixGrouper (torch) at full strength, P=8192, R={branches}, T={tail_len}, "
-          "quiet CPU: PrefixGrouper's time / ours (above 1: ours faster), back to back and with "
-          "a {paused[gap_s]:g} s pause before every step of both; peak memory",
-          "{ratio:.2f} back to back ({ours_s:.2f} vs {peer_s:.2f} s), {paused[ratio]:.2f} with "
-          "pauses; peak {ours_peak_mb:,.0f} vs {peer_peak_mb:,.0f} MB",
-          "{_model}, {dtype}; remat none on both sides; {blocks} blocks of {reps} steps a side, "
-          "alternating (median of block medians); this machine's 2048^3 matmul: XLA "
-          "{xla_matmul_gflops:.0f}, torch {torch_matmul_gflops:.0f} GFLOP/s; load {_load}; {_tree}",
-          "`{_file}`",
-        ),
-        ("protocol=blocks", "gap_s=0.0", "prefix_len=8192", "tail_len=128"),
-        1,
-        joins=(("paused", ("protocol=blocks", "gap_s=3.0", "prefix_len=8192", "tail_len=128")),),
-      ),
-      Source(
-        PEER_BLOCKS,
-        (
-          "against PrefixGrouper (torch) at full strength, P=1024, R={branches}, T={tail_len}, "
-          "quiet CPU: PrefixGrouper's time / ours (above 1: ours faster), back to back and with "
-          "a {paused[gap_s]:g} s pause before every step of both; peak memory",
-          "{ratio:.2f} back to back ({ours_s:.2f} vs {peer_s:.2f} s), {paused[ratio]:.2f} with "
-          "pauses; peak {ours_peak_mb:,.0f} vs {peer_peak_mb:,.0f} MB",
-          "{_model}, {dtype}; remat none on both sides; {blocks} blocks of {reps} steps a side, "
-          "alternating (median of block medians); this machine's 2048^3 matmul: XLA "
-          "{xla_matmul_gflops:.0f}, torch {torch_matmul_gflops:.0f} GFLOP/s; load {_load}; {_tree}",
-          "`{_file}`",
-        ),
-        ("protocol=blocks", "gap_s=0.0", "prefix_len=1024", "tail_len=512"),
-        1,
-        joins=(("paused", ("protocol=blocks", "gap_s=3.0", "prefix_len=1024", "tail_len=512")),),
-      ),
+      *(_peer_headline(P, T) for P, T in ((2048, 128), (8192, 128), (1024, 512))),
       Source(
         "plan_1gpu_trainer_step_2026-12-05.jsonl",
         (
