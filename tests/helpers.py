@@ -1,11 +1,14 @@
 """Helpers shared by the test modules: random flat batches and trees, the cached tiny model
-(of any family), tiny run configs (`tiny_run`, `tiny_tree_run`), gradient comparisons.
+(of any family), tiny run configs (`tiny_run`, `tiny_tree_run`, `short_run`, `short_tree_run`),
+the loop's counting algorithm, gradient comparisons. No test module imports another
+(tests/system/imports_test.py): what two share lives here, in oracles.py or in a cases module.
 Import by basename (`from helpers import ...`), the name pytest imports test modules by
 (tests/ has no __init__.py): `tests.helpers` would be a second copy with caches of its own."""
 
 import functools
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -14,7 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from branch_replay.core import engine, tree
+from branch_replay.algorithms import base
+from branch_replay.core import engine, losses, tree
+from branch_replay.data.tokenizer import TOKENIZER
+from branch_replay.train import state as train_state
 from branch_replay.core.tree import TreeBatch, TreeLevel
 from models import transformer as tfm
 from oracles import flat_naive_loss_and_grad
@@ -328,3 +334,180 @@ def make_hf_folder(path, vocab_size=96):
   tok.decoder = tokenizers.decoders.Fuse()
   tok.save(str(path / "tokenizer.json"))
   return cfg, params
+
+
+# ----------------------------------------------------------------------------- short runs
+
+
+def short_run(*overrides):
+  """A tiny flat run of 1 SFT + 2 RL steps (B=2, R=4, T=2) with a checkpoint after each
+  step (run_test, crash_test, preemption_test)."""
+  return tiny_run(
+    "train.sft_steps=1",
+    "train.rl_steps=2",
+    "train.batch_size=2",
+    "train.n_branches=4",
+    "train.sft_batch_size=2",
+    "sampler.max_new_tokens=2",
+    "train.checkpoint_every=1",
+    "train.learning_rate=3e-3",
+    *overrides,
+  )
+
+
+def short_tree_run(*overrides):
+  """A tiny tree run of 1 SFT + 1 RL step on the character tokenizer's vocabulary, eval on 2
+  prompts, a checkpoint every 2 steps (trainer_test, ppo_test)."""
+  return tiny_tree_run(
+    "train.sft_steps=1",
+    "train.rl_steps=1",
+    "train.batch_size=2",
+    "train.sft_batch_size=2",
+    "train.eval_size=2",
+    "train.checkpoint_every=2",
+    *overrides,
+    vocab_size=TOKENIZER.vocab_size,
+  )
+
+
+# ----------------------------------------------------------------------------- the loop alone
+
+
+class CountingAlgorithm(base.Algorithm):
+  """An algorithm that trains nothing: each step adds 1 to every parameter and reports a
+  loss (NaN at step `nan_at`); the loop's own logic (phases, checkpoints, resume, NaN stop)
+  runs as for any algorithm, without compiling a train step (the rest: the base's)."""
+
+  phase, progress_keys, nan_at, made = "rl", (), None, []
+
+  def __init__(self, cfg, task, tok, workdir=None):
+    super().__init__(cfg, task, tok, workdir)
+    self.steps = []
+    CountingAlgorithm.made.append(self)
+
+  def _step(self, state, step):
+    loss = float("nan") if step == self.nan_at else 1.0 / (step + 1)
+    state = state.replace(step=state.step + 1, params=jax.tree.map(lambda x: x + 1, state.params))
+    return state, {"loss/policy": loss, "grad/norm": 1.0}
+
+  def warmup_batch(self, step):
+    return ("sft", step)
+
+  def warmup_update(self, state, batch):
+    return self._step(state, batch[1])
+
+  def start(self, state):
+    self.steps.append("start")
+    return state
+
+  def batch(self, state, step):
+    self.steps.append(step)
+    return ("rl", step), {"reward/mean": 0.5}
+
+  def update(self, state, batch, step):
+    return self._step(state, step)
+
+  def token_counts(self, batch, phase):
+    return (1, 2, 4)
+
+  def eval_examples(self):
+    return []
+
+  def restore_template(self, state, step):
+    return train_state.state_dict(state)
+
+  def summarize(self, records):
+    return {"records": records}
+
+
+def loop_config(*overrides):
+  """The Config CountingAlgorithm runs under: 1 SFT + 2 RL steps, a checkpoint each, quiet."""
+  from branch_replay.config import Config, apply_overrides
+
+  return apply_overrides(
+    Config(model=tfm.preset("tiny", vocab_size=TOKENIZER.vocab_size)),
+    [
+      "task.prompt_len=16",
+      "task.n_keys=2",
+      "train.sft_steps=1",
+      "train.rl_steps=2",
+      "train.eval_size=0",
+      "train.progress=false",
+      "train.plot=false",
+      "train.tensorboard=false",
+      "train.checkpoint_every=1",
+      *overrides,
+    ],
+  )
+
+
+# ----------------------------------------------------------------------------- more batches
+
+
+def logp_batch(seed, B, R, P, T, W=2):
+  """Left-padded prefixes with a trunk, ragged tails, off-policy and reference log-probs."""
+  return make_batch(seed, B, R, P, T, W=W, logps=True)
+
+
+SHARDING_LOSS = losses.LossConfig(name="grpo", kl_coef=0.05, epsilon=0.1)  # sharding and multihost
+
+
+def trie_rollouts(seed, B=2, R=4, opening=3, group=2, vocab=128, logps=True):
+  """Responses sharing an opening (per prompt) and, within groups of `group`, more."""
+  rng = np.random.default_rng(seed)
+  prompts = [rng.integers(1, vocab, rng.integers(3, 7)) for _ in range(B)]
+  responses, old = [], []
+  for b in range(B):
+    head = list(rng.integers(1, vocab, opening + b))  # prompt 1 shares one more token
+    rs = []
+    for g in range(R // group):
+      mid = list(rng.integers(1, vocab, 2 + g))
+      rs += [head + mid + list(rng.integers(1, vocab, rng.integers(1, 4))) for _ in range(group)]
+    order = rng.permutation(R)  # shared openings need not be adjacent in the file
+    rs = [rs[i] for i in order]
+    responses.append([np.array(r) for r in rs])
+    # Behaviour log-probs depend on the prefix only (as a sampler's), so shared tokens agree.
+    old.append(
+      [np.array([-(1 + (sum(r[: t + 1]) * 7919) % 97 / 20) for t in range(len(r))]) for r in rs]
+    )
+  adv = rng.normal(size=(B, R))
+  return prompts, responses, adv, (old if logps else None)
+
+
+def hf_batch(B=2, R=2, P=8, T=4, W=1, vocab=64):
+  """A flat float32 batch for the checkpoint-import tests (hf_test, hf_hybrid_test): left
+  padding on prompt 1, ragged tails, seed 0."""
+  rng = np.random.default_rng(0)
+  prefix_valid = np.ones((B, P), bool)
+  prefix_valid[1, :2] = False  # left padding on prompt 1
+  lengths = rng.integers(1, T + 1, (B, R))
+  lengths[0, 0] = T
+  return tree.flat(
+    prefix_BP=jnp.asarray(rng.integers(0, vocab, (B, P)), jnp.int32),
+    prefix_valid_BP=jnp.asarray(prefix_valid),
+    tails_BRT=jnp.asarray(rng.integers(0, vocab, (B, R, T)), jnp.int32),
+    tail_valid_BRT=jnp.asarray(np.arange(T)[None, None] < lengths[..., None]),
+    advantages_BR=jnp.asarray(rng.normal(size=(B, R)), jnp.float32),
+    trunk_len=W,
+  )
+
+
+def full_sequences(batch):
+  """Every branch as its own [P+T] sequence: tokens, validity, RoPE positions ([B*R, S])."""
+  B, R, T = batch.leaves.tokens_BRT.shape
+  P = batch.root_BP.shape[1]
+  seq = lambda prefix, tails: np.concatenate(
+    [np.broadcast_to(np.asarray(prefix)[:, None], (B, R, P)), np.asarray(tails)], -1
+  ).reshape(B * R, P + T)
+  tokens = seq(batch.root_BP, batch.leaves.tokens_BRT)
+  valid = seq(batch.root_valid_BP, batch.leaves.valid_BRT)
+  return tokens, valid, np.maximum(np.cumsum(valid, 1) - 1, 0)
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+def free_port():
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]

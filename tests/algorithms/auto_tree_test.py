@@ -18,7 +18,8 @@ from branch_replay.train import state as train_state
 from branch_replay.config import Config, apply_overrides
 from models import transformer as tfm
 from helpers import max_rel_err
-from tests.core.trie_test import rollouts, trie
+from branch_replay.core import trie
+from helpers import trie_rollouts
 
 # Diagnostics that are sums over every scored position of a path (trunk and tail alike),
 # hence layout-independent. kl, entropy and logp/mean are means over a leaf's own tokens
@@ -30,7 +31,7 @@ def sampled_batch(B=2, opening=4, trunk=2):
   """A flat batch as the sampler builds it: prompt + `trunk` trunk tokens as the prefix,
   the rest of each response as its tail; every response of a prompt shares `opening`
   tokens (trunk included) and, within groups of two, more."""
-  prompts, responses, adv, old = rollouts(2, B=B, opening=opening)
+  prompts, responses, adv, old = trie_rollouts(2, B=B, opening=opening)
   ref = [[o - 0.25 for o in rs] for rs in old]
   flat = trie.flat_batch(
     prompts,

@@ -13,7 +13,7 @@ import pytest
 from branch_replay.core import critic, engine, losses, sharding, tree
 from branch_replay.train import metrics, trainer
 from branch_replay.algorithms import ppo
-from trainer_test import tiny_tree  # the module pytest imports (it registers a task)
+from helpers import short_tree_run
 from helpers import assert_equal_f64, make_tree, tiny_model
 
 FANOUTS = (2, 3)  # depth 2, ragged tails, unscored holes in the inner nodes
@@ -213,7 +213,7 @@ def test_tree_ppo_run_trains_its_critic(tmp_path):
   scored tokens)."""
   from branch_replay import algorithms
 
-  cfg = tiny_tree(
+  cfg = short_tree_run(
     "algo.name=ppo",
     "loss.name=ppo",
     "train.sft_steps=0",
@@ -318,4 +318,4 @@ def test_bad_tree_ppo_input_names_the_field():
     bad = inner.replace(path_advantages_BLT=inner.path_advantages_BLT[:, :2])
     tree.validate(good.replace(levels=(bad, last)), 128)
   with pytest.raises(ValueError, match=r"rewards_BR: shape \(2, 3\): expected \(2, 6\)"):
-    ppo.gae_batch(None, None, t, np.zeros((2, 3)), tiny_tree("algo.name=ppo"))
+    ppo.gae_batch(None, None, t, np.zeros((2, 3)), short_tree_run("algo.name=ppo"))

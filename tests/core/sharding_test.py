@@ -12,43 +12,36 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from branch_replay.core import engine, losses, sharding, tree
+from branch_replay.core import engine, sharding, tree
 from models import transformer as tfm
 
-import helpers
-from helpers import tiny_model, tiny_run
-
-
-def make_batch(seed, B, R, P, T, W=2):
-  """Left-padded prefixes with a trunk, ragged tails, off-policy and reference log-probs."""
-  return helpers.make_batch(seed, B, R, P, T, W=W, logps=True)
+from helpers import SHARDING_LOSS, logp_batch, tiny_model, tiny_run
 
 
 def model():
   return tiny_model(dtype="float32", perturb=0.0)
 
 
-LOSS = losses.LossConfig(name="grpo", kl_coef=0.05, epsilon=0.1)
 BATCH = dict(B=4, R=8, P=16, T=3)
 
 
 @functools.lru_cache(maxsize=None)
 def single_device():
   cfg, params = model()
-  batch = make_batch(0, **BATCH)
+  batch = logp_batch(0, **BATCH)
   tree.validate(batch, cfg.vocab_size)
-  out = jax.jit(lambda p, b: engine.loss_and_grad(p, b, cfg, LOSS))(params, batch)
+  out = jax.jit(lambda p, b: engine.loss_and_grad(p, b, cfg, SHARDING_LOSS))(params, batch)
   return jax.tree.map(np.asarray, out)
 
 
 def sharded(spec, devices=None, branch_chunk=None):
   cfg, params = model()
-  batch = make_batch(0, **BATCH)
+  batch = logp_batch(0, **BATCH)
   mesh = sharding.make_mesh(spec, devices)
   params = sharding.put(params, sharding.param_shardings(mesh, cfg))
   batch = sharding.put(batch, sharding.batch_shardings(mesh, batch))
   step = jax.jit(
-    lambda p, b: engine.loss_and_grad(p, b, cfg, LOSS, "replay", branch_chunk, mesh=mesh)
+    lambda p, b: engine.loss_and_grad(p, b, cfg, SHARDING_LOSS, "replay", branch_chunk, mesh=mesh)
   )
   return mesh, step(params, batch)
 
@@ -89,16 +82,16 @@ def test_branch_parallel_step_splits_the_work():
   a partitioner that runs every branch on every device and slices at the end (the flat mesh
   path before the one engine did: 0.69 of one device's FLOPs; the engine: 0.26)."""
   cfg, params = model()
-  batch = make_batch(0, **BATCH)
+  batch = logp_batch(0, **BATCH)
   mesh = sharding.make_mesh("context:8")
   placed = (
     sharding.put(params, sharding.param_shardings(mesh, cfg)),
     sharding.put(batch, sharding.batch_shardings(mesh, batch)),
   )
   flops = lambda fn, *args: _first(jax.jit(fn).lower(*args).compile().cost_analysis())["flops"]
-  one = flops(lambda p, b: engine.loss_and_grad(p, b, cfg, LOSS), params, batch)
+  one = flops(lambda p, b: engine.loss_and_grad(p, b, cfg, SHARDING_LOSS), params, batch)
   per_device = flops(
-    lambda p, b: engine.loss_and_grad(p, b, cfg, LOSS, "replay", mesh=mesh), *placed
+    lambda p, b: engine.loss_and_grad(p, b, cfg, SHARDING_LOSS, "replay", mesh=mesh), *placed
   )
   assert per_device <= 0.35 * one, (per_device, one)
 
@@ -126,10 +119,10 @@ def test_every_param_leaf_gets_a_spec_and_fsdp_shards_it():
 def prefix_residual_leaves(cfg, params, batch, mesh, compile_step=True):
   p = sharding.put(params, sharding.param_shardings(mesh, cfg))
   b = sharding.put(batch, sharding.batch_shardings(mesh, batch))
-  vjp = jax.jit(lambda p, b: engine.prefix_residuals(mesh, p, b, cfg, LOSS)[1])(p, b)
+  vjp = jax.jit(lambda p, b: engine.prefix_residuals(mesh, p, b, cfg, SHARDING_LOSS)[1])(p, b)
   if not compile_step:
     return jax.tree.leaves(vjp), None
-  step = jax.jit(lambda p, b: engine.loss_and_grad(p, b, cfg, LOSS, "replay", mesh=mesh))
+  step = jax.jit(lambda p, b: engine.loss_and_grad(p, b, cfg, SHARDING_LOSS, "replay", mesh=mesh))
   return jax.tree.leaves(vjp), sharding.memory_report(step.lower(p, b).compile())
 
 
@@ -137,7 +130,7 @@ def test_context_parallel_prefix_residuals_shrink():
   """Per-device bytes of the prefix residuals (what prefix_vjp keeps alive) and of the
   compiled step's temporaries shrink with the context size."""
   cfg, params = model()
-  batch = make_batch(1, B=1, R=4, P=128, T=2)  # a long prefix: its residuals dominate
+  batch = logp_batch(1, B=1, R=4, P=128, T=2)  # a long prefix: its residuals dominate
   residual_bytes, temp_bytes = {}, {}
   for c in (1, 4):
     mesh = sharding.make_mesh(f"context:{c}", jax.devices()[:c])
@@ -153,7 +146,7 @@ def test_context_parallel_prefix_with_remat_holds_no_whole_sequence():
   holds the whole prefix; without remat each layer's all-gathered K/V is a residual too."""
   cfg = tfm.preset("tiny", remat=True)
   params = tfm.init_params(cfg, jax.random.key(0))
-  batch = make_batch(1, B=1, R=4, P=64, T=2)
+  batch = logp_batch(1, B=1, R=4, P=64, T=2)
   mesh = sharding.make_mesh("context:4", jax.devices()[:4])
   residuals, _ = prefix_residual_leaves(cfg, params, batch, mesh, compile_step=False)
   seq_residuals = [x for x in residuals if x.shape[:2] == (1, 64)]  # [B, P, ...]
@@ -203,14 +196,14 @@ def test_bad_mesh_spec(spec, message):
 
 def test_dimension_not_dividing_its_axis():
   cfg, _ = model()
-  batch = make_batch(0, **BATCH)  # B=4 prompts
+  batch = logp_batch(0, **BATCH)  # B=4 prompts
   with pytest.raises(
     ValueError,
     match=r"tree.root_BP: dimension 0 has size 4, not "
     r"divisible by the 8 devices of mesh axes \('data', 'fsdp'\)",
   ):
     sharding.batch_shardings(sharding.make_mesh("data:8"), batch)
-  few_branches = make_batch(0, B=4, R=4, P=16, T=3)  # R=4 branches over an 8-way context
+  few_branches = logp_batch(0, B=4, R=4, P=16, T=3)  # R=4 branches over an 8-way context
   with pytest.raises(
     ValueError,
     match=r"tree.levels\[0\] \(level 1\).tokens_BRT: dimension 1 "

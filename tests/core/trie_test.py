@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from branch_replay.core import engine, losses, tree, trie
-from helpers import max_rel_err, tiny_model
+from helpers import max_rel_err, tiny_model, trie_rollouts
 from oracles import flat_naive_loss_and_grad
 
 RESPONSES = [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6, 7], [8, 9]]
@@ -38,28 +38,6 @@ def test_trie_of_hand_made_responses():
   )
   # A shared opening of everyone is the root; a response never loses its last token.
   assert shape(trie.build([[5, 6, 7], [5, 6]])) == (0, 1, [(1, 3, []), (1, 2, [])])
-
-
-def rollouts(seed, B=2, R=4, opening=3, group=2, vocab=128, logps=True):
-  """Responses sharing an opening (per prompt) and, within groups of `group`, more."""
-  rng = np.random.default_rng(seed)
-  prompts = [rng.integers(1, vocab, rng.integers(3, 7)) for _ in range(B)]
-  responses, old = [], []
-  for b in range(B):
-    head = list(rng.integers(1, vocab, opening + b))  # prompt 1 shares one more token
-    rs = []
-    for g in range(R // group):
-      mid = list(rng.integers(1, vocab, 2 + g))
-      rs += [head + mid + list(rng.integers(1, vocab, rng.integers(1, 4))) for _ in range(group)]
-    order = rng.permutation(R)  # shared openings need not be adjacent in the file
-    rs = [rs[i] for i in order]
-    responses.append([np.array(r) for r in rs])
-    # Behaviour log-probs depend on the prefix only (as a sampler's), so shared tokens agree.
-    old.append(
-      [np.array([-(1 + (sum(r[: t + 1]) * 7919) % 97 / 20) for t in range(len(r))]) for r in rs]
-    )
-  adv = rng.normal(size=(B, R))
-  return prompts, responses, adv, (old if logps else None)
 
 
 def run_tree(params, cfg, batch, loss_cfg, mode="replay"):
@@ -93,7 +71,7 @@ def test_trie_batch_equals_flat_batch_float64(max_depth, aggregation, name):
   with jax.enable_x64(True):
     cfg, params = tiny_model()
     loss_cfg = losses.LossConfig(name=name, aggregation=aggregation)
-    prompts, responses, adv, old = rollouts(0)
+    prompts, responses, adv, old = trie_rollouts(0)
     batch, stats = trie.layout(prompts, responses, adv, old_logps=old, max_depth=max_depth)
     assert stats["trunk_len"] == 3 and stats["tree_token_ratio"] > 1
     assert stats["fanouts"] == ((2, 2) if max_depth == 2 else (4,))
@@ -107,7 +85,7 @@ def test_unscored_turn_tokens_float64():
   with jax.enable_x64(True):
     cfg, params = tiny_model()
     loss_cfg = losses.LossConfig(aggregation="token_mean")
-    prompts, responses, adv, old = rollouts(1)
+    prompts, responses, adv, old = trie_rollouts(1)
     scored = [[(np.arange(len(r)) % 3) != 1 for r in rs] for rs in responses]
     batch, stats = trie.layout(prompts, responses, adv, scored=scored, old_logps=old)
     assert stats["fanouts"] == (2, 2) and stats["trunk_len"] == 1  # token 2 is unscored
@@ -125,7 +103,7 @@ def test_auto_tree_of_a_sampled_batch_float64():
   with jax.enable_x64(True):
     cfg, params = tiny_model()
     loss_cfg = losses.LossConfig(kl_coef=0.1)
-    prompts, responses, adv, old = rollouts(2, opening=4)
+    prompts, responses, adv, old = trie_rollouts(2, opening=4)
     ref = [[o - 0.25 for o in rs] for rs in old]
     # Put the first two tokens of every response into the sampled batch's trunk.
     flat = trie.flat_batch(

@@ -3,7 +3,7 @@
 No GPU and no tokamax here, so (1) the refusal is checked as it is, before any compilation,
 and (2) with `unavailable_reason` and `kernel` substituted by `reference_kernel` (tokamax's
 contract in plain jax), the per-segment forward + the hand merge + the backward with the
-global log-sum-exp match the dense oracle at float64 1e-10, on every attention_test case.
+global log-sum-exp match the dense oracle at float64 1e-10, on every attention_cases case.
 """
 
 import sys
@@ -17,11 +17,11 @@ import pytest
 from models import attention
 from models.attention import fused as attention_fused
 from models import transformer as tfm
-from tests.models import attention_test as at
+import attention_cases as at
 
 
 def _tiny_case():
-  return at._tail_case(np.random.default_rng(0), jnp.float32)
+  return at.tail_case(np.random.default_rng(0), jnp.float32)
 
 
 def test_refused_without_tokamax_naming_field_device_and_fallback():
@@ -57,8 +57,8 @@ def reference(monkeypatch):
 
 
 def _assert_fused_matches_dense(case, rtol, **kw):
-  dense = at._value_and_grads("dense", case, window=kw.get("window"), softcap=kw.get("softcap"))
-  fused = at._value_and_grads("fused", case, window=kw.get("window"), softcap=kw.get("softcap"))
+  dense = at.value_and_grads("dense", case, window=kw.get("window"), softcap=kw.get("softcap"))
+  fused = at.value_and_grads("fused", case, window=kw.get("window"), softcap=kw.get("softcap"))
   names = ["out", "dq"] + [f"d{kv}[{i}]" for i in range(len(case[3])) for kv in "kv"]
   for name, a, b in zip(names, jax.tree.leaves(dense), jax.tree.leaves(fused), strict=True):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
@@ -78,7 +78,7 @@ def test_fused_prefix_matches_dense_float64(reference, name):
   case_kw, kw = at.PREFIX_CASES[name]
   with jax.enable_x64(True):
     _assert_fused_matches_dense(
-      at._prefix_case(np.random.default_rng(0), jnp.float64, **case_kw), 1e-10, **kw
+      at.prefix_case(np.random.default_rng(0), jnp.float64, **case_kw), 1e-10, **kw
     )
 
 
@@ -87,7 +87,7 @@ def test_fused_tail_merge_matches_dense_float64(reference, name):
   case_kw, kw = at.TAIL_CASES[name]
   with jax.enable_x64(True):
     _assert_fused_matches_dense(
-      at._tail_case(np.random.default_rng(1), jnp.float64, **case_kw), 1e-10, **kw
+      at.tail_case(np.random.default_rng(1), jnp.float64, **case_kw), 1e-10, **kw
     )
 
 

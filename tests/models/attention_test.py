@@ -12,6 +12,14 @@ import numpy as np
 import pytest
 
 from models import attention
+from attention_cases import (
+  PREFIX_CASES,
+  TAIL_CASES,
+  assert_match,
+  prefix_case,
+  tail_case,
+  value_and_grads,
+)
 
 KS = attention.KeySegment
 
@@ -22,142 +30,27 @@ def exact_block_sizes(monkeypatch):
   monkeypatch.setattr(attention, "MIN_TILE", 0)
 
 
-def _positions(valid_BS, start_B=None):
-  """RoPE convention: a key's position is the count of valid keys before it (+ start)."""
-  pos_BS = np.cumsum(valid_BS, axis=1) - valid_BS
-  return pos_BS + (0 if start_B is None else np.asarray(start_B)[:, None])
-
-
-def _prefix_case(rng, dtype, *, B=2, P=37, N=4, K=2, H=8, pad_left=(5, 0)):
-  """Prefix self-attention: queries are the prefix tokens, one causal segment."""
-  valid_BP = np.arange(P)[None] >= np.asarray(pad_left)[:, None]
-  pos_BP = _positions(valid_BP)
-  q = jnp.asarray(rng.normal(size=(B, P, N, H)), dtype)
-  k, v = (jnp.asarray(rng.normal(size=(B, P, K, H)), dtype) for _ in range(2))
-  return (
-    q,
-    jnp.asarray(pos_BP),
-    jnp.asarray(valid_BP),
-    [KS(k, v, jnp.asarray(pos_BP), jnp.asarray(valid_BP), causal=True)],
-  )
-
-
-def _tail_case(
-  rng, dtype, *, B=2, R=3, T=5, P=19, N=4, K=2, H=8, pad_left=(4, 0), tail_len=None, generated=0
-):
-  """Tails: R branch rows per prompt read the prompt's prefix (folded, g=R), optionally a
-  non-causal segment of `generated` earlier branch tokens, then their own keys causally."""
-  valid_BP = np.arange(P)[None] >= np.asarray(pad_left)[:, None]
-  pos_BP = _positions(valid_BP)
-  n_prefix_B = np.repeat(valid_BP.sum(1), R)
-  rows = B * R
-  lens = np.full(rows, T) if tail_len is None else np.asarray(tail_len)
-  tvalid_BT = np.arange(T)[None] < lens[:, None]  # right padding
-  new = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)
-  segments = [KS(new(B, P, K, H), new(B, P, K, H), jnp.asarray(pos_BP), jnp.asarray(valid_BP))]
-  start = n_prefix_B
-  if generated:
-    gvalid_BS = np.ones((rows, generated), bool)
-    gvalid_BS[0, -2:] = False
-    segments.append(
-      KS(
-        new(rows, generated, K, H),
-        new(rows, generated, K, H),
-        jnp.asarray(_positions(gvalid_BS, start)),
-        jnp.asarray(gvalid_BS),
-      )
-    )
-    start = start + gvalid_BS.sum(1)
-  tpos_BT = _positions(tvalid_BT, start)
-  segments.append(
-    KS(
-      new(rows, T, K, H),
-      new(rows, T, K, H),
-      jnp.asarray(tpos_BT),
-      jnp.asarray(tvalid_BT),
-      causal=True,
-    )
-  )
-  return new(rows, T, N, H), jnp.asarray(tpos_BT), jnp.asarray(tvalid_BT), segments
-
-
-def _value_and_grads(impl, case, **kw):
-  q, q_pos, q_valid, segments = case
-
-  def loss(q, kvs):
-    segs = [s._replace(k_BSKH=k, v_BSKH=v) for s, (k, v) in zip(segments, kvs)]
-    o_BTNH = attention.attend(q, q_pos, q_valid, segs, impl=impl, **kw)
-    w = jnp.cos(jnp.arange(o_BTNH.size, dtype=jnp.float32).reshape(o_BTNH.shape))
-    return jnp.sum(
-      o_BTNH.astype(w.dtype if o_BTNH.dtype != jnp.float64 else o_BTNH.dtype) * w
-    ), o_BTNH
-
-  kvs = [(s.k_BSKH, s.v_BSKH) for s in segments]
-  (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(q, kvs)
-  return o, grads
-
-
-def _assert_match(case, rtol, atol=0.0, **kw):
-  dense = _value_and_grads("dense", case, window=kw.get("window"), softcap=kw.get("softcap"))
-  block = _value_and_grads("blockwise", case, **kw)
-  names = ["out", "dq"] + [f"d{kv}[{i}]" for i in range(len(case[3])) for kv in "kv"]
-  for name, a, b in zip(names, jax.tree.leaves(dense), jax.tree.leaves(block)):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert np.all(np.isfinite(b)), name
-    err = np.max(np.abs(a - b)) if a.size else 0.0
-    scale = np.max(np.abs(a)) if a.size else 0.0
-    assert err <= rtol * scale + atol, f"{name}: max err {err:.3g}, max |dense| {scale:.3g}"
-
-
-PREFIX_CASES = {  # name: (case kwargs, attend kwargs)
-  "gqa1_blocks8": (dict(N=4, K=4), dict(block_q=8, block_k=8)),
-  "gqa2_blocks16x8": (dict(N=4, K=2), dict(block_q=16, block_k=8)),
-  "gqa4_blocks8x16": (dict(N=4, K=1), dict(block_q=8, block_k=16)),
-  "one_block": (dict(), dict(block_q=64, block_k=64)),
-  "odd_blocks": (dict(P=29, pad_left=(3, 11)), dict(block_q=7, block_k=5)),
-  "window_below_block": (dict(), dict(window=4, block_q=8, block_k=8)),
-  "window_above_block": (dict(), dict(window=20, block_q=8, block_k=8)),
-  "softcap": (dict(), dict(softcap=2.0, block_q=16, block_k=8)),
-  "softcap_window_gqa4": (dict(K=1), dict(softcap=2.0, window=11, block_q=8, block_k=16)),
-}
-
-TAIL_CASES = {
-  "merge_g3": (dict(), dict(block_q=8, block_k=8)),
-  "merge_right_pad": (dict(T=9, tail_len=[9, 3, 1, 0, 9, 5]), dict(block_q=4, block_k=8)),
-  "merge_window": (dict(T=9, P=30), dict(window=6, block_q=8, block_k=4)),
-  "merge_window_large": (dict(T=9, P=30), dict(window=25, block_q=8, block_k=4)),
-  "merge_softcap_gqa4": (dict(K=1), dict(softcap=2.0, block_q=4, block_k=4)),
-  "merge_gqa1": (dict(K=4, T=7), dict(block_q=16, block_k=16)),
-  "decode_t1": (dict(T=1), dict(block_q=2, block_k=8)),
-  "decode_t1_window": (dict(T=1, P=30), dict(window=7, block_q=8, block_k=8)),
-  "three_segments": (dict(T=6, generated=7), dict(window=9, block_q=8, block_k=4)),
-  # Prompt 0's prefix is all padding and tail row 3 holds no valid query: rows with no
-  # allowed key in a segment, and rows with no allowed key at all.
-  "empty_rows": (dict(pad_left=(19, 0), tail_len=[5, 5, 5, 0, 2, 5]), dict(block_q=8, block_k=8)),
-}
-
-
 @pytest.mark.parametrize("name", list(PREFIX_CASES))
 def test_prefix_matches_dense_float64(name):
   case_kw, kw = PREFIX_CASES[name]
   with jax.enable_x64(True):
-    _assert_match(_prefix_case(np.random.default_rng(0), jnp.float64, **case_kw), 1e-10, **kw)
+    assert_match(prefix_case(np.random.default_rng(0), jnp.float64, **case_kw), 1e-10, **kw)
 
 
 @pytest.mark.parametrize("name", list(TAIL_CASES))
 def test_tail_merge_matches_dense_float64(name):
   case_kw, kw = TAIL_CASES[name]
   with jax.enable_x64(True):
-    _assert_match(_tail_case(np.random.default_rng(1), jnp.float64, **case_kw), 1e-10, **kw)
+    assert_match(tail_case(np.random.default_rng(1), jnp.float64, **case_kw), 1e-10, **kw)
 
 
 def test_no_allowed_key_outputs_zero_float64():
   """A non-causal segment alone, one key row all invalid: its queries output 0, no NaN."""
   with jax.enable_x64(True):
     rng = np.random.default_rng(2)
-    q, q_pos, q_valid, segments = _tail_case(rng, jnp.float64, pad_left=(19, 2))
+    q, q_pos, q_valid, segments = tail_case(rng, jnp.float64, pad_left=(19, 2))
     case = (q, q_pos, q_valid, segments[:1])
-    _assert_match(case, 1e-10, block_q=4, block_k=8)
+    assert_match(case, 1e-10, block_q=4, block_k=8)
     o = attention.attend(q, q_pos, q_valid, segments[:1], block_q=4, block_k=8)
     assert np.all(np.asarray(o[:3]) == 0.0)
 
@@ -166,17 +59,17 @@ def test_no_allowed_key_outputs_zero_float64():
 def test_matches_dense_float32(which):
   rng = np.random.default_rng(3)
   if which == "prefix":
-    case = _prefix_case(rng, jnp.float32, P=45, K=1)
+    case = prefix_case(rng, jnp.float32, P=45, K=1)
   else:
-    case = _tail_case(rng, jnp.float32, T=9, tail_len=[9, 3, 1, 0, 9, 5])
-  _assert_match(case, 1e-5, 1e-6, softcap=3.0, window=13, block_q=8, block_k=16)
+    case = tail_case(rng, jnp.float32, T=9, tail_len=[9, 3, 1, 0, 9, 5])
+  assert_match(case, 1e-5, 1e-6, softcap=3.0, window=13, block_q=8, block_k=16)
 
 
 def test_bfloat16_close_to_dense():
   """bfloat16 inputs: float32 scores and accumulation, output in bfloat16."""
-  case = _tail_case(np.random.default_rng(4), jnp.bfloat16, T=9)
-  dense, _ = _value_and_grads("dense", case)
-  block, grads = _value_and_grads("blockwise", case, block_q=8, block_k=8)
+  case = tail_case(np.random.default_rng(4), jnp.bfloat16, T=9)
+  dense, _ = value_and_grads("dense", case)
+  block, grads = value_and_grads("blockwise", case, block_q=8, block_k=8)
   assert block.dtype == jnp.bfloat16 and grads[0].dtype == jnp.bfloat16
   np.testing.assert_allclose(
     np.asarray(block, np.float32), np.asarray(dense, np.float32), atol=2e-2
@@ -188,7 +81,7 @@ def test_vmap_over_branches_with_shared_prefix_unbatched(min_tile, monkeypatch):
   """The sampler's decode step: vmapped over branches, the prefix segment unbatched
   (min_tile > 0: the key blocks grow to one tile, as they do by default when decoding)."""
   monkeypatch.setattr(attention, "MIN_TILE", min_tile)
-  q, q_pos, q_valid, segs = _tail_case(
+  q, q_pos, q_valid, segs = tail_case(
     np.random.default_rng(5), jnp.float32, B=1, R=4, T=1, pad_left=(4,)
   )
   prefix, own = segs
@@ -218,7 +111,7 @@ def test_vmap_over_branches_with_shared_prefix_unbatched(min_tile, monkeypatch):
 def test_schedule_skips_masked_tiles():
   """Causal: key blocks after the query block are skipped; windows skip blocks before it."""
   P, bq = 64, 8
-  q, q_pos, q_valid, (seg,) = _prefix_case(
+  q, q_pos, q_valid, (seg,) = prefix_case(
     np.random.default_rng(6), jnp.float32, P=P, pad_left=(0, 0)
   )
   st = lambda window: attention._Static((True,), 1.0, None, window, bq, bq)
@@ -229,7 +122,7 @@ def test_schedule_skips_masked_tiles():
   # query block i (positions 8i..8i+7) needs keys >= 8i - 8: blocks i-1 and i.
   np.testing.assert_array_equal(sg.lo_I, np.maximum(np.arange(P // bq) - 1, 0))
   # left padding: all-padding key blocks are skipped too.
-  q, q_pos, q_valid, (seg,) = _prefix_case(
+  q, q_pos, q_valid, (seg,) = prefix_case(
     np.random.default_rng(6), jnp.float32, P=P, pad_left=(20, 17)
   )
   sg = attention._prepare(st(None), q, q_pos, q_valid, *seg[:4], True)
@@ -260,10 +153,10 @@ def test_causal_key_blocks_shrunk_match_dense_float64(name, monkeypatch):
   qualifies at CAUSAL_TILE=1): the same result as dense, and the schedule is the triangle."""
   monkeypatch.setattr(attention, "CAUSAL_TILE", 1)
   which, case_kw, kw = CAUSAL_SHRINK_CASES[name]
-  make = _prefix_case if which == "prefix" else _tail_case
+  make = prefix_case if which == "prefix" else tail_case
   with jax.enable_x64(True):
     case = make(np.random.default_rng(8), jnp.float64, **case_kw)
-    _assert_match(case, 1e-10, **kw)
+    assert_match(case, 1e-10, **kw)
     q, q_pos, q_valid, segs = case
     st = attention._Static((True,), 1.0, None, None, kw["block_q"], kw["block_k"], causal_tile=1)
     sg = attention._prepare(st, q, q_pos, q_valid, *segs[-1][:4], True)
@@ -297,7 +190,7 @@ def _tail_temp_bytes(g, vmapped=False):
   vmapped: the trap, the kernel vmapped over branches with the prefix K/V unbatched."""
   B, P, N, K, H = 1, 1024, 4, 2, 64
   T = 96 // g
-  q, q_pos, q_valid, segs = _tail_case(
+  q, q_pos, q_valid, segs = tail_case(
     np.random.default_rng(7), jnp.float32, B=B, R=g, T=T, P=P, N=N, K=K, H=H, pad_left=(0,)
   )
   kw = dict(block_q=32, block_k=128)
@@ -341,7 +234,7 @@ def test_tail_temp_memory_flat_in_branches():
   ],
 )
 def test_bad_input(field, kw):
-  q, q_pos, q_valid, segs = _prefix_case(np.random.default_rng(8), jnp.float32)
+  q, q_pos, q_valid, segs = prefix_case(np.random.default_rng(8), jnp.float32)
   q_valid = kw.pop("q_valid", q_valid)
   if "pos" in kw:
     segs = [segs[0]._replace(pos_BS=kw.pop("pos"))]
@@ -352,7 +245,7 @@ def test_bad_input(field, kw):
 def test_empty_segment_adds_no_key():
   """A zero-length segment (e.g. no generated tokens yet) changes nothing; its K/V get 0."""
   with jax.enable_x64(True):
-    q, q_pos, q_valid, segs = _tail_case(np.random.default_rng(9), jnp.float64, T=4)
+    q, q_pos, q_valid, segs = tail_case(np.random.default_rng(9), jnp.float64, T=4)
     B, _, K, H = segs[1].k_BSKH.shape
     empty = KS(
       jnp.zeros((B, 0, K, H)),
@@ -360,4 +253,4 @@ def test_empty_segment_adds_no_key():
       jnp.zeros((B, 0), int),
       jnp.zeros((B, 0), bool),
     )
-    _assert_match((q, q_pos, q_valid, [segs[0], empty, segs[1]]), 1e-10, block_q=4, block_k=8)
+    assert_match((q, q_pos, q_valid, [segs[0], empty, segs[1]]), 1e-10, block_q=4, block_k=8)

@@ -18,7 +18,7 @@ from branch_replay.core import engine, losses, sharding, tree
 from models import attention
 from models.attention import context_parallel
 from models import transformer as tfm
-import attention_test
+import attention_cases
 from helpers import assert_equal_f64, cache_per_x64, make_batch, make_tree, max_rel_err, tiny_model
 
 LOSS = losses.LossConfig(name="grpo", kl_coef=0.05, epsilon=0.1)
@@ -103,24 +103,24 @@ def test_context_parallel_tree_equals_single_device():
 
 
 @pytest.mark.parametrize(
-  "name", list(attention_test.PREFIX_CASES) + list(attention_test.TAIL_CASES)
+  "name", list(attention_cases.PREFIX_CASES) + list(attention_cases.TAIL_CASES)
 )
 def test_key_major_backward_matches_dense_float64(name, monkeypatch):
   """The blockwise backward the context-parallel paths use (key_major_bwd: key blocks
-  outside, each block's dK/dV finished and stored in the keys' dtype) on attention_test's
+  outside, each block's dK/dV finished and stored in the keys' dtype) on attention_cases'
   cases (windows below/above a block, soft-cap, GQA 1/2/4, odd blocks, padding, rows with
   no allowed key, three segments): output and every gradient == dense at 1e-10, and ==
   the query-major backward at 1e-13."""
   monkeypatch.setattr(attention, "MIN_TILE", 0)
-  at = attention_test
+  at = attention_cases
   prefix = name in at.PREFIX_CASES
   case_kw, kw = (at.PREFIX_CASES if prefix else at.TAIL_CASES)[name]
-  make = at._prefix_case if prefix else at._tail_case
+  make = at.prefix_case if prefix else at.tail_case
   with jax.enable_x64(True):
     case = make(np.random.default_rng(0 if prefix else 1), jnp.float64, **case_kw)
-    at._assert_match(case, 1e-10, key_major_bwd=True, **kw)
-    key_major = at._value_and_grads("blockwise", case, key_major_bwd=True, **kw)
-    query_major = at._value_and_grads("blockwise", case, **kw)
+    at.assert_match(case, 1e-10, key_major_bwd=True, **kw)
+    key_major = at.value_and_grads("blockwise", case, key_major_bwd=True, **kw)
+    query_major = at.value_and_grads("blockwise", case, **kw)
     for a, b in zip(jax.tree.leaves(key_major), jax.tree.leaves(query_major)):
       a, b = np.asarray(a), np.asarray(b)
       assert np.max(np.abs(a - b), initial=0.0) <= 1e-13 * np.max(np.abs(b), initial=1.0)

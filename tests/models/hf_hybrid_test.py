@@ -122,10 +122,10 @@ def test_replay_grpo_gradient_matches_torch_autograd(checkpoint):
   autograd of the same GRPO loss over every full sequence (transformers' torch reference
   path, which runs its delta rule, norms and RoPE in float32 whatever the model dtype)."""
   from branch_replay.core import engine, losses, tree
-  from tests.models.hf_test import full_sequences, make_batch
+  from helpers import full_sequences, hf_batch
 
   path, model = checkpoint
-  batch = make_batch(B=2, R=3, P=9, T=5, W=2, vocab=TINY["vocab_size"])
+  batch = hf_batch(B=2, R=3, P=9, T=5, W=2, vocab=TINY["vocab_size"])
   ours = {}
   for dtype in ("float32", "float64"):
     with jax.enable_x64(dtype == "float64"):

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import slow_where
+from helpers import full_sequences, hf_batch, slow_where
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -90,34 +90,6 @@ def checkpoints(tmp_path_factory):
   return out
 
 
-def make_batch(B=2, R=2, P=8, T=4, W=1, vocab=V):
-  rng = np.random.default_rng(0)
-  prefix_valid = np.ones((B, P), bool)
-  prefix_valid[1, :2] = False  # left padding on prompt 1
-  lengths = rng.integers(1, T + 1, (B, R))
-  lengths[0, 0] = T
-  return tree.flat(
-    prefix_BP=jnp.asarray(rng.integers(0, vocab, (B, P)), jnp.int32),
-    prefix_valid_BP=jnp.asarray(prefix_valid),
-    tails_BRT=jnp.asarray(rng.integers(0, vocab, (B, R, T)), jnp.int32),
-    tail_valid_BRT=jnp.asarray(np.arange(T)[None, None] < lengths[..., None]),
-    advantages_BR=jnp.asarray(rng.normal(size=(B, R)), jnp.float32),
-    trunk_len=W,
-  )
-
-
-def full_sequences(batch):
-  """Every branch as its own [P+T] sequence: tokens, validity, RoPE positions ([B*R, S])."""
-  B, R, T = batch.leaves.tokens_BRT.shape
-  P = batch.root_BP.shape[1]
-  seq = lambda prefix, tails: np.concatenate(
-    [np.broadcast_to(np.asarray(prefix)[:, None], (B, R, P)), np.asarray(tails)], -1
-  ).reshape(B * R, P + T)
-  tokens = seq(batch.root_BP, batch.leaves.tokens_BRT)
-  valid = seq(batch.root_valid_BP, batch.leaves.valid_BRT)
-  return tokens, valid, np.maximum(np.cumsum(valid, 1) - 1, 0)
-
-
 def torch_logits(model, tokens, valid=None, positions=None):
   kwargs = {}
   if valid is not None:
@@ -149,7 +121,7 @@ def test_replay_grpo_gradient_matches_torch_autograd(checkpoints, family):
   torch autograd of the same loss on every full sequence, float32, left-padded prompts."""
   folder, model = checkpoints[family]
   cfg, params = hf.load(folder)
-  batch = make_batch()
+  batch = hf_batch()
   tree.validate(batch, cfg.vocab_size)
   loss, _, grads = jax.jit(
     lambda p, b: engine.loss_and_grad(p, b, cfg, losses.LossConfig("grpo"), "replay")

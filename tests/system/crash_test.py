@@ -35,9 +35,9 @@ def worker():
 
     atomicity.AtomicRenameTemporaryPath.finalize = die_mid_save
   from branch_replay.train import trainer
-  from run_test import tiny
+  from helpers import short_run
 
-  trainer.run(tiny("train.rl_steps=2"), args.workdir)  # 3 steps, a checkpoint after each
+  trainer.run(short_run("train.rl_steps=2"), args.workdir)  # 3 steps, a checkpoint after each
 
 
 def _run(*args):
@@ -54,7 +54,7 @@ def _run(*args):
 @pytest.mark.slow  # two training subprocesses: ~1 min on an idle 2-core CPU, 7 under load
 def test_kill_9_during_checkpoint_save_then_resume(tmp_path):
   from branch_replay.train import metrics, trainer
-  from run_test import tiny
+  from helpers import short_run
 
   workdir = tmp_path / "w"
   out = _run(f"--workdir={workdir}", "--kill_at_step=2")
@@ -68,7 +68,7 @@ def test_kill_9_during_checkpoint_save_then_resume(tmp_path):
   assert [r["step"] for r in records] == [0, 1, 2]
   # Equal to an uninterrupted run (step 1 was logged twice: before the kill and after the
   # resume from checkpoint 1; the last line wins and equals the uninterrupted one).
-  trainer.run(tiny("train.rl_steps=2"), str(tmp_path / "full"))
+  trainer.run(short_run("train.rl_steps=2"), str(tmp_path / "full"))
   untimed = lambda rs: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rs]
   reference = [
     r for r in metrics.read(str(tmp_path / "full" / "metrics.jsonl")) if r["kind"] == "train"

@@ -230,3 +230,29 @@ def test_no_sys_path_edits():
           if re.search(r"sys\.path\.(insert|append)", line) and path != os.path.abspath(__file__):
             bad.append(f"{os.path.relpath(path, ROOT)}:{number}")
   assert not bad, bad
+
+
+def test_no_test_module_imports_another():
+  """Test modules share through tests/helpers.py, tests/oracles.py and cases modules (e.g.
+  tests/models/attention_cases.py), never by importing another test module (by basename, as
+  pytest imports them, or as `tests.<room>.<name>_test`): a test file can then be moved,
+  split or deleted alone. The fixture generators under tests/ follow the same rule."""
+  tests_dir = os.path.join(ROOT, "tests")
+  bad = []
+  for dirpath, _, files in os.walk(tests_dir):
+    for f in files:
+      if not f.endswith(".py"):
+        continue
+      path = os.path.join(dirpath, f)
+      for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+        names = []
+        if isinstance(node, ast.Import):
+          names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+          names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        for name in names:
+          if name.rsplit(".", 1)[-1].endswith("_test") and (
+            "." not in name or name.startswith("tests.")
+          ):
+            bad.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}: {name}")
+  assert not bad, "test modules import test modules: " + ", ".join(sorted(set(bad)))

@@ -8,11 +8,11 @@ Run as a script, this file is one worker process:
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+from helpers import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MESH = "data:2,fsdp:2,context:2"
@@ -25,13 +25,13 @@ def train_step_outputs(mesh_spec):
 
   from branch_replay.core import engine, sharding
   from models import transformer as tfm
-  from sharding_test import LOSS, make_batch
+  from helpers import SHARDING_LOSS, logp_batch
 
   cfg = tfm.preset("tiny")
   mesh = sharding.make_mesh(mesh_spec)
   p_shardings = sharding.param_shardings(mesh, cfg)
   params = sharding.put(tfm.init_params(cfg, jax.random.key(0)), p_shardings)
-  batch = make_batch(0, B=4, R=4, P=16, T=3)
+  batch = logp_batch(0, B=4, R=4, P=16, T=3)
   batch = sharding.put(batch, sharding.batch_shardings(mesh, batch))
   optimizer = optax.adamw(1e-2, weight_decay=0.1)
   state_shardings = sharding.opt_state_shardings(
@@ -40,7 +40,7 @@ def train_step_outputs(mesh_spec):
   opt_state = jax.jit(optimizer.init, out_shardings=state_shardings)(params)
 
   def step(params, opt_state, batch):
-    loss, _, grads = engine.loss_and_grad(params, batch, cfg, LOSS, "replay", mesh=mesh)
+    loss, _, grads = engine.loss_and_grad(params, batch, cfg, SHARDING_LOSS, "replay", mesh=mesh)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return loss, grads, optax.apply_updates(params, updates), opt_state
 
@@ -69,12 +69,6 @@ def worker():
   if jax.process_index() == 0:
     np.savez(os.path.join(args.out, "step.npz"), **outputs)
   jax.distributed.shutdown()
-
-
-def free_port():
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
 
 
 def run_two_processes(argv, env, timeout):

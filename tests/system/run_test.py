@@ -13,7 +13,7 @@ import pytest
 from branch_replay.train import metrics, trainer
 from branch_replay.algorithms import grpo
 from branch_replay.config import apply_overrides
-from helpers import tiny_run
+from helpers import short_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REQUIRED = (
@@ -32,20 +32,6 @@ REQUIRED = (
 )
 
 
-def tiny(*overrides):
-  return tiny_run(
-    "train.sft_steps=1",
-    "train.rl_steps=2",
-    "train.batch_size=2",
-    "train.n_branches=4",
-    "train.sft_batch_size=2",
-    "sampler.max_new_tokens=2",
-    "train.checkpoint_every=1",
-    "train.learning_rate=3e-3",
-    *overrides,
-  )
-
-
 def _train_records(workdir):
   return [
     r for r in metrics.read(os.path.join(workdir, "metrics.jsonl")) if r.get("kind") == "train"
@@ -57,7 +43,7 @@ def _untimed(records):
 
 
 def test_three_step_run_end_to_end_and_same_seed_same_metrics(tmp_path):
-  cfg = tiny(
+  cfg = short_run(
     "train.eval_size=4",
     "train.plot=true",
     "loss.kl_coef=0.05",
@@ -93,10 +79,10 @@ def test_three_step_run_end_to_end_and_same_seed_same_metrics(tmp_path):
 
 @pytest.mark.slow  # 89 s; trainer_test checks the loop resumes
 def test_resume_equals_uninterrupted(tmp_path):
-  full = trainer.run(tiny("train.rl_steps=3"), str(tmp_path / "full"))
+  full = trainer.run(short_run("train.rl_steps=3"), str(tmp_path / "full"))
   workdir = str(tmp_path / "resumed")
-  trainer.run(tiny("train.rl_steps=1"), workdir)  # stops after step 2 (checkpoint 2)
-  resumed = trainer.run(tiny("train.rl_steps=3"), workdir)  # restores 2, runs 2, 3
+  trainer.run(short_run("train.rl_steps=1"), workdir)  # stops after step 2 (checkpoint 2)
+  resumed = trainer.run(short_run("train.rl_steps=3"), workdir)  # restores 2, runs 2, 3
   recs = _train_records(workdir)
   assert [r["step"] for r in recs] == [0, 1, 2, 3]
   jax.tree.map(
@@ -109,8 +95,8 @@ def test_resume_equals_uninterrupted(tmp_path):
 
 @pytest.mark.slow  # 77 s; verify_test and frozen_flat_test check the two modes agree
 def test_replay_and_naive_modes_agree(tmp_path):
-  a = trainer.run(tiny("train.rl_steps=2"), str(tmp_path / "replay"))
-  b = trainer.run(tiny("train.rl_steps=2", "replay.mode=naive"), str(tmp_path / "naive"))
+  a = trainer.run(short_run("train.rl_steps=2"), str(tmp_path / "replay"))
+  b = trainer.run(short_run("train.rl_steps=2", "replay.mode=naive"), str(tmp_path / "naive"))
   ra, rb = _train_records(a["workdir"]), _train_records(b["workdir"])
   assert len(ra) == len(rb) == 3
   for x, y in zip(ra, rb):
@@ -128,16 +114,16 @@ def test_unwritable_workdir_fails_before_compute(tmp_path):
   blocker = tmp_path / "file"
   blocker.write_text("x")
   with pytest.raises(ValueError, match="--workdir=.*not a writable directory"):
-    trainer.run(tiny(), str(blocker / "sub"))
+    trainer.run(short_run(), str(blocker / "sub"))
 
 
 def test_incompatible_checkpoint_is_an_error(tmp_path):
   workdir = str(tmp_path / "w")
-  trainer.run(tiny("train.rl_steps=1"), workdir)
+  trainer.run(short_run("train.rl_steps=1"), workdir)
   with pytest.raises(ValueError, match=r"incompatible config: model.d_model: saved 32, now 64"):
-    trainer.run(tiny("model.d_model=64"), workdir)
+    trainer.run(short_run("model.d_model=64"), workdir)
   with pytest.raises(ValueError, match=r"train.n_branches: saved 4, now 2"):
-    trainer.run(tiny("train.n_branches=2"), workdir)
+    trainer.run(short_run("train.n_branches=2"), workdir)
 
 
 def _cli(*args):

@@ -3,7 +3,7 @@ checkpoint the step in progress and the same call resumes as if never stopped; t
 bound; every process stops after the same step; a damaged newest checkpoint, a torn
 metrics line, a full disk during a save or a metrics write; a reward that hangs.
 
-The loop's own logic runs with trainer_test's `_Counting` algorithm (no train step to
+The loop's own logic runs with tests/helpers.py's `CountingAlgorithm` algorithm (no train step to
 compile, real orbax checkpoints); the GRPO runs and two processes are `slow`.
 
 Run as a script, this file is one process of a two-process GRPO run (multihost_test's
@@ -31,7 +31,7 @@ import pytest  # noqa: E402
 from branch_replay.train import checkpoint, metrics, preemption, trainer
 from branch_replay.data import rewards, tasks  # noqa: E402
 from branch_replay.train import state as train_state  # noqa: E402
-from trainer_test import _Counting, _loop_cfg  # noqa: E402
+from helpers import CountingAlgorithm, loop_config  # noqa: E402
 
 
 def _records(workdir):
@@ -44,8 +44,8 @@ def _steps(workdir):
 
 
 def _params_after(n_steps):
-  """The first parameter leaf after `n_steps` of _Counting (+1 each, float32, in order)."""
-  expected = jax.tree.leaves(train_state.init_state(_loop_cfg()).params)[0]
+  """The first parameter leaf after `n_steps` of CountingAlgorithm (+1 each, float32, in order)."""
+  expected = jax.tree.leaves(train_state.init_state(loop_config()).params)[0]
   for _ in range(n_steps):
     expected = expected + 1
   return np.asarray(expected)
@@ -56,7 +56,7 @@ def _first_leaf(summary):
 
 
 def _signal_at(signum, at_step):
-  class SignalAt(_Counting):
+  class SignalAt(CountingAlgorithm):
     def update(self, state, batch, step):
       if step == at_step:  # arrives mid-step (before the update), as a scheduler's would
         os.kill(os.getpid(), signum)
@@ -72,7 +72,7 @@ def _signal_at(signum, at_step):
 def test_signal_finishes_the_step_checkpoints_it_and_the_same_call_resumes(tmp_path, signum):
   handlers = {s: signal.getsignal(s) for s in preemption.SIGNALS}
   workdir = str(tmp_path / "w")
-  cfg = _loop_cfg("train.rl_steps=4", "train.checkpoint_every=100")  # no periodic save
+  cfg = loop_config("train.rl_steps=4", "train.checkpoint_every=100")  # no periodic save
   with pytest.raises(
     preemption.Preempted,
     match=r"stopped after step 2; checkpoint 3 "
@@ -84,26 +84,26 @@ def test_signal_finishes_the_step_checkpoints_it_and_the_same_call_resumes(tmp_p
   assert {s: signal.getsignal(s) for s in preemption.SIGNALS} == handlers  # restored
   assert _steps(workdir) == [0, 1, 2]  # the step in progress finished and was logged
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["3"]
-  resumed = trainer.run(cfg, workdir, _Counting)
-  assert _Counting.made[-1].steps == [3, 4]
+  resumed = trainer.run(cfg, workdir, CountingAlgorithm)
+  assert CountingAlgorithm.made[-1].steps == [3, 4]
   assert _steps(workdir) == [0, 1, 2, 3, 4]  # each once
   np.testing.assert_array_equal(_first_leaf(resumed), _params_after(5))
-  full = trainer.run(cfg, str(tmp_path / "full"), _Counting)
+  full = trainer.run(cfg, str(tmp_path / "full"), CountingAlgorithm)
   untimed = lambda rs: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rs]
   assert untimed(_records(workdir)) == untimed(_records(full["workdir"]))
 
 
 def test_signal_before_the_first_step_saves_nothing_new(tmp_path):
-  class SignalWhileCompiling(_Counting):
+  class SignalWhileCompiling(CountingAlgorithm):
     def __init__(self, *a, **k):
       super().__init__(*a, **k)
       os.kill(os.getpid(), signal.SIGTERM)
 
   workdir = str(tmp_path / "w")
   with pytest.raises(preemption.Preempted, match="stopped before step 0 .nothing new") as e:
-    trainer.run(_loop_cfg(), workdir, SignalWhileCompiling)
+    trainer.run(loop_config(), workdir, SignalWhileCompiling)
   assert not e.value.saved and not os.path.exists(os.path.join(workdir, "metrics.jsonl"))
-  assert trainer.run(_loop_cfg(), workdir, _Counting)["records"][-1]["step"] == 2
+  assert trainer.run(loop_config(), workdir, CountingAlgorithm)["records"][-1]["step"] == 2
 
 
 def test_every_process_stops_after_the_same_step(monkeypatch):
@@ -160,7 +160,7 @@ def test_grace_bounds_the_exit():
 
 
 def _three_checkpoints(workdir):
-  trainer.run(_loop_cfg("train.keep_checkpoints=3"), workdir, _Counting)
+  trainer.run(loop_config("train.keep_checkpoints=3"), workdir, CountingAlgorithm)
   return os.path.join(workdir, "checkpoints")
 
 
@@ -181,12 +181,12 @@ def test_damaged_newest_checkpoint_is_named_and_the_previous_resumes(tmp_path, c
     os.remove(os.path.join(directory, "3", "default", "_METADATA"))
   capfd.readouterr()
   resumed = trainer.run(
-    _loop_cfg("train.rl_steps=4", "train.keep_checkpoints=3"), workdir, _Counting
+    loop_config("train.rl_steps=4", "train.keep_checkpoints=3"), workdir, CountingAlgorithm
   )
   err = capfd.readouterr().err
   assert f"checkpoint {os.path.join(directory, '3')} does not restore" in err, err
   assert "resuming from step 2" in err
-  assert _Counting.made[-1].steps == [2, 3, 4]
+  assert CountingAlgorithm.made[-1].steps == [2, 3, 4]
   assert [
     os.path.basename(p).split(".")[0]
     for p in glob.glob(os.path.join(workdir, checkpoint.DAMAGED, "*"))
@@ -206,17 +206,19 @@ def test_no_checkpoint_that_restores_is_a_refusal_that_moves_nothing(tmp_path):
     r"older checkpoint does either \(3, 2, 1 tried\): .*move checkpoints/ "
     r"aside",
   ):
-    trainer.run(_loop_cfg(), workdir, _Counting)
+    trainer.run(loop_config(), workdir, CountingAlgorithm)
   assert sorted(os.listdir(directory)) == ["1", "2", "3"]
 
 
 def test_torn_metrics_line_is_repaired_on_resume_and_named(tmp_path, capfd):
   workdir = str(tmp_path / "w")
-  trainer.run(_loop_cfg("train.rl_steps=1"), workdir, _Counting)  # steps 0, 1; checkpoint 2
+  trainer.run(
+    loop_config("train.rl_steps=1"), workdir, CountingAlgorithm
+  )  # steps 0, 1; checkpoint 2
   with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
     f.write('{"kind": "train", "step": 2, "loss/po')  # a kill mid-write
   capfd.readouterr()
-  trainer.run(_loop_cfg(), workdir, _Counting)
+  trainer.run(loop_config(), workdir, CountingAlgorithm)
   err = capfd.readouterr().err
   assert "metrics.jsonl: repaired: dropped 1 torn line(s) (line 3" in err, err
   assert _steps(workdir) == [0, 1, 2]
@@ -259,7 +261,7 @@ def test_full_disk_during_a_save_names_it_and_keeps_the_previous(
   tmp_path, monkeypatch, asynchronous
 ):
   workdir = str(tmp_path / "w")
-  cfg = _loop_cfg(f"train.async_checkpoints={str(asynchronous).lower()}")
+  cfg = loop_config(f"train.async_checkpoints={str(asynchronous).lower()}")
   _fail_finalize_of(monkeypatch, 2, OSError(errno.ENOSPC, "No space left on device"))
   with pytest.raises(
     checkpoint.StorageError,
@@ -267,11 +269,13 @@ def test_full_disk_during_a_save_names_it_and_keeps_the_previous(
     r"checkpoints failed: No space left on device \(ENOSPC\); the previous "
     r"checkpoint \(step 1\) is intact",
   ) as e:
-    trainer.run(cfg, workdir, _Counting)
+    trainer.run(cfg, workdir, CountingAlgorithm)
   assert e.value.errno == errno.ENOSPC
   monkeypatch.undo()
-  resumed = trainer.run(_loop_cfg(), workdir, _Counting)  # restores 1: the previous, intact
-  assert _Counting.made[-1].steps == ["start", 1, 2]
+  resumed = trainer.run(
+    loop_config(), workdir, CountingAlgorithm
+  )  # restores 1: the previous, intact
+  assert CountingAlgorithm.made[-1].steps == ["start", 1, 2]
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2", "3"]  # tmp gone
   np.testing.assert_array_equal(_first_leaf(resumed), _params_after(3))
 
@@ -305,9 +309,9 @@ def test_full_disk_during_a_metrics_write_names_it(tmp_path, monkeypatch):
     match=r"metrics.jsonl: appending the train "
     r"record of step 2 failed: No space left on device \(ENOSPC\)",
   ):
-    trainer.run(_loop_cfg(), workdir, _Counting)
+    trainer.run(loop_config(), workdir, CountingAlgorithm)
   monkeypatch.undo()
-  trainer.run(_loop_cfg(), workdir, _Counting)
+  trainer.run(loop_config(), workdir, CountingAlgorithm)
   assert _steps(workdir) == [0, 1, 2]
 
 
@@ -356,17 +360,17 @@ def test_reward_that_hangs_stops_naming_the_example():
         rewards.Reward("nan", lambda e, c: [float("nan")] * len(e)), _examples(1), [["a"]]
       )
   with pytest.raises(ValueError, match=r"train.reward_timeout_s=-1.0: expected a finite number"):
-    _loop_cfg("train.reward_timeout_s=-1")
+    loop_config("train.reward_timeout_s=-1")
 
 
 def test_the_run_applies_its_reward_timeout(tmp_path):
-  class HangingReward(_Counting):
+  class HangingReward(CountingAlgorithm):
     def batch(self, state, step):
       rewards.compute(_hangs_on(0), _examples(1), [["a"]])
       return super().batch(state, step)
 
   with pytest.raises(rewards.RewardTimeout, match="reward_timeout_s=0.2 s .* data.jsonl:1"):
-    trainer.run(_loop_cfg("train.reward_timeout_s=0.2"), str(tmp_path / "w"), HangingReward)
+    trainer.run(loop_config("train.reward_timeout_s=0.2"), str(tmp_path / "w"), HangingReward)
   assert rewards._LIMIT_S[0] == 0.0  # restored after the run
 
 
@@ -422,9 +426,9 @@ def test_a_small_fault_campaign_loses_nothing(tmp_path):
 
 
 def _grpo(*overrides):
-  from run_test import tiny
+  from helpers import short_run
 
-  return tiny("train.rl_steps=3", "train.checkpoint_every=100", *overrides)
+  return short_run("train.rl_steps=3", "train.checkpoint_every=100", *overrides)
 
 
 @pytest.mark.slow  # three tiny GRPO runs (compilation shared): ~1 min on an idle 2-core CPU
@@ -539,7 +543,7 @@ def worker():
 
 
 def _two_processes(workdir, *extra, timeout=500):
-  from multihost_test import free_port
+  from helpers import free_port
 
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
   address = f"localhost:{free_port()}"

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from branch_replay import algorithms, rollout
-from branch_replay.algorithms import base
 from branch_replay.data import dpo, tasks, tree_task
 from branch_replay.core import engine
 from branch_replay.train import metrics, steps
@@ -20,32 +19,18 @@ from branch_replay.train import trainer
 from branch_replay.train import state as train_state
 from branch_replay.config import Config, apply_overrides
 from branch_replay.data.tokenizer import TOKENIZER, CharTokenizer
-from models import transformer as tfm
-from helpers import tiny_tree_run
+from helpers import CountingAlgorithm, loop_config, short_tree_run
 
 
 class _Stop(Exception):
   pass
 
 
-def tiny_tree(*overrides):
-  return tiny_tree_run(
-    "train.sft_steps=1",
-    "train.rl_steps=1",
-    "train.batch_size=2",
-    "train.sft_batch_size=2",
-    "train.eval_size=2",
-    "train.checkpoint_every=2",
-    *overrides,
-    vocab_size=TOKENIZER.vocab_size,
-  )
-
-
 # ----------------------------------------------------------------------------- (1) temperature
 
 
 def test_tree_step_scores_at_the_sampler_temperature(monkeypatch):
-  cfg = tiny_tree("sampler.temperature=0.7")
+  cfg = short_tree_run("sampler.temperature=0.7")
   seen = []
 
   def spy(params, batch, model_cfg, loss_cfg, *args, **kwargs):
@@ -74,13 +59,13 @@ def test_tree_step_scores_at_the_sampler_temperature(monkeypatch):
 )
 def test_tree_refuses_options_it_cannot_serve(override, field):
   with pytest.raises(ValueError, match=r"^" + field.replace("(", r"\(") + " with tree.fanouts"):
-    tiny_tree(*override.split(","))
+    short_tree_run(*override.split(","))
 
 
 def test_tree_trains_epochs_minibatches_and_kl_on_a_mesh(tmp_path, monkeypatch):
   """Trees take GRPO's update: epochs x minibatches, the KL reference scored per node, a
   mesh (prompts over data, leaves over context), with the PPO diagnostics."""
-  cfg = tiny_tree(
+  cfg = short_tree_run(
     "train.sft_steps=0",
     "train.rl_steps=1",
     "train.batch_size=4",
@@ -123,10 +108,10 @@ def test_tree_branch_chunk_divides_the_last_fanout():
     match=r"replay.branch_chunk=3: expected a divisor of the last "
     r"fan-out 4",
   ):
-    tiny_tree("tree.fanouts=3x4", "replay.branch_chunk=3")
-  cfg = tiny_tree("tree.fanouts=2x3", "replay.branch_chunk=3")  # 8 branches: not the rule
+    short_tree_run("tree.fanouts=3x4", "replay.branch_chunk=3")
+  cfg = short_tree_run("tree.fanouts=2x3", "replay.branch_chunk=3")  # 8 branches: not the rule
   assert cfg.replay.branch_chunk == 3 and not cfg.uses_critic
-  assert tiny_tree("algo.advantage=dr_grpo").algo.advantage == "dr_grpo"
+  assert short_tree_run("algo.advantage=dr_grpo").algo.advantage == "dr_grpo"
 
 
 def test_the_config_checks_the_tasks_turns():
@@ -134,9 +119,9 @@ def test_the_config_checks_the_tasks_turns():
   with pytest.raises(
     ValueError, match=r"tree.fanouts='4': task 'tree_haystack' is sampled as a tree of its 2 turns"
   ):
-    tiny_tree("tree.fanouts=4")
+    short_tree_run("tree.fanouts=4")
   with pytest.raises(ValueError, match=r"tree.fanouts='2x2' with task.name='haystack': the task's"):
-    tiny_tree("task.name=haystack")
+    short_tree_run("task.name=haystack")
 
 
 # ----------------------------------------------------------------------------- (5) prompts
@@ -176,13 +161,13 @@ tasks.register("checked_tree")(type("CheckedTree", (_Checked, tree_task.TreeHays
   ],
 )
 def test_run_builds_the_task_with_its_tokenizer_and_checks_it(tmp_path, overrides):
-  cfg = tiny_tree(*overrides)
+  cfg = short_tree_run(*overrides)
   with pytest.raises(ValueError, match="task.check ran"):
     trainer.run(cfg, str(tmp_path / "run"), tokenizer=RUN_TOKENIZER)
 
 
 def test_tree_rollout_encodes_prompt_ids(monkeypatch):
-  cfg = tiny_tree()
+  cfg = short_tree_run()
   task = tasks.make(cfg.task)
   ids = (TOKENIZER.bos_id, *TOKENIZER.encode("abc?k"))  # not the prompt's own text
   base = task.sample
@@ -265,7 +250,7 @@ def test_tree_run_writes_on_process_zero_only(tmp_path, monkeypatch):
   monkeypatch.setattr(
     trainer, "final_eval_missing", lambda records, step: decided.append(step) or real(records, step)
   )
-  cfg = tiny_tree("train.tensorboard=true", "train.sft_steps=0")  # (warm-up trees: -m slow)
+  cfg = short_tree_run("train.tensorboard=true", "train.sft_steps=0")  # (warm-up trees: -m slow)
   out = trainer.run(cfg, str(tmp_path / "chief"))
   recs = metrics.read(out["metrics"])
   (rec,) = [r for r in recs if r["kind"] == "train"]
@@ -288,81 +273,16 @@ def test_tree_run_writes_on_process_zero_only(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- the loop alone
 
 
-class _Counting(base.Algorithm):
-  """An algorithm that trains nothing: each step adds 1 to every parameter and reports a
-  loss (NaN at step `nan_at`); the loop's own logic (phases, checkpoints, resume, NaN stop)
-  runs as for any algorithm, without compiling a train step (the rest: the base's)."""
-
-  phase, progress_keys, nan_at, made = "rl", (), None, []
-
-  def __init__(self, cfg, task, tok, workdir=None):
-    super().__init__(cfg, task, tok, workdir)
-    self.steps = []
-    _Counting.made.append(self)
-
-  def _step(self, state, step):
-    loss = float("nan") if step == self.nan_at else 1.0 / (step + 1)
-    state = state.replace(step=state.step + 1, params=jax.tree.map(lambda x: x + 1, state.params))
-    return state, {"loss/policy": loss, "grad/norm": 1.0}
-
-  def warmup_batch(self, step):
-    return ("sft", step)
-
-  def warmup_update(self, state, batch):
-    return self._step(state, batch[1])
-
-  def start(self, state):
-    self.steps.append("start")
-    return state
-
-  def batch(self, state, step):
-    self.steps.append(step)
-    return ("rl", step), {"reward/mean": 0.5}
-
-  def update(self, state, batch, step):
-    return self._step(state, step)
-
-  def token_counts(self, batch, phase):
-    return (1, 2, 4)
-
-  def eval_examples(self):
-    return []
-
-  def restore_template(self, state, step):
-    return train_state.state_dict(state)
-
-  def summarize(self, records):
-    return {"records": records}
-
-
-def _loop_cfg(*overrides):
-  return apply_overrides(
-    Config(model=tfm.preset("tiny", vocab_size=TOKENIZER.vocab_size)),
-    [
-      "task.prompt_len=16",
-      "task.n_keys=2",
-      "train.sft_steps=1",
-      "train.rl_steps=2",
-      "train.eval_size=0",
-      "train.progress=false",
-      "train.plot=false",
-      "train.tensorboard=false",
-      "train.checkpoint_every=1",
-      *overrides,
-    ],
-  )
-
-
 def test_loop_resumes_from_its_checkpoint(tmp_path):
   workdir = str(tmp_path / "w")
-  first = trainer.run(_loop_cfg(), workdir, _Counting)
+  first = trainer.run(loop_config(), workdir, CountingAlgorithm)
   assert [(r["step"], r["phase"]) for r in first["records"]] == [(0, "sft"), (1, "rl"), (2, "rl")]
-  assert _Counting.made[-1].steps == ["start", 1, 2]
+  assert CountingAlgorithm.made[-1].steps == ["start", 1, 2]
   assert first["records"][1]["replay/computed_tokens"] == 1 + 2  # prefix + tails
-  second = trainer.run(_loop_cfg("train.rl_steps=4"), workdir, _Counting)
-  assert _Counting.made[-1].steps == [3, 4]  # restored at 3; the phase had started
+  second = trainer.run(loop_config("train.rl_steps=4"), workdir, CountingAlgorithm)
+  assert CountingAlgorithm.made[-1].steps == [3, 4]  # restored at 3; the phase had started
   assert [r["step"] for r in second["records"]] == [0, 1, 2, 3, 4]
-  expected = jax.tree.leaves(train_state.init_state(_loop_cfg()).params)[0]
+  expected = jax.tree.leaves(train_state.init_state(loop_config()).params)[0]
   for _ in range(5):  # 5 steps in all, each adding 1 (float32, in order)
     expected = expected + 1
   np.testing.assert_array_equal(
@@ -371,7 +291,7 @@ def test_loop_resumes_from_its_checkpoint(tmp_path):
 
 
 def test_nan_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
-  class NaNAt2(_Counting):
+  class NaNAt2(CountingAlgorithm):
     nan_at = 2
 
   workdir = str(tmp_path / "w")
@@ -380,7 +300,7 @@ def test_nan_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
     match=r"loss/policy is nan at step 2: stopping; the "
     r"last good checkpoint is step 2 in .*checkpoints",
   ):
-    trainer.run(_loop_cfg(), workdir, NaNAt2)
+    trainer.run(loop_config(), workdir, NaNAt2)
   assert [r["step"] for r in metrics.read(os.path.join(workdir, "metrics.jsonl"))] == [0, 1]
   with pytest.raises(
     FloatingPointError,
@@ -388,9 +308,9 @@ def test_nan_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
     r"written yet",
   ):
     trainer.run(
-      _loop_cfg("train.sft_steps=0"),
+      loop_config("train.sft_steps=0"),
       str(tmp_path / "v"),
-      type("NaNAt0", (_Counting,), {"nan_at": 0}),
+      type("NaNAt0", (CountingAlgorithm,), {"nan_at": 0}),
     )
 
 
@@ -403,9 +323,9 @@ def test_sft_algorithm_is_the_warmup_as_a_run(tmp_path, tree_run):
   evaluates greedily before and after; its parameters are exactly those GRPO's warm-up
   reaches in as many steps (the same batches and step)."""
   make = (
-    (lambda *o: tiny_tree("train.eval_size=2", *o))
+    (lambda *o: short_tree_run("train.eval_size=2", *o))
     if tree_run
-    else (lambda *o: _loop_cfg("train.eval_size=2", "train.tensorboard=true", *o))
+    else (lambda *o: loop_config("train.eval_size=2", "train.tensorboard=true", *o))
   )
   sft = trainer.run(
     make("algo.name=sft", "train.sft_steps=2", "train.rl_steps=0"), str(tmp_path / "sft")
