@@ -35,6 +35,9 @@ class Table:
 # bench_peer.py at full strength, block protocol: 3 shapes x (back to back, 3 s pauses)
 PEER_BLOCKS = "peer_cpu_blocks_2026-12-06.jsonl"
 
+# bench_trl.py matched: remat full on ours, TRL's gradient checkpointing on; the in-run twin on
+TRL_MATCHED = "trl_cpu_matched_2026-12-06.jsonl"
+
 # experiments/verify_tolerance.py's summary lines
 _VERIFY_CELLS = (
   "{run}",
@@ -76,7 +79,7 @@ _MB = (
 def _trl_phase(phase: str, label: str, digits: int) -> Source:
   """One phase of experiments/bench_trl.py's summary line: both medians and their ratio."""
   return Source(
-    "trl_cpu_2026-12-04.jsonl",
+    TRL_MATCHED,
     (
       label,
       f"{{median_s[ours][{phase}]:.{digits}f}}",
@@ -184,15 +187,17 @@ TABLES = {
         1,
       ),
       Source(
-        "trl_cpu_2026-12-04.jsonl",
+        TRL_MATCHED,
         (
           "... one RL step side by side with TRL's `GRPOTrainer` (same model, prompts, B=2 x R=8, "
-          "LoRA r16, KL 0.02): ours vs TRL, median of 5; TRL ran its default gradient "
-          "checkpointing, ours no remat (not matched: the update ratio overstates ours)",
+          "LoRA r16, KL 0.02), the same recomputation on both sides: ours vs TRL, median of the steps after warm-up; "
+          "and ours against its naive twin on the same batches",
           "whole step {median_s[ours][step]:.1f} vs {median_s[trl][step]:.1f} s "
           "({ratio_trl_over_ours[step]:.1f}x); update {median_s[ours][update]:.1f} vs "
-          "{median_s[trl][update]:.1f} s ({ratio_trl_over_ours[update]:.1f}x)",
-          "SmolLM2-135M-Instruct, B={shape[B]} x R={shape[R]}, T={shape[T]}, prompts {shape[prompt_tokens][0]} tokens, LoRA r{shape[lora_rank]}; remat: ours none, TRL gradient checkpointing (unmatched); median of {steps} steps after {warmup} warm-up; in-run twin off; load {_load}; {_tree}",
+          "{median_s[trl][update]:.1f} s ({ratio_trl_over_ours[update]:.1f}x); twin: naive "
+          "loss+grad {twin[time_ratio_naive_over_replay]:.1f}x replay's (useful-FLOP ratio "
+          "{twin[useful_flop_ratio]:.1f})",
+          "SmolLM2-135M-Instruct, B={shape[B]} x R={shape[R]}, T={shape[T]}, prompts {shape[prompt_tokens][0]} tokens, LoRA r{shape[lora_rank]}; remat: ours {shape[remat]}, TRL gradient checkpointing (matched); {steps} steps a side, alternating, the first {warmup} (warm-up) left out of the medians; load {_load}; {_tree}",
           "`{_file}`",
         ),
         ("summary=True",),
@@ -392,7 +397,7 @@ TABLES = {
   ),
   "trl": Table(
     (
-      "phase (median s over steps 1-5)",
+      "phase (median s over the steps after warm-up)",
       "ours (branch replay, JAX)",
       "TRL GRPOTrainer",
       "TRL / ours",
@@ -406,6 +411,31 @@ TABLES = {
         ("update", "update (forward + backward + AdamW)", 2),
         ("step", "whole RL step", 2),
       )
+    ),
+  ),
+  "trl_twin": Table(
+    (
+      "our batches (median s over the steps after warm-up)",
+      "replay loss+grad",
+      "naive twin loss+grad",
+      "naive / replay",
+      "useful-FLOP ratio",
+      "worst loss gap, replay vs naive",
+    ),
+    (
+      Source(
+        TRL_MATCHED,
+        (
+          "B={shape[B]} x R={shape[R]}, prompts {shape[prompt_tokens][0]} tokens, T={shape[T]}, remat {shape[remat]}",
+          "{twin[replay_s]:.2f}",
+          "{twin[naive_s]:.2f}",
+          "{twin[time_ratio_naive_over_replay]:.2f}",
+          "{twin[useful_flop_ratio]:.2f}",
+          "{twin[loss_max_gap]:.1e}",
+        ),
+        ("summary=True",),
+        1,
+      ),
     ),
   ),
   "jsonl_reverse": Table(
@@ -1218,6 +1248,7 @@ ENGINE = {
   "profile_cpu_before_2026-12-01.md": "before issue 18's changes",
 }
 SUPERSEDED = {
+  "trl_cpu_2026-12-04.jsonl": TRL_MATCHED,  # unmatched: TRL checkpointed, ours kept activations
   "cpu_sweep_2026-11-30.jsonl": "cpu_sweep_blockwise_2026-11-30.jsonl",
   "cost_model_2026-11-30.jsonl": "cost_model_blockwise_2026-11-30.jsonl",
   "cost_model_2026-11-30.md": "cost_model_blockwise_2026-11-30.md",
@@ -1280,6 +1311,8 @@ CLAIMS = {
   "jsonl_reverse": "your own prompts from a file: the warm-up fits them, RL keeps them",
   "trl": "our GRPO step against TRL's GRPOTrainer on the same model, prompts and settings, "
   "phase by phase",
+  "trl_twin": "the same run's in-run twin: replay against its naive twin on our own batches "
+  "(prefix sharing apart from the framework)",
   "longctx_accuracy": "SmolLM2-135M-Instruct's greedy accuracy on the needle and vartrack tasks "
   "by prompt length and difficulty",
   "recipe": "a real pretrained model (SmolLM2-135M-Instruct) trained with LoRA on k-shot math: "
