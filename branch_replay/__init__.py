@@ -11,12 +11,14 @@ The rooms, each importing only the ones before it (tests/system/imports_test.py)
   data/        what is trained on: a new task is one file with `@tasks.register` (a multi-turn
                one sampled as trees: a `turns.TurnsTask` subclass); rewards
                (`@rewards.register`), prompts from JSONL, recorded rollouts, preference pairs
+  registry.py  algo.name -> an algorithm's module and class, resolved by name (importlib)
   config.py    the frozen config and its sections (sections.py), --set, the resume check
-  train/       the loop around any algorithm: trainer, the jitted step, state, checkpoints,
-               metrics, the first-step self-check, preemption
+  train/       the loop around any algorithm: trainer, the run's runtime (mesh, placement,
+               compiled functions, built once), the jitted step, state, checkpoints, metrics,
+               the first-step self-check, preemption
   rollout.py   prompts -> samples -> rewards -> the batch an algorithm trains on
   algorithms/  a new algorithm is one file with its class, `Options` and `check(cfg)`, and one
-               line in the registry (`algorithms/__init__.py` or `algorithms.register`)
+               line in the registry (`registry.py` or `algorithms.register`)
 
 The model lives beside it in `models/` (a new family: its flags in models/config.py and its
 weight names in models/hf.py; a new attention kernel: a module in models/attention/, equal to

@@ -10,7 +10,7 @@ import re
 import typing
 from typing import Any, Optional, Sequence
 
-from branch_replay import algorithms  # the registry: an algorithm's options, by name
+from branch_replay import registry  # an algorithm's options and check, by name
 from branch_replay.core import advantages
 from branch_replay.sections import NamedSection
 from branch_replay.core.critic import CriticConfig
@@ -32,7 +32,7 @@ MODES = ("replay", "naive")
 
 @dataclasses.dataclass(frozen=True, init=False)
 class AlgoConfig(NamedSection):
-  """`name` picks the algorithm (algorithms.ALGORITHMS); `options` is its own dataclass (its
+  """`name` picks the algorithm (registry.ALGORITHMS); `options` is its own dataclass (its
   module's `Options`), given and read flat: AlgoConfig(name="ppo", ppo_epochs=2);
   `cfg.algo.ppo_epochs`. An option another algorithm owns is refused by name (`algo.pairs_file:
   not an option of algo 'grpo'`)."""
@@ -43,12 +43,12 @@ class AlgoConfig(NamedSection):
 
   @classmethod
   def options_class(cls, name: str) -> type:
-    return algorithms.options_class(name)  # the algorithm's module, imported by name
+    return registry.options_class(name)  # the algorithm's module, imported by name
 
   @staticmethod
   def owners(field: str) -> list[str]:
     """The algorithms that have option `field` (for the message refusing it elsewhere)."""
-    return algorithms.owners(field)
+    return registry.owners(field)
 
 
 # Options that lived in other sections before the `algo` section (configs saved then, and old
@@ -92,7 +92,7 @@ def migrate(saved: dict) -> dict:
     name = "ppo"
   else:
     name = "grpo"
-  fields = {f.name for f in dataclasses.fields(algorithms.options_class(name))}
+  fields = {f.name for f in dataclasses.fields(registry.options_class(name))}
   saved["algo"] = {"name": name, **{k: v for k, v in old.items() if k in fields}}
   return saved
 
@@ -230,7 +230,7 @@ class Config:
       )
     # What the selected algorithm needs of the other sections: its objectives, critic and
     # layout (declared by its class), its options' and its module's check(cfg).
-    algorithms.check(self)
+    registry.check(self)
     if self.tree.fanouts:
       self._check_tree()
     elif self.loss.name == "grpo" and self.train.n_branches < 2:
@@ -350,7 +350,7 @@ class Config:
   @property
   def uses_critic(self) -> bool:
     """The algorithm trains a value model (critic.py; PPO's: its advantages come from it)."""
-    return algorithms.get(self.algo.name).uses_critic
+    return registry.get(self.algo.name).uses_critic
 
 
 # ----------------------------------------------------------------------------- overrides

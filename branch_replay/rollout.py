@@ -20,9 +20,9 @@ import numpy as np
 from branch_replay.config import Config
 from branch_replay.core import advantages, sampler, sharding, tree, trie
 from branch_replay.data import dpo, rollouts, tasks
-from branch_replay.data.tokenizer import TOKENIZER
 from branch_replay.train import phases, steps
-from branch_replay.train.state import TrainState, place, reference, sample_examples, weights
+from branch_replay.train.runtime import Runtime
+from branch_replay.train.state import TrainState, reference, sample_examples, weights
 
 # ----------------------------------------------------------------------------- the shape
 
@@ -31,12 +31,14 @@ from branch_replay.train.state import TrainState, place, reference, sample_examp
 Shape, shape = tasks.Shape, tasks.rollout_shape
 
 
-def compiled(cfg: Config, task, tok=TOKENIZER) -> steps.Fns:
-  """The policy's jitted functions for these rollouts (`steps.compiled`): trees sample the
-  task's turns (its stop tokens, its turn lengths), flat groups stop at the tokenizer's."""
-  if cfg.tree.fanouts:
-    return steps.compiled(steps.compile_key(cfg), task.stop_tokens(tok), task.turn_lengths)
-  return steps.compiled(steps.compile_key(cfg), tuple(getattr(tok, "stop_ids", (tok.eos_id,))))
+def compiled(rt: Runtime, task) -> steps.Fns:
+  """The policy's jitted functions for these rollouts (`Runtime.fns`, compiled once per config
+  and mesh): trees sample the task's turns (its stop tokens, its turn lengths), flat groups
+  stop at the tokenizer's."""
+  tok = rt.tok
+  if rt.cfg.tree.fanouts:
+    return rt.fns(task.stop_tokens(tok), task.turn_lengths)
+  return rt.fns(tuple(getattr(tok, "stop_ids", (tok.eos_id,))))
 
 
 def reward_keys(task) -> tuple:
@@ -135,19 +137,20 @@ def _overlong(samples, cfg: Config):
 # ----------------------------------------------------------------------------- sampled batches
 
 
-def sampled(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER):
+def sampled(fns, state: TrainState, task, rt: Runtime, step: int):
   """`rl_batch`, laid out as its token trie with replay.auto_tree (flat groups only; the
   config refuses it with GAE): (batch, shaped rewards [B, R or leaves], stats)."""
-  batch, rewards_BR, stats = rl_batch(fns, state, task, cfg, step, tok)
+  batch, rewards_BR, stats = rl_batch(fns, state, task, rt, step)
+  cfg = rt.cfg
   if cfg.replay.auto_tree and not cfg.tree.fanouts:
-    batch, tree_stats = auto_tree(batch, cfg, tok.pad_id)
+    batch, tree_stats = auto_tree(batch, cfg, rt.tok.pad_id)
     stats = {**stats, **tree_stats}
   return batch, rewards_BR, stats
 
 
-def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER):
-  """Sample B fresh prompts' rollouts, reward them, and assemble the RL batch; returns
-  (batch, shaped rewards [B, R or leaves], stats).
+def rl_batch(fns, state: TrainState, task, rt: Runtime, step: int):
+  """Sample B fresh prompts' rollouts, reward them, and assemble the RL batch on the run's
+  devices (`rt.put`); returns (batch, shaped rewards [B, R or leaves], stats).
 
   Flat: R branches per prompt (prefix = prompt + optional trunk, tails = branches);
   `algo.advantage` over each group (GAE: zeros, which PPO replaces from its critic,
@@ -159,6 +162,7 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
   its path. Stats include each phase's seconds (phases.py; every round included):
   time/sample_s = data_s (prompts drawn, encoded) + generate_s; reward_s; old_logp_s = 0
   (the sampler returns the behaviour log-probs with the tokens); ref_logp_s; assemble_s."""
+  cfg = rt.cfg
   a = cfg.algo
   phase_s = dict.fromkeys(("data", "generate", "reward"), 0.0)  # summed over the rounds
   draw = functools.partial(
@@ -167,9 +171,8 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
     weights(state, cfg.lora, cfg.model.compute_dtype),
     state,
     task,
-    cfg,
+    rt,
     step,
-    tok,
     phase_s,
   )
   if a.dynamic_sampling:
@@ -181,7 +184,7 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
   # Checked on the host copy the rewards were read from (the same tokens, masks and old
   # log-probs); the batch itself stays where the sampler left it: on the device.
   tree.validate(_assemble(rows["host"], adv, cfg), cfg.model.vocab_size, cfg.replay.branch_chunk)
-  batch = place(_assemble(rows["device"], adv, cfg), "batch", cfg)  # advantages: host -> device
+  batch = rt.put(_assemble(rows["device"], adv, cfg), "batch")  # advantages: host -> device
   ref = reference(state, cfg)  # LoRA: the base, adapters off
   if ref is not None:  # k3 KL: reference log-probs of every node, one shared-prefix forward
     r0 = time.perf_counter()
@@ -207,15 +210,16 @@ def rl_batch(fns, state: TrainState, task, cfg: Config, step: int, tok=TOKENIZER
   )
 
 
-def _draw(fns, model_weights, state, task, cfg: Config, step: int, tok, phase_s, round_: int):
+def _draw(fns, model_weights, state, task, rt: Runtime, step: int, phase_s, round_: int):
   """One sampling round: B prompts drawn, encoded and sampled; their samples rewarded (raw)
   and shaped. Returns (rows with a leading prompt axis, shaped rewards [B, R or leaves]);
   adds its seconds to phase_s."""
   d0 = time.perf_counter()
+  cfg, tok = rt.cfg, rt.tok
   t = cfg.train
   examples = sample_examples(task, t.seed, step if round_ == 0 else (step, round_), t.batch_size)
   prompt_BP, valid_BP = tasks.encode_prompts(examples, task.max_prompt_len, tok)
-  placed_BP, placed_valid_BP = place((prompt_BP, valid_BP), "batch", cfg)
+  placed_BP, placed_valid_BP = rt.put((prompt_BP, valid_BP), "batch")
   key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), step)
   if round_:
     key = jax.random.fold_in(key, round_)
@@ -223,7 +227,7 @@ def _draw(fns, model_weights, state, task, cfg: Config, step: int, tok, phase_s,
   samples = jax.block_until_ready(
     fns.sample(model_weights, prompt_BP=placed_BP, prompt_valid_BP=placed_valid_BP, key=key)
   )
-  host = sharding.to_host(samples)  # a copy: every process decodes and rewards all samples
+  host = rt.to_host(samples)  # a copy: every process decodes and rewards all samples
   d2 = time.perf_counter()
   raw_BR, shaping = _rewards(task, examples, host, cfg, tok)
   rows = dict(
@@ -320,7 +324,7 @@ def auto_tree(batch, cfg: Config, pad_id: int = 0):
 # ----------------------------------------------------------------------------- supervised
 
 
-def sft_batch(task, rng: np.random.Generator, cfg: Config, tok=TOKENIZER):
+def sft_batch(task, rng: np.random.Generator, cfg: Config, tok):
   """A warm-up batch: the task's long prefix shared by its reference answers (one per tail);
   with tree.fanouts, the task's warm-up trees (`TurnsTask.warmup_tree`; tree_haystack's: the
   haystack, one opening per key, its value below). Advantage 1 (objective -log p)."""
@@ -349,7 +353,7 @@ class Pairs:
   prompt, from algo.pairs_file or the task (its answer and a wrong value); or with
   tree.fanouts the task's preference trees (one opening per record, a pair below each)."""
 
-  def __init__(self, cfg: Config, task, tok=TOKENIZER):
+  def __init__(self, cfg: Config, task, tok):
     self.cfg, self.task, self.tok = cfg, task, tok
     self.turns = shape(cfg).turns
     if self.turns:  # the task's preference trees (TurnsTask.preference_trees)
@@ -397,7 +401,7 @@ def eval_examples(task, cfg: Config) -> list:
   return task.eval_examples(cfg.train.seed, cfg.train.eval_size)
 
 
-def greedy_reward(fns, params, task, examples, cfg: Config, tok=TOKENIZER) -> float:
+def greedy_reward(fns, params, task, examples, cfg: Config, tok) -> float:
   """The mean reward of greedy completions of `examples`, all at once (one per prompt;
   trees: one path)."""
   prompt_BP, valid_BP = tasks.encode_prompts(examples, task.max_prompt_len, tok)
@@ -409,7 +413,7 @@ def greedy_reward(fns, params, task, examples, cfg: Config, tok=TOKENIZER) -> fl
   return float(task.rewards(examples, sampler.completions(s, tok)).mean())
 
 
-def greedy_rewards(fns, params, task, examples, cfg: Config, tok=TOKENIZER) -> np.ndarray:
+def greedy_rewards(fns, params, task, examples, cfg: Config, tok) -> np.ndarray:
   """The reward of each prompt's greedy completion (flat), in chunks of train.eval_batch
   prompts (0: all at once; the last chunk padded with its last prompt, so one compiled
   shape); with train.eval_shared_prefix, the ids every prompt starts with (a k-shot
@@ -472,7 +476,7 @@ class Recorded:
         f.write(json.dumps({"source": source, "logprobs": [x.tolist() for x in logps]}) + "\n")
 
 
-def from_file(task, recorded: Recorded, score_fn, state, cfg: Config, step: int, tok=TOKENIZER):
+def from_file(task, recorded: Recorded, score_fn, state, cfg: Config, step: int, tok):
   """Step `step`'s train.batch_size lines of the rollouts file as one TreeBatch (their shared
   openings found by trie.py with task.auto_tree, else flat): group advantages of the file's
   rewards, behaviour log-probs (`old_logps`), reference log-probs with a reference. Returns

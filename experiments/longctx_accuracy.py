@@ -57,7 +57,7 @@ def main(argv):
   from branch_replay.core.sampler import SamplerConfig
   from branch_replay.data import tasks
   from branch_replay.data import tokenizer as tokenizer_lib
-  from branch_replay.train import metrics
+  from branch_replay.train import metrics, runtime
   from experiments import provenance
   from experiments.configs import base
   from models import gguf
@@ -79,7 +79,7 @@ def main(argv):
       cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_shared_prefix=True))
       task.check(cfg)
       examples = rollout.eval_examples(task, cfg)
-      fns = rollout.compiled(cfg, task, tok)
+      fns = rollout.compiled(runtime.Runtime(cfg, tok), task)
       t = time.perf_counter()
       rewards_N = rollout.greedy_rewards(fns, params, task, examples, cfg, tok)
       seconds = time.perf_counter() - t

@@ -164,14 +164,14 @@ def train_config(model_cfg, rank: int, B: int, R: int, kl_coef: float = KL_COEF)
 
 
 def trainer_step(cfg):
-  """The jitted RL step the trainer runs (branch_replay/train/steps.py: `compiled(...)
+  """The jitted RL step the trainer runs (branch_replay/train/runtime.py: `Runtime(cfg, tok).fns(...)
   .rl_step`, the state donated): engine.loss_and_grad over the adapters (the bf16 base
   attached, merged inside each layer), the GRPO + KL objective at the sampler's temperature,
   AdamW on the float32 adapters. No second implementation."""
   from branch_replay.data.tokenizer import TOKENIZER
-  from branch_replay.train import steps
+  from branch_replay.train import runtime
 
-  return steps.compiled(steps.compile_key(cfg), TOKENIZER.eos_id).rl_step
+  return runtime.Runtime(cfg, TOKENIZER).fns(TOKENIZER.eos_id).rl_step
 
 
 def batch_of(B, P, R, T, make):

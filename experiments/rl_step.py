@@ -18,10 +18,10 @@ import numpy as np
 
 from branch_replay import config as config_lib
 from branch_replay.core import engine
-from branch_replay.train import steps
+from branch_replay.train import runtime, steps
+from branch_replay.data.tokenizer import TOKENIZER
 from branch_replay.data import tasks
 from branch_replay import rollout
-from branch_replay.train import state as train_state
 from experiments import registry
 
 
@@ -45,20 +45,19 @@ class Stepper:
 
   def __init__(self, cfg, state=None, tok=None):
     self.cfg = cfg
-    self.task = tasks.make(cfg.task)
-    self.fns = steps.compiled(steps.compile_key(cfg))
-    self.state = train_state.init_state(cfg) if state is None else state
-    self.tok = tok  # None: the built-in tokenizer; an imported model's (run.parse) otherwise
+    self.tok = TOKENIZER if tok is None else tok  # an imported model's (run.parse) or ours
+    self.rt = runtime.Runtime(cfg, self.tok)  # the trainer's mesh, placement and functions
+    self.task = tasks.make(cfg.task, self.tok)
+    self.fns = rollout.compiled(self.rt, self.task)
+    self.state = self.rt.init_state() if state is None else state
     self.last_batch = None
 
   def batch(self, step: int):
     """(batch, phase seconds, reward/mean) from the trainer's own rollout (rollout.rl_batch:
     sample, reward, advantages, reference scores), placed as the trainer places it."""
-    cfg = self.cfg
-    extra = {} if self.tok is None else {"tok": self.tok}
-    batch, _, stats = rollout.rl_batch(self.fns, self.state, self.task, cfg, step, **extra)
+    batch, _, stats = rollout.rl_batch(self.fns, self.state, self.task, self.rt, step)
     t0 = time.perf_counter()
-    batch = jax.block_until_ready(train_state.place(batch, "batch", cfg))
+    batch = jax.block_until_ready(self.rt.put(batch, "batch"))
     self.last_batch = batch
     t = {f"{name}_s": stats[f"time/{name}_s"] for name in ("data", "reward", "assemble")}
     t["sample_s"] = stats["time/generate_s"]

@@ -380,8 +380,8 @@ class CountingAlgorithm(base.Algorithm):
 
   phase, progress_keys, nan_at, made = "rl", (), None, []
 
-  def __init__(self, cfg, task, tok, workdir=None):
-    super().__init__(cfg, task, tok, workdir)
+  def __init__(self, cfg, task, tok, workdir=None, runtime=None):
+    super().__init__(cfg, task, tok, workdir, runtime)
     self.steps = []
     CountingAlgorithm.made.append(self)
 
@@ -511,3 +511,17 @@ def free_port():
   with socket.socket() as s:
     s.bind(("localhost", 0))
     return s.getsockname()[1]
+
+
+def rl_run(*overrides):
+  """A tiny flat RL run without warm-up: 2 steps of B=4 prompts x R=4 branches of 2 tokens
+  (grpo_test, ppo_test, config_test)."""
+  return tiny_run(
+    "train.sft_steps=0",
+    "train.rl_steps=2",
+    "train.batch_size=4",
+    "train.n_branches=4",
+    "sampler.max_new_tokens=2",
+    "train.checkpoint_every=5",
+    *overrides,
+  )

@@ -11,6 +11,7 @@ import numpy as np
 from branch_replay import rollout
 from branch_replay.core import tree
 from branch_replay.train import phases, steps, verify
+from branch_replay.train import runtime as runtime_lib
 from branch_replay.train import state as train_state
 
 
@@ -30,7 +31,9 @@ def floats(out) -> dict:
 
 
 class Algorithm:
-  """Built once per run, `Algorithm(cfg, task, tokenizer, workdir=...)`. The defaults: the
+  """Built once per run, `Algorithm(cfg, task, tokenizer, workdir=..., runtime=...)` (the
+  trainer's Runtime: the mesh, placement and compiled functions; built here when not given,
+  e.g. in a notebook). The defaults: the
   supervised warm-up of train.sft_steps (rollout.sft_batch through the policy's sft_step),
   then train.rl_steps of the phase (`batch` and `update`: every algorithm's own), the greedy
   evaluation on held-out prompts, the first-batch self-check, the checkpoint's state."""
@@ -43,13 +46,14 @@ class Algorithm:
   uses_critic = False  # trains a value model (the `critic` section: PPO's)
   auto_tree = False  # its sampled flat groups may be laid out as their trie (replay.auto_tree)
 
-  def __init__(self, cfg, task, tok, workdir=None):
+  def __init__(self, cfg, task, tok, workdir=None, runtime=None):
     self.cfg, self.task, self.tok = cfg, task, tok
+    self.rt = runtime_lib.Runtime(cfg, tok) if runtime is None else runtime
 
   @functools.cached_property
   def fns(self) -> steps.Fns:
     """The policy's jitted functions for this run's rollouts (compiled once per config)."""
-    return rollout.compiled(self.cfg, self.task, self.tok)
+    return rollout.compiled(self.rt, self.task)
 
   @property
   def total_steps(self) -> int:  # a rollouts file's epochs may end a run sooner
@@ -66,7 +70,7 @@ class Algorithm:
     return batch
 
   def warmup_update(self, state, batch):
-    state, out = self.fns.sft_step(state, train_state.place(batch, "batch", self.cfg))
+    state, out = self.fns.sft_step(state, self.rt.put(batch, "batch"))
     return state, floats(out)
 
   def start(self, state):

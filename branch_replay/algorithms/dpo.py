@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from branch_replay import rollout
-from branch_replay.core import sharding, tree
+from branch_replay.core import tree
 from branch_replay.data import dpo
 from branch_replay.train import state as train_state
 from branch_replay.algorithms import base
@@ -64,8 +64,8 @@ class DPO(base.Algorithm):
   objectives = ("dpo",)  # its pairs' objective (losses.py), not a sampled group's
   progress_keys = ("dpo/accuracy", "loss/policy")
 
-  def __init__(self, cfg, task, tok, workdir=None):
-    super().__init__(cfg, task, tok, workdir)
+  def __init__(self, cfg, task, tok, workdir=None, runtime=None):
+    super().__init__(cfg, task, tok, workdir, runtime)
     self.pairs = rollout.Pairs(cfg, task, tok)
 
   def start(self, state):
@@ -76,24 +76,22 @@ class DPO(base.Algorithm):
   def batch(self, state, step):
     cfg = self.cfg
     batch = self.pairs.batch(step)
-    place = lambda b: train_state.place(b, "batch", cfg)
+    place = lambda b: self.rt.put(b, "batch")
     # 1. Reference log-probs of every node (flat: chosen and rejected), one shared-prefix
     #    forward; on every process.
-    ref_levels, ref_trunk_BW = sharding.to_host(
-      self.fns.score(state.ref_params, batch=place(batch))
-    )
+    ref_levels, ref_trunk_BW = self.rt.to_host(self.fns.score(state.ref_params, batch=place(batch)))
     batch = batch.with_reference(ref_levels, ref_trunk_BW)
     tree.validate(batch, cfg.model.vocab_size, cfg.replay.branch_chunk)
     # 2. The policy's, for the metrics before the update: from the leaves, [pairs, 2] (0 where
     #    invalid; a pair's shared ancestors cancel in its margin).
-    pol_levels, _ = sharding.to_host(self.fns.score(state.params, batch=place(batch)))
+    pol_levels, _ = self.rt.to_host(self.fns.score(state.params, batch=place(batch)))
     pair_sum = lambda logp_BRT: np.asarray(logp_BRT).sum(-1).reshape(-1, 2)
     return batch, dpo.preference_metrics(
       pair_sum(pol_levels[-1]), pair_sum(ref_levels[-1]), cfg.loss.beta
     )
 
   def update(self, state, batch, step):
-    state, out = self.fns.rl_step(state, train_state.place(batch, "batch", self.cfg))
+    state, out = self.fns.rl_step(state, self.rt.put(batch, "batch"))
     return state, {k: float(v) for k, v in jax.device_get(out).items() if k in KEYS}
 
   def eval_examples(self):

@@ -14,7 +14,6 @@ from branch_replay import algorithms, rollout
 from branch_replay.algorithms import base
 from branch_replay.config import Config
 from branch_replay.train import metrics, phases
-from branch_replay.train.state import place
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,13 +40,14 @@ def minibatches(tree, cfg: Config, step: int, epoch: int):
   return [rollout.take_rows(tree, np.sort(idx)) for idx in parts]
 
 
-def rl_update(fns, state, batch, cfg: Config, step: int, step_fn=None):
+def rl_update(rt, fns, state, batch, step: int, step_fn=None):
   """algo.ppo_epochs passes of algo.minibatches replay steps over one sampled batch (any
   pytree of prompt-major arrays: PPO's is (policy batch, critic batch)); metrics averaged
   over the steps, the ratio's maximum over all of them. step_fn(state, minibatch) ->
-  (state, metrics): default the policy's step on the placed minibatch."""
+  (state, metrics): default the policy's step on the minibatch placed by the run's Runtime."""
+  cfg = rt.cfg
   if step_fn is None:
-    step_fn = lambda state, mb: fns.rl_step(state, place(mb, "batch", cfg))
+    step_fn = lambda state, mb: fns.rl_step(state, rt.put(mb, "batch"))
   outs = []
   for epoch in range(cfg.algo.ppo_epochs):
     for mb in minibatches(batch, cfg, step, epoch):
@@ -132,8 +132,8 @@ class GRPO(base.Algorithm):
 
   auto_tree = True  # flat groups laid out as their trie (rollout.auto_tree)
 
-  def __init__(self, cfg, task, tok, workdir=None):
-    super().__init__(cfg, task, tok, workdir)
+  def __init__(self, cfg, task, tok, workdir=None, runtime=None):
+    super().__init__(cfg, task, tok, workdir, runtime)
     self.progress_keys = rollout.reward_keys(task) + ("loss/policy",)
 
   def start(self, state):
@@ -142,11 +142,11 @@ class GRPO(base.Algorithm):
     return state
 
   def batch(self, state, step):
-    batch, _, stats = rollout.sampled(self.fns, state, self.task, self.cfg, step, self.tok)
+    batch, _, stats = rollout.sampled(self.fns, state, self.task, self.rt, step)
     return batch, stats
 
   def update(self, state, batch, step):
-    return rl_update(self.fns, state, batch, self.cfg, step)
+    return rl_update(self.rt, self.fns, state, batch, step)
 
   def token_counts(self, batch, phase):
     if phase == "sft":

@@ -26,8 +26,7 @@ import optax
 
 from branch_replay import algorithms, rollout
 from branch_replay.algorithms import base, grpo
-from branch_replay.core import critic, sharding, tree
-from branch_replay.train import steps
+from branch_replay.core import critic, tree
 from branch_replay.train import state as train_state
 from branch_replay.config import Config
 
@@ -54,15 +53,16 @@ def critic_body(state: train_state.TrainState, cfg: Config):
   return state.params if cfg.critic.share else None
 
 
-def make_critic_step(cfg: Config):
+def make_critic_step(cfg: Config, mesh=None):
   """Pure `critic_step(state, critic_batch) -> (state, metrics)`: one value-model update
   through branch replay (or its naive twin), flat or tree. With critic.share the head alone
-  is updated, reading the policy's current transformer (`state.params`, not differentiated)."""
+  is updated, reading the policy's current transformer (`state.params`, not differentiated).
+  mesh: the run's Mesh object (`runtime.Runtime.mesh`; None without cfg.mesh)."""
+  train_state.check_mesh(cfg, mesh, "make_critic_step")
   tx = train_state.make_critic_optimizer(cfg)
 
   def critic_step(state: train_state.TrainState, cb: critic.CriticBatch):
     params, opt_state = state.critic["params"], state.critic["opt_state"]
-    mesh = sharding.make_mesh(cfg.mesh) if cfg.mesh else None
     loss, aux_BR, grads = critic.loss_and_grad(
       params,
       cb,
@@ -85,16 +85,24 @@ def make_critic_step(cfg: Config):
   return critic_step
 
 
+class PPOBatch(NamedTuple):
+  """One PPO step's batch: the policy's (per-token GAE advantages) and the critic's (returns,
+  old values) over the same prompts; a pytree, so minibatches split both alike."""
+
+  policy: tree.TreeBatch
+  critic: critic.CriticBatch
+
+
 class CriticFns(NamedTuple):
   critic_step: Any
   values: Any
 
 
-@functools.lru_cache(maxsize=8)
-def compiled(cfg: Config) -> CriticFns:
-  """The critic's jitted functions of a config (`steps.compile_key`), kept across runs."""
+def build_critic_fns(cfg: Config, mesh=None) -> CriticFns:
+  """The critic's jitted functions of a config (`steps.compile_key`) on the run's mesh
+  (`Runtime.compiled('critic', build_critic_fns)` keeps them across runs)."""
   return CriticFns(
-    critic_step=jax.jit(make_critic_step(cfg), donate_argnums=0),
+    critic_step=jax.jit(make_critic_step(cfg, mesh), donate_argnums=0),
     values=jax.jit(functools.partial(critic.values, model_cfg=cfg.model)),
   )
 
@@ -118,10 +126,12 @@ def with_token_advantages(batch, adv_BLX):
   return batch.replace(levels=(*levels, leaves), trunk_advantages_BRW=trunk)
 
 
-def gae_batch(fns: CriticFns, state, batch, rewards_BR, cfg: Config):
+def gae_batch(fns: CriticFns, state, batch, rewards_BR, rt):
   """The critic's values of every path position (one replay forward), GAE per path
   (`critic.gae`), whitened over every path's scored tokens (a shared token once per path):
-  (policy batch with per-token advantages, critic batch with returns and old values, stats)."""
+  (policy batch with per-token advantages, critic batch with returns and old values, stats);
+  rt: the run's Runtime (the batch placed on its devices)."""
+  cfg = rt.cfg
   c = cfg.critic
   scored_BLX = critic.scored_mask(batch)
   if np.shape(rewards_BR) != scored_BLX.shape[:2]:
@@ -130,10 +140,10 @@ def gae_batch(fns: CriticFns, state, batch, rewards_BR, cfg: Config):
       f"{scored_BLX.shape[:2]} (one reward per branch or leaf)"
     )
   old_values_BLX = np.asarray(
-    sharding.to_host(
+    rt.to_host(
       fns.values(  # on a mesh: gathered to every host
         state.critic["params"],
-        batch=train_state.place(batch, "batch", cfg),
+        batch=rt.put(batch, "batch"),
         body_params=critic_body(state, cfg),
       )
     ),
@@ -179,10 +189,10 @@ class PPO(grpo.GRPO):
   uses_critic = True  # the `critic` section is its value model
   auto_tree = False  # its advantages are per token (GAE), its critic has its own batch
 
-  def __init__(self, cfg, task, tok, workdir=None):
-    super().__init__(cfg, task, tok, workdir)
+  def __init__(self, cfg, task, tok, workdir=None, runtime=None):
+    super().__init__(cfg, task, tok, workdir, runtime)
     self.progress_keys = self.progress_keys + ("loss/value",)
-    self.critic_fns = compiled(steps.compile_key(cfg))
+    self.critic_fns = self.rt.compiled("critic", build_critic_fns)
 
   def start(self, state):
     state = super().start(state)
@@ -197,27 +207,25 @@ class PPO(grpo.GRPO):
     return state
 
   def batch(self, state, step):
-    batch, rewards_BR, stats = rollout.sampled(self.fns, state, self.task, self.cfg, step, self.tok)
-    batch, cb, critic_stats = gae_batch(self.critic_fns, state, batch, rewards_BR, self.cfg)
+    batch, rewards_BR, stats = rollout.sampled(self.fns, state, self.task, self.rt, step)
+    batch, cb, critic_stats = gae_batch(self.critic_fns, state, batch, rewards_BR, self.rt)
     tree.validate(batch, self.cfg.model.vocab_size, self.cfg.replay.branch_chunk)
-    return (batch, cb), {**stats, **critic_stats}
+    return PPOBatch(batch, cb), {**stats, **critic_stats}
 
   def update(self, state, batch, step):
-    cfg = self.cfg
 
-    def step_fn(state, minibatch):  # the policy's step, then the critic's on the same prompts
-      mb, cmb = minibatch
-      state, out = self.fns.rl_step(state, train_state.place(mb, "batch", cfg))
-      state, critic_out = self.critic_fns.critic_step(state, train_state.place(cmb, "batch", cfg))
+    def step_fn(state, mb: PPOBatch):  # the policy's step, then the critic's on the same prompts
+      state, out = self.fns.rl_step(state, self.rt.put(mb.policy, "batch"))
+      state, critic_out = self.critic_fns.critic_step(state, self.rt.put(mb.critic, "batch"))
       return state, {**out, **critic_out}
 
-    return grpo.rl_update(self.fns, state, batch, cfg, step, step_fn=step_fn)
+    return grpo.rl_update(self.rt, self.fns, state, batch, step, step_fn=step_fn)
 
   def verify(self, state, batch, tol=None):
-    return super().verify(state, batch[0], tol)
+    return super().verify(state, batch.policy, tol)
 
   def token_counts(self, batch, phase):
-    return super().token_counts(batch if phase == "sft" else batch[0], phase)
+    return super().token_counts(batch if phase == "sft" else batch.policy, phase)
 
   def summarize(self, records):
     summary = super().summarize(records)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -21,6 +22,7 @@ import numpy as np
 from branch_replay import algorithms, rollout
 from branch_replay.algorithms import base
 from branch_replay.core import engine
+from branch_replay.core.tree import TreeBatch
 from branch_replay.rollout import Recorded
 from branch_replay.train import phases, steps, verify
 
@@ -59,6 +61,23 @@ def check(cfg) -> None:
       )
 
 
+class FileBatch(NamedTuple):
+  """One step's lines as their tree, with the positions the same lines take flat (what the
+  naive twin computes: token_counts reads it from the batch, no state kept between calls)."""
+
+  tree: TreeBatch
+  flat_positions: int
+
+
+def file_fns(cfg, mesh=None) -> tuple:
+  """(the train step at the file's objective `loss` itself, the scorer of behaviour and
+  reference log-probs at temperature 1), jitted (`Runtime.compiled` keeps them)."""
+  return (
+    jax.jit(steps.make_train_step(cfg, "rl", cfg.loss, mesh), donate_argnums=0),
+    jax.jit(functools.partial(engine.forward, model_cfg=cfg.model)),
+  )
+
+
 class Rollouts(base.Algorithm):
   """Completions sampled elsewhere (vLLM, SGLang, a log; `rollout.from_file`): no sampling,
   no warm-up, no greedy evaluation; `train.rl_steps` caps the steps at `task.epochs` passes
@@ -66,14 +85,13 @@ class Rollouts(base.Algorithm):
 
   progress_keys = ("reward/mean", "loss/policy")
 
-  def __init__(self, cfg, task, tok, workdir=None):
-    super().__init__(cfg, task, tok, workdir)
+  def __init__(self, cfg, task, tok, workdir=None, runtime=None):
+    super().__init__(cfg, task, tok, workdir, runtime)
     chief = jax.process_index() == 0
     self.recorded = Recorded(
       os.path.join(workdir, "recorded_logprobs.jsonl") if workdir and chief else None
     )
-    self.step_fn = jax.jit(steps.make_train_step(cfg, "rl", cfg.loss), donate_argnums=0)
-    self.score_fn = jax.jit(functools.partial(engine.forward, model_cfg=cfg.model))
+    self.step_fn, self.score_fn = self.rt.compiled("rollouts_file", file_fns)
 
   @property
   def total_steps(self) -> int:
@@ -89,22 +107,22 @@ class Rollouts(base.Algorithm):
     return state
 
   def batch(self, state, step):
-    batch, self.flat_positions, stats = rollout.from_file(
+    batch, flat_positions, stats = rollout.from_file(
       self.task, self.recorded, self.score_fn, state, self.cfg, step, self.tok
     )
-    return batch, stats
+    return FileBatch(batch, flat_positions), stats
 
   def update(self, state, batch, step):
     outs = []
     for _ in range(self.cfg.algo.ppo_epochs):
-      state, out = self.step_fn(state, batch)
+      state, out = self.step_fn(state, batch.tree)
       outs.append(jax.device_get(out))
     return state, {k: float(np.mean([o[k] for o in outs])) for k in outs[0]}
 
   def verify(self, state, batch, tol=None):
     return verify.check(
       state.params,
-      batch,
+      batch.tree,
       self.cfg.model,
       self.cfg.loss,
       branch_chunk=self.cfg.replay.branch_chunk,
@@ -112,8 +130,8 @@ class Rollouts(base.Algorithm):
     )
 
   def token_counts(self, batch, phase):
-    prefix, below, _ = batch.token_counts()
-    return prefix, below, self.flat_positions
+    prefix, below, _ = batch.tree.token_counts()
+    return prefix, below, batch.flat_positions
 
   def eval_examples(self):
     return []

@@ -54,12 +54,23 @@ def make_critic_optimizer(cfg: Config) -> optax.GradientTransformation:
   )
 
 
-def shardings(tree, kind: str, cfg: Config):
+def check_mesh(cfg: Config, mesh, where: str) -> None:
+  """The mesh object a function was given agrees with the config's `mesh` string (a Mesh for a
+  non-empty spec, None for ''); the run's is `runtime.Runtime(cfg, tok).mesh`."""
+  if bool(cfg.mesh) != (mesh is not None):
+    got = "no mesh" if mesh is None else f"a mesh {dict(mesh.shape)}"
+    raise ValueError(
+      f"{where}: mesh={cfg.mesh!r} in the config but {got} given; expected the run's "
+      "Runtime(cfg, tok).mesh (train/runtime.py), None when mesh=''"
+    )
+
+
+def shardings(tree, kind: str, cfg: Config, mesh=None):
   """Where arrays live, kind 'state' or 'batch': the one placement decision of the trainer.
-  With cfg.mesh, the mesh's (sharding.py: FSDP/tensor params and optimizer state, batches
-  by prompt and branch); else the first device, whole arrays."""
-  if cfg.mesh:
-    mesh = sharding.make_mesh(cfg.mesh)
+  With a mesh (the run's, `runtime.mesh_of(cfg.mesh)`): FSDP/tensor params and optimizer
+  state, batches by prompt and branch (sharding.py); else the first device, whole arrays."""
+  check_mesh(cfg, mesh, "shardings")
+  if mesh is not None:
     if kind == "state":
       params = sharding.param_shardings(mesh, cfg.model)
       trained = (
@@ -99,21 +110,26 @@ def _critic_shardings(mesh, value_model, cfg: Config):
   )
 
 
-def place(tree, kind: str, cfg: Config):
-  if cfg.mesh:  # host data -> global arrays, on one process or several
-    return sharding.put(tree, shardings(tree, kind, cfg))
+def place(tree, kind: str, cfg: Config, mesh=None):
+  """`tree` where `shardings` puts it (`runtime.Runtime.put` with the run's mesh)."""
+  if mesh is not None:  # host data -> global arrays, on one process or several
+    return sharding.put(tree, shardings(tree, kind, cfg, mesh))
   return jax.device_put(tree, shardings(tree, kind, cfg))
 
 
-def init_state(cfg: Config, init_params=None, init_adapters=None) -> TrainState:
+def init_state(cfg: Config, init_params=None, init_adapters=None, mesh=None) -> TrainState:
   """Shapes first (eval_shape), then placement, then the arrays (created where they live).
   init_params (e.g. an imported checkpoint, `models.hf.load`) replace the random init. With
   LoRA they are the frozen base (in model.param_dtype: bf16 for a bf16 base); the adapters
   start as PEFT's init (B = 0: the base), or as init_adapters (an imported PEFT adapter,
-  `models.lora.load_peft`), in `lora.adapter_dtype` (float32 over a bf16 base)."""
+  `models.lora.load_peft`), in `lora.adapter_dtype` (float32 over a bf16 base). mesh: the
+  run's (`runtime.Runtime`), None without cfg.mesh."""
+  check_mesh(cfg, mesh, "init_state")
   init = _check_init(cfg, init_params, init_adapters)
   shapes = jax.eval_shape(init, init_params, init_adapters)
-  return jax.jit(init, out_shardings=shardings(shapes, "state", cfg))(init_params, init_adapters)
+  return jax.jit(init, out_shardings=shardings(shapes, "state", cfg, mesh))(
+    init_params, init_adapters
+  )
 
 
 def abstract_state(cfg: Config, init_params=None, init_adapters=None) -> TrainState:

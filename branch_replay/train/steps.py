@@ -1,9 +1,9 @@
 """The policy's pure train step (flat or tree batch; replay or the naive twin, `replay.mode`;
-one device or a mesh) and the jit cache of every algorithm's policy functions: step, sampler,
-greedy decoder, scorer, compiled once per config and kept across runs in one process.
+one device or the run's mesh) and the policy's jitted functions of a config: step, sampler,
+greedy decoder, scorer (`build_fns`; runtime.Runtime.fns caches them once per config and mesh).
 
-  make_train_step(cfg)        pure train_step(state, batch) -> (state, metrics)
-  compiled(compile_key(cfg), stop_tokens, turn_lengths)   the jitted functions of a config
+  make_train_step(cfg, mesh=...)   pure train_step(state, batch) -> (state, metrics)
+  build_fns(compile_key(cfg), stop_tokens, turn_lengths, mesh)   the jitted functions
 
 The supervised warm-up runs through the same engine (phase 'sft': objective -log p, pg with
 advantage 1).
@@ -19,11 +19,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from branch_replay.core import engine, losses, sampler, sharding
+from branch_replay.core import engine, losses, sampler
 from branch_replay.config import Config
-from branch_replay.train.state import TrainState, make_optimizer
+from branch_replay.train.state import TrainState, check_mesh, make_optimizer
 from branch_replay.data.tasks import TaskConfig
-from branch_replay.data.tokenizer import TOKENIZER
 from models import lora as lora_lib
 
 SFT_LOSS = losses.LossConfig(name="pg", aggregation="token_mean")  # -mean log p(answer)
@@ -35,10 +34,14 @@ def rl_loss_config(cfg: Config) -> losses.LossConfig:
   return dataclasses.replace(cfg.loss, temperature=cfg.sampler.temperature)
 
 
-def loss_and_grad(cfg: Config, params, batch, loss_cfg, branch_chunk=None, params_fn=None):
-  """engine.loss_and_grad with the config's `replay.mode` and `mesh` (a flat batch or a tree;
-  the naive twin on a mesh by the partitioner alone, from the sharded inputs). params_fn:
-  `lora_params_fn` (params are the adapters and grads theirs)."""
+def loss_and_grad(
+  cfg: Config, params, batch, loss_cfg, branch_chunk=None, params_fn=None, mesh=None
+):
+  """engine.loss_and_grad with the config's `replay.mode` on the run's mesh object (a flat
+  batch or a tree; the naive twin on a mesh by the partitioner alone, from the sharded inputs;
+  None without cfg.mesh). params_fn: `lora_params_fn` (params are the adapters and grads
+  theirs)."""
+  check_mesh(cfg, mesh, "loss_and_grad")
   return engine.loss_and_grad(
     params,
     batch,
@@ -46,7 +49,7 @@ def loss_and_grad(cfg: Config, params, batch, loss_cfg, branch_chunk=None, param
     loss_cfg,
     cfg.replay.mode,
     branch_chunk,
-    mesh=sharding.make_mesh(cfg.mesh) if cfg.mesh else None,
+    mesh=mesh,
     params_fn=params_fn,
   )
 
@@ -60,9 +63,11 @@ def lora_params_fn(cfg: Config, state: TrainState):
   return lambda adapters: lora_lib.attach(state.base, adapters, cfg.lora)
 
 
-def make_train_step(cfg: Config, phase: str = "rl", loss_cfg=None):
+def make_train_step(cfg: Config, phase: str = "rl", loss_cfg=None, mesh=None):
   """Pure `train_step(state, batch) -> (state, metrics)` for flat and tree batches; phase
-  'sft' uses -log p; loss_cfg replaces the RL objective (default `rl_loss_config`)."""
+  'sft' uses -log p; loss_cfg replaces the RL objective (default `rl_loss_config`); mesh:
+  the run's Mesh object (`runtime.Runtime.mesh`; None without cfg.mesh), closed over."""
+  check_mesh(cfg, mesh, "make_train_step")
   tx = make_optimizer(cfg)
   if loss_cfg is None:
     loss_cfg = rl_loss_config(cfg) if phase == "rl" else SFT_LOSS
@@ -70,7 +75,7 @@ def make_train_step(cfg: Config, phase: str = "rl", loss_cfg=None):
 
   def train_step(state: TrainState, batch):
     loss, aux_BR, grads = loss_and_grad(
-      cfg, state.params, batch, loss_cfg, branch_chunk, lora_params_fn(cfg, state)
+      cfg, state.params, batch, loss_cfg, branch_chunk, lora_params_fn(cfg, state), mesh
     )
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -123,15 +128,14 @@ def compile_key(cfg: Config) -> Config:
   )
 
 
-@functools.lru_cache(maxsize=8)
-def compiled(cfg: Config, stop_tokens=TOKENIZER.eos_id, turn_lengths: tuple = ()) -> Fns:
-  """The jitted functions of a config (`compile_key(cfg)`), kept across runs in one process
-  (a notebook, the tests), so a second run of the same model does not compile again.
-  stop_tokens: the stop id or ids (flat: the tokenizer's stop_ids), or one tuple per turn
-  (trees, with the task's turn_lengths)."""
+def build_fns(cfg: Config, stop_tokens, turn_lengths: tuple = (), mesh=None) -> Fns:
+  """The jitted functions of a config (`compile_key(cfg)`) on the run's mesh (built, not
+  cached: `runtime.Runtime.fns` keeps them across runs in one process, so a second run of the
+  same model does not compile again). stop_tokens: the stop id or ids (flat: the tokenizer's
+  stop_ids), or one tuple per turn (trees, with the task's turn_lengths)."""
   steps = dict(
-    rl_step=jax.jit(make_train_step(cfg, "rl"), donate_argnums=0),
-    sft_step=jax.jit(make_train_step(cfg, "sft"), donate_argnums=0),
+    rl_step=jax.jit(make_train_step(cfg, "rl", mesh=mesh), donate_argnums=0),
+    sft_step=jax.jit(make_train_step(cfg, "sft", mesh=mesh), donate_argnums=0),
     # log-probs of every node at the sampler's temperature (reference, DPO metrics)
     score=jax.jit(
       functools.partial(engine.forward, model_cfg=cfg.model, temperature=cfg.sampler.temperature)

@@ -14,9 +14,9 @@ import time
 import jax
 import numpy as np
 
-from branch_replay.train import checkpoint, metrics, preemption, verify
+from branch_replay import registry
+from branch_replay.train import checkpoint, metrics, preemption, runtime, verify
 from branch_replay.data import rewards, tasks
-from branch_replay.core import sharding
 from branch_replay.train import state as train_state
 from branch_replay.config import Config
 from branch_replay.data.tokenizer import TOKENIZER
@@ -28,8 +28,8 @@ def run(
 ) -> dict:
   """Train (resuming from `workdir` if it holds a checkpoint); returns the summary.
 
-  algorithm: an `algorithms.Algorithm` class (default: the one the config selects,
-  `algorithms.for_config`). init_params: start from these (an imported checkpoint) instead
+  algorithm: an `algorithms.base.Algorithm` class (default: the one the config selects,
+  `registry.for_config`). init_params: start from these (an imported checkpoint) instead
   of a random init; a checkpoint in `workdir` still takes precedence (resume). tokenizer: the
   text <-> ids map of the tasks (default: the shipped character tokenizer;
   `tokenizer.from_model_dir` for an imported checkpoint's tokenizer.json). With LoRA
@@ -56,17 +56,16 @@ def _train(cfg, workdir, algorithm, init_params, tokenizer, init_adapters, guard
       f"model.vocab_size={cfg.model.vocab_size}: expected >= the tokenizer's {tok.vocab_size}"
     )
   if algorithm is None:
-    from branch_replay import algorithms  # the registry (it imports an algorithm when asked)
-
-    algorithm = algorithms.for_config(cfg)
+    algorithm = registry.for_config(cfg)  # imports the algorithm's module by name
   t_start = time.time()
   workdir = checkpoint.check_workdir(workdir)  # before any compute
   task = tasks.make(cfg.task, tok)  # the run's tokenizer; a task that reads files checks them
   task.check(cfg)
-  algo = algorithm(cfg, task, tok, workdir=workdir)  # compiles its jitted steps (cached)
+  rt = runtime.Runtime(cfg, tok)  # the mesh, placement and compiled functions, built once
+  algo = algorithm(cfg, task, tok, workdir=workdir, runtime=rt)  # compiles its steps (cached)
   ckpt = checkpoint.Checkpointer(workdir, cfg)
   ckpt.check_config()
-  state = train_state.init_state(cfg, init_params, init_adapters)
+  state = rt.init_state(init_params, init_adapters)
   # The newest checkpoint that restores (a damaged newer one is named and set aside).
   start, restored = ckpt.restore_latest(lambda step: algo.restore_template(state, step))
   if start:  # the checkpointed fields (LoRA: not the base, which init rebuilt)
@@ -172,7 +171,7 @@ def _train(cfg, workdir, algorithm, init_params, tokenizer, init_adapters, guard
   adapter_dir = None
   if cfg.lora.enabled:  # the adapters in PEFT's format (models/lora.py)
     adapter_dir = os.path.join(workdir, "adapter")
-    adapters = sharding.to_host(state.params)
+    adapters = rt.to_host(state.params)
     if chief:
       lora_lib.save_peft(adapter_dir, cfg.model, cfg.lora, adapters)
   plot_path = (

@@ -165,7 +165,7 @@ def test_sharded_lora_tree_step_equals_one_device_float64(x64):
     adapters, jax.tree.map(lambda _: sharding.replicated(mesh), adapters)
   )
   got = jax.jit(
-    lambda a, b, base: steps.loss_and_grad(on_mesh, a, b, LOSS, None, fn(on_mesh, base))
+    lambda a, b, base: steps.loss_and_grad(on_mesh, a, b, LOSS, None, fn(on_mesh, base), mesh=mesh)
   )(placed_adapters, placed, placed_base)
   assert_equal_f64(got, ref)
   assert jax.tree.structure(got[2]) == jax.tree.structure(adapters)

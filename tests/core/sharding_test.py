@@ -237,12 +237,18 @@ def tiny_config(tmp_path, mesh, *extra):
 
 
 @pytest.mark.slow
-def test_trainer_on_a_mesh_matches_one_device(tmp_path):
-  """trainer.run with mesh=data:2,fsdp:2,tensor:2 (the place() / make_train_step path) takes
-  the same SFT and RL steps as one device, leaves FSDP-sharded parameters and a checkpoint."""
-  from branch_replay.train import metrics
+def test_trainer_on_a_mesh_matches_one_device(tmp_path, monkeypatch):
+  """trainer.run with mesh=data:2,fsdp:2,tensor:2 (the Runtime's put / make_train_step path)
+  takes the same SFT and RL steps as one device, leaves FSDP-sharded parameters and a
+  checkpoint; the mesh is built from the config once in the whole run (train/runtime.py), not
+  at every placement nor inside the traced step."""
+  from branch_replay.train import metrics, runtime
   from branch_replay.train import trainer
 
+  built = []
+  make_mesh = sharding.make_mesh
+  monkeypatch.setattr(sharding, "make_mesh", lambda *a, **k: built.append(a) or make_mesh(*a, **k))
+  runtime.mesh_of.cache_clear()
   runs = {}
   for mesh in ("", "data:2,fsdp:2,tensor:2"):
     workdir = str(tmp_path / (mesh.replace(":", "").replace(",", "_") or "one"))
@@ -250,6 +256,7 @@ def test_trainer_on_a_mesh_matches_one_device(tmp_path):
     runs[mesh] = summary, [r for r in metrics.read(summary["metrics"]) if r["kind"] == "train"]
   (_, one_records), (sharded, sharded_records) = runs[""], runs["data:2,fsdp:2,tensor:2"]
   assert [r["step"] for r in sharded_records] == [r["step"] for r in one_records] == [0, 1]
+  assert built == [("data:2,fsdp:2,tensor:2",)]
   # step 0: the same SFT batch; step 1: the same sampled rollouts (threefry bits do not depend
   # on the sharding), rewards equal, the RL step's loss and gradient norm as one device's
   assert sharded_records[1]["reward/mean"] == one_records[1]["reward/mean"]

@@ -56,9 +56,9 @@ def test_load_split_sample_and_warm_up(tmp_path):
     Config(model=tfm.preset("tiny")),
     ["task.name=jsonl", f"task.path={path}", "train.sft_batch_size=3"],
   )
-  batch = rollout.sft_batch(task, np.random.default_rng(1), cfg)
+  batch = rollout.sft_batch(task, np.random.default_rng(1), cfg, TOKENIZER)
   assert batch.leaves.tokens_BRT.shape == (3, 1, 4) and batch.root_BP.shape == (3, 64)
-  first = rollout.sft_batch(task, np.random.default_rng(1), cfg)
+  first = rollout.sft_batch(task, np.random.default_rng(1), cfg, TOKENIZER)
   np.testing.assert_array_equal(first.root_BP, batch.root_BP)
   # A second file as the eval split.
   ev = write(tmp_path / "e.jsonl", reverse_lines(3))

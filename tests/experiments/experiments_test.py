@@ -191,7 +191,7 @@ def test_q3_one_real_trial_in_a_subprocess():
   assert compiled["seconds"] is None and compiled["compiled_mb"] > res["compiled_mb"] * 0.5
 
 
-@pytest.mark.slow  # 80 s; rl_test checks the critic through replay
+@pytest.mark.slow  # 80 s; core/critic_test checks the critic through replay
 def test_q5_critic_step_through_replay_matches_naive():
   (row,) = q5_objectives.measure(
     "value",

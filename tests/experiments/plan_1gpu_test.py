@@ -37,12 +37,13 @@ def test_the_plan_compiles_the_trainers_state_and_step():
   KL reference copy are 16 B/param; the recipe's SmolLM2-135M base at rank 16 in bf16 2.26."""
   from branch_replay.config import Config
   from branch_replay.train import state as train_state
-  from branch_replay.train import steps
+  from branch_replay.train import runtime
+  from branch_replay.data.tokenizer import TOKENIZER
   from models import gguf, hf
 
   cfg = plan_1gpu.train_config(plan_1gpu.model_config("llama3_8b"), 16, 1, 16)
   assert cfg.loss.kl_coef > 0 and cfg.lora.rank == 16 and cfg.model.param_dtype == "bfloat16"
-  assert plan_1gpu.trainer_step(cfg) is steps.compiled(steps.compile_key(cfg), 2).rl_step
+  assert plan_1gpu.trainer_step(cfg) is runtime.Runtime(cfg, TOKENIZER).fns(2).rl_step
   state, batch = plan_1gpu.abstract_args(cfg, 1, 1024, 16, 8)
   assert batch.leaves.ref_logp_BRT.shape == batch.leaves.old_logp_BRT.shape == (1, 16, 8)
   assert {x.dtype.name for x in jax.tree.leaves(state.base)} == {"bfloat16"}

@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 
 from branch_replay.data import tasks
-from branch_replay.train import steps
+from branch_replay.train import runtime
 from branch_replay.train import metrics, trainer
 from branch_replay.train import state as train_state
 from branch_replay.data import tokenizer as tokenizer_lib
 from branch_replay.config import Config, apply_overrides
+from branch_replay.data.tokenizer import TOKENIZER
 from models import hf
 from models import transformer as tfm
 from helpers import make_hf_folder as make_folder
@@ -171,13 +172,14 @@ def test_generation_config_eos_ids_stop_the_sampler(tmp_path):
 def test_trainer_samples_with_every_stop_id():
   """train.run hands the tokenizer's stop ids to both samplers (sampling and greedy eval)."""
   cfg = Config(model=tfm.preset("tiny", vocab_size=96))
-  fns = steps.compiled(steps.compile_key(cfg), (2, 5))
+  rt = runtime.Runtime(cfg, TOKENIZER)
+  fns = rt.fns((2, 5))
   for fn in (fns.sample, fns.greedy):
     partial = fn.__wrapped__
     while "stop_tokens" not in partial.keywords:
       partial = partial.func
     assert partial.keywords["stop_tokens"] == (2, 5)
-  partial = steps.compiled(steps.compile_key(cfg), 2).greedy.__wrapped__
+  partial = rt.fns(2).greedy.__wrapped__
   assert partial.keywords["stop_tokens"] == (2,)
 
 

@@ -14,7 +14,7 @@ from absl import app
 
 import run
 from branch_replay.core import losses, sampler, sharding
-from branch_replay.train import steps, trainer
+from branch_replay.train import runtime, steps, trainer
 from branch_replay.data import tasks
 from branch_replay import rollout
 from branch_replay.train import state as train_state
@@ -149,7 +149,8 @@ def test_lora_samples_merged_weights_and_scores_kl_against_the_base():
   assert state.ref_params is None
   state = state.replace(params=_randomized(state.params, scale=0.5))
   merged = lora_lib.merge(state.base, state.params, cfg.lora)
-  fns = steps.compiled(steps.compile_key(cfg), TOKENIZER.eos_id)
+  rt = runtime.Runtime(cfg, TOKENIZER)
+  fns = rt.fns(TOKENIZER.eos_id)
   sampled_with = []
   sample = fns.sample
 
@@ -159,7 +160,7 @@ def test_lora_samples_merged_weights_and_scores_kl_against_the_base():
 
   fns = fns._replace(sample=spy)
   task = tasks.make(cfg.task, TOKENIZER)
-  batch, _, _ = rollout.rl_batch(fns, state, task, cfg, 0)
+  batch, _, _ = rollout.rl_batch(fns, state, task, rt, 0)
   jax.tree.map(
     lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), sampled_with[0], merged
   )

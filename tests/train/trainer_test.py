@@ -14,10 +14,9 @@ import pytest
 from branch_replay import algorithms, rollout
 from branch_replay.data import dpo, tasks, tree_task
 from branch_replay.core import engine
-from branch_replay.train import metrics, steps
+from branch_replay.train import metrics, runtime, steps
 from branch_replay.train import trainer
 from branch_replay.train import state as train_state
-from branch_replay.config import Config, apply_overrides
 from branch_replay.data.tokenizer import TOKENIZER, CharTokenizer
 from helpers import CountingAlgorithm, loop_config, short_tree_run
 
@@ -39,7 +38,7 @@ def test_tree_step_scores_at_the_sampler_temperature(monkeypatch):
 
   monkeypatch.setattr(engine, "loss_and_grad", spy)
   task = tasks.make(cfg.task)
-  batch = rollout.sft_batch(task, np.random.default_rng(0), cfg)
+  batch = rollout.sft_batch(task, np.random.default_rng(0), cfg, TOKENIZER)
   state = jax.eval_shape(lambda: train_state.init_state(cfg))
   with pytest.raises(_Stop):
     jax.eval_shape(steps.make_train_step(cfg, "rl"), state, batch)
@@ -182,7 +181,9 @@ def test_tree_rollout_encodes_prompt_ids(monkeypatch):
 
   state = types.SimpleNamespace(params=None, base=None, rng=jax.random.key_data(jax.random.key(0)))
   with pytest.raises(_Stop):
-    rollout.rl_batch(types.SimpleNamespace(sample=sample), state, task, cfg, 0)
+    rollout.rl_batch(
+      types.SimpleNamespace(sample=sample), state, task, runtime.Runtime(cfg, TOKENIZER), 0
+    )
   P = task.max_prompt_len
   np.testing.assert_array_equal(np.asarray(seen["prompt_BP"])[:, P - len(ids) :], [ids, ids])
   assert np.asarray(seen["valid_BP"]).sum(1).tolist() == [len(ids)] * 2
@@ -342,41 +343,3 @@ def test_sft_algorithm_is_the_warmup_as_a_run(tmp_path, tree_run):
   )
   for a, b in zip(jax.tree.leaves(sft["final_params"]), jax.tree.leaves(warm["final_params"])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def test_overrides_across_sections_apply_in_any_order():
-  import itertools
-
-  items = ["loss.name=dpo", "algo.name=dpo", "train.n_branches=2", "algo.pairs_file="]
-  made = {apply_overrides(Config(), list(p)) for p in itertools.permutations(items)}
-  assert len(made) == 1 and next(iter(made)).algo.name == "dpo"
-  cfg = apply_overrides(Config(), ["algo.ppo_epochs=3", "algo.name=ppo", "algo.minibatches=2"])
-  assert (cfg.algo.name, cfg.algo.ppo_epochs, cfg.algo.minibatches, cfg.algo.advantage) == (
-    "ppo",
-    3,
-    2,
-    "gae",
-  ) and cfg.uses_critic
-
-
-def test_configs_saved_before_the_algo_section_migrate():
-  """A config.json from before the section (train.advantage, train.ppo_epochs, dpo.pairs_file)
-  loads as today's config and resumes against it; another algorithm is named field by field."""
-  from branch_replay import config as config_lib
-
-  now = apply_overrides(Config(), ["algo.name=ppo", "algo.ppo_epochs=2", "loss.name=ppo"])
-  saved = config_lib.to_dict(now)
-  algo = saved.pop("algo")
-  saved["train"] = {
-    **saved["train"],
-    "advantage": "gae",
-    "advantage_std": True,
-    **{k: v for k, v in algo.items() if k != "name"},
-  }
-  saved["dpo"] = {"pairs_file": ""}
-  assert config_lib.from_dict(saved) == now
-  assert config_lib.incompatible(saved, now) == []
-  diffs = config_lib.incompatible(saved, apply_overrides(Config(), ["loss.name=ppo"]))
-  assert (
-    "algo.name: saved 'ppo', now 'grpo'" in diffs and "algo.ppo_epochs: saved 2, now 1" in diffs
-  )

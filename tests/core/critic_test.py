@@ -1,6 +1,6 @@
-"""RL algorithms: the critic through branch replay (== naive), GAE and the value loss against
-numpy loops, RLOO / DAPO / overlong shaping, temperature-consistent ratios, the trainer with
-PPO epochs, minibatches, a critic and dynamic sampling, and their bad-input errors."""
+"""core/critic.py: GAE and the value loss against numpy loops, the pooled explained variance,
+the critic (separate or sharing the policy's body) through branch replay equal to the naive
+twin and to numpy in float64, on a mesh equal to one device, causal values, bad input."""
 
 import dataclasses
 import functools
@@ -11,19 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from branch_replay.core import advantages, critic, engine, losses, sampler
-from branch_replay.train import checkpoint, metrics
-from branch_replay import rollout
-from branch_replay.train import trainer
-from branch_replay.algorithms import ppo
-from branch_replay.train import state as train_state
-from branch_replay.config import Config, apply_overrides
+from branch_replay.core import critic
 from models import transformer as tfm
-from helpers import assert_equal_f64, make_batch, max_rel_err, tiny_model, tiny_run
+from helpers import assert_equal_f64, make_batch, max_rel_err, tiny_model
 from helpers import slow_where
-
-
-# ----------------------------------------------------------------------------- GAE, value loss
 
 
 def gae_loop(rewards_BR, values_BRX, valid_BRX, gamma, lam):
@@ -128,9 +119,6 @@ def test_pooled_explained_variance_is_that_of_the_pooled_tokens():
   )
   assert critic.pooled_explained_variance(records(lambda r: r)) == 1.0
   assert math.isnan(critic.pooled_explained_variance([{"kind": "train"}]))
-
-
-# ----------------------------------------------------------------------------- critic replay
 
 
 def critic_batch(seed, B, R, P, T, W, dtype=jnp.float64):
@@ -322,75 +310,6 @@ def test_shared_critic_params_and_body_must_agree():
   assert set(critic.init_params(cfg, jax.random.key(0), share=True)) == {"head"}
 
 
-# ----------------------------------------------------------------------------- estimators
-
-
-def test_rloo_equals_leave_one_out():
-  rng = np.random.default_rng(2)
-  r = rng.normal(size=(3, 5))
-  expected = np.asarray(
-    [[r[b, i] - np.mean(np.delete(r[b], i)) for i in range(5)] for b in range(3)]
-  )
-  np.testing.assert_allclose(advantages.compute("rloo", r, Config().train), expected, rtol=1e-6)
-  dr = advantages.compute("dr_grpo", r, Config().train)
-  np.testing.assert_allclose(dr, r - r.mean(1, keepdims=True), rtol=1e-6)
-  g = advantages.compute("grpo", r, Config().train)
-  np.testing.assert_allclose(
-    g, (r - r.mean(1, keepdims=True)) / (r.std(1, keepdims=True) + 1e-6), rtol=1e-5
-  )
-
-
-def test_dynamic_sampling_drops_and_refills():
-  draws = [np.asarray([[1, 1], [0, 1], [0, 0]], float), np.asarray([[1, 0], [1, 1], [0, 1]], float)]
-
-  def draw(i):
-    return {"id": np.arange(3) + 10 * i}, draws[i]
-
-  rows, rewards, stats = rollout.dynamic_sample(draw, 3, max_rounds=2)
-  np.testing.assert_array_equal(rows["id"], [1, 10, 12])  # informative groups, in order
-  assert stats == {"dapo/rounds": 2, "dapo/kept_frac": 1.0}
-  rows, rewards, stats = rollout.dynamic_sample(draw, 3, max_rounds=1)  # the cap: top up
-  np.testing.assert_array_equal(rows["id"], [1, 0, 2])
-  assert stats["dapo/kept_frac"] == pytest.approx(1 / 3)
-  np.testing.assert_array_equal(rollout.informative(rewards), [True, False, False])
-
-
-def test_overlong_penalty():
-  got = rollout.overlong_penalty(np.asarray([[2, 6, 7, 8, 9]]), max_len=8, buffer=4, penalty=0.5)
-  np.testing.assert_allclose(got, [[0.0, -0.25, -0.375, -0.5, -0.5]])
-  assert not rollout.overlong_penalty(np.asarray([[8]]), 8, 0).any()
-
-
-# ----------------------------------------------------------------------------- temperature
-
-
-def test_temperature_first_epoch_ratio_is_one():
-  """Sampled at temperature 0.7, trained at the sampler's temperature: the first update's
-  ratio is 1 to float rounding (and far from it if trained at temperature 1)."""
-  cfg = tfm.preset("tiny")
-  params = tfm.init_params(cfg, jax.random.key(3))
-  rng = np.random.default_rng(0)
-  prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 7)), jnp.int32)
-  valid = jnp.ones((2, 7), bool)
-  scfg = sampler.SamplerConfig(max_new_tokens=5, temperature=0.7, trunk_len=2)
-  s = jax.jit(functools.partial(sampler.sample, model_cfg=cfg, cfg=scfg, n_branches=4))(
-    params, prompt_BP=prompt, prompt_valid_BP=valid, key=jax.random.key(4)
-  )
-  batch = sampler.to_batch(prompt, valid, s, jnp.ones((2, 4)))
-  for temperature, close in ((0.7, True), (1.0, False)):
-    lc = losses.LossConfig(name="ppo", temperature=temperature)
-    _, aux, _ = jax.jit(lambda p, b: engine.loss_and_grad(p, b, cfg, lc))(params, batch)
-    ratio_max = float(aux["ratio_max"].max())
-    approx_kl = float(aux["approx_kl_sum"].sum())
-    if close:
-      assert abs(ratio_max - 1) < 1e-5 and approx_kl < 1e-9 and int(aux["clip_sum"].sum()) == 0
-    else:
-      assert abs(ratio_max - 1) > 1e-2
-
-
-# ----------------------------------------------------------------------------- the trainer
-
-
 def test_critic_value_of_a_token_reads_only_the_tokens_before_it():
   """Token x's value is V(state before x): changing tail token t leaves the values of
   tokens <= t (and every trunk token) as they were and changes the later ones."""
@@ -410,246 +329,6 @@ def test_critic_value_of_a_token_reads_only_the_tokens_before_it():
     np.testing.assert_array_equal(
       np.delete(v2.reshape(4, -1), 2, 0), np.delete(v.reshape(4, -1), 2, 0)
     )  # other branches
-
-
-def test_critic_step_fits_a_fixed_batch():
-  """The trainer's critic step (optimizer, clip, replay) learns: on one fixed batch whose
-  returns are a function of the token before each scored token (1 if it is even), the
-  value loss falls and the explained variance rises above 0.9 within 40 steps."""
-  cfg = apply_overrides(
-    Config(model=tfm.preset("tiny")),
-    ["algo.name=ppo", "loss.name=ppo", "critic.learning_rate=3e-3"],
-  )
-  params = tfm.init_params(cfg.model, jax.random.key(0))
-  state = train_state.TrainState(params, None, jnp.zeros((), jnp.int32), None, None, None)
-  cparams = critic.init_params(cfg.model, jax.random.key(1), params)
-  state = state.replace(
-    critic=dict(params=cparams, opt_state=train_state.make_critic_optimizer(cfg).init(cparams))
-  )
-  batch = make_batch(5, B=2, R=4, P=6, T=3, W=1, ragged=True, pad_prefix=False)
-  seq = np.concatenate(
-    [
-      np.broadcast_to(np.asarray(batch.root_BP)[:, None], (2, 4, 6)),
-      np.asarray(batch.leaves.tokens_BRT),
-    ],
-    -1,
-  )
-  mask = critic.scored_mask(batch)
-  returns = np.where(mask, (seq[..., 6 - 1 - 1 : -1] % 2 == 0).astype(np.float32), 0.0)
-  step = jax.jit(ppo.make_critic_step(cfg))
-  values = jax.jit(lambda p, b: critic.values(p, cfg.model, b))
-  ev, losses_ = [], []
-  for _ in range(40):
-    old = np.asarray(values(state.critic["params"], batch))
-    ev.append(1 - np.mean((old - returns)[mask] ** 2) / returns[mask].var())
-    state, out = step(
-      state, critic.CriticBatch(batch, jnp.asarray(returns), jnp.asarray(old, jnp.float32))
-    )
-    losses_.append(float(out["loss/value"]))
-  assert ev[0] < 0 and ev[-1] > 0.9, (ev[0], ev[-1])
-  assert losses_[-1] < 0.1 * losses_[0], (losses_[0], losses_[-1])
-
-
-def tiny(*overrides):
-  return tiny_run(
-    "train.sft_steps=0",
-    "train.rl_steps=2",
-    "train.batch_size=4",
-    "train.n_branches=4",
-    "sampler.max_new_tokens=2",
-    "train.checkpoint_every=5",
-    *overrides,
-  )
-
-
-def test_ppo_with_critic_epochs_and_minibatches_runs(tmp_path):
-  cfg = tiny(
-    "loss.name=ppo",
-    "algo.name=ppo",
-    "algo.ppo_epochs=2",
-    "algo.minibatches=2",
-    "sampler.trunk_len=1",
-    "sampler.temperature=0.8",
-  )
-  s = trainer.run(cfg, str(tmp_path / "ppo"))
-  recs = [r for r in metrics.read(s["metrics"]) if r.get("kind") == "train"]
-  assert len(recs) == 2
-  for r in recs:
-    for k in ("loss/value", "clip_frac", "approx_kl", "ratio/max", "value/mean"):
-      assert np.isfinite(r[k]), (k, r)
-    assert "value/explained_variance" in r  # NaN (null) while every return is 0
-    assert r["ratio/max"] > 1.0  # epochs after the first move the ratio
-    assert r["value/tokens"] == 4 * 4 * 1 + int(r["replay/tail_tokens"]) // 2  # trunk + tails
-  # the summary pools the critic's explained variance over its first/last windows
-  assert "value_ev_before" in s and "value_ev_after" in s
-  assert "value/explained_variance (pooled" in ppo.PPO.format_summary(s)
-  # resume restores the critic (same run continued equals nothing broken)
-  s2 = trainer.run(apply_overrides(cfg, ["train.rl_steps=3"]), str(tmp_path / "ppo"))
-  assert s2["steps"] == 3
-
-
-# the shared critic on a mesh under -m slow (150 s; [false] kept, and
-# test_critic_on_a_mesh_equals_one_device_float64[True] checks the shared critic's mesh step)
-@pytest.mark.parametrize("share", slow_where(["false", "true"], {"true"}))
-def test_ppo_on_a_mesh_takes_one_devices_steps(tmp_path, share):
-  """PPO (GAE from the critic, epochs x minibatches, a trunk) on data:2,context:4: the same
-  rewards, value loss, policy loss and explained variance as one device, step by step (the
-  sampler draws the same tokens: threefry bits do not depend on the sharding)."""
-  runs = {}
-  for mesh in ("", "data:2,context:4"):
-    cfg = tiny(
-      "loss.name=ppo",
-      "algo.name=ppo",
-      f"critic.share={share}",
-      "algo.ppo_epochs=2",
-      "algo.minibatches=2",
-      "sampler.trunk_len=1",
-      "sampler.temperature=0.8",
-      "task.prompt_len=19",  # P = 19 + 1 (the trunk)
-      "algo.overlong_buffer=1",
-      f"mesh={mesh}",
-    )  # shaped rewards vary: returns != 0
-    s = trainer.run(cfg, str(tmp_path / (mesh.replace(":", "").replace(",", "_") or "one")))
-    runs[mesh] = s, [r for r in metrics.read(s["metrics"]) if r.get("kind") == "train"]
-  (_, one_recs), (_, sharded_recs) = runs[""], runs["data:2,context:4"]
-  assert len(one_recs) == len(sharded_recs) == 2
-  for a, b in zip(sharded_recs, one_recs):
-    assert a["reward/mean"] == b["reward/mean"] and a["value/tokens"] == b["value/tokens"]
-    for k in (
-      "loss/value",
-      "loss/policy",
-      "value/mean",
-      "value/sq_err",
-      "grad/norm",
-      "value/grad_norm",
-    ):
-      np.testing.assert_allclose(a[k], b[k], rtol=2e-4, atol=1e-6, err_msg=k)
-  assert one_recs[0]["loss/value"] > 0 and one_recs[1]["value/mean"] != 0  # the critic learns
-
-
-@pytest.mark.slow  # the shared critic's exactness tests run by default; this trains
-def test_ppo_with_shared_critic_runs_and_checkpoints(tmp_path):
-  """critic.share=true: the critic is a value head on the policy ({'head'} alone in the
-  state and checkpoint, which restores into a fresh state's tree), trained alongside the
-  policy; the overlong penalty makes the returns non-zero so the head must move."""
-  cfg = tiny(
-    "loss.name=ppo",
-    "algo.name=ppo",
-    "critic.share=true",
-    "algo.ppo_epochs=2",
-    "algo.minibatches=2",
-    "sampler.trunk_len=1",
-    "algo.overlong_buffer=1",
-    "train.checkpoint_every=1",
-  )
-  workdir = str(tmp_path / "shared")
-  s = trainer.run(cfg, workdir)
-  recs = [r for r in metrics.read(s["metrics"]) if r.get("kind") == "train"]
-  assert len(recs) == 2
-  for r in recs:
-    for k in (
-      "loss/value",
-      "value/mean",
-      "value/clip_frac",
-      "value/grad_norm",
-      "value/sq_err",
-      "value/explained_variance",
-    ):
-      assert r[k] is not None and np.isfinite(r[k]), (k, r)
-  assert recs[0]["value/mean"] == 0.0 and recs[0]["loss/value"] > 0  # the zero head, then
-  assert recs[1]["value/mean"] != 0.0  # the head has moved
-  fresh = train_state.init_state(cfg)
-  assert set(fresh.critic["params"]) == {"head"}
-  ckpt = checkpoint.Checkpointer(workdir, cfg)
-  restored = ckpt.restore(2, train_state.state_dict(fresh))
-  ckpt.close()
-  assert set(restored["critic"]["params"]) == {"head"}
-  assert float(jnp.abs(restored["critic"]["params"]["head"]["w_D"]).max()) > 0
-  jax.tree.map(
-    lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
-    restored["params"],
-    s["final_params"],
-  )
-
-
-def test_grpo_family_runs_rloo_gspo_dapo(tmp_path, monkeypatch):
-  """The trainer takes each option to where it acts: the shaped rewards of the kept groups
-  to the rloo estimator (whose advantages are leave-one-out), the gspo objective's sequence
-  function into the compiled step, DAPO's rounds and kept fraction into the metrics."""
-  seen, traced = [], []
-  rloo = advantages.ESTIMATORS["rloo"]
-  monkeypatch.setitem(
-    advantages.ESTIMATORS,
-    "rloo",
-    lambda r_BR, t: seen.append((np.array(r_BR), rloo(r_BR, t))) or seen[-1][1],
-  )
-  gspo = losses.OBJECTIVES["gspo"]
-  monkeypatch.setitem(
-    losses.OBJECTIVES,
-    "gspo",
-    dataclasses.replace(gspo, sequence_fn=lambda *a: traced.append(1) or gspo.sequence_fn(*a)),
-  )
-  cfg = tiny(
-    "loss.name=gspo",
-    "loss.aggregation=seq_mean",
-    "algo.advantage=rloo",
-    "algo.dynamic_sampling=true",
-    "algo.max_sample_rounds=2",
-    "algo.overlong_buffer=1",
-    "train.checkpoint_every=1",
-  )
-  s = trainer.run(cfg, str(tmp_path / "g"))
-  recs = [r for r in metrics.read(s["metrics"]) if r.get("kind") == "train"]
-  assert len(recs) == len(seen) == 2 and traced  # one estimate per step; gspo compiled
-  for r, (rewards_BR, adv_BR) in zip(recs, seen):
-    R = rewards_BR.shape[1]
-    np.testing.assert_allclose(
-      adv_BR, (rewards_BR * R - rewards_BR.sum(1, keepdims=True)) / (R - 1), rtol=1e-6
-    )
-    assert r["reward/shaped_mean"] == pytest.approx(rewards_BR.mean(), abs=1e-6)
-    assert r["reward/shaped_mean"] <= r["reward/mean"] + 1e-6  # the overlong penalty is >= 0
-    assert 1 <= r["dapo/rounds"] <= 2
-    informative = int((rewards_BR.std(1) > 0).sum())  # kept groups come first
-    assert r["dapo/kept_frac"] == pytest.approx(min(informative, 4) / 4)
-    if r["dapo/rounds"] == 1:  # stopped early: every group of the batch was informative
-      assert informative == 4
-
-
-@pytest.mark.parametrize(
-  "overrides, match",
-  [
-    (["algo.advantage=nope"], r"algo.advantage='nope'.*\['dr_grpo', 'gae', 'grpo', 'rloo'\]"),
-    (["algo.advantage=gae"], r"algo.advantage='gae': per-token advantages come from PPO's critic"),
-    (["train.advantage=rloo"], r"'train.advantage': moved to 'algo.advantage'"),
-    (
-      ["algo.pairs_file=x.jsonl"],
-      r"unknown field 'pairs_file' of algo \(an option of algo.name='dpo'\)",
-    ),
-    (
-      ["loss.name=dpo", "train.n_branches=2"],
-      r"loss.name='dpo' with algo.name='grpo': expected algo.name='dpo'",
-    ),
-    (
-      ["critic.lam=0.5"],
-      r"critic.lam=0.5 with algo.name='grpo': the critic is the value model of \['ppo'\]",
-    ),
-    (["algo.name=sft"], r"algo.name='sft' with train.sft_steps=0, train.rl_steps=\d+: SFT trains"),
-    (["loss.name=nope"], r"loss.name='nope'.*expected one of"),
-    (["algo.ppo_epochs=0"], r"algo.ppo_epochs=0: expected an int >= 1"),
-    (["algo.minibatches=3"], r"algo.minibatches=3: expected a divisor of train.batch_size=4"),
-    (
-      ["algo.name=dpo", "loss.name=dpo"],
-      r"train.n_branches=4: DPO trains on \(chosen, rejected\) pairs",
-    ),
-    (["sampler.top_k=5"], r"sampler.top_k=5.*RL trains against"),
-    (["sampler.top_p=0.9"], r"top_p=0.9.*expected top_k=0 and top_p=1"),
-    (["sampler.temperature=0"], r"sampler.temperature=0: RL needs sampled"),
-    (["critic.share=maybe"], r"critic.share='maybe': expected true or false"),
-  ],
-)
-def test_bad_rl_config_names_the_field(overrides, match):
-  with pytest.raises(ValueError, match=match):
-    tiny(*overrides)
 
 
 def test_critic_share_must_be_a_bool():
