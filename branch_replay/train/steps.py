@@ -123,9 +123,13 @@ def compile_key(cfg: Config) -> Config:
     tensorboard=False,
   )
   replay = dataclasses.replace(cfg.replay, auto_tree=False)  # trees dispatch at trace time
-  return dataclasses.replace(
-    cfg, train=train, replay=replay, task=cfg.task if cfg.tree.fanouts else TaskConfig()
-  )
+  key = dataclasses.replace(cfg, train=train, replay=replay)
+  if cfg.tree.fanouts:
+    return key
+  try:  # a flat run's task shapes nothing compiled: runs of other tasks share the functions
+    return dataclasses.replace(key, task=TaskConfig())
+  except ValueError:  # an algorithm that refuses another task (a rollouts file's): keep it
+    return key
 
 
 def build_fns(cfg: Config, stop_tokens, turn_lengths: tuple = (), mesh=None) -> Fns:

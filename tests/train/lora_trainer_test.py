@@ -218,12 +218,12 @@ def test_lora_step_shapes_on_trees_and_a_mesh(fanouts, mesh):
     else ["train.n_branches=4"]
   )
   cfg = lora_cfg(f"mesh={mesh}", *extra)
-  state = jax.eval_shape(lambda: train_state.init_state(cfg))
+  rt = runtime.Runtime(cfg, TOKENIZER)
+  state = jax.eval_shape(rt.init_state)
   if mesh:
-    shardings = train_state.shardings(state, "state", cfg)
-    mesh_ = sharding.make_mesh(cfg.mesh)
-    assert shardings.base == sharding.param_shardings(mesh_, cfg.model)
-    assert all(s == sharding.replicated(mesh_) for s in jax.tree.leaves(shardings.params))
+    shardings = rt.shardings(state, "state")
+    assert shardings.base == sharding.param_shardings(rt.mesh, cfg.model)
+    assert all(s == sharding.replicated(rt.mesh) for s in jax.tree.leaves(shardings.params))
   if fanouts:
     from helpers import make_tree
 
@@ -231,7 +231,7 @@ def test_lora_step_shapes_on_trees_and_a_mesh(fanouts, mesh):
   else:
     batch = make_batch(4, B=2, R=4, P=8, T=4, vocab=cfg.model.vocab_size)
   new_state, out = jax.eval_shape(
-    steps.make_train_step(cfg, "rl", losses.LossConfig("pg")), state, batch
+    steps.make_train_step(cfg, "rl", losses.LossConfig("pg"), rt.mesh), state, batch
   )
   same = lambda a, b: jax.tree.map(lambda x, y: (x.shape, x.dtype) == (y.shape, y.dtype), a, b)
   assert all(jax.tree.leaves(same(new_state.params, state.params)))
