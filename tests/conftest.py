@@ -72,6 +72,30 @@ if os.environ.get("BRANCH_REPLAY_REQUIRE_TEST_PACKAGES") == "1":
   pytest.importorskip = _require
 
 
+# A long-lived xdist worker compiles thousands of small programs; each XLA CPU executable holds
+# memory mappings, and a worker past the kernel's vm.max_map_count (65530 by default) crashes
+# inside the next compile (seen once in CI: a segfault in backend_compile after ~30 min in one
+# worker, its map count unread; a worker 10 min in held 13,200 maps). After each test module,
+# a worker past MAX_MAPS drops JAX's in-memory executables (jax.clear_caches); .ci/run also
+# raises the limit where the machine lets it.
+MAX_MAPS = int(os.environ.get("BRANCH_REPLAY_TEST_MAX_MAPS", "30000"))
+
+
+def _maps() -> int:
+  try:
+    with open("/proc/self/maps") as f:
+      return sum(1 for _ in f)
+  except OSError:  # not Linux
+    return 0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _bounded_maps():
+  yield
+  if _maps() > MAX_MAPS:
+    jax.clear_caches()
+
+
 @pytest.fixture
 def x64():
   """float64 inside the test (`jax.enable_x64(True)` around it)."""
