@@ -22,7 +22,6 @@ import optax
 from branch_replay.core import engine, losses, sampler
 from branch_replay.config import Config
 from branch_replay.train.state import TrainState, check_mesh, make_optimizer
-from branch_replay.data.tasks import TaskConfig
 from models import lora as lora_lib
 
 SFT_LOSS = losses.LossConfig(name="pg", aggregation="token_mean")  # -mean log p(answer)
@@ -109,8 +108,9 @@ class Fns(NamedTuple):
 
 
 def compile_key(cfg: Config) -> Config:
-  """The config with the fields that cannot change a compiled function reset (a tree run keeps
-  its task: the turn lengths shape its sampler)."""
+  """The config with the train loop's fields that cannot change a compiled function reset. The
+  task stays: it is valid only with its algorithm (a rollouts file's run refuses another task),
+  and its prompt lengths shape the compiled programs anyway."""
   train = dataclasses.replace(
     cfg.train,
     seed=0,
@@ -123,13 +123,7 @@ def compile_key(cfg: Config) -> Config:
     tensorboard=False,
   )
   replay = dataclasses.replace(cfg.replay, auto_tree=False)  # trees dispatch at trace time
-  key = dataclasses.replace(cfg, train=train, replay=replay)
-  if cfg.tree.fanouts:
-    return key
-  try:  # a flat run's task shapes nothing compiled: runs of other tasks share the functions
-    return dataclasses.replace(key, task=TaskConfig())
-  except ValueError:  # an algorithm that refuses another task (a rollouts file's): keep it
-    return key
+  return dataclasses.replace(cfg, train=train, replay=replay)
 
 
 def build_fns(cfg: Config, stop_tokens, turn_lengths: tuple = (), mesh=None) -> Fns:
