@@ -71,11 +71,30 @@ MOVED = {
 }
 
 
+# Dr. GRPO had two spellings until 2026-12: algo.advantage=dr_grpo, and algo.advantage_std=false
+# beside advantage=grpo. A saved config's `advantage_std` becomes the one spelling (`migrate`).
+RETIRED = {"algo.advantage_std": "algo.advantage=dr_grpo (centred, not divided by the std)"}
+
+
+def _one_spelling(options: dict) -> dict:
+  """Saved algorithm options without `advantage_std`: false with the GRPO estimator is Dr. GRPO
+  (with any other estimator it never had an effect)."""
+  if "advantage_std" not in options:
+    return options
+  options = dict(options)
+  if options.pop("advantage_std") is False and options.get("advantage", "grpo") == "grpo":
+    options["advantage"] = "dr_grpo"
+  return options
+
+
 def migrate(saved: dict) -> dict:
-  """A config dict saved before the `algo` section, in today's layout: the algorithm named
-  as the old fields implied it (a rollouts file, preference pairs, GAE's critic, else GRPO),
-  the moved options under `algo` (those the algorithm has)."""
+  """A config dict saved before today's layout, in today's: before the `algo` section, the
+  algorithm named as the old fields implied it (a rollouts file, preference pairs, GAE's
+  critic, else GRPO), the moved options under `algo` (those the algorithm has); Dr. GRPO in
+  its one spelling (`RETIRED`)."""
   if "algo" in saved:
+    if isinstance(saved["algo"], dict) and "advantage_std" in saved["algo"]:
+      saved = {**saved, "algo": _one_spelling(saved["algo"])}
     return saved
   saved = {k: dict(v) if isinstance(v, dict) else v for k, v in saved.items()}
   old = {}
@@ -83,6 +102,7 @@ def migrate(saved: dict) -> dict:
     section, field = path.split(".")
     if field in saved.get(section, {}):
       old[field] = saved[section].pop(field)
+  old = _one_spelling(old)
   saved.pop("dpo", None)
   if saved.get("task", {}).get("name") == "rollouts":
     name = "rollouts"
@@ -404,6 +424,9 @@ def apply_overrides(cfg: Config, overrides: Sequence[str]) -> Config:
     if "=" not in item:
       raise ValueError(f"--set {item!r}: expected section.field=value")
     path, text = item.split("=", 1)
+    retired = RETIRED.get(path.strip()) or RETIRED.get(MOVED.get(path.strip()))
+    if retired:
+      raise ValueError(f"--set {path.strip()!r}: retired; one spelling now: {retired}")
     if path.strip() in MOVED:
       hint = " (train.advantage=gae is algo.name=ppo)" if path.strip() == "train.advantage" else ""
       raise ValueError(

@@ -1,14 +1,14 @@
-"""Where an algorithm's batches come from, flat (fan-outs (R,), the depth-1 tree) or trees of the
-task's turns (`tree.fanouts`): sampled, rewarded, shaped and refilled (DAPO), with group
-advantages and reference log-probs (`sampled`); supervised (`sft_batch`), preference pairs
-(`Pairs`), greedy evaluations (`greedy_rewards`); or a rollouts file's lines (`from_file`).
-This module decides flat or tree; an algorithm never reads `cfg.tree`."""
+"""Sampled batches: where GRPO's and PPO's batches come from, flat (fan-outs (R,), the depth-1
+tree) or trees of the task's turns (`tree.fanouts`): B prompts sampled, rewarded, shaped and
+refilled (DAPO), with group advantages and reference log-probs (`sampled`), optionally laid
+out as their trie (`auto_tree`). The other sources live beside their data: supervised warm-up
+batches in data/supervised.py, DPO's pairs in data/dpo.py, a rollouts file's lines and their
+behaviour log-probs in data/rollouts.py; the greedy evaluation is train/evaluate.py. This module
+decides flat or tree; an algorithm never reads `cfg.tree`."""
 
 from __future__ import annotations
 
 import functools
-import json
-import os
 import time
 from typing import Callable
 
@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from branch_replay.config import Config
-from branch_replay.core import advantages, sampler, sharding, tree, trie
-from branch_replay.data import dpo, rollouts, tasks
-from branch_replay.train import phases, steps
+from branch_replay.core import advantages, sampler, tree, trie
+from branch_replay.data import tasks
+from branch_replay.train import steps
 from branch_replay.train.runtime import Runtime
 from branch_replay.train.state import TrainState, reference, sample_examples, weights
 
@@ -111,27 +111,31 @@ def _concat(xs):
   return jnp.concatenate(xs) if isinstance(xs[0], jax.Array) else np.concatenate(xs)
 
 
-def path_overlong(samples, turn_lengths, buffer: int, penalty: float) -> np.ndarray | float:
-  """DAPO's overlong shaping of every leaf [B, leaves] by its path's length: the valid
-  tokens of its ancestors' turns and its own, against the turns' total budget."""
-  if not buffer:
-    return 0.0
-  valid = [np.asarray(v) for v in samples.valid]
+def path_lengths(samples) -> tuple[np.ndarray, int]:
+  """(the tokens on every leaf's path below the prompt [B, leaves], their budget): a tree's
+  valid tokens of its ancestors' turns and its own, against the turns' lengths summed; a flat
+  group's trunk (decoded whole, stop tokens do not end it) and branch, against
+  trunk_len + max_new_tokens."""
+  if isinstance(samples, sampler.TreeSamples):
+    valid = [np.asarray(v) for v in samples.valid]
+  else:  # the trunk as a level of one node above the R branches
+    trunk_BW = np.asarray(samples.trunk_BW)
+    valid = [
+      np.ones((trunk_BW.shape[0], 1, trunk_BW.shape[1]), bool),
+      np.asarray(samples.valid_BRT),
+    ]
   leaves = valid[-1].shape[1]
   lengths_BR = sum(np.repeat(v.sum(-1), leaves // v.shape[1], axis=1) for v in valid)
-  return overlong_penalty(lengths_BR, sum(turn_lengths), buffer, penalty).astype(np.float32)
+  return lengths_BR, sum(v.shape[-1] for v in valid)
 
 
-def _overlong(samples, cfg: Config):
-  """DAPO's overlong shaping of a flat group [B, R] by trunk + branch length."""
-  a = cfg.algo
-  if not a.overlong_buffer:
+def overlong(samples, buffer: int, penalty: float) -> np.ndarray | float:
+  """DAPO's overlong shaping of every leaf [B, leaves] by its path's length (`path_lengths`),
+  flat groups and trees alike; 0.0 when off (buffer 0)."""
+  if not buffer:
     return 0.0
-  W = np.asarray(samples.trunk_BW).shape[1]
-  lengths_BR = np.asarray(samples.valid_BRT).sum(-1) + W
-  return overlong_penalty(
-    lengths_BR, cfg.sampler.max_new_tokens + W, a.overlong_buffer, a.overlong_penalty
-  ).astype(np.float32)
+  lengths_BR, budget = path_lengths(samples)
+  return overlong_penalty(lengths_BR, budget, buffer, penalty).astype(np.float32)
 
 
 # ----------------------------------------------------------------------------- sampled batches
@@ -155,7 +159,7 @@ def rl_batch(fns, state: TrainState, task, rt: Runtime, step: int):
   Flat: R branches per prompt (prefix = prompt + optional trunk, tails = branches);
   `algo.advantage` over each group (GAE: zeros, which PPO replaces from its critic,
   algorithms/ppo.py). Trees (`tree.fanouts`): R_1 first turns, R_2 second turns of each;
-  the leaves rewarded by their paths, tree-aware advantages (`tree.tree_advantages`). Old
+  the leaves rewarded by their paths, tree-aware advantages (`advantages.levels`). Old
   log-probs are the sampler's (temperature-consistent). With `algo.dynamic_sampling` (DAPO)
   groups whose rewards are all equal are replaced by fresh prompts' groups, up to
   `algo.max_sample_rounds` rounds; `algo.overlong_buffer` shapes a reward by the length of
@@ -246,16 +250,14 @@ def _rewards(task, examples, samples, cfg: Config, tok):
   """(the task's raw rewards of every leaf [B, R or leaves], DAPO's overlong shaping (0.0
   when off))."""
   a, leaves = cfg.algo, int(np.prod(shape(cfg).fanouts))
-  if cfg.tree.fanouts:
-    shaping = path_overlong(samples, task.turn_lengths, a.overlong_buffer, a.overlong_penalty)
-  else:
+  if not cfg.tree.fanouts:
     B, R, W = len(examples), cfg.train.n_branches, cfg.sampler.trunk_len
     chex.assert_shape(
       [samples.tokens_BRT, samples.valid_BRT, samples.logp_BRT],
       (B, R, cfg.sampler.max_new_tokens),
     )
     chex.assert_shape([samples.trunk_BW, samples.trunk_logp_BW], (B, W))
-    shaping = _overlong(samples, cfg)
+  shaping = overlong(samples, a.overlong_buffer, a.overlong_penalty)
   raw_BR = task.leaf_rewards(examples, samples, tok)
   if np.shape(raw_BR) != (len(examples), leaves):
     raise ValueError(
@@ -266,13 +268,20 @@ def _rewards(task, examples, samples, cfg: Config, tok):
 
 
 def _advantages(rewards_BR, cfg: Config):
-  """Host: the group advantages of the shaped rewards ([B, R]; a tree: one per level)."""
-  if cfg.tree.fanouts:
-    return _node_advantages(rewards_BR, cfg)
-  a = cfg.algo
-  if a.advantage in advantages.NEEDS_CRITIC:  # PPO replaces them from its critic
-    return np.zeros(rewards_BR.shape, np.float32)
-  return np.asarray(advantages.compute(a.advantage, rewards_BR, a))
+  """Host: the group advantages of the shaped rewards, per level of the rollouts' fan-outs
+  (`advantages.levels`; flat: [B, R], trees: a list, None for an inner level that takes its
+  leaves' own when tree.node_advantages is off). GAE: zeros, which PPO replaces from its
+  critic."""
+  a, fanouts = cfg.algo, shape(cfg).fanouts
+  if a.advantage in advantages.NEEDS_CRITIC:
+    node_adv = [np.zeros(np.shape(rewards_BR), np.float32)]
+  else:
+    node_adv = advantages.levels(a.advantage, rewards_BR, fanouts, a)
+  if not cfg.tree.fanouts:
+    return node_adv[-1]
+  if not cfg.tree.node_advantages or len(node_adv) < len(fanouts):
+    node_adv = [None] * (len(fanouts) - 1) + node_adv[-1:]
+  return node_adv
 
 
 def _assemble(rows, adv, cfg: Config) -> tree.TreeBatch:
@@ -281,25 +290,6 @@ def _assemble(rows, adv, cfg: Config) -> tree.TreeBatch:
   if cfg.tree.fanouts:
     return sampler.to_tree_batch(prompt_BP, valid_BP, samples, cfg.tree.fanout_tuple, adv)
   return sampler.to_batch(prompt_BP, valid_BP, samples, adv)
-
-
-def _node_advantages(rewards_BR, cfg: Config) -> list:
-  """Per-level advantages of a tree ([B, nodes] per level; None for an inner level = its
-  leaves' own) from the leaves' rewards [B, leaves]."""
-  a, fanouts = cfg.algo, cfg.tree.fanout_tuple
-  if a.advantage in advantages.NEEDS_CRITIC:  # PPO's critic gives per-token advantages
-    node_adv = [np.zeros_like(rewards_BR)]
-  elif a.advantage in ("grpo", "dr_grpo"):  # normalised among siblings (dr_grpo: centred)
-    node_adv = tree.tree_advantages(
-      rewards_BR, fanouts, use_std=a.advantage_std and a.advantage != "dr_grpo"
-    )
-  else:  # another group estimator over each set of siblings
-    node_adv = tree.tree_advantages(
-      rewards_BR, fanouts, estimator=functools.partial(advantages.compute, a.advantage, train_cfg=a)
-    )
-  if not cfg.tree.node_advantages or len(node_adv) < len(fanouts):
-    node_adv = [None] * (len(fanouts) - 1) + node_adv[-1:]
-  return node_adv
 
 
 def auto_tree(batch, cfg: Config, pad_id: int = 0):
@@ -319,214 +309,3 @@ def auto_tree(batch, cfg: Config, pad_id: int = 0):
     "replay/fanouts": "x".join(map(str, s["fanouts"])),
     "time/layout_s": time.perf_counter() - t0,
   }
-
-
-# ----------------------------------------------------------------------------- supervised
-
-
-def sft_batch(task, rng: np.random.Generator, cfg: Config, tok):
-  """A warm-up batch: the task's long prefix shared by its reference answers (one per tail);
-  with tree.fanouts, the task's warm-up trees (`TurnsTask.warmup_tree`; tree_haystack's: the
-  haystack, one opening per key, its value below). Advantage 1 (objective -log p)."""
-  if cfg.tree.fanouts:
-    return task.warmup_tree(rng, cfg.train.sft_batch_size, tok)
-  items = [task.supervised(rng) for _ in range(cfg.train.sft_batch_size)]
-  prefix_BP, prefix_valid_BP = tasks.encode_prompts([p for p, _ in items], task.sft_prompt_len, tok)
-  T = task.sft_tail_len  # the task's longest warm-up tail, EOS included
-  tails = [tasks.encode_right(t, T, tok) for _, t in items]
-  tails_BRT = np.stack([t for t, _ in tails])
-  valid_BRT = np.stack([v for _, v in tails])
-  B, R = tails_BRT.shape[:2]
-  chex.assert_shape([tails_BRT, valid_BRT], (B, R, T))
-  chex.assert_shape([prefix_BP, prefix_valid_BP], (B, task.sft_prompt_len))
-  return tree.flat(
-    prefix_BP=prefix_BP,
-    prefix_valid_BP=prefix_valid_BP,
-    tails_BRT=tails_BRT,
-    tail_valid_BRT=valid_BRT,
-    advantages_BR=np.ones(tails_BRT.shape[:2], np.float32),
-  )
-
-
-class Pairs:
-  """DPO's (chosen, rejected) pairs sharing a prompt, as TreeBatches: flat, two branches per
-  prompt, from algo.pairs_file or the task (its answer and a wrong value); or with
-  tree.fanouts the task's preference trees (one opening per record, a pair below each)."""
-
-  def __init__(self, cfg: Config, task, tok):
-    self.cfg, self.task, self.tok = cfg, task, tok
-    self.turns = shape(cfg).turns
-    if self.turns:  # the task's preference trees (TurnsTask.preference_trees)
-      try:
-        fanouts = task.preference_trees(np.random.default_rng(0), 1, tok).fanouts
-      except NotImplementedError:
-        raise ValueError(
-          f"algo.name='dpo' with {shape(cfg).setting}: task {cfg.task.name!r} makes no "
-          "preference trees (TurnsTask.preference_trees); expected tree.fanouts='' and "
-          "algo.pairs_file, or another task"
-        ) from None
-      if cfg.tree.fanout_tuple != tuple(fanouts):
-        raise ValueError(
-          f"tree.fanouts={cfg.tree.fanouts!r} with algo.name='dpo': the preference trees of "
-          f"task {cfg.task.name!r} have fan-outs {tuple(fanouts)} (their (chosen, rejected) "
-          f"pairs below each opening); expected {'x'.join(map(str, fanouts))!r}"
-        )
-    self.file_pairs = dpo.load_pairs(cfg.algo.pairs_file) if cfg.algo.pairs_file else None
-    if self.file_pairs is not None:
-      enc = lambda text: len(tok.encode(text, bos=False, eos=False))
-      self.prompt_len = 1 + max(enc(p.prompt) for p in self.file_pairs)
-      self.answer_len = max(enc(x) for p in self.file_pairs for x in (p.chosen, p.rejected))
-    elif not self.turns:
-      self.prompt_len, self.answer_len = task.max_prompt_len, task.max_answer_len
-
-  def batch(self, step: int) -> tree.TreeBatch:
-    """Step `step`'s train.batch_size pairs (advantages unused: the objective is DPO's)."""
-    t = self.cfg.train
-    rng = np.random.default_rng([t.seed, step])
-    if self.turns:
-      return self.task.preference_trees(rng, t.batch_size, self.tok)
-    pairs = (
-      [self.file_pairs[i] for i in rng.integers(0, len(self.file_pairs), t.batch_size)]
-      if self.file_pairs is not None
-      else [dpo.task_pair(self.task, rng) for _ in range(t.batch_size)]
-    )
-    return dpo.make_batch(pairs, self.prompt_len, self.answer_len, self.tok)
-
-
-# ----------------------------------------------------------------------------- greedy evaluation
-
-
-def eval_examples(task, cfg: Config) -> list:
-  """train.eval_size held-out prompts (draws from a stream training never uses)."""
-  return task.eval_examples(cfg.train.seed, cfg.train.eval_size)
-
-
-def greedy_reward(fns, params, task, examples, cfg: Config, tok) -> float:
-  """The mean reward of greedy completions of `examples`, all at once (one per prompt;
-  trees: one path)."""
-  prompt_BP, valid_BP = tasks.encode_prompts(examples, task.max_prompt_len, tok)
-  s = fns.greedy(params, prompt_BP=prompt_BP, prompt_valid_BP=valid_BP, key=jax.random.key(0))
-  if cfg.tree.fanouts:
-    s = sharding.to_host(s)  # numpy; gathered when the mesh spans several processes
-    return float(task.leaf_rewards(examples, s, tok).mean())
-  s = sharding.to_host(s) if cfg.mesh else s
-  return float(task.rewards(examples, sampler.completions(s, tok)).mean())
-
-
-def greedy_rewards(fns, params, task, examples, cfg: Config, tok) -> np.ndarray:
-  """The reward of each prompt's greedy completion (flat), in chunks of train.eval_batch
-  prompts (0: all at once; the last chunk padded with its last prompt, so one compiled
-  shape); with train.eval_shared_prefix, the ids every prompt starts with (a k-shot
-  header) prefilled once per chunk (`sampler.shared_header`). Trees: their one mean."""
-  t = cfg.train
-  if cfg.tree.fanouts:
-    return np.asarray([greedy_reward(fns, params, task, examples, cfg, tok)])
-  ids = [
-    list(e.prompt_ids)
-    if getattr(e, "prompt_ids", None) is not None
-    else tok.encode(e.prompt, bos=True)
-    for e in examples
-  ]
-  header_H = None
-  if t.eval_shared_prefix:
-    header_H, ids = sampler.shared_header(ids)
-    header_H = header_H if len(header_H) else None
-  L = max(len(x) for x in ids)
-  n = t.eval_batch or len(examples)
-  out = []
-  for i in range(0, len(examples), n):
-    chunk = ids[i : i + n]
-    chunk = chunk + [chunk[-1]] * (n - len(chunk))
-    prompt_BP, valid_BP = tasks.encode_prompts(
-      [tasks.Example("", "", prompt_ids=tuple(x)) for x in chunk], L, tok
-    )
-    s = fns.greedy(
-      params,
-      prompt_BP=prompt_BP,
-      prompt_valid_BP=valid_BP,
-      key=jax.random.key(0),
-      header_H=header_H,
-    )
-    s = sharding.to_host(s) if cfg.mesh else s
-    got = examples[i : i + n]
-    r = task.rewards(got, sampler.completions(s, tok)[: len(got)])
-    out += list(np.asarray(r, np.float64).reshape(len(got), -1).mean(-1))
-  return np.asarray(out, np.float64)
-
-
-# ----------------------------------------------------------------------------- a rollouts file
-
-
-class Recorded:
-  """Our own scoring of lines without logprobs, kept across epochs and runs (JSON lines;
-  `path=None`: in memory only, as on every process but the first)."""
-
-  def __init__(self, path):
-    self.path, self.logps = path, {}
-    if path and os.path.exists(path):
-      with open(path) as f:
-        for line in f:
-          rec = json.loads(line)
-          self.logps[rec["source"]] = [np.asarray(x, np.float64) for x in rec["logprobs"]]
-
-  def add(self, source, logps):
-    self.logps[source] = logps
-    if self.path:
-      with open(self.path, "a") as f:
-        f.write(json.dumps({"source": source, "logprobs": [x.tolist() for x in logps]}) + "\n")
-
-
-def from_file(task, recorded: Recorded, score_fn, state, cfg: Config, step: int, tok):
-  """Step `step`'s train.batch_size lines of the rollouts file as one TreeBatch (their shared
-  openings found by trie.py with task.auto_tree, else flat): group advantages of the file's
-  rewards, behaviour log-probs (`old_logps`), reference log-probs with a reference. Returns
-  (batch, its flat positions (the naive equivalent), stats)."""
-  t, timer = cfg.train, phases.Timer()
-  lines = task.batch_lines(step, t.batch_size)
-  rewards_BR = np.stack([l.rewards for l in lines])
-  adv_BR = advantages.compute(cfg.algo.advantage, rewards_BR, cfg.algo)
-  with timer("old_logp"):
-    old = old_logps(lines, recorded, score_fn, state.params, cfg, adv_BR, tok.pad_id)
-  batch, stats = rollouts.make_batch(lines, adv_BR, task.cfg, old_logps=old, pad_id=tok.pad_id)
-  tree.validate(batch, cfg.model.vocab_size, cfg.replay.branch_chunk)
-  if state.ref_params is not None:
-    with timer("ref_logp"):
-      ref_levels, ref_trunk = jax.block_until_ready(score_fn(state.ref_params, batch))
-    batch = batch.replace(
-      levels=tuple(l.replace(ref_logp_BRT=r) for l, r in zip(batch.levels, ref_levels)),
-      trunk_ref_logp_BW=ref_trunk if batch.trunk_len else None,
-    )
-  return (
-    batch,
-    stats["flat_positions"],
-    {
-      "epoch": step // task.steps_per_epoch(t.batch_size),
-      "reward/mean": float(rewards_BR.mean()),
-      "reward/std": float(rewards_BR.std()),
-      "replay/tree_token_ratio": stats["tree_token_ratio"],
-      "replay/trie_token_ratio": stats["trie_token_ratio"],
-      "replay/trunk_len": stats["trunk_len"],
-      "replay/fanouts": "x".join(map(str, stats["fanouts"])),
-      **timer.metrics(),
-    },
-  )
-
-
-def old_logps(lines, recorded: Recorded, score_fn, params, cfg, adv_BR, pad_id):
-  """Behaviour log-probs per line: the file's, else recorded, else scored now on the tree."""
-  missing = [l for l in lines if l.logprobs is None and l.source not in recorded.logps]
-  if missing:
-    probe, stats = trie.layout(
-      [l.prompt_ids for l in lines],
-      [list(l.responses) for l in lines],
-      adv_BR,
-      max_depth=cfg.task.max_depth,
-      min_shared=cfg.task.min_shared,
-      pad_id=pad_id,
-    )
-    per_level, trunk_BW = jax.device_get(score_fn(params, probe))
-    scored = trie.unroll(probe, stats["order"], per_level, trunk_BW)
-    for b, l in enumerate(lines):
-      if l.logprobs is None and l.source not in recorded.logps:
-        recorded.add(l.source, scored[b])
-  return [list(l.logprobs) if l.logprobs is not None else recorded.logps[l.source] for l in lines]

@@ -1,12 +1,17 @@
 """SmolLM2-135M-Instruct's greedy accuracy on the long-context tasks (branch_replay/data/longctx.py)
 by prompt length and difficulty, through the trainer's own greedy evaluation
-(rollout.greedy_rewards: the chat template, the shared header prefilled once per chunk, the
+(train/evaluate.greedy_rewards: the chat template, the shared header prefilled once per chunk, the
 task's reward), on held-out problems. One JSON line (with provenance) per point: n, correct,
 accuracy and its Wilson 95% interval, the mean prompt tokens, seconds.
 
   python experiments/longctx_accuracy.py --task=needle --prompt_lens=1024,2048 \\
       --difficulties=n_keys=1,n_keys=4 --n=100 \\
       --out=experiments/results/longctx_accuracy_cpu_2026-12-05.jsonl
+
+With --temperatures=1.0,0.5 (and --samples=R) it also samples R completions per held-out prompt
+at each temperature through the RL sampler (kind=sampled lines): the per-sample accuracy, and
+the fraction of prompts whose R rewards differ, the groups GRPO learns from (all equal: zero
+advantages). A recipe's temperature needs both well above 0.
 """
 
 import os
@@ -34,6 +39,15 @@ def define_flags():
   )
   flags.DEFINE_integer("seed", 0, "train.seed: which held-out problems.")
   flags.DEFINE_string("model_dir", "", "A GGUF file or HF folder ('' = the packaged SmolLM2).")
+  flags.DEFINE_list(
+    "temperatures",
+    [],
+    "Also sample --samples completions per prompt at each of these temperatures (the RL "
+    "sampler's): per-sample accuracy and the fraction of prompts whose group has reward "
+    "variance (GRPO's signal). Empty: greedy only.",
+  )
+  flags.DEFINE_integer("samples", 8, "Completions per prompt at each --temperatures (R).")
+  flags.DEFINE_bool("greedy", True, "Measure the greedy accuracy (false: the sampled rows only).")
 
 
 FLAGS = flags.FLAGS
@@ -54,6 +68,7 @@ def main(argv):
   import dataclasses
 
   from branch_replay import rollout
+  from branch_replay.train import evaluate
   from branch_replay.core.sampler import SamplerConfig
   from branch_replay.data import tasks
   from branch_replay.data import tokenizer as tokenizer_lib
@@ -78,30 +93,106 @@ def main(argv):
       )
       cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_shared_prefix=True))
       task.check(cfg)
-      examples = rollout.eval_examples(task, cfg)
+      examples = evaluate.eval_examples(task, cfg)
+      common = dict(
+        task=FLAGS.task,
+        model=os.path.basename(path),
+        prompt_len=P,
+        options=dataclasses.asdict(task_cfg.options),
+        mean_prompt_tokens=round(sum(len(e.prompt_ids) for e in examples) / len(examples), 1),
+        max_new_tokens=cfg.sampler.max_new_tokens,
+      )
+      for temperature in map(float, FLAGS.temperatures):
+        writer.write(
+          dict(
+            kind="sampled",
+            **common,
+            **sampled(
+              cfg,
+              task,
+              tok,
+              params,
+              examples,
+              temperature,
+              samples=FLAGS.samples,
+              batch=FLAGS.eval_batch,
+              seed=FLAGS.seed,
+            ),
+          )
+        )
+      if not FLAGS.greedy:
+        continue
       fns = rollout.compiled(runtime.Runtime(cfg, tok), task)
       t = time.perf_counter()
-      rewards_N = rollout.greedy_rewards(fns, params, task, examples, cfg, tok)
+      rewards_N = evaluate.greedy_rewards(fns, params, task, examples, cfg, tok)
       seconds = time.perf_counter() - t
       n = len(rewards_N)
       record = metrics.eval_record(rewards_N)  # 0/1 rewards: the correct count, Wilson 95%
       writer.write(
         dict(
-          task=FLAGS.task,
-          model=os.path.basename(path),
-          prompt_len=P,
-          options=dataclasses.asdict(task_cfg.options),
-          mean_prompt_tokens=round(sum(len(e.prompt_ids) for e in examples) / n, 1),
+          **common,
           n=n,
           correct=record.get("eval/correct"),
           accuracy=record["eval/greedy_reward"],
           ci95_low=record.get("eval/ci95_low"),
           ci95_high=record.get("eval/ci95_high"),
-          max_new_tokens=cfg.sampler.max_new_tokens,
           eval_batch=FLAGS.eval_batch,
           seconds=round(seconds, 1),
         )
       )
+
+
+def sampled(
+  cfg, task, tok, params, examples, temperature: float, *, samples: int, batch: int, seed: int
+) -> dict:
+  """R = `samples` completions of every example at `temperature` (the RL sampler, prompts
+  padded to the task's length, `batch` prompts a call, 0: all): per-sample accuracy with its
+  Wilson 95% interval (samples of one prompt are not independent: the interval is a lower
+  bound on the uncertainty), and the fraction of prompts whose rewards are not all equal."""
+  import dataclasses
+
+  import jax
+  import numpy as np
+
+  from branch_replay import rollout
+  from branch_replay.core import sampler
+  from branch_replay.data import tasks
+  from branch_replay.train import metrics, runtime
+
+  R = samples
+  cfg = dataclasses.replace(
+    cfg,
+    train=dataclasses.replace(cfg.train, n_branches=R),
+    sampler=dataclasses.replace(cfg.sampler, temperature=temperature),
+  )
+  fns = rollout.compiled(runtime.Runtime(cfg, tok), task)
+  n = batch or len(examples)
+  t = time.perf_counter()
+  rewards = []
+  for i in range(0, len(examples), n):
+    got = examples[i : i + n]
+    chunk = got + [got[-1]] * (n - len(got))
+    prompt_BP, valid_BP = tasks.encode_prompts(chunk, task.max_prompt_len, tok)
+    key = jax.random.fold_in(jax.random.key(seed), i)
+    s = fns.sample(params, prompt_BP=prompt_BP, prompt_valid_BP=valid_BP, key=key)
+    r = np.asarray(task.rewards(got, sampler.completions(s, tok)[: len(got)]), np.float64)
+    rewards.append(r.reshape(len(got), R))
+  rewards_NR = np.concatenate(rewards)
+  correct = int((rewards_NR >= 1).sum())  # the tasks' exact rewards are 0 or 1
+  low, high = metrics.wilson_interval(correct, rewards_NR.size)
+  return dict(
+    temperature=temperature,
+    n=len(examples),
+    samples=R,
+    correct=correct,
+    accuracy=float(rewards_NR.mean()),
+    ci95_low=low,
+    ci95_high=high,
+    informative_frac=float(rollout.informative(rewards_NR).mean()),
+    prompts_with_any_correct=int((rewards_NR.max(1) > 0).sum()),
+    eval_batch=batch,
+    seconds=round(time.perf_counter() - t, 1),
+  )
 
 
 if __name__ == "__main__":

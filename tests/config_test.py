@@ -81,3 +81,28 @@ def test_configs_saved_before_the_algo_section_migrate():
   assert (
     "algo.name: saved 'ppo', now 'grpo'" in diffs and "algo.ppo_epochs: saved 2, now 1" in diffs
   )
+
+
+@pytest.mark.parametrize("where", ["algo", "train"])
+def test_a_saved_advantage_std_loads_as_the_one_spelling(where):
+  """Dr. GRPO had two spellings: a config saved with `advantage_std=false` beside the GRPO
+  estimator (under `algo`, or under `train` before that section) loads as advantage=dr_grpo
+  and resumes against it; `advantage_std=true` and any other estimator's flag load unchanged."""
+  from branch_replay import config as config_lib
+
+  def saved_with(advantage, std):
+    saved = config_lib.to_dict(apply_overrides(Config(), [f"algo.advantage={advantage}"]))
+    if where == "algo":
+      saved["algo"] = {**saved["algo"], "advantage_std": std}
+    else:
+      algo = saved.pop("algo")
+      saved["train"] = {**saved["train"], "advantage": advantage, "advantage_std": std}
+      saved["train"].update({k: v for k, v in algo.items() if k not in ("name", "advantage")})
+    return saved
+
+  dr = apply_overrides(Config(), ["algo.advantage=dr_grpo"])
+  assert config_lib.from_dict(saved_with("grpo", False)) == dr
+  assert config_lib.incompatible(saved_with("grpo", False), dr) == []
+  assert config_lib.from_dict(saved_with("grpo", True)) == Config()
+  rloo = apply_overrides(Config(), ["algo.advantage=rloo"])
+  assert config_lib.from_dict(saved_with("rloo", False)) == rloo

@@ -34,6 +34,31 @@ def test_overlong_penalty():
   assert not rollout.overlong_penalty(np.asarray([[8]]), 8, 0).any()
 
 
+def test_flat_overlong_counts_the_whole_trunk_and_the_branch():
+  """A flat group's path: every trunk token (decoded whole) plus the branch's valid tokens,
+  against trunk_len + max_new_tokens (a hand loop), through the one shaper trees use."""
+  rng = np.random.default_rng(0)
+  B, R, W, T = 2, 3, 2, 5
+  valid_BRT = np.arange(T)[None, None] < rng.integers(0, T + 1, (B, R, 1))
+  samples = sampler.Samples(
+    np.zeros((B, R, T), np.int32),
+    valid_BRT,
+    np.zeros((B, R, T)),
+    np.zeros((B, W), np.int32),
+    np.zeros((B, W)),
+  )
+  lengths, budget = rollout.path_lengths(samples)
+  assert budget == W + T
+  got = rollout.overlong(samples, buffer=4, penalty=0.5)
+  for b in range(B):
+    for r in range(R):
+      assert lengths[b, r] == W + valid_BRT[b, r].sum()
+      assert got[b, r] == pytest.approx(
+        rollout.overlong_penalty(W + valid_BRT[b, r].sum(), 7, 4, 0.5)
+      )
+  assert got.min() < 0 and rollout.overlong(samples, buffer=0, penalty=0.5) == 0.0
+
+
 def test_temperature_first_epoch_ratio_is_one():
   """Sampled at temperature 0.7, trained at the sampler's temperature: the first update's
   ratio is 1 to float rounding (and far from it if trained at temperature 1)."""

@@ -9,13 +9,13 @@ come from rollout.py. The members, each with the base's default:
   total_steps: int                  steps of the run, warm-up included (train.total_steps)
   warmup_steps: int                 supervised steps before the phase (train.sft_steps)
   phase: str; progress_keys: tuple  its phase's name in metrics ("rl"); the progress bar's keys
-  warmup_batch(step); warmup_update(state, batch)   the supervised warm-up (rollout.sft_batch)
+  warmup_batch(step); warmup_update(state, batch)   the supervised warm-up (data/supervised.py)
   start(state) -> state             the phase boundary: reference copy, critic init (nothing)
   batch(state, step) -> (batch, stats)             its phase's batch (each algorithm's own)
   update(state, batch, step) -> (state, metrics)   its jitted steps (each algorithm's own)
   verify(state, batch) -> dict      replay == naive on the first batch (the RL objective)
   token_counts(batch, phase) -> (prefix, tails, naive-equivalent) positions (the batch's)
-  eval_examples(); evaluate(state, examples); evaluate_all(...)   greedy rewards (rollout.py)
+  eval_examples(); evaluate(state, examples); evaluate_all(...)   greedy rewards (train/evaluate.py)
   restore_template(state, step) -> dict            the checkpoint's tree at `step` (the state)
   summarize(records) -> dict; format_summary(summary) -> str   (steps, time by phase)
 

@@ -10,7 +10,8 @@ import numpy as np
 
 from branch_replay import rollout
 from branch_replay.core import tree
-from branch_replay.train import phases, steps, verify
+from branch_replay.data import supervised
+from branch_replay.train import evaluate, phases, steps, verify
 from branch_replay.train import runtime as runtime_lib
 from branch_replay.train import state as train_state
 
@@ -34,7 +35,7 @@ class Algorithm:
   """Built once per run, `Algorithm(cfg, task, tokenizer, workdir=..., runtime=...)` (the
   trainer's Runtime: the mesh, placement and compiled functions; built here when not given,
   e.g. in a notebook). The defaults: the
-  supervised warm-up of train.sft_steps (rollout.sft_batch through the policy's sft_step),
+  supervised warm-up of train.sft_steps (data/supervised.py through the policy's sft_step),
   then train.rl_steps of the phase (`batch` and `update`: every algorithm's own), the greedy
   evaluation on held-out prompts, the first-batch self-check, the checkpoint's state."""
 
@@ -65,7 +66,7 @@ class Algorithm:
 
   def warmup_batch(self, step: int) -> tree.TreeBatch:
     rng = np.random.default_rng([self.cfg.train.seed, step])
-    batch = rollout.sft_batch(self.task, rng, self.cfg, self.tok)
+    batch = supervised.warmup_batch(self.task, rng, self.cfg.train.sft_batch_size, self.tok)
     tree.validate(batch, self.cfg.model.vocab_size)
     return batch
 
@@ -106,19 +107,16 @@ class Algorithm:
     return batch.token_counts()
 
   def eval_examples(self) -> list:
-    return rollout.eval_examples(self.task, self.cfg)
+    return evaluate.eval_examples(self.task, self.cfg)
 
   def evaluate(self, state, examples) -> float:
     """The mean reward of greedy completions (one per prompt; trees: one path)."""
-    if self.cfg.train.eval_batch or self.cfg.train.eval_shared_prefix:
-      return float(np.mean(self.evaluate_all(state, examples)))
-    params = train_state.weights(state, self.cfg.lora, self.cfg.model.compute_dtype)
-    return rollout.greedy_reward(self.fns, params, self.task, examples, self.cfg, self.tok)
+    return float(self.evaluate_all(state, examples).mean())
 
   def evaluate_all(self, state, examples) -> np.ndarray:
-    """The reward of each prompt's greedy completion (`rollout.greedy_rewards`)."""
+    """The reward of each prompt's greedy completion (`train/evaluate.py`)."""
     params = train_state.weights(state, self.cfg.lora, self.cfg.model.compute_dtype)
-    return rollout.greedy_rewards(self.fns, params, self.task, examples, self.cfg, self.tok)
+    return evaluate.greedy_rewards(self.fns, params, self.task, examples, self.cfg, self.tok)
 
   def restore_template(self, state, step: int) -> dict:
     """The checkpoint's tree at `step` (resume)."""

@@ -57,7 +57,7 @@ KEYS = ("loss/policy", "grad/norm", "logp/mean", "entropy")  # of the replay ste
 
 
 class DPO(base.Algorithm):
-  """The base's warm-up, then DPO steps on rollout.Pairs' batches (flat pairs or preference
+  """The base's warm-up, then DPO steps on dpo.Pairs' batches (flat pairs or preference
   trees) against the policy as DPO began; no greedy evaluation."""
 
   phase = "dpo"
@@ -66,7 +66,7 @@ class DPO(base.Algorithm):
 
   def __init__(self, cfg, task, tok, workdir=None, runtime=None):
     super().__init__(cfg, task, tok, workdir, runtime)
-    self.pairs = rollout.Pairs(cfg, task, tok)
+    self.pairs = dpo.Pairs(cfg, task, tok)
 
   def start(self, state):
     if state.ref_params is None:  # the reference: the policy as DPO begins

@@ -21,7 +21,6 @@ class Options(algorithms.SampledOptions):
   """GRPO and its family on sampled groups or trees."""
 
   advantage: str = "grpo"  # a group estimator (advantages.py): grpo | dr_grpo | rloo | yours
-  advantage_std: bool = True  # grpo: divide by the group std (False: centred only)
 
   def __post_init__(self):
     super().__post_init__()

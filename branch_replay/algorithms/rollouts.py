@@ -19,11 +19,12 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from branch_replay import algorithms, rollout
+from branch_replay import algorithms
 from branch_replay.algorithms import base
-from branch_replay.core import engine
+from branch_replay.config import Config
+from branch_replay.core import advantages, engine, tree
 from branch_replay.core.tree import TreeBatch
-from branch_replay.rollout import Recorded
+from branch_replay.data import rollouts
 from branch_replay.train import phases, steps, verify
 
 
@@ -32,7 +33,6 @@ class Options:
   """Completions from a file (task.name=rollouts): group advantages, passes over each batch."""
 
   advantage: str = "grpo"
-  advantage_std: bool = True
   ppo_epochs: int = 1
 
   def __post_init__(self):
@@ -78,8 +78,44 @@ def file_fns(cfg, mesh=None) -> tuple:
   )
 
 
+def from_file(task, recorded: rollouts.Recorded, score_fn, state, cfg: Config, step: int, tok):
+  """Step `step`'s train.batch_size lines of the rollouts file as one TreeBatch (their shared
+  openings found by trie.py with task.auto_tree, else flat): group advantages of the file's
+  rewards, behaviour log-probs (`old_logps`), reference log-probs with a reference. Returns
+  (batch, its flat positions (the naive equivalent), stats)."""
+  t, timer = cfg.train, phases.Timer()
+  lines = task.batch_lines(step, t.batch_size)
+  rewards_BR = np.stack([l.rewards for l in lines])
+  adv_BR = advantages.compute(cfg.algo.advantage, rewards_BR, cfg.algo)
+  with timer("old_logp"):
+    old = rollouts.old_logps(lines, recorded, score_fn, state.params, task.cfg, adv_BR, tok.pad_id)
+  batch, stats = rollouts.make_batch(lines, adv_BR, task.cfg, old_logps=old, pad_id=tok.pad_id)
+  tree.validate(batch, cfg.model.vocab_size, cfg.replay.branch_chunk)
+  if state.ref_params is not None:
+    with timer("ref_logp"):
+      ref_levels, ref_trunk = jax.block_until_ready(score_fn(state.ref_params, batch))
+    batch = batch.replace(
+      levels=tuple(l.replace(ref_logp_BRT=r) for l, r in zip(batch.levels, ref_levels)),
+      trunk_ref_logp_BW=ref_trunk if batch.trunk_len else None,
+    )
+  return (
+    batch,
+    stats["flat_positions"],
+    {
+      "epoch": step // task.steps_per_epoch(t.batch_size),
+      "reward/mean": float(rewards_BR.mean()),
+      "reward/std": float(rewards_BR.std()),
+      "replay/tree_token_ratio": stats["tree_token_ratio"],
+      "replay/trie_token_ratio": stats["trie_token_ratio"],
+      "replay/trunk_len": stats["trunk_len"],
+      "replay/fanouts": "x".join(map(str, stats["fanouts"])),
+      **timer.metrics(),
+    },
+  )
+
+
 class Rollouts(base.Algorithm):
-  """Completions sampled elsewhere (vLLM, SGLang, a log; `rollout.from_file`): no sampling,
+  """Completions sampled elsewhere (vLLM, SGLang, a log; `from_file`): no sampling,
   no warm-up, no greedy evaluation; `train.rl_steps` caps the steps at `task.epochs` passes
   over the file."""
 
@@ -88,7 +124,7 @@ class Rollouts(base.Algorithm):
   def __init__(self, cfg, task, tok, workdir=None, runtime=None):
     super().__init__(cfg, task, tok, workdir, runtime)
     chief = jax.process_index() == 0
-    self.recorded = Recorded(
+    self.recorded = rollouts.Recorded(
       os.path.join(workdir, "recorded_logprobs.jsonl") if workdir and chief else None
     )
     self.step_fn, self.score_fn = self.rt.compiled("rollouts_file", file_fns)
@@ -107,7 +143,7 @@ class Rollouts(base.Algorithm):
     return state
 
   def batch(self, state, step):
-    batch, flat_positions, stats = rollout.from_file(
+    batch, flat_positions, stats = from_file(
       self.task, self.recorded, self.score_fn, state, self.cfg, step, self.tok
     )
     return FileBatch(batch, flat_positions), stats

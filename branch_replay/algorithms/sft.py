@@ -22,7 +22,7 @@ def check(cfg) -> None:
 
 
 class SFT(base.Algorithm):
-  """The base's warm-up batches (`rollout.sft_batch`, flat or trees) and step as the phase;
+  """The base's warm-up batches (`supervised.warmup_batch`, flat or trees) and step as the phase;
   the greedy evaluation of the policy on held-out prompts."""
 
   phase = "sft"

@@ -194,12 +194,3 @@ def aggregation_weights(cfg: LossConfig, tail_valid_BRT, trunk_len: int):
   else:
     w_BR = jnp.ones((B, R))
   return w_BR[..., None] * valid, w_BR
-
-
-def group_advantages(rewards_BR, *, use_std: bool = True, eps: float = 1e-6):
-  """GRPO advantages: (r - mean_R) / (std_R + eps), or without the std (Dr. GRPO).
-  (Kept for callers; the registry of estimators is `advantages.py`.)"""
-  centered = rewards_BR - rewards_BR.mean(axis=1, keepdims=True)
-  if not use_std:
-    return centered
-  return centered / (rewards_BR.std(axis=1, keepdims=True) + eps)

@@ -9,7 +9,7 @@ holds the leaves; a root-to-leaf path is one sampled sequence.
 
 The objective is that of every path as its own sequence: a path scores its tokens at every
 level with the leaf's weight (aggregation mode) and an advantage: the leaf's own, or, where
-a level gives `advantages_BR`, its node's (tree-aware advantages, `tree_advantages`); or,
+a level gives `advantages_BR`, its node's (tree-aware advantages, `advantages.levels`); or,
 for PPO's GAE, per token and per path (the leaves' `advantages_BRT`, the inner levels'
 `path_advantages_BLT`, the trunk's `trunk_advantages_BRW`).
 """
@@ -317,35 +317,6 @@ def leaf_weights(loss_cfg: losses.LossConfig, batch: TreeBatch):
   if mode == "seq_mean":
     return 1.0 / (B * n_leaves * jnp.maximum(len_BR, 1.0))
   return jnp.ones((B, n_leaves))
-
-
-# ----------------------------------------------------------------------------- advantages
-
-
-def tree_advantages(
-  rewards_BR, fanouts: Sequence[int], *, use_std: bool = True, eps: float = 1e-6, estimator=None
-) -> list:
-  """Tree-aware advantages, one array per level 1..depth ([B, nodes at that level]).
-
-  A leaf's reward is normalised among its siblings (the R_depth children of its parent); an
-  inner node's value is the mean of its leaves' rewards, normalised among its siblings, and
-  all of its tokens get that advantage. Depth 1 is GRPO's group normalisation.
-  estimator(values_GR) -> advantages_GR replaces the normalisation with another group
-  estimator over each set of siblings (e.g. advantages.ESTIMATORS['rloo'])."""
-  rewards_BR = np.asarray(rewards_BR, np.float64)
-  B = rewards_BR.shape[0]
-  out = []
-  for d in range(1, len(fanouts) + 1):
-    values_BR = rewards_BR.reshape(B, nodes(fanouts, d), -1).mean(-1)  # mean of leaves below
-    groups = values_BR.reshape(B, -1, fanouts[d - 1])  # siblings share a parent
-    if estimator is not None:
-      adv = np.asarray(estimator(groups.reshape(-1, fanouts[d - 1])), np.float64)
-    else:
-      adv = groups - groups.mean(-1, keepdims=True)
-      if use_std:
-        adv = adv / (groups.std(-1, keepdims=True) + eps)
-    out.append(adv.reshape(B, -1).astype(np.float32))
-  return out
 
 
 # ----------------------------------------------------------------------------- config

@@ -68,6 +68,51 @@ def make_batch(pairs, prompt_len: int, answer_len: int, tok=TOKENIZER) -> tree.T
   )
 
 
+class Pairs:
+  """DPO's (chosen, rejected) pairs sharing a prompt, as TreeBatches: flat, two branches per
+  prompt, from algo.pairs_file or the task (its answer and a wrong value); or with
+  tree.fanouts the task's preference trees (one opening per record, a pair below each)."""
+
+  def __init__(self, cfg, task, tok):
+    self.cfg, self.task, self.tok = cfg, task, tok
+    self.turns = tasks.rollout_shape(cfg).turns
+    if self.turns:  # the task's preference trees (TurnsTask.preference_trees)
+      try:
+        fanouts = task.preference_trees(np.random.default_rng(0), 1, tok).fanouts
+      except NotImplementedError:
+        raise ValueError(
+          f"algo.name='dpo' with {tasks.rollout_shape(cfg).setting}: task {cfg.task.name!r} makes no "
+          "preference trees (TurnsTask.preference_trees); expected tree.fanouts='' and "
+          "algo.pairs_file, or another task"
+        ) from None
+      if cfg.tree.fanout_tuple != tuple(fanouts):
+        raise ValueError(
+          f"tree.fanouts={cfg.tree.fanouts!r} with algo.name='dpo': the preference trees of "
+          f"task {cfg.task.name!r} have fan-outs {tuple(fanouts)} (their (chosen, rejected) "
+          f"pairs below each opening); expected {'x'.join(map(str, fanouts))!r}"
+        )
+    self.file_pairs = load_pairs(cfg.algo.pairs_file) if cfg.algo.pairs_file else None
+    if self.file_pairs is not None:
+      enc = lambda text: len(tok.encode(text, bos=False, eos=False))
+      self.prompt_len = 1 + max(enc(p.prompt) for p in self.file_pairs)
+      self.answer_len = max(enc(x) for p in self.file_pairs for x in (p.chosen, p.rejected))
+    elif not self.turns:
+      self.prompt_len, self.answer_len = task.max_prompt_len, task.max_answer_len
+
+  def batch(self, step: int) -> tree.TreeBatch:
+    """Step `step`'s train.batch_size pairs (advantages unused: the objective is DPO's)."""
+    t = self.cfg.train
+    rng = np.random.default_rng([t.seed, step])
+    if self.turns:
+      return self.task.preference_trees(rng, t.batch_size, self.tok)
+    pairs = (
+      [self.file_pairs[i] for i in rng.integers(0, len(self.file_pairs), t.batch_size)]
+      if self.file_pairs is not None
+      else [task_pair(self.task, rng) for _ in range(t.batch_size)]
+    )
+    return make_batch(pairs, self.prompt_len, self.answer_len, self.tok)
+
+
 def preference_metrics(policy_logp_BR, ref_logp_BR, beta: float) -> dict:
   """Implicit rewards beta * (log pi - log ref) of chosen (0) and rejected (1)."""
   r_BR = beta * (np.asarray(policy_logp_BR, np.float64) - np.asarray(ref_logp_BR, np.float64))

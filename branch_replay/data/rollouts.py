@@ -24,9 +24,12 @@ compute): nothing is trained on a partial line. Training: branch_replay/algorith
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 from typing import Optional
 
+import jax
 import numpy as np
 
 from branch_replay.core import trie
@@ -291,3 +294,47 @@ def make_batch(lines, advantages_BR, cfg, *, old_logps=None, pad_id: int = 0):
     bucket=cfg.bucket,
     **shared,
   )
+
+
+# ----------------------------------------------------------------------------- behaviour log-probs
+
+
+class Recorded:
+  """Our own scoring of lines without logprobs, kept across epochs and runs (JSON lines;
+  `path=None`: in memory only, as on every process but the first)."""
+
+  def __init__(self, path):
+    self.path, self.logps = path, {}
+    if path and os.path.exists(path):
+      with open(path) as f:
+        for line in f:
+          rec = json.loads(line)
+          self.logps[rec["source"]] = [np.asarray(x, np.float64) for x in rec["logprobs"]]
+
+  def add(self, source, logps):
+    self.logps[source] = logps
+    if self.path:
+      with open(self.path, "a") as f:
+        f.write(json.dumps({"source": source, "logprobs": [x.tolist() for x in logps]}) + "\n")
+
+
+def old_logps(lines, recorded: Recorded, score_fn, params, cfg, adv_BR, pad_id):
+  """Behaviour log-probs per line: the file's, else recorded, else scored now (score_fn(params,
+  batch) -> (per-level log-probs, trunk's)) on the lines' tree (this task's `cfg`: max_depth,
+  min_shared)."""
+  missing = [l for l in lines if l.logprobs is None and l.source not in recorded.logps]
+  if missing:
+    probe, stats = trie.layout(
+      [l.prompt_ids for l in lines],
+      [list(l.responses) for l in lines],
+      adv_BR,
+      max_depth=cfg.max_depth,
+      min_shared=cfg.min_shared,
+      pad_id=pad_id,
+    )
+    per_level, trunk_BW = jax.device_get(score_fn(params, probe))
+    scored = trie.unroll(probe, stats["order"], per_level, trunk_BW)
+    for b, l in enumerate(lines):
+      if l.logprobs is None and l.source not in recorded.logps:
+        recorded.add(l.source, scored[b])
+  return [list(l.logprobs) if l.logprobs is not None else recorded.logps[l.source] for l in lines]

@@ -78,7 +78,7 @@ class TurnsTask(tasks.Task):
 
   def preference_trees(self, rng: np.random.Generator, n: int, tok=TOKENIZER):
     """DPO on trees (algo.name=dpo): `n` trees whose last level pairs (chosen, rejected)
-    siblings; a task without them refuses DPO when the run starts (rollout.Pairs)."""
+    siblings; a task without them refuses DPO when the run starts (dpo.Pairs)."""
     raise NotImplementedError(f"{type(self).__name__}.preference_trees")
 
   def check(self, cfg) -> None:

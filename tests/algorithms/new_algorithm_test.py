@@ -20,8 +20,7 @@ from branch_replay import algorithms
 
 @dataclasses.dataclass(frozen=True)
 class Options(algorithms.SampledOptions):
-  advantage = "dr_grpo"  # not options: what Dr. GRPO is
-  advantage_std = False
+  advantage = "dr_grpo"  # not an option: what Dr. GRPO is
 
 
 def check(cfg):
@@ -49,7 +48,7 @@ def dr_grpo(tmp_path, monkeypatch):
 
 def test_a_new_algorithm_is_one_file(dr_grpo):
   cfg = tiny_run("algo.name=dr_grpo", "loss.aggregation=sum", "algo.ppo_epochs=2")
-  assert cfg.algo.advantage == "dr_grpo" and not cfg.algo.advantage_std
+  assert cfg.algo.advantage == "dr_grpo"
   assert cfg.algo.ppo_epochs == 2  # the base's options are its own
   assert algorithms.for_config(cfg).__name__ == "DrGRPO"
   # Its check(cfg) runs when the config is made, naming the field.
@@ -68,7 +67,7 @@ def test_the_new_algorithm_trains_as_grpo_with_its_settings(dr_grpo):
   records = {}
   for name, extra in (
     ("dr_grpo", ["algo.name=dr_grpo"]),
-    ("grpo", ["algo.advantage=dr_grpo", "algo.advantage_std=false"]),
+    ("grpo", ["algo.advantage=dr_grpo"]),
   ):
     cfg = tiny_run(*RUN, "loss.aggregation=sum", *extra)
     summary = trainer.run(cfg, str(dr_grpo / name))

@@ -85,15 +85,6 @@ def test_objective_matches_numpy_reference():
     assert abs(float(loss) - total) < 1e-10 * abs(total)
 
 
-def test_tree_advantages():
-  rewards = np.array([[1, 0, 1, 1, 0, 0, 0, 0]], np.float32)  # fan-outs (2, 4)
-  a1, a2 = tree.tree_advantages(rewards, (2, 4), use_std=False)
-  np.testing.assert_allclose(a1, [[0.375, -0.375]])  # opening values 0.75 and 0
-  np.testing.assert_allclose(a2, [[0.25, -0.75, 0.25, 0.25, 0, 0, 0, 0]])
-  (a,) = tree.tree_advantages(rewards, (8,))
-  np.testing.assert_allclose(a, losses.group_advantages(jnp.asarray(rewards)), rtol=1e-6)
-
-
 def _bad(batch, message, **kw):
   with pytest.raises(ValueError, match=message):
     tree.validate(batch, 128, **kw)

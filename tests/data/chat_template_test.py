@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from branch_replay.data import chat, tasks
-from branch_replay import rollout
+from branch_replay.data import supervised
 from branch_replay.data import tokenizer as tokenizer_lib
 from branch_replay.config import Config, apply_overrides
 from models import hf
@@ -68,7 +68,7 @@ def test_template_renders_prompts_with_bos_once_and_its_eos(tmp_path, as_file):
     Config(),
     ["task.name=jsonl", f"task.path={path}", "task.eval_fraction=0", "train.sft_batch_size=2"],
   )
-  batch = rollout.sft_batch(task, np.random.default_rng(0), cfg, tok)
+  batch = supervised.warmup_batch(task, np.random.default_rng(0), cfg.train.sft_batch_size, tok)
   for b in range(2):
     valid = batch.leaves.valid_BRT[b, 0]
     assert batch.leaves.tokens_BRT[b, 0][valid][-1] == END

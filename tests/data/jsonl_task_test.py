@@ -12,7 +12,7 @@ import pytest
 from branch_replay import config as config_lib
 from branch_replay.train import metrics
 from branch_replay.data import tasks
-from branch_replay import rollout
+from branch_replay.data import supervised
 from branch_replay.train import trainer
 from branch_replay.config import Config, apply_overrides
 from branch_replay.data.tokenizer import TOKENIZER
@@ -52,13 +52,9 @@ def test_load_split_sample_and_warm_up(tmp_path):
   assert (task.max_answer_len, task.sft_tail_len, task.max_prompt_len) == (3, 4, 64)
   prefix, tails = task.supervised(np.random.default_rng(1))
   assert tails == [prefix.answer]
-  cfg = apply_overrides(
-    Config(model=tfm.preset("tiny")),
-    ["task.name=jsonl", f"task.path={path}", "train.sft_batch_size=3"],
-  )
-  batch = rollout.sft_batch(task, np.random.default_rng(1), cfg, TOKENIZER)
+  batch = supervised.warmup_batch(task, np.random.default_rng(1), 3, TOKENIZER)
   assert batch.leaves.tokens_BRT.shape == (3, 1, 4) and batch.root_BP.shape == (3, 64)
-  first = rollout.sft_batch(task, np.random.default_rng(1), cfg, TOKENIZER)
+  first = supervised.warmup_batch(task, np.random.default_rng(1), 3, TOKENIZER)
   np.testing.assert_array_equal(first.root_BP, batch.root_BP)
   # A second file as the eval split.
   ev = write(tmp_path / "e.jsonl", reverse_lines(3))

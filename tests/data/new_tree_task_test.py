@@ -12,7 +12,7 @@ import pytest
 from branch_replay.data import tasks
 from branch_replay.data.tokenizer import TOKENIZER
 from branch_replay.train import metrics, trainer
-from branch_replay import rollout
+from branch_replay.data import dpo as dpo_data
 from branch_replay.config import Config, apply_overrides
 from helpers import QUIET
 from models import transformer as tfm
@@ -97,7 +97,7 @@ def test_the_new_task_states_its_turns(spell):
   # DPO on its trees needs the task's preference trees, which this one does not make.
   dpo = spell_run("algo.name=dpo", "loss.name=dpo")
   with pytest.raises(ValueError, match=r"task 'spell3' makes no preference trees"):
-    rollout.Pairs(dpo, tasks.make(dpo.task), TOKENIZER)
+    dpo_data.Pairs(dpo, tasks.make(dpo.task), TOKENIZER)
 
 
 def test_the_new_task_trains_on_three_level_trees(spell, tmp_path, monkeypatch):

@@ -95,7 +95,7 @@ def test_overrides_parse_types_and_validate():
       "train.n_branches=4",
       "loss.epsilon_high=0.28",
       "replay.branch_chunk=2",
-      "algo.advantage_std=false",
+      "algo.advantage=dr_grpo",
       "task.name=arithmetic",
       "model.d_model=32",
       "mesh=data:2",
@@ -103,7 +103,7 @@ def test_overrides_parse_types_and_validate():
     ],
   )
   assert cfg.train.n_branches == 4 and cfg.replay.branch_chunk == 2
-  assert cfg.loss.epsilon_high is None and cfg.algo.advantage_std is False
+  assert cfg.loss.epsilon_high is None and cfg.algo.advantage == "dr_grpo"
   assert cfg.task.name == "arithmetic" and cfg.model.d_model == 32 and cfg.mesh == "data:2"
   assert config_lib.from_dict(config_lib.to_dict(cfg)) == cfg
 
@@ -126,6 +126,14 @@ def test_overrides_parse_types_and_validate():
     ("model.vocab_size=10", "model.vocab_size=10"),
     ("mesh=data", "mesh='data'"),
     ("train.progress=maybe", "expected true or false"),
+    (
+      "algo.advantage_std=false",
+      "'algo.advantage_std': retired; one spelling now: algo.advantage=dr_grpo",
+    ),
+    (
+      "train.advantage_std=false",
+      "'train.advantage_std': retired; one spelling now: algo.advantage=dr_grpo",
+    ),
   ],
 )
 def test_bad_overrides_name_the_field(override, match):

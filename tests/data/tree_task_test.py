@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from branch_replay import rollout
+from branch_replay.data import supervised
 from branch_replay.data import tasks
 from branch_replay.core import tree
 from branch_replay.config import Config, apply_overrides
@@ -31,9 +32,7 @@ def test_two_turn_task():
   assert len(turns) == 3
   for q, a, v in turns:
     assert q == "?" + a.lower() and len(a) == 1 and a + v in root
-  batch = rollout.sft_batch(
-    task, np.random.default_rng(2), Config(task=task_cfg, tree=tree.TreeConfig("3x1")), TOKENIZER
-  )
+  batch = supervised.warmup_batch(task, np.random.default_rng(2), 16, TOKENIZER)
   tree.validate(batch, TOKENIZER.vocab_size)
   assert batch.fanouts == (3, 1)
   scored = np.asarray(batch.levels[0].scored_BRT)
@@ -93,19 +92,21 @@ def test_tree_overlong_shaping_counts_every_turn_of_the_path():
     tuple(valid),
     tuple(np.zeros(v.shape) for v in valid),
   )
-  got = rollout.path_overlong(samples, lengths, buffer=3, penalty=0.5)
+  assert rollout.path_lengths(samples)[1] == sum(lengths)
+  got = rollout.overlong(samples, buffer=3, penalty=0.5)
   for b in range(B):
     for leaf in range(6):
       n = valid[0][b, leaf // 3].sum() + valid[1][b, leaf].sum()
       assert got[b, leaf] == pytest.approx(rollout.overlong_penalty(n, 7, 3, 0.5))
   assert got.min() < 0  # the penalty binds somewhere
-  assert rollout.path_overlong(samples, lengths, buffer=0, penalty=0.5) == 0.0
+  assert rollout.overlong(samples, buffer=0, penalty=0.5) == 0.0
 
 
 def test_tree_dynamic_sampling_and_overlong_shaping(tmp_path, monkeypatch):
   """DAPO on trees: prompts whose leaves' shaped rewards are all equal are replaced by fresh
   prompts' trees; the advantages are the tree-aware ones of the kept prompts' shaped rewards
   (raw reward + the path-length penalty)."""
+  from branch_replay.core import advantages
   from branch_replay.train import metrics, trainer
 
   seen = []
@@ -114,11 +115,11 @@ def test_tree_dynamic_sampling_and_overlong_shaping(tmp_path, monkeypatch):
     rollout, "dynamic_sample", lambda *a: seen.append(dynamic_sample(*a)) or seen[-1]
   )
   advantages_of = []
-  tree_advantages = tree.tree_advantages
+  levels = advantages.levels
   monkeypatch.setattr(
-    tree,
-    "tree_advantages",
-    lambda r, *a, **k: advantages_of.append(r) or tree_advantages(r, *a, **k),
+    advantages,
+    "levels",
+    lambda name, r, *a, **k: advantages_of.append(r) or levels(name, r, *a, **k),
   )
   cfg = apply_overrides(
     Config(model=tfm.preset("tiny", vocab_size=TOKENIZER.vocab_size)),
@@ -152,29 +153,6 @@ def test_tree_dynamic_sampling_and_overlong_shaping(tmp_path, monkeypatch):
   assert np.all(penalty <= 0) and penalty.min() < 0  # untrained turns run long: shaped
   assert rec["reward/shaped_mean"] == pytest.approx(float(rewards_BR.mean()), abs=1e-6)
   assert rec["reward/mean"] == pytest.approx(float(rows["raw_BR"].mean()), abs=1e-6)
-
-
-def test_tree_rloo_is_leave_one_out_among_siblings():
-  """algo.advantage=rloo on a tree: every node's value (its leaves' mean reward) minus the
-  mean of its siblings' values, each sibling left out of its own baseline (a hand loop)."""
-  from branch_replay.core import advantages
-
-  rng = np.random.default_rng(1)
-  B, fanouts = 2, (3, 2)
-  rewards_BR = rng.normal(size=(B, 6))
-  got = tree.tree_advantages(
-    rewards_BR, fanouts, estimator=lambda g: advantages.compute("rloo", g, None)
-  )
-  for b in range(B):
-    first = [rewards_BR[b, 2 * i : 2 * i + 2].mean() for i in range(3)]
-    for i in range(3):
-      others = [first[j] for j in range(3) if j != i]
-      assert got[0][b, i] == pytest.approx(first[i] - np.mean(others), rel=1e-6)
-    for leaf in range(6):
-      sibling = leaf ^ 1
-      assert got[1][b, leaf] == pytest.approx(
-        rewards_BR[b, leaf] - rewards_BR[b, sibling], rel=1e-6
-      )
 
 
 def test_tree_reward_within_the_time_limit():

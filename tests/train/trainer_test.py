@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from branch_replay import algorithms, rollout
-from branch_replay.data import dpo, tasks, tree_task
+from branch_replay.data import dpo, supervised, tasks, tree_task
 from branch_replay.core import engine
 from branch_replay.train import metrics, runtime, steps
 from branch_replay.train import trainer
@@ -38,7 +38,9 @@ def test_tree_step_scores_at_the_sampler_temperature(monkeypatch):
 
   monkeypatch.setattr(engine, "loss_and_grad", spy)
   task = tasks.make(cfg.task)
-  batch = rollout.sft_batch(task, np.random.default_rng(0), cfg, TOKENIZER)
+  batch = supervised.warmup_batch(
+    task, np.random.default_rng(0), cfg.train.sft_batch_size, TOKENIZER
+  )
   state = jax.eval_shape(lambda: train_state.init_state(cfg))
   with pytest.raises(_Stop):
     jax.eval_shape(steps.make_train_step(cfg, "rl"), state, batch)
