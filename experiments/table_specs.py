@@ -1240,6 +1240,8 @@ ENGINE = {
   "default_run_2026-12-03.jsonl": "another machine (its float32 paths: first loss differs in the last bit)",
   "default_run_3d4842d_rerun_2026-12-04.jsonl": "before session 13's merges (rerun, same machine)",
   "default_run_99370c1_rerun_2026-12-04.jsonl": "after the rooms and the formatter (rerun, same machine)",
+  "default_run_9eed8f1_rerun_2026-12-06.jsonl": "before issue 48's runtime (rerun, same machine)",
+  "default_run_9af4c47_2026-12-06.jsonl": "before the one advantage module (GRPO advantages in float32; same machine)",
   "rollout_strategies_cpu_2026-12-01.jsonl": "before the one engine",
   "peer_cpu_before_2026-12-01.jsonl": "before issue 18's changes",
   "peer_cpu_after_2026-12-02.jsonl": "old protocol: single steps alternating; peer's explicit mask",
