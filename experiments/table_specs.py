@@ -395,6 +395,41 @@ TABLES = {
     ),
     "SmolLM2-135M-Instruct (GGUF Q4_1), greedy, the task's held-out split; a loaded 2-core CPU",
   ),
+  "longctx_sampled": Table(
+    (
+      "task",
+      "prompt_len",
+      "difficulty",
+      "temperature",
+      "prompts x samples",
+      "correct samples",
+      "per-sample accuracy [Wilson 95%]",
+      "groups with reward variance",
+      "prompts with a correct sample",
+      "s",
+    ),
+    (
+      Source(
+        "longctx_sampled_cpu_2026-12-06.jsonl",
+        (
+          "{task}",
+          "{prompt_len}",
+          "{options[n_keys]} keys",
+          "{temperature}",
+          "{n} x {samples}",
+          "{correct}",
+          "{accuracy:.2f} [{ci95_low:.2f}, {ci95_high:.2f}]",
+          "{informative_frac:.2f}",
+          "{prompts_with_any_correct}/{n}",
+          "{seconds:.0f}",
+        ),
+        ("kind=sampled",),
+      ),
+    ),
+    "SmolLM2-135M-Instruct (GGUF Q4_1), the RL sampler (max_new_tokens 10), the task's held-out "
+    "split; samples of one prompt are not independent, so the interval understates the "
+    "uncertainty; s: wall seconds on a 2-core CPU shared with a test run",
+  ),
   "trl": Table(
     (
       "phase (median s over the steps after warm-up)",
@@ -1317,6 +1352,8 @@ CLAIMS = {
   "(prefix sharing apart from the framework)",
   "longctx_accuracy": "SmolLM2-135M-Instruct's greedy accuracy on the needle and vartrack tasks "
   "by prompt length and difficulty",
+  "longctx_sampled": "why the needle recipe's groups carry (or lack) a learning signal: sampled "
+  "accuracy and reward variance by temperature at 4,096 tokens",
   "recipe": "a real pretrained model (SmolLM2-135M-Instruct) trained with LoRA on k-shot math: "
   "greedy held-out accuracy before -> after RL",
   "lora_memory": "LoRA on the large preset: ~1% of the trainable state, replay's memory saving kept",

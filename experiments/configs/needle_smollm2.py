@@ -11,7 +11,11 @@ key, and the answer's opening "The special number for <key> is"; the reward `nee
 (1 when the first number of the completion is that key's). The point (4,096 tokens, 16 keys)
 is the shortest of experiments/results/longctx_accuracy_cpu_2026-12-05.jsonl where the
 model's greedy accuracy lies in 15-60% (2,048 tokens was above it), so a group of 8 has
-reward variance to learn from. The held-out problems
+reward variance to learn from. Temperature 0.6: sampled through the RL sampler at 4,096 tokens
+(experiments/results/longctx_sampled_cpu_2026-12-06.jsonl, 16 held-out prompts x 8), 1.0 gives
+0.12 per-sample accuracy with 9/16 groups holding a reward variance, 0.6 gives 0.34 with 10/16,
+0.3 gives 0.41 with 9/16: 0.6 keeps the most groups with a signal and three times the correct
+samples of 1.0 (a first probe at 1.0 drew 0/16 correct in its first step). The held-out problems
 (train.eval_size, scored greedily before and after RL with a Wilson 95% interval) are the
 task's held-out split, disjoint from the training draws. LoRA rank 16 on every projection,
 the frozen base as the KL reference. Not yet run to the end on this CPU (issue 47, item 4).
@@ -33,7 +37,7 @@ PROMPT_LEN, N_KEYS = 4096, 16
 MAX_NEW_TOKENS = 10  # " 1234567." is at most 9 tokens, + EOS
 STEPS, BATCH, BRANCHES = 30, 2, 8
 LEARNING_RATE, KL_COEF, LORA_RANK = 3e-4, 0.02, 16
-TEMPERATURE = 1.0
+TEMPERATURE = 0.6
 N_EVAL = 100
 
 
