@@ -10,13 +10,14 @@ The rooms, each importing only the ones before it (tests/system/imports_test.py)
                trie.py, sharding.py (the one RULES table)
   data/        what is trained on: a new task is one file with `@tasks.register` (a multi-turn
                one sampled as trees: a `turns.TurnsTask` subclass); rewards
-               (`@rewards.register`), prompts from JSONL, recorded rollouts, preference pairs
+               (`@rewards.register`), prompts from JSONL, recorded rollouts, preference pairs,
+               the supervised warm-up's batches
   registry.py  algo.name -> an algorithm's module and class, resolved by name (importlib)
   config.py    the frozen config and its sections (sections.py), --set, the resume check
   train/       the loop around any algorithm: trainer, the run's runtime (mesh, placement,
                compiled functions, built once), the jitted step, state, checkpoints, metrics,
-               the first-step self-check, preemption
-  rollout.py   prompts -> samples -> rewards -> the batch an algorithm trains on
+               the first-step self-check, the greedy evaluation, preemption
+  rollout.py   prompts -> samples -> rewards -> the sampled batch an algorithm trains on
   algorithms/  a new algorithm is one file with its class, `Options` and `check(cfg)`, and one
                line in the registry (`registry.py` or `algorithms.register`)
 
