@@ -1,0 +1,48 @@
+"""train/evaluate.py: the one greedy evaluation, per prompt, for flat groups and trees; chunks
+of train.eval_batch give each prompt the same answer as one call (one padded shape)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from branch_replay import rollout
+from branch_replay.data import tasks
+from branch_replay.data.tokenizer import TOKENIZER
+from branch_replay.train import evaluate, runtime
+from branch_replay.train import state as train_state
+from helpers import tiny_run, tiny_tree_run
+
+
+def _rewards(cfg, eval_batch):
+  """Each prompt's 'reward': a fingerprint of its greedy tokens (the tasks' own rewards of an
+  untrained model are mostly 0, which would hide a prompt given another's answer)."""
+  cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_batch=eval_batch))
+  task = tasks.make(cfg.task)
+  fingerprint = lambda ids: float(sum((i + 1) * int(t) for i, t in enumerate(np.ravel(ids))))
+  task.rewards = lambda got, completions: np.asarray(
+    [[fingerprint([ord(ch) for ch in c]) for c in cs] for cs in completions]
+  )
+  task.leaf_rewards = lambda got, s, tok: np.asarray(
+    [
+      [fingerprint(np.concatenate([np.ravel(np.asarray(x)[b]) for x in s.tokens]))]
+      for b in range(len(got))
+    ]
+  )
+  fns = rollout.compiled(runtime.Runtime(cfg, TOKENIZER), task)
+  params = train_state.init_state(cfg).params
+  examples = evaluate.eval_examples(task, cfg)
+  got = evaluate.greedy_rewards(fns, params, task, examples, cfg, TOKENIZER)
+  assert evaluate.greedy_reward(fns, params, task, examples, cfg, TOKENIZER) == pytest.approx(
+    float(got.mean())
+  )
+  return got
+
+
+@pytest.mark.parametrize("run", [tiny_run, tiny_tree_run], ids=["flat", "tree"])
+def test_per_prompt_and_chunks_equal_one_call(run):
+  cfg = run("train.eval_size=5", "sampler.max_new_tokens=3")
+  whole = _rewards(cfg, 0)
+  assert whole.shape == (5,)  # one reward per prompt (a tree: its one greedy path's)
+  assert len(set(whole)) > 1  # the prompts' answers differ: the comparison can fail
+  np.testing.assert_array_equal(_rewards(cfg, 2), whole)  # chunks 2, 2, 1 (+1 padding)
