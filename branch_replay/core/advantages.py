@@ -48,11 +48,10 @@ def check(name: str) -> None:
 
 
 def compute(name: str, rewards_BR, train_cfg) -> np.ndarray:
-  """The estimator `name` over each row's group: rewards [G, R] -> advantages [G, R] float32."""
-  check(name)
-  if name in NEEDS_CRITIC:
-    raise ValueError(f"algo.advantage={name!r} is per token and needs a critic (critic.py)")
-  return np.asarray(ESTIMATORS[name](np.asarray(rewards_BR, np.float64), train_cfg), np.float32)
+  """The estimator `name` over each row's group: rewards [G, R] -> advantages [G, R] float32
+  (`levels` of fan-outs (R,))."""
+  (adv,) = levels(name, rewards_BR, np.shape(rewards_BR)[1:], train_cfg)
+  return adv
 
 
 def nodes(fanouts: Sequence[int], d: int) -> int:

@@ -75,13 +75,14 @@ class Pairs:
 
   def __init__(self, cfg, task, tok):
     self.cfg, self.task, self.tok = cfg, task, tok
-    self.turns = tasks.rollout_shape(cfg).turns
+    shape = tasks.rollout_shape(cfg)
+    self.turns = shape.turns
     if self.turns:  # the task's preference trees (TurnsTask.preference_trees)
       try:
         fanouts = task.preference_trees(np.random.default_rng(0), 1, tok).fanouts
       except NotImplementedError:
         raise ValueError(
-          f"algo.name='dpo' with {tasks.rollout_shape(cfg).setting}: task {cfg.task.name!r} makes no "
+          f"algo.name='dpo' with {shape.setting}: task {cfg.task.name!r} makes no "
           "preference trees (TurnsTask.preference_trees); expected tree.fanouts='' and "
           "algo.pairs_file, or another task"
         ) from None

@@ -33,12 +33,11 @@ def greedy_rewards(fns, params, task, examples, cfg: Config, tok) -> np.ndarray:
     else tok.encode(e.prompt, bos=True)
     for e in examples
   ]
-  header_H, extra = None, {}
+  extra = {}  # the shared header, when there is one
   if t.eval_shared_prefix and not trees:
     header_H, ids = sampler.shared_header(ids)
-    if len(header_H):
-      extra = {"header_H": header_H}
-  L = max([task.max_prompt_len - len(header_H if extra else ())] + [len(x) for x in ids])
+    extra = {"header_H": header_H} if len(header_H) else {}
+  L = max([task.max_prompt_len - len(extra.get("header_H", ()))] + [len(x) for x in ids])
   n = t.eval_batch or len(examples)
   out = []
   for i in range(0, len(examples), n):
