@@ -1,14 +1,13 @@
 """train/runtime.py: the run's context built once. The mesh is one object per spec (built from
 the config's string in one place, once per run), the jitted functions are cached by what shapes
-them (a second run of the same model compiles nothing), placement goes where the state's
-shardings say, and a function given a config with a mesh but no mesh object refuses it by
-name before any compilation."""
+them (a second run of the same model compiles nothing), and placement goes where the state's
+shardings say (a function given a config with a mesh but no mesh object refuses it by name:
+state_test.py)."""
 
 import dataclasses
 
 import jax
 import numpy as np
-import pytest
 
 from branch_replay.algorithms import grpo
 from branch_replay.config import Config, apply_overrides
@@ -16,7 +15,6 @@ from branch_replay.core import sharding
 from branch_replay.data import tasks
 from branch_replay.data.tokenizer import TOKENIZER
 from branch_replay.train import runtime, steps, trainer
-from branch_replay.train import state as train_state
 from helpers import QUIET, CountingAlgorithm, loop_config
 from models import transformer as tfm
 
@@ -58,16 +56,6 @@ def test_the_cache_keeps_the_most_recently_used(monkeypatch):
   assert runtime.cached("a", object) is values[0]  # "a" used last: "b" goes first
   runtime.cached("c", object)
   assert list(runtime._CACHE) == ["a", "c"]
-
-
-def test_a_config_with_a_mesh_and_no_mesh_object_is_refused_by_name():
-  cfg = tiny("mesh=data:2,fsdp:4")
-  with pytest.raises(ValueError, match=r"init_state: mesh='data:2,fsdp:4' in the config but no"):
-    train_state.init_state(cfg)
-  with pytest.raises(ValueError, match=r"make_train_step: mesh='data:2,fsdp:4'.*Runtime"):
-    steps.make_train_step(cfg)
-  with pytest.raises(ValueError, match=r"shardings: mesh='' in the config but a mesh"):
-    train_state.shardings(np.zeros(2), "batch", tiny(), runtime.mesh_of("data:8"))
 
 
 def test_put_places_the_state_on_the_runs_mesh():

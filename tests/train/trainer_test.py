@@ -1,7 +1,7 @@
-"""The trainer loops' contracts on every path (flat, tree, DPO): the temperature-consistent
-loss, options refused by field rather than ignored, prompts encoded with the run's tokenizer
-(honouring `prompt_ids`) and `task.check`, metrics and TensorBoard from process 0 only,
-closed, and the final-eval decision broadcast."""
+"""The trainer loops' contracts on every path (flat, tree, DPO): options refused by field
+rather than ignored, prompts encoded with the run's tokenizer (honouring `prompt_ids`) and
+`task.check`, metrics and TensorBoard from process 0 only, closed, and the final-eval decision
+broadcast (the step's temperature-consistent loss: steps_test.py)."""
 
 import glob
 import os
@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 
 from branch_replay import algorithms, rollout
-from branch_replay.data import dpo, supervised, tasks, tree_task
-from branch_replay.core import engine
-from branch_replay.train import metrics, runtime, steps
+from branch_replay.data import dpo, tasks, tree_task
+from branch_replay.train import metrics, runtime
 from branch_replay.train import trainer
 from branch_replay.train import state as train_state
 from branch_replay.data.tokenizer import TOKENIZER, CharTokenizer
@@ -23,28 +22,6 @@ from helpers import CountingAlgorithm, loop_config, short_tree_run
 
 class _Stop(Exception):
   pass
-
-
-# ----------------------------------------------------------------------------- (1) temperature
-
-
-def test_tree_step_scores_at_the_sampler_temperature(monkeypatch):
-  cfg = short_tree_run("sampler.temperature=0.7")
-  seen = []
-
-  def spy(params, batch, model_cfg, loss_cfg, *args, **kwargs):
-    seen.append(loss_cfg)
-    raise _Stop
-
-  monkeypatch.setattr(engine, "loss_and_grad", spy)
-  task = tasks.make(cfg.task)
-  batch = supervised.warmup_batch(
-    task, np.random.default_rng(0), cfg.train.sft_batch_size, TOKENIZER
-  )
-  state = jax.eval_shape(lambda: train_state.init_state(cfg))
-  with pytest.raises(_Stop):
-    jax.eval_shape(steps.make_train_step(cfg, "rl"), state, batch)
-  assert seen[0] == steps.rl_loss_config(cfg) and seen[0].temperature == 0.7
 
 
 # ----------------------------------------------------------------------------- (4) refusals
