@@ -165,7 +165,8 @@ def rl_batch(fns, state: TrainState, task, rt: Runtime, step: int):
   `algo.max_sample_rounds` rounds; `algo.overlong_buffer` shapes a reward by the length of
   its path. Stats include each phase's seconds (phases.py; every round included):
   time/sample_s = data_s (prompts drawn, encoded) + generate_s; reward_s; old_logp_s = 0
-  (the sampler returns the behaviour log-probs with the tokens); ref_logp_s; assemble_s."""
+  (the sampler returns the behaviour log-probs with the tokens); ref_logp_s; assemble_s
+  (advantages, the batch checked and put on the devices; the reference's forward apart)."""
   cfg = rt.cfg
   a = cfg.algo
   phase_s = dict.fromkeys(("data", "generate", "reward"), 0.0)  # summed over the rounds
@@ -189,6 +190,7 @@ def rl_batch(fns, state: TrainState, task, rt: Runtime, step: int):
   # log-probs); the batch itself stays where the sampler left it: on the device.
   tree.validate(_assemble(rows["host"], adv, cfg), cfg.model.vocab_size, cfg.replay.branch_chunk)
   batch = rt.put(_assemble(rows["device"], adv, cfg), "batch")  # advantages: host -> device
+  assemble_s = time.perf_counter() - t1  # the reference's forward below is ref_logp_s
   ref = reference(state, cfg)  # LoRA: the base, adapters off
   if ref is not None:  # k3 KL: reference log-probs of every node, one shared-prefix forward
     r0 = time.perf_counter()
@@ -208,7 +210,7 @@ def rl_batch(fns, state: TrainState, task, rt: Runtime, step: int):
       "time/sample_s": phase_s["data"] + phase_s["generate"],
       "time/old_logp_s": 0.0,
       "time/ref_logp_s": 0.0,
-      "time/assemble_s": time.perf_counter() - t1,
+      "time/assemble_s": assemble_s,
       **stats,
     },
   )

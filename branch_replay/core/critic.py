@@ -46,6 +46,7 @@ class CriticConfig:
   # false: a separate value model (a copy of the policy's transformer + a value head)
   share: bool = False
   learning_rate: float = 1e-3
+  weight_decay: float = 0.0  # AdamW's decoupled decay of the critic (the policy's: train's)
   value_clip: float = 0.2  # clip of V - V_old in the clipped value loss
   gamma: float = 1.0
   lam: float = 0.95  # GAE lambda
@@ -56,6 +57,8 @@ class CriticConfig:
       raise ValueError(f"critic.share={self.share!r}: expected true or false")
     if not (0 < self.learning_rate < float("inf")):
       raise ValueError(f"critic.learning_rate={self.learning_rate!r}: expected > 0")
+    if not (0 <= self.weight_decay < float("inf")):
+      raise ValueError(f"critic.weight_decay={self.weight_decay!r}: expected >= 0")
     if not self.value_clip > 0:
       raise ValueError(f"critic.value_clip={self.value_clip!r}: expected > 0")
     for name in ("gamma", "lam"):

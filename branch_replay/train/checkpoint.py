@@ -76,6 +76,10 @@ class Checkpointer:
         max_to_keep=self.cfg.train.keep_checkpoints,
         create=True,
         enable_async_checkpointing=self.cfg.train.async_checkpoints,
+        # a save cut short (a kill mid-write) leaves a temporary directory, never a checkpoint;
+        # the next start removes it (orbax cleans in the background from here and waits for
+        # it before the first save; StorageError's message says so)
+        cleanup_tmp_directories=True,
       ),
     )
 

@@ -50,7 +50,7 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
 def make_critic_optimizer(cfg: Config) -> optax.GradientTransformation:
   return optax.chain(
     optax.clip_by_global_norm(cfg.train.grad_clip),
-    optax.adamw(cfg.critic.learning_rate, b1=0.9, b2=0.99),
+    optax.adamw(cfg.critic.learning_rate, b1=0.9, b2=0.99, weight_decay=cfg.critic.weight_decay),
   )
 
 

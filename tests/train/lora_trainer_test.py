@@ -5,6 +5,8 @@ reference with the base, resumes bitwise, and exports a PEFT adapter that peft l
 
 import dataclasses
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -158,9 +160,17 @@ def test_lora_samples_merged_weights_and_scores_kl_against_the_base():
     sampled_with.append(params)
     return sample(params, **kwargs)
 
-  fns = fns._replace(sample=spy)
+  score_fn = fns.score
+
+  def slow_score(params, **kwargs):  # the reference's forward, 2 s longer
+    time.sleep(2.0)
+    return score_fn(params, **kwargs)
+
+  fns = fns._replace(sample=spy, score=slow_score)
   task = tasks.make(cfg.task, TOKENIZER)
-  batch, _, _ = rollout.rl_batch(fns, state, task, rt, 0)
+  batch, _, stats = rollout.rl_batch(fns, state, task, rt, 0)
+  # the reference's forward is timed as ref_logp_s alone, not again inside assemble_s
+  assert stats["time/ref_logp_s"] >= 2.0 and stats["time/assemble_s"] < 2.0
   jax.tree.map(
     lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), sampled_with[0], merged
   )
