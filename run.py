@@ -206,6 +206,7 @@ def main(argv):
   init_adapters, merge_kwargs = lora_options(FLAGS, cfg)
   from branch_replay import algorithms
   from branch_replay.train import checkpoint, preemption, trainer
+  from branch_replay.train import summary as summary_lib
   from branch_replay.data import rewards
 
   algorithm = algorithms.for_config(cfg)
@@ -237,7 +238,7 @@ def main(argv):
   import jax
 
   if jax.process_index() == 0:  # multi-host: one summary
-    print(algorithm.format_summary(summary))
+    print(summary_lib.render(summary))
     if summary.get("adapter"):
       print(
         f"LoRA adapter (PEFT): {summary['adapter']}"

@@ -204,12 +204,13 @@ def metrics_to_results(
   """A finished run's workdir as a results file: a `kind: header` line (the run's command,
   config.json, what is known of the run in `run_info`: its commit, dates, wall time), one
   line per metrics record (kind train or eval, as written by the run), and a last
-  `kind: summary` line (grpo.summarize). The header and summary carry `provenance` (this
+  `kind: summary` line (train/summary.py's, over the run's algorithm's phase and metrics). The header and summary carry `provenance` (this
   conversion's checkout and command) and `run_info` as `run` (a table credits the summary to
   the run's commit when it names one); the per-step lines do not repeat it."""
   from branch_replay import config as config_lib
+  from branch_replay import registry
   from branch_replay.train import metrics
-  from branch_replay.algorithms import grpo
+  from branch_replay.train import summary as summary_lib
 
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   config_path = os.path.join(workdir, "config.json")
@@ -224,11 +225,8 @@ def metrics_to_results(
   with open(config_path) as f:
     cfg_dict = json.load(f)
   cfg = config_lib.from_dict(cfg_dict)
-  summary = grpo.summarize(records, cfg)
-  if cfg.uses_critic:  # PPO's summary adds its critic's explained variance
-    from branch_replay.algorithms import ppo
-
-    summary.update(ppo.value_summary(records, summary["reward_window"]))
+  algorithm = registry.for_config(cfg)
+  summary = summary_lib.summarize(records, algorithm.phase, algorithm.summary_metrics)
   if os.path.exists(out):
     os.remove(out)  # a results file describes one run
   writer = ResultsWriter(out, experiment, argv, with_jax=False, echo=False)

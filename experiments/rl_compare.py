@@ -71,6 +71,7 @@ def main():
       f"load {os.getloadavg()[0]:.1f}",
       "wall_s": time.time() - t0,
       **{k: v for k, v in s.items() if isinstance(v, (int, float, str, type(None)))},
+      **{k: s[k] for k in ("first", "last", "time_by_phase")},  # train/summary.py's metrics
     }
     with open(args.out, "a") as f:
       f.write(json.dumps(row) + "\n")

@@ -416,9 +416,6 @@ class CountingAlgorithm(base.Algorithm):
   def restore_template(self, state, step):
     return train_state.state_dict(state)
 
-  def summarize(self, records):
-    return {"records": records}
-
 
 def loop_config(*overrides):
   """The Config CountingAlgorithm runs under: 1 SFT + 2 RL steps, a checkpoint each, quiet."""

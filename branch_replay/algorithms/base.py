@@ -11,19 +11,9 @@ import numpy as np
 from branch_replay import rollout
 from branch_replay.core import tree
 from branch_replay.data import supervised
-from branch_replay.train import evaluate, phases, steps, verify
+from branch_replay.train import evaluate, steps, verify
 from branch_replay.train import runtime as runtime_lib
 from branch_replay.train import state as train_state
-
-
-def window(rows) -> int:
-  """How many first and last steps a summary averages: a quarter of the run, 1 to 10."""
-  return max(1, min(10, len(rows) // 4))
-
-
-def fmt(x) -> str:
-  """A summary number: 3 decimals, 'n/a' for None or NaN."""
-  return "n/a" if x is None or x != x else f"{x:.3f}"
 
 
 def floats(out) -> dict:
@@ -37,10 +27,14 @@ class Algorithm:
   e.g. in a notebook). The defaults: the
   supervised warm-up of train.sft_steps (data/supervised.py through the policy's sft_step),
   then train.rl_steps of the phase (`batch` and `update`: every algorithm's own), the greedy
-  evaluation on held-out prompts, the first-batch self-check, the checkpoint's state."""
+  evaluation on held-out prompts, the first-batch self-check, the checkpoint's state; its
+  summary is train/summary.py's over `phase` and `summary_metrics`."""
 
   phase = "rl"  # the name of its phase in metrics
   progress_keys = ("loss/policy",)  # metrics shown beside the progress bar
+  # What its summary shows first/last of its phase's steps (train/summary.py: one schema for
+  # every algorithm, rendered once): record keys, or (key, pool(records) -> float).
+  summary_metrics = ("loss/policy",)
   # What it needs of the other sections, declared (algorithms.check reads them when a config
   # is made, before any compute):
   objectives = None  # the loss.name values it trains; None: those of sampled groups
@@ -109,26 +103,12 @@ class Algorithm:
   def eval_examples(self) -> list:
     return evaluate.eval_examples(self.task, self.cfg)
 
-  def evaluate(self, state, examples) -> float:
-    """The mean reward of greedy completions (one per prompt; trees: one path)."""
-    return float(self.evaluate_all(state, examples).mean())
-
-  def evaluate_all(self, state, examples) -> np.ndarray:
-    """The reward of each prompt's greedy completion (`train/evaluate.py`)."""
+  def evaluate(self, state, examples) -> np.ndarray:
+    """The reward of each prompt's greedy completion (`train/evaluate.py`; trees: one path);
+    the trainer logs their mean, and with train.eval_batch their count and interval."""
     params = train_state.weights(state, self.cfg.lora, self.cfg.model.compute_dtype)
     return evaluate.greedy_rewards(self.fns, params, self.task, examples, self.cfg, self.tok)
 
   def restore_template(self, state, step: int) -> dict:
     """The checkpoint's tree at `step` (resume)."""
     return train_state.state_dict(state)
-
-  def summarize(self, records) -> dict:
-    train = [r for r in records if r.get("kind", "train") == "train"]
-    return {"steps": len(train), "time_by_phase": phases.totals(records)}
-
-  @staticmethod
-  def format_summary(summary: dict) -> str:  # run.py calls it on the class
-    lines = [f"{summary['steps']} steps"]
-    if summary.get("time_by_phase"):
-      lines.append(phases.format_totals(summary["time_by_phase"]))
-    return "\n".join(lines)

@@ -63,6 +63,7 @@ class DPO(base.Algorithm):
   phase = "dpo"
   objectives = ("dpo",)  # its pairs' objective (losses.py), not a sampled group's
   progress_keys = ("dpo/accuracy", "loss/policy")
+  summary_metrics = ("dpo/accuracy", "dpo/margin")
 
   def __init__(self, cfg, task, tok, workdir=None, runtime=None):
     super().__init__(cfg, task, tok, workdir, runtime)
@@ -102,17 +103,3 @@ class DPO(base.Algorithm):
     if step > self.cfg.train.sft_steps:  # the reference exists once DPO has begun
       keys["ref_params"] = state.params
     return keys
-
-  def summarize(self, records):
-    recs = [r for r in records if r.get("phase") == "dpo"]
-    k = base.window(recs)
-    mean = lambda key, rs: float(np.mean([r[key] for r in rs])) if rs else float("nan")
-    return {
-      "accuracy_before": mean("dpo/accuracy", recs[:k]),
-      "accuracy_after": mean("dpo/accuracy", recs[-k:]),
-      "margin_after": mean("dpo/margin", recs[-k:]),
-      "window": k,
-      "steps": len([r for r in records if r.get("kind", "train") == "train"]),
-    }
-
-  format_summary = staticmethod(dpo.format_summary)

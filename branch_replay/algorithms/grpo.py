@@ -13,7 +13,6 @@ import numpy as np
 from branch_replay import algorithms, rollout
 from branch_replay.algorithms import base
 from branch_replay.config import Config
-from branch_replay.train import metrics, phases
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,78 +57,13 @@ def rl_update(rt, fns, state, batch, step: int, step_fn=None):
   return state, avg
 
 
-def summarize(records, cfg: Config) -> dict:
-  train = [r for r in records if r.get("kind", "train") == "train"]
-  rl = [r for r in train if r.get("reward/mean") is not None]
-  k = base.window(rl)
-  evals = {r["step"]: r["eval/greedy_reward"] for r in records if r.get("kind") == "eval"}
-  mean = lambda xs: float(np.mean(xs)) if xs else float("nan")
-  intervals = {}  # accuracy evaluations (train.eval_batch / eval_shared_prefix): n, Wilson 95%
-  for when, step in (("before", cfg.train.sft_steps), ("after", cfg.train.total_steps)):
-    rec = next(
-      (
-        r for r in records if r.get("kind") == "eval" and r["step"] == step and "eval/ci95_low" in r
-      ),
-      None,
-    )
-    if rec is not None:
-      intervals.update(
-        {
-          f"eval_{when}_n": rec["eval/n"],
-          f"eval_{when}_correct": rec["eval/correct"],
-          f"eval_{when}_ci95": [rec["eval/ci95_low"], rec["eval/ci95_high"]],
-        }
-      )
-  if "eval_before_ci95" in intervals and "eval_after_ci95" in intervals:
-    intervals["eval_after_interval_above_before"] = (
-      intervals["eval_after_ci95"][0] > intervals["eval_before_ci95"][1]
-    )
-  return {
-    **intervals,
-    "reward_before": mean([r["reward/mean"] for r in rl[:k]]),
-    "reward_after": mean([r["reward/mean"] for r in rl[-k:]]),
-    "reward_window": k,
-    "eval_before": evals.get(cfg.train.sft_steps),
-    "eval_after": evals.get(cfg.train.total_steps),
-    "computed_tokens": int(sum(r["replay/computed_tokens"] for r in train)),
-    "rl_computed_tokens": int(sum(r["replay/computed_tokens"] for r in rl)),
-    "rl_naive_equiv_tokens": int(sum(r["replay/naive_equiv_tokens"] for r in rl)),
-    "naive_equiv_tokens": int(sum(r["replay/naive_equiv_tokens"] for r in train)),
-    "train_time_s": float(sum(r["time/step_s"] for r in train)),
-    "steps": len(train),
-    "rl_steps": len(rl),
-    "median_rl_step_s": float(np.median([r["time/step_s"] for r in rl])) if rl else None,
-    "time_by_phase": phases.totals(records),
-  }
-
-
-def format_summary(s: dict) -> str:
-  ratio = s["naive_equiv_tokens"] / max(s["computed_tokens"], 1)
-  fmt = base.fmt
-  return "\n".join(
-    [
-      f"reward/mean (sampled, mean of first/last {s['reward_window']} RL steps): "
-      f"{fmt(s['reward_before'])} -> {fmt(s['reward_after'])}",
-      f"greedy eval reward before/after RL: {fmt(s['eval_before'])} -> {fmt(s['eval_after'])}",
-      f"token positions computed: {s['computed_tokens']:,} vs naive equivalent "
-      f"{s['naive_equiv_tokens']:,} ({ratio:.1f}x fewer; RL steps alone "
-      f"{s['rl_computed_tokens']:,} vs {s['rl_naive_equiv_tokens']:,}, "
-      f"{s['rl_naive_equiv_tokens'] / max(s['rl_computed_tokens'], 1):.1f}x)",
-      f"time: {s['wall_s']:.0f} s wall ({s['train_time_s']:.0f} s in {s['steps']} steps)",
-      *([phases.format_totals(s["time_by_phase"])] if s.get("time_by_phase") else []),
-      f"checkpoints: {metrics.shown(s['checkpoint'])}",
-      f"metrics: {metrics.shown(s['metrics'])}",
-      f"plot: {metrics.shown(s['plot'])}",
-    ]
-  )
-
-
 class GRPO(base.Algorithm):
   """Sampled groups (`rollout.sampled`: flat or trees, one batch type) and their update:
   epochs x minibatches of the replay step, against the KL reference; the base's warm-up,
   evaluation and self-check."""
 
   auto_tree = True  # flat groups laid out as their trie (rollout.auto_tree)
+  summary_metrics = ("reward/mean",)  # sampled, before shaping
 
   def __init__(self, cfg, task, tok, workdir=None, runtime=None):
     super().__init__(cfg, task, tok, workdir, runtime)
@@ -151,8 +85,3 @@ class GRPO(base.Algorithm):
     if phase == "sft":
       return batch.token_counts()
     return tuple(self.cfg.algo.ppo_epochs * n for n in batch.token_counts())  # per pass
-
-  def summarize(self, records):
-    return summarize(records, self.cfg)
-
-  format_summary = staticmethod(format_summary)

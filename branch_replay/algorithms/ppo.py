@@ -25,7 +25,7 @@ import numpy as np
 import optax
 
 from branch_replay import algorithms, rollout
-from branch_replay.algorithms import base, grpo
+from branch_replay.algorithms import grpo
 from branch_replay.core import critic, tree
 from branch_replay.train import state as train_state
 from branch_replay.config import Config
@@ -170,24 +170,16 @@ def gae_batch(fns: CriticFns, state, batch, rewards_BR, rt):
   return batch, cb, stats
 
 
-def value_summary(records, k: int) -> dict:
-  """The critic's explained variance of the old values, pooled over the first/last k RL
-  steps (the windows of the policy's reward summary)."""
-  rl = [
-    r for r in records if r.get("kind", "train") == "train" and r.get("reward/mean") is not None
-  ]
-  return {
-    "value_ev_before": critic.pooled_explained_variance(rl[:k]),
-    "value_ev_after": critic.pooled_explained_variance(rl[-k:]),
-  }
-
-
 class PPO(grpo.GRPO):
   """GRPO's sampling, warm-up, evaluation and policy step; the critic's init, values, GAE and
   step here."""
 
   uses_critic = True  # the `critic` section is its value model
   auto_tree = False  # its advantages are per token (GAE), its critic has its own batch
+  # the critic's explained variance of the old values, pooled over the summary's windows
+  summary_metrics = grpo.GRPO.summary_metrics + (
+    ("value/explained_variance", critic.pooled_explained_variance),
+  )
 
   def __init__(self, cfg, task, tok, workdir=None, runtime=None):
     super().__init__(cfg, task, tok, workdir, runtime)
@@ -226,17 +218,3 @@ class PPO(grpo.GRPO):
 
   def token_counts(self, batch, phase):
     return super().token_counts(batch if phase == "sft" else batch.policy, phase)
-
-  def summarize(self, records):
-    summary = super().summarize(records)
-    return {**summary, **value_summary(records, summary["reward_window"])}
-
-  @staticmethod
-  def format_summary(summary) -> str:
-    lines = grpo.format_summary(summary).split("\n")
-    fmt = base.fmt
-    ev = (
-      f"value/explained_variance (pooled, first/last {summary['reward_window']} RL steps): "
-      f"{fmt(summary['value_ev_before'])} -> {fmt(summary['value_ev_after'])}"
-    )
-    return "\n".join(lines[:3] + [ev] + lines[3:])

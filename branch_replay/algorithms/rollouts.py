@@ -120,6 +120,7 @@ class Rollouts(base.Algorithm):
   over the file."""
 
   progress_keys = ("reward/mean", "loss/policy")
+  summary_metrics = ("reward/mean",)  # the file's rewards
 
   def __init__(self, cfg, task, tok, workdir=None, runtime=None):
     super().__init__(cfg, task, tok, workdir, runtime)
@@ -171,28 +172,3 @@ class Rollouts(base.Algorithm):
 
   def eval_examples(self):
     return []
-
-  def summarize(self, records):
-    train = [r for r in records if r.get("kind") == "train"]
-    k = base.window(train)
-    mean = lambda rs: float(np.mean([r["reward/mean"] for r in rs])) if rs else float("nan")
-    return {
-      "steps": len(train),
-      "records": records,
-      "reward_first": mean(train[:k]),
-      "reward_last": mean(train[-k:]),
-      "window": k,
-      "time_by_phase": phases.totals(records),
-    }
-
-  @staticmethod
-  def format_summary(summary) -> str:
-    return (
-      f"rollouts: {summary['steps']} steps, reward (file) first {summary['window']} "
-      f"{summary['reward_first']:.3f}, last {summary['reward_last']:.3f}"
-      + (
-        f"\n{phases.format_totals(summary['time_by_phase'])}"
-        if summary.get("time_by_phase")
-        else ""
-      )
-    )

@@ -5,10 +5,8 @@ for train.sft_steps before its phase, run as the phase."""
 
 from __future__ import annotations
 
-import numpy as np
 
 from branch_replay.algorithms import base
-from branch_replay.train import metrics
 from branch_replay.sections import NoOptions as Options  # noqa: F401 (SFT has no options)
 
 
@@ -40,37 +38,3 @@ class SFT(base.Algorithm):
 
   def verify(self, state, batch, tol=None):
     return {}  # supervised batches: the self-check is the RL objective's
-
-  def summarize(self, records):
-    rows = [r for r in records if r.get("kind", "train") == "train"]
-    k = base.window(rows)
-    evals = {r["step"]: r["eval/greedy_reward"] for r in records if r.get("kind") == "eval"}
-    mean = lambda xs: float(np.mean(xs)) if xs else float("nan")
-    return {
-      "loss_before": mean([r["loss/policy"] for r in rows[:k]]),
-      "loss_after": mean([r["loss/policy"] for r in rows[-k:]]),
-      "loss_window": k,
-      "eval_before": evals.get(0),
-      "eval_after": evals.get(self.total_steps),
-      "computed_tokens": int(sum(r["replay/computed_tokens"] for r in rows)),
-      "naive_equiv_tokens": int(sum(r["replay/naive_equiv_tokens"] for r in rows)),
-      "train_time_s": float(sum(r["time/step_s"] for r in rows)),
-      "steps": len(rows),
-    }
-
-  @staticmethod
-  def format_summary(s: dict) -> str:
-    fmt = base.fmt
-    ratio = s["naive_equiv_tokens"] / max(s["computed_tokens"], 1)
-    return "\n".join(
-      [
-        f"loss/policy (-log p, mean of first/last {s['loss_window']} steps): "
-        f"{fmt(s['loss_before'])} -> {fmt(s['loss_after'])}",
-        f"greedy eval reward before/after SFT: {fmt(s['eval_before'])} -> {fmt(s['eval_after'])}",
-        f"token positions computed: {s['computed_tokens']:,} vs naive equivalent "
-        f"{s['naive_equiv_tokens']:,} ({ratio:.1f}x fewer)",
-        f"time: {s['wall_s']:.0f} s wall ({s['train_time_s']:.0f} s in {s['steps']} steps)",
-        f"checkpoints: {metrics.shown(s['checkpoint'])}",
-        f"metrics: {metrics.shown(s['metrics'])}",
-      ]
-    )

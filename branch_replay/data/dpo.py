@@ -124,11 +124,3 @@ def preference_metrics(policy_logp_BR, ref_logp_BR, beta: float) -> dict:
     "rewards/chosen": float(r_BR[:, 0].mean()),
     "rewards/rejected": float(r_BR[:, 1].mean()),
   }
-
-
-def format_summary(s: dict) -> str:
-  return (
-    f"dpo/accuracy (mean of first/last {s['window']} DPO steps): "
-    f"{s['accuracy_before']:.3f} -> {s['accuracy_after']:.3f}; "
-    f"margin {s['margin_after']:.3f}\ntime: {s['wall_s']:.0f} s\nmetrics: {s['metrics']}"
-  )

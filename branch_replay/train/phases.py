@@ -7,7 +7,7 @@
 
 Every RL path writes all five per step (flat and sampled-tree GRPO, a rollouts file); where
 the sampler returns the behaviour log-probs with its tokens, old_logp_s is 0 (part of
-sample_s). `totals(records)` sums them over a run's RL steps for its summary.
+sample_s). `totals(rows)` sums them over the steps given (train/summary.py: the phase's).
 """
 
 from __future__ import annotations
@@ -36,11 +36,13 @@ class Timer:
     return {f"time/{p}_s": s for p, s in self.seconds.items()}
 
 
-def totals(records) -> dict:
-  """Seconds per phase summed over a run's RL steps (every phase present; warm-up excluded)."""
-  rl = [r for r in records if r.get("kind", "train") == "train" and r.get("phase") != "sft"]
-  return {p: float(sum(r.get(f"time/{p}_s") or 0.0 for r in rl)) for p in PHASES}
+def totals(rows) -> dict:
+  """Seconds per phase summed over the given steps' records (every phase present; the
+  summary passes its phase's steps, so a warm-up is left out)."""
+  return {p: float(sum(r.get(f"time/{p}_s") or 0.0 for r in rows)) for p in PHASES}
 
 
-def format_totals(seconds: dict) -> str:
-  return "time by phase (RL steps): " + ", ".join(f"{p} {s:.2f} s" for p, s in seconds.items())
+def format_totals(seconds: dict, phase: str = "RL") -> str:
+  return f"time by phase ({phase} steps): " + ", ".join(
+    f"{p} {s:.2f} s" for p, s in seconds.items()
+  )

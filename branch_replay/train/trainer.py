@@ -16,6 +16,7 @@ import numpy as np
 
 from branch_replay import registry
 from branch_replay.train import checkpoint, metrics, preemption, runtime, verify
+from branch_replay.train import summary as summary_lib
 from branch_replay.data import rewards, tasks
 from branch_replay.train import state as train_state
 from branch_replay.config import Config
@@ -87,10 +88,11 @@ def _train(cfg, workdir, algorithm, init_params, tokenizer, init_adapters, guard
   verify_pending = verify.enabled(cfg.replay.verify, init_params is not None) and not cfg.mesh
 
   def evaluate(state, step):
+    rewards = algo.evaluate(state, eval_examples)  # one per prompt
     if t.eval_batch or t.eval_shared_prefix:  # per prompt: n, and 0/1 rewards' interval
-      rec = metrics.eval_record(algo.evaluate_all(state, eval_examples))
+      rec = metrics.eval_record(rewards)
     else:
-      rec = {"eval/greedy_reward": algo.evaluate(state, eval_examples)}
+      rec = {"eval/greedy_reward": float(rewards.mean())}
     writer.write({"step": step, "kind": "eval", **rec})
     if "eval/ci95_low" in rec:
       bar.write(
@@ -177,7 +179,7 @@ def _train(cfg, workdir, algorithm, init_params, tokenizer, init_adapters, guard
   plot_path = (
     metrics.plot(records, os.path.join(workdir, "metrics.png")) if t.plot and chief else None
   )
-  summary = algo.summarize(records)
+  summary = summary_lib.summarize(records, algo.phase, algo.summary_metrics)
   summary.update(
     workdir=workdir,
     checkpoint=ckpt.directory,

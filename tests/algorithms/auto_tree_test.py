@@ -10,10 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from branch_replay.train import metrics, phases, steps, trainer
+from branch_replay.train import metrics, phases, steps, summary, trainer
 from branch_replay.core import tree
 from branch_replay import rollout
-from branch_replay.algorithms import grpo
 from branch_replay.train import state as train_state
 from branch_replay.config import Config, apply_overrides
 from models import transformer as tfm
@@ -165,7 +164,7 @@ def test_trainer_with_auto_tree_on_and_off(tmp_path):
       assert r["time/sample_s"] > 0 and r["time/update_s"] > 0 and r["time/ref_logp_s"] > 0
       assert r["time/old_logp_s"] == 0.0  # returned by the sampler: part of sampling
   assert set(on["time_by_phase"]) == set(phases.PHASES) and on["time_by_phase"]["update"] > 0
-  assert "time by phase (RL steps): sample" in grpo.format_summary(on)
+  assert "time by phase (RL steps): sample" in summary.render(on)
 
 
 @pytest.mark.parametrize(

@@ -108,11 +108,12 @@ def test_workdir_metrics_become_a_results_file_with_its_command(tmp_path):
   assert len(rows) == 1 + 752 + 1
   assert summary["kind"] == "summary" and "provenance" in summary
   # the summary is computed from the lines in between: last 10 RL rewards are 0.75
-  assert summary["reward_before"] == 0.5 and summary["reward_after"] == 0.75
+  assert summary["first"] == {"reward/mean": 0.5} and summary["last"] == {"reward/mean": 0.75}
   assert summary["eval_before"] == 0.25 and summary["eval_after"] == 0.5
   assert summary["computed_tokens"] == 7500 and summary["naive_equiv_tokens"] == 30000
+  assert (summary["steps"], summary["phase_steps"], summary["window"]) == (750, 150, 10)
   md = results_table.table(results_table.load([str(out)], ["kind=summary"]))
-  assert "| 0.5 | 0.75 |" in md.replace("reward_before", "")
+  assert "| 0.25 | " in md and "| 0.5 | " in md  # the evaluations, as scalar columns
 
 
 def test_missing_workdir_files_fail_naming_them(tmp_path):

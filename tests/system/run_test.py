@@ -10,8 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from branch_replay.train import metrics, trainer
-from branch_replay.algorithms import grpo
+from branch_replay.train import metrics, summary, trainer
 from branch_replay.config import apply_overrides
 from helpers import short_run
 
@@ -68,7 +67,7 @@ def test_three_step_run_end_to_end_and_same_seed_same_metrics(tmp_path):
   assert [r["step"] for r in evals] == [1, 3]
   assert sorted(os.listdir(s["checkpoint"])) == ["2", "3"]
   assert os.path.getsize(s["plot"]) > 1000
-  assert "token positions computed" in grpo.format_summary(s)
+  assert "token positions computed" in summary.render(s)
   # The same seed in a fresh workdir gives the same metrics.
   s2 = trainer.run(cfg, str(tmp_path / "b"))
   assert _untimed(_train_records(s2["workdir"])) == _untimed(recs)

@@ -103,7 +103,8 @@ def test_signal_before_the_first_step_saves_nothing_new(tmp_path):
   with pytest.raises(preemption.Preempted, match="stopped before step 0 .nothing new") as e:
     trainer.run(loop_config(), workdir, SignalWhileCompiling)
   assert not e.value.saved and not os.path.exists(os.path.join(workdir, "metrics.jsonl"))
-  assert trainer.run(loop_config(), workdir, CountingAlgorithm)["records"][-1]["step"] == 2
+  done = trainer.run(loop_config(), workdir, CountingAlgorithm)
+  assert metrics.read(done["metrics"])[-1]["step"] == 2
 
 
 def test_every_process_stops_after_the_same_step(monkeypatch):

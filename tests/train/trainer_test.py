@@ -11,9 +11,9 @@ import jax
 import numpy as np
 import pytest
 
-from branch_replay import algorithms, rollout
+from branch_replay import rollout
 from branch_replay.data import dpo, tasks, tree_task
-from branch_replay.train import metrics, runtime
+from branch_replay.train import metrics, runtime, summary
 from branch_replay.train import trainer
 from branch_replay.train import state as train_state
 from branch_replay.data.tokenizer import TOKENIZER, CharTokenizer
@@ -255,13 +255,15 @@ def test_tree_run_writes_on_process_zero_only(tmp_path, monkeypatch):
 
 def test_loop_resumes_from_its_checkpoint(tmp_path):
   workdir = str(tmp_path / "w")
-  first = trainer.run(loop_config(), workdir, CountingAlgorithm)
-  assert [(r["step"], r["phase"]) for r in first["records"]] == [(0, "sft"), (1, "rl"), (2, "rl")]
+  first = metrics.read(trainer.run(loop_config(), workdir, CountingAlgorithm)["metrics"])
+  assert [(r["step"], r["phase"]) for r in first] == [(0, "sft"), (1, "rl"), (2, "rl")]
   assert CountingAlgorithm.made[-1].steps == ["start", 1, 2]
-  assert first["records"][1]["replay/computed_tokens"] == 1 + 2  # prefix + tails
+  assert first[1]["replay/computed_tokens"] == 1 + 2  # prefix + tails
   second = trainer.run(loop_config("train.rl_steps=4"), workdir, CountingAlgorithm)
   assert CountingAlgorithm.made[-1].steps == [3, 4]  # restored at 3; the phase had started
-  assert [r["step"] for r in second["records"]] == [0, 1, 2, 3, 4]
+  assert [r["step"] for r in metrics.read(second["metrics"])] == [0, 1, 2, 3, 4]
+  # the summary counts the resumed run's steps, its earlier ones included (train/summary.py)
+  assert (second["steps"], second["phase_steps"], second["phase"]) == (5, 4, "rl")
   expected = jax.tree.leaves(train_state.init_state(loop_config()).params)[0]
   for _ in range(5):  # 5 steps in all, each adding 1 (float32, in order)
     expected = expected + 1
@@ -314,9 +316,10 @@ def test_sft_algorithm_is_the_warmup_as_a_run(tmp_path, tree_run):
   train_rows = [r for r in records if r["kind"] == "train"]
   assert [(r["step"], r["phase"]) for r in train_rows] == [(0, "sft"), (1, "sft")]
   assert sorted(r["step"] for r in records if r["kind"] == "eval") == [0, 2]
-  assert sft["loss_before"] == train_rows[0]["loss/policy"] and np.isfinite(sft["loss_after"])
+  assert sft["first"]["loss/policy"] == train_rows[0]["loss/policy"]  # window 1 of 2 steps
+  assert sft["last"]["loss/policy"] == train_rows[1]["loss/policy"]
   assert sft["eval_before"] is not None and sft["eval_after"] is not None
-  assert "greedy eval reward before/after SFT" in algorithms.get("sft").format_summary(sft)
+  assert "greedy eval reward before/after SFT" in summary.render(sft)
   warm = trainer.run(
     make("train.sft_steps=2", "train.rl_steps=0", "train.eval_size=0"), str(tmp_path / "grpo")
   )
