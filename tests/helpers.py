@@ -522,3 +522,17 @@ def rl_run(*overrides):
     "train.checkpoint_every=5",
     *overrides,
   )
+
+
+def fail_finalize_of(monkeypatch, step, error):
+  """orbax's rename of a save's temporary directory to `step` raises `error` instead."""
+  from orbax.checkpoint._src.path import atomicity
+
+  finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
+  async def fail(self, *a, **k):
+    if self._final_path.name == str(step):
+      raise error
+    return await finalize(self, *a, **k)
+
+  monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", fail)

@@ -18,7 +18,7 @@ import pytest
 from branch_replay import config as config_lib
 from branch_replay.train import checkpoint
 from branch_replay.train import state as train_state
-from helpers import tiny_run
+from helpers import fail_finalize_of, tiny_run
 
 
 @functools.cache
@@ -45,20 +45,6 @@ def _assert_bitwise(got, want):
 
 def _cfg(*overrides):
   return tiny_run("loss.kl_coef=0.05", *overrides)
-
-
-def _fail_finalize_of(monkeypatch, step, error):
-  """orbax's rename of a save's temporary directory to `step` raises `error` instead."""
-  from orbax.checkpoint._src.path import atomicity
-
-  finalize = atomicity.AtomicRenameTemporaryPath.finalize
-
-  async def fail(self, *a, **k):
-    if self._final_path.name == str(step):
-      raise error
-    return await finalize(self, *a, **k)
-
-  monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", fail)
 
 
 # ----------------------------------------------------------------------------- the workdir
@@ -105,7 +91,7 @@ def _cut_short(tmp_path, monkeypatch, cfg):
   ckpt = checkpoint.Checkpointer(str(tmp_path), cfg)
   first = _state(cfg, 1)
   ckpt.save(1, first)
-  _fail_finalize_of(monkeypatch, 2, RuntimeError("cut short"))
+  fail_finalize_of(monkeypatch, 2, RuntimeError("cut short"))
   with pytest.raises(RuntimeError, match="cut short") as e:
     ckpt.save(2, _state(cfg, 2))
   assert not isinstance(e.value, checkpoint.StorageError)  # not dressed as a disk error
@@ -175,7 +161,7 @@ def test_a_full_disk_is_a_storage_error_naming_the_step_and_what_is_intact(
   cfg = _cfg(f"train.async_checkpoints={str(asynchronous).lower()}")
   ckpt = checkpoint.Checkpointer(str(tmp_path), cfg)
   state = _state(cfg)
-  _fail_finalize_of(monkeypatch, 1, error)
+  fail_finalize_of(monkeypatch, 1, error)
   with pytest.raises(checkpoint.StorageError) as first:
     ckpt.save(1, state)  # (synchronous: raises here)
     if asynchronous:
@@ -187,7 +173,7 @@ def test_a_full_disk_is_a_storage_error_naming_the_step_and_what_is_intact(
   assert first.value.errno == errno.ENOSPC
   monkeypatch.undo()
   ckpt.save(2, state)
-  _fail_finalize_of(monkeypatch, 3, error)
+  fail_finalize_of(monkeypatch, 3, error)
   with pytest.raises(
     checkpoint.StorageError,
     match=r"save of step 3 .*\(ENOSPC\); the previous checkpoint \(step 2\) is intact .* "
@@ -202,7 +188,7 @@ def test_a_full_disk_is_a_storage_error_naming_the_step_and_what_is_intact(
 def test_an_error_that_is_not_the_filesystems_propagates_as_it_is(tmp_path, monkeypatch):
   cfg = _cfg("train.async_checkpoints=false")
   ckpt = checkpoint.Checkpointer(str(tmp_path), cfg)
-  _fail_finalize_of(monkeypatch, 1, ValueError("a shape mismatch"))
+  fail_finalize_of(monkeypatch, 1, ValueError("a shape mismatch"))
   with pytest.raises(ValueError, match="a shape mismatch") as e:
     ckpt.save(1, _state(cfg))
   assert not isinstance(e.value, checkpoint.StorageError)

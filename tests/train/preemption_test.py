@@ -31,7 +31,7 @@ import pytest  # noqa: E402
 from branch_replay.train import checkpoint, metrics, preemption, trainer
 from branch_replay.data import rewards, tasks  # noqa: E402
 from branch_replay.train import state as train_state  # noqa: E402
-from helpers import CountingAlgorithm, loop_config  # noqa: E402
+from helpers import CountingAlgorithm, fail_finalize_of, loop_config  # noqa: E402
 
 
 def _records(workdir):
@@ -244,26 +244,13 @@ def test_repair_drops_the_steps_a_resume_redoes_and_keeps_a_finished_runs_eval(t
   assert open(path).read() == ""
 
 
-def _fail_finalize_of(monkeypatch, step, error):
-  from orbax.checkpoint._src.path import atomicity
-
-  finalize = atomicity.AtomicRenameTemporaryPath.finalize
-
-  async def fail(self, *a, **k):
-    if self._final_path.name == str(step):
-      raise error
-    return await finalize(self, *a, **k)
-
-  monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", fail)
-
-
 @pytest.mark.parametrize("asynchronous", [True, False], ids=["async", "sync"])
 def test_full_disk_during_a_save_names_it_and_keeps_the_previous(
   tmp_path, monkeypatch, asynchronous
 ):
   workdir = str(tmp_path / "w")
   cfg = loop_config(f"train.async_checkpoints={str(asynchronous).lower()}")
-  _fail_finalize_of(monkeypatch, 2, OSError(errno.ENOSPC, "No space left on device"))
+  fail_finalize_of(monkeypatch, 2, OSError(errno.ENOSPC, "No space left on device"))
   with pytest.raises(
     checkpoint.StorageError,
     match=r"checkpoint save of step 2 in .*"
