@@ -216,11 +216,12 @@ def _levels(
 ) -> TreeSamples:
   """The one decoder: child_keys[d-1] holds one key per node of level d, shaped [R_1, ...,
   R_d] (its parent's axes first); level d decodes lengths[d-1] tokens ending at
-  stop_tokens[d-1]. header_H: a shared header before every prompt (`_prefill`; depth 1)."""
+  stop_tokens[d-1]. header_H: a shared header before every prompt (`_prefill`)."""
   model = tfm.Transformer(model_cfg)
   # 1. Prefill the prompt once.
   segments, logits_BV, offset_B = _prefill(model, params, prompt_BP, prompt_valid_BP, header_H)
   out = ([], [], [])
+  roots = len(segments) - 1  # the prompt's segments beyond one (a shared header's)
   for d, (keys, T, stops) in enumerate(zip(child_keys, lengths, stop_tokens), start=1):
     stop_ids = jnp.asarray(tuple(stops) or (-1,), jnp.int32)
 
@@ -233,7 +234,7 @@ def _levels(
     #    with each ancestor segment unbatched under the vmaps deeper than its level.
     fn = one_parent
     for j in reversed(range(1, d)):
-      seg_axes = tuple(None if i < j else 0 for i in range(d))
+      seg_axes = tuple(None if i < j + roots else 0 for i in range(d + roots))
       fn = jax.vmap(fn, in_axes=(seg_axes, 0, 0, 0))
     tokens, valid, logp, kv, logits_BV = fn(tuple(segments), offset_B, logits_BV, keys)
     # The children axis (R_d) comes out after the parents': [R_1..R_d, B, ...].
@@ -254,18 +255,35 @@ def sample_tree(
   fanouts: Sequence[int],
   lengths: Sequence[int],
   stop_tokens: Sequence[Sequence[int]] = (),
+  header_H=None,
 ) -> TreeSamples:
   """A tree of continuations of every (left-padded) prompt: R_d children of every node of
-  level d-1, each up to lengths[d-1] tokens, ending at stop_tokens[d-1] (default none)."""
+  level d-1, each up to lengths[d-1] tokens, ending at stop_tokens[d-1] (default none).
+  header_H: ids that precede every prompt, prefilled once for all (as `sample`'s)."""
   if len(lengths) != len(fanouts):
     raise ValueError(f"lengths={tuple(lengths)}: expected one per fan-out {tuple(fanouts)}")
+  _check_header(header_H, model_cfg, 0)
   child_keys = []
   for d, R in enumerate(fanouts, start=1):
     parents = jax.random.split(jax.random.fold_in(key, d), math.prod(fanouts[: d - 1]))
     children = jax.vmap(lambda k, R=R: jax.random.split(k, R))(parents)
     child_keys.append(children.reshape(*fanouts[:d], *children.shape[2:]))
   stops = [tuple(stop_tokens[d]) if len(stop_tokens) > d else () for d in range(len(fanouts))]
-  return _levels(params, model_cfg, cfg, prompt_BP, prompt_valid_BP, child_keys, lengths, stops)
+  return _levels(
+    params, model_cfg, cfg, prompt_BP, prompt_valid_BP, child_keys, lengths, stops, header_H
+  )
+
+
+def _check_header(header_H, model_cfg: tfm.ModelConfig, trunk_len: int) -> None:
+  """A shared header is read as attention context: no trunk, attention layers only."""
+  if header_H is not None and (
+    trunk_len
+    or any(model_cfg.layer_type(i) == "linear_attention" for i in range(model_cfg.n_layers))
+  ):
+    raise ValueError(
+      f"sampler header_H: shape {tuple(header_H.shape)}: a shared header needs "
+      f"sampler.trunk_len=0 (got {trunk_len}) and attention layers only"
+    )
 
 
 def sample(
@@ -285,13 +303,7 @@ def sample(
   (unpadded; prompt_BP is then each prompt's rest), prefilled once for all of them
   (`shared_header` splits prompts; attention only, no trunk)."""
   B, W = prompt_BP.shape[0], cfg.trunk_len
-  if header_H is not None and (
-    W or any(model_cfg.layer_type(i) == "linear_attention" for i in range(model_cfg.n_layers))
-  ):
-    raise ValueError(
-      f"sampler header_H: shape {tuple(header_H.shape)}: a shared header needs "
-      f"sampler.trunk_len=0 (got {W}) and attention layers only"
-    )
+  _check_header(header_H, model_cfg, W)
   trunk_key, branch_key = jax.random.split(key)
   keys_R = jax.random.split(branch_key, n_branches)
   if not W:

@@ -23,10 +23,10 @@ def greedy_rewards(fns, params, task, examples, cfg: Config, tok) -> np.ndarray:
   (a tree: its one greedy path's leaf reward). In chunks of train.eval_batch prompts (0: all at
   once; the last chunk padded with its last prompt); every call pads to the task's prompt
   length, so one compiled shape serves every chunk and every evaluation of a run. With
-  train.eval_shared_prefix (flat), the ids every prompt starts with (a k-shot header) are
+  train.eval_shared_prefix, the ids every prompt starts with (a k-shot header) are
   prefilled once per call (`sampler.shared_header`) and the rests pad to the prompt length
   less the header."""
-  t, trees = cfg.train, bool(cfg.tree.fanouts)
+  t = cfg.train
   ids = [
     list(e.prompt_ids)
     if getattr(e, "prompt_ids", None) is not None
@@ -34,7 +34,7 @@ def greedy_rewards(fns, params, task, examples, cfg: Config, tok) -> np.ndarray:
     for e in examples
   ]
   extra = {}  # the shared header, when there is one
-  if t.eval_shared_prefix and not trees:
+  if t.eval_shared_prefix:
     header_H, ids = sampler.shared_header(ids)
     extra = {"header_H": header_H} if len(header_H) else {}
   L = max([task.max_prompt_len - len(extra.get("header_H", ()))] + [len(x) for x in ids])
@@ -49,14 +49,10 @@ def greedy_rewards(fns, params, task, examples, cfg: Config, tok) -> np.ndarray:
     s = fns.greedy(
       params, prompt_BP=prompt_BP, prompt_valid_BP=valid_BP, key=jax.random.key(0), **extra
     )
-    s = sharding.to_host(s) if cfg.mesh or trees else s  # gathered across processes
+    s = sharding.to_host(s)  # numpy on every process (gathered when arrays span several)
     got = examples[i : i + n]
-    if trees:
-      r = task.leaf_rewards(got, jax.tree.map(lambda x: x[: len(got)], s), tok)
-    else:
-      r = task.rewards(got, sampler.completions(s, tok)[: len(got)])
-    r = np.asarray(r)
-    out.append(r.reshape(len(got), -1).mean(-1))
+    r = task.leaf_rewards(got, jax.tree.map(lambda x: x[: len(got)], s), tok)  # the task's shape
+    out.append(np.asarray(r).reshape(len(got), -1).mean(-1))
   return np.concatenate(out)
 
 

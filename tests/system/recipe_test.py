@@ -37,11 +37,18 @@ def _split_prompts(B=3, H=6, seed=0):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_shared_header_sampling_equals_full_prompts(temperature):
+@pytest.mark.parametrize("shape", ["flat", "tree"])
+def test_shared_header_sampling_equals_full_prompts(temperature, shape):
   params = tfm.init_params(CFG, jax.random.key(1))
   header, full, full_valid, rest, rest_valid = _split_prompts()
   cfg = sampler.SamplerConfig(max_new_tokens=5, temperature=temperature)
-  fn = jax.jit(functools.partial(sampler.sample, model_cfg=CFG, cfg=cfg, n_branches=2))
+  if shape == "flat":
+    fn = functools.partial(sampler.sample, model_cfg=CFG, cfg=cfg, n_branches=2)
+  else:  # two turns: 2 children of each prompt, 2 of each child
+    fn = functools.partial(
+      sampler.sample_tree, model_cfg=CFG, cfg=cfg, fanouts=(2, 2), lengths=(3, 4)
+    )
+  fn = jax.jit(fn)
   want = fn(params, prompt_BP=full, prompt_valid_BP=full_valid, key=jax.random.key(3))
   got = fn(
     params,
@@ -50,11 +57,16 @@ def test_shared_header_sampling_equals_full_prompts(temperature):
     key=jax.random.key(3),
     header_H=jnp.asarray(header),
   )
-  np.testing.assert_array_equal(np.asarray(got.tokens_BRT), np.asarray(want.tokens_BRT))
-  np.testing.assert_array_equal(np.asarray(got.valid_BRT), np.asarray(want.valid_BRT))
-  np.testing.assert_allclose(
-    np.asarray(got.logp_BRT), np.asarray(want.logp_BRT), rtol=1e-5, atol=1e-5
-  )
+  if shape == "flat":
+    pairs = [
+      (got.tokens_BRT, want.tokens_BRT, got.valid_BRT, want.valid_BRT, got.logp_BRT, want.logp_BRT)
+    ]
+  else:  # every level
+    pairs = zip(got.tokens, want.tokens, got.valid, want.valid, got.logp, want.logp)
+  for tokens, tokens_want, valid, valid_want, logp, logp_want in pairs:
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(tokens_want))
+    np.testing.assert_array_equal(np.asarray(valid), np.asarray(valid_want))
+    np.testing.assert_allclose(np.asarray(logp), np.asarray(logp_want), rtol=1e-5, atol=1e-5)
 
 
 def test_shared_header_refuses_a_trunk():

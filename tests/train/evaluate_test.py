@@ -14,21 +14,23 @@ from branch_replay.train import state as train_state
 from helpers import tiny_run, tiny_tree_run
 
 
-def _rewards(cfg, eval_batch):
+def _rewards(cfg, eval_batch, shared_prefix=False):
   """Each prompt's 'reward': a fingerprint of its greedy tokens (the tasks' own rewards of an
   untrained model are mostly 0, which would hide a prompt given another's answer)."""
-  cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_batch=eval_batch))
+  train = dataclasses.replace(cfg.train, eval_batch=eval_batch, eval_shared_prefix=shared_prefix)
+  cfg = dataclasses.replace(cfg, train=train)
   task = tasks.make(cfg.task)
   fingerprint = lambda ids: float(sum((i + 1) * int(t) for i, t in enumerate(np.ravel(ids))))
   task.rewards = lambda got, completions: np.asarray(
     [[fingerprint([ord(ch) for ch in c]) for c in cs] for cs in completions]
   )
-  task.leaf_rewards = lambda got, s, tok: np.asarray(
-    [
-      [fingerprint(np.concatenate([np.ravel(np.asarray(x)[b]) for x in s.tokens]))]
-      for b in range(len(got))
-    ]
-  )
+  if cfg.tree.fanouts:  # a flat task's leaf_rewards are its rewards of the completions
+    task.leaf_rewards = lambda got, s, tok: np.asarray(
+      [
+        [fingerprint(np.concatenate([np.ravel(np.asarray(x)[b]) for x in s.tokens]))]
+        for b in range(len(got))
+      ]
+    )
   fns = rollout.compiled(runtime.Runtime(cfg, TOKENIZER), task)
   params = train_state.init_state(cfg).params
   examples = evaluate.eval_examples(task, cfg)
@@ -46,3 +48,13 @@ def test_per_prompt_and_chunks_equal_one_call(run):
   assert whole.shape == (5,)  # one reward per prompt (a tree: its one greedy path's)
   assert len(set(whole)) > 1  # the prompts' answers differ: the comparison can fail
   np.testing.assert_array_equal(_rewards(cfg, 2), whole)  # chunks 2, 2, 1 (+1 padding)
+
+
+@pytest.mark.parametrize("run", [tiny_run, tiny_tree_run], ids=["flat", "tree"])
+def test_a_shared_header_prefilled_once_gives_every_prompt_its_answer(run):
+  """train.eval_shared_prefix, flat and trees: the ids every prompt starts with prefilled once,
+  in chunks or in one call, answer as the full prompts do."""
+  cfg = run("train.eval_size=5", "sampler.max_new_tokens=3")
+  whole = _rewards(cfg, 0)
+  np.testing.assert_array_equal(_rewards(cfg, 0, shared_prefix=True), whole)
+  np.testing.assert_array_equal(_rewards(cfg, 2, shared_prefix=True), whole)
