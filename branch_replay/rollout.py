@@ -35,10 +35,7 @@ def compiled(rt: Runtime, task) -> steps.Fns:
   """The policy's jitted functions for these rollouts (`Runtime.fns`, compiled once per config
   and mesh): trees sample the task's turns (its stop tokens, its turn lengths), flat groups
   stop at the tokenizer's."""
-  tok = rt.tok
-  if rt.cfg.tree.fanouts:
-    return rt.fns(task.stop_tokens(tok), task.turn_lengths)
-  return rt.fns(tuple(getattr(tok, "stop_ids", (tok.eos_id,))))
+  return rt.fns(task.stop_tokens(rt.tok), task.turn_lengths)  # the task's own shape
 
 
 def reward_keys(task) -> tuple:

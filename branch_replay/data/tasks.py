@@ -135,6 +135,9 @@ class Task:
   turns                                  0: one completion per branch (flat, R =
                                          train.n_branches); n: a tree of n turns, one
                                          tree.fanouts level each (data/turns.py: TurnsTask)
+  stop_tokens(tok); turn_lengths         what ends a completion (flat: the tokenizer's stop
+                                         ids; a tree: one tuple per turn) and a tree's
+                                         tokens per turn (flat: (), sampler.max_new_tokens)
   leaf_rewards(examples, samples, tok) -> [B, leaves]   every leaf's reward (flat: R)
   prompt_metrics(examples, samples, tok) -> {name: [B]}  more per-prompt means, logged as
                                          reward/<name> (metric_names: the progress bar's)
@@ -145,6 +148,7 @@ class Task:
   reward_name = "exact_match"
   reward_options: dict = {}
   turns = 0
+  turn_lengths: tuple = ()
   metric_names: tuple = ()
   algorithm = None
 
@@ -165,6 +169,10 @@ class Task:
     return rewards.compute(
       rewards.get(self.reward_name), examples, completions_BR, **self.reward_options
     )
+
+  def stop_tokens(self, tok) -> tuple:
+    """The ids that end a completion: the tokenizer's stop ids (its EOS at least)."""
+    return tuple(getattr(tok, "stop_ids", (tok.eos_id,)))
 
   def leaf_rewards(self, examples, samples, tok) -> np.ndarray:
     """[B, R]: the reward of every sampled completion (trunk + branch, decoded up to EOS)."""
