@@ -12,7 +12,6 @@ import functools
 import time
 from typing import Callable
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -143,7 +142,7 @@ def sampled(fns, state: TrainState, task, rt: Runtime, step: int):
   config refuses it with GAE): (batch, shaped rewards [B, R or leaves], stats)."""
   batch, rewards_BR, stats = rl_batch(fns, state, task, rt, step)
   cfg = rt.cfg
-  if cfg.replay.auto_tree and not cfg.tree.fanouts:
+  if cfg.replay.auto_tree:  # flat groups only: the config refuses it with tree.fanouts
     batch, tree_stats = auto_tree(batch, cfg, rt.tok.pad_id)
     stats = {**stats, **tree_stats}
   return batch, rewards_BR, stats
@@ -249,13 +248,6 @@ def _rewards(task, examples, samples, cfg: Config, tok):
   """(the task's raw rewards of every leaf [B, R or leaves], DAPO's overlong shaping (0.0
   when off))."""
   a, leaves = cfg.algo, int(np.prod(shape(cfg).fanouts))
-  if not cfg.tree.fanouts:
-    B, R, W = len(examples), cfg.train.n_branches, cfg.sampler.trunk_len
-    chex.assert_shape(
-      [samples.tokens_BRT, samples.valid_BRT, samples.logp_BRT],
-      (B, R, cfg.sampler.max_new_tokens),
-    )
-    chex.assert_shape([samples.trunk_BW, samples.trunk_logp_BW], (B, W))
   shaping = overlong(samples, a.overlong_buffer, a.overlong_penalty)
   raw_BR = task.leaf_rewards(examples, samples, tok)
   if np.shape(raw_BR) != (len(examples), leaves):
@@ -267,17 +259,15 @@ def _rewards(task, examples, samples, cfg: Config, tok):
 
 
 def _advantages(rewards_BR, cfg: Config):
-  """Host: the group advantages of the shaped rewards, per level of the rollouts' fan-outs
-  (`advantages.levels`; flat: [B, R], trees: a list, None for an inner level that takes its
-  leaves' own when tree.node_advantages is off). GAE: zeros, which PPO replaces from its
-  critic."""
+  """Host: the group advantages of the shaped rewards, one array per level of the rollouts'
+  fan-outs (`advantages.levels`; a flat group: one level, [B, R]; None for an inner level that
+  takes its leaves' own when tree.node_advantages is off). GAE: zeros, which PPO replaces
+  from its critic."""
   a, fanouts = cfg.algo, shape(cfg).fanouts
   if a.advantage in advantages.NEEDS_CRITIC:
     node_adv = [np.zeros(np.shape(rewards_BR), np.float32)]
   else:
     node_adv = advantages.levels(a.advantage, rewards_BR, fanouts, a)
-  if not cfg.tree.fanouts:
-    return node_adv[-1]
   if not cfg.tree.node_advantages or len(node_adv) < len(fanouts):
     node_adv = [None] * (len(fanouts) - 1) + node_adv[-1:]
   return node_adv
@@ -288,7 +278,7 @@ def _assemble(rows, adv, cfg: Config) -> tree.TreeBatch:
   prompt_BP, valid_BP, samples = rows["prompt_BP"], rows["valid_BP"], rows["samples"]
   if cfg.tree.fanouts:
     return sampler.to_tree_batch(prompt_BP, valid_BP, samples, cfg.tree.fanout_tuple, adv)
-  return sampler.to_batch(prompt_BP, valid_BP, samples, adv)
+  return sampler.to_batch(prompt_BP, valid_BP, samples, adv[0])  # its one level
 
 
 def auto_tree(batch, cfg: Config, pad_id: int = 0):
