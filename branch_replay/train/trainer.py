@@ -132,6 +132,7 @@ def _train(cfg, workdir, algorithm, init_params, tokenizer, init_adapters, guard
           bar.write(
             f"step {step}: greedy eval reward before {algo.phase} {evaluate(state, step):.3f}"
           )
+          t0 = time.time()  # the evaluation is no part of the step's time/step_s
         state = algo.start(state)
       batch, sampled = algo.batch(state, step)
       rec.update(sampled)

@@ -5,6 +5,7 @@ broadcast (the step's temperature-consistent loss: steps_test.py)."""
 
 import glob
 import os
+import time
 import types
 
 import jax
@@ -270,6 +271,28 @@ def test_loop_resumes_from_its_checkpoint(tmp_path):
   np.testing.assert_array_equal(
     np.asarray(jax.tree.leaves(second["final_params"])[0]), np.asarray(expected)
   )
+
+
+class _SlowEvaluation(CountingAlgorithm):
+  """CountingAlgorithm with one held-out prompt whose greedy evaluation takes 1.5 s."""
+
+  def eval_examples(self):
+    return ["prompt"]
+
+  def evaluate(self, state, examples):
+    time.sleep(1.5)
+    return np.ones(len(examples))
+
+
+def test_the_evaluations_are_no_part_of_a_steps_time(tmp_path):
+  """The evaluation before the phase runs inside its first step's iteration; time/step_s (and
+  the summary's train_time_s) leave it out, as they leave out the one after the last step."""
+  out = trainer.run(loop_config("train.eval_size=1"), str(tmp_path / "w"), _SlowEvaluation)
+  recs = metrics.read(out["metrics"])
+  assert [r["step"] for r in recs if r["kind"] == "eval"] == [1, 3]  # before and after RL
+  steps = [r["time/step_s"] for r in recs if r["kind"] == "train"]
+  assert len(steps) == 3 and max(steps) < 1.5, steps
+  assert out["train_time_s"] < 1.5 and out["wall_s"] > 3.0
 
 
 def test_nan_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
