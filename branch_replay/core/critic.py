@@ -46,7 +46,9 @@ class CriticConfig:
   # false: a separate value model (a copy of the policy's transformer + a value head)
   share: bool = False
   learning_rate: float = 1e-3
-  weight_decay: float = 0.0  # AdamW's decoupled decay of the critic (the policy's: train's)
+  # AdamW's decoupled decay of the critic (the policy's: train.weight_decay): 1e-4, the decay
+  # it has always had (optax.adamw's default, implicit before this field); 0 turns it off
+  weight_decay: float = 1e-4
   value_clip: float = 0.2  # clip of V - V_old in the clipped value loss
   gamma: float = 1.0
   lam: float = 0.95  # GAE lambda

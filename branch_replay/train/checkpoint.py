@@ -207,6 +207,22 @@ class Checkpointer:
     self.manager.close()
     self.manager = self._manager()  # it listed the moved steps
 
+  def settle(self) -> None:
+    """When an error leaves the run: the save in flight committed or failed (its own error is
+    dropped, the run's is the one raised) and the manager closed, so that no background write
+    outlives the run (a later Checkpointer of this workdir in the same process, e.g. the
+    resumed run of a notebook, removes temporary directories it would find half-written)."""
+    try:
+      self.manager.wait_until_finished()
+    except Exception:
+      pass
+    finally:
+      self._pending = None
+      try:
+        self.manager.close()
+      except Exception:
+        pass
+
   def close(self):
     try:
       self.wait()

@@ -117,54 +117,58 @@ def _train(cfg, workdir, algorithm, init_params, tokenizer, init_adapters, guard
 
   if start < total and guard.agreed():  # a signal during compilation or restore
     stop(start, False)
-  for step in range(start, total):
-    t0 = time.time()
-    rec = {"step": step, "kind": "train"}
-    if step < warmup:
-      rec.update(phase="sft", **{"time/sample_s": 0.0})
-      batch = algo.warmup_batch(step)
-      t1 = time.time()
-      state, out = algo.warmup_update(state, batch)
-    else:
-      rec["phase"] = algo.phase
-      if step == warmup:
-        if eval_examples and t.eval_before:
-          bar.write(
-            f"step {step}: greedy eval reward before {algo.phase} {evaluate(state, step):.3f}"
-          )
-          t0 = time.time()  # the evaluation is no part of the step's time/step_s
-        state = algo.start(state)
-      batch, sampled = algo.batch(state, step)
-      rec.update(sampled)
-      if verify_pending and verify.has_signal(batch):  # a gradient of noise proves nothing
-        rec.update(algo.verify(state, batch))
-        verify_pending = False
-      elif verify_pending:
-        rec["verify/deferred"] = 1  # every advantage zero: the next batch is checked
-      t1 = time.time()
-      state, out = algo.update(state, batch, step)
-      rec["time/update_s"] = time.time() - t1
-    rec["time/train_s"] = time.time() - t1
-    train_state.finite_or_stop(out, step, ckpt)
-    prefix, tails, naive = algo.token_counts(batch, rec["phase"])
-    rec.update(out)
-    rec.update(
-      {
-        "replay/prefix_tokens": prefix,
-        "replay/tail_tokens": tails,
-        "replay/naive_equiv_tokens": naive,
-        "replay/computed_tokens": naive if cfg.replay.mode == "naive" else prefix + tails,
-        "time/step_s": time.time() - t0,
-      }
-    )
-    writer.write(rec)
-    preempted = guard.agreed()  # several processes: all of them, after the same step
-    if (step + 1) % t.checkpoint_every == 0 or step + 1 == total or preempted:
-      ckpt.save(step + 1, train_state.state_dict(state))
-    bar.update(1)
-    bar.set_postfix({k: f"{rec[k]:.3f}" for k in algo.progress_keys if k in rec})
-    if preempted:
-      stop(step + 1, True)
+  try:
+    for step in range(start, total):
+      t0 = time.time()
+      rec = {"step": step, "kind": "train"}
+      if step < warmup:
+        rec.update(phase="sft", **{"time/sample_s": 0.0})
+        batch = algo.warmup_batch(step)
+        t1 = time.time()
+        state, out = algo.warmup_update(state, batch)
+      else:
+        rec["phase"] = algo.phase
+        if step == warmup:
+          if eval_examples and t.eval_before:
+            bar.write(
+              f"step {step}: greedy eval reward before {algo.phase} {evaluate(state, step):.3f}"
+            )
+            t0 = time.time()  # the evaluation is no part of the step's time/step_s
+          state = algo.start(state)
+        batch, sampled = algo.batch(state, step)
+        rec.update(sampled)
+        if verify_pending and verify.has_signal(batch):  # a gradient of noise proves nothing
+          rec.update(algo.verify(state, batch))
+          verify_pending = False
+        elif verify_pending:
+          rec["verify/deferred"] = 1  # every advantage zero: the next batch is checked
+        t1 = time.time()
+        state, out = algo.update(state, batch, step)
+        rec["time/update_s"] = time.time() - t1
+      rec["time/train_s"] = time.time() - t1
+      train_state.finite_or_stop(out, step, ckpt)
+      prefix, tails, naive = algo.token_counts(batch, rec["phase"])
+      rec.update(out)
+      rec.update(
+        {
+          "replay/prefix_tokens": prefix,
+          "replay/tail_tokens": tails,
+          "replay/naive_equiv_tokens": naive,
+          "replay/computed_tokens": naive if cfg.replay.mode == "naive" else prefix + tails,
+          "time/step_s": time.time() - t0,
+        }
+      )
+      writer.write(rec)
+      preempted = guard.agreed()  # several processes: all of them, after the same step
+      if (step + 1) % t.checkpoint_every == 0 or step + 1 == total or preempted:
+        ckpt.save(step + 1, train_state.state_dict(state))
+      bar.update(1)
+      bar.set_postfix({k: f"{rec[k]:.3f}" for k in algo.progress_keys if k in rec})
+      if preempted:
+        stop(step + 1, True)
+  except BaseException:  # an error (or a stop) leaves the run: no save of it outlives it
+    ckpt.settle()
+    raise
   bar.close()
   if eval_examples and total > warmup and final_eval_missing(writer.records(), total):
     evaluate(state, total)

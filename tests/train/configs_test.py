@@ -27,6 +27,7 @@ ADDED = {
 ADDED_FIELDS = {
   "train": {"eval_batch": 0, "eval_shared_prefix": False, "eval_before": True},
   "model": {"logits_chunk_rows": False, "mlp_chunk": None},
+  "critic": {"weight_decay": 1e-4},  # the decay optax.adamw gave the critic implicitly
 }
 ADDED_CONFIGS = ("math_smollm2", "needle_smollm2")
 

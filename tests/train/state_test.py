@@ -52,14 +52,14 @@ def _adamw_numpy(params, grads_seq, lrs, clip, weight_decay, b1=0.9, b2=0.99, ep
   [
     "policy",
     "critic",
-    "critic_default",  # no decay unless critic.weight_decay asks (optax.adamw's is 1e-4)
+    "critic_default",  # critic.weight_decay's default 1e-4: the decay it always had
   ],
 )
 def test_optimizers_clip_then_adamw_at_the_configured_rates(x64, which):
   """Five updates of a two-leaf tree, the gradients' norm above grad_clip on some steps and
   below on others: the policy's optimizer at sft_learning_rate for train.sft_steps=2
   updates, then learning_rate, with train.weight_decay; the critic's at critic.learning_rate
-  with critic.weight_decay, 0 by default (not optax.adamw's own default 1e-4)."""
+  with critic.weight_decay (1e-4 by default, explicit: the decay it always had)."""
   cfg = tiny_run(
     "train.sft_steps=2",
     "train.sft_learning_rate=0.05",
@@ -74,7 +74,7 @@ def test_optimizers_clip_then_adamw_at_the_configured_rates(x64, which):
   if which == "policy":
     tx, lrs, decay = train_state.make_optimizer(cfg), [0.05, 0.05, 0.01, 0.01, 0.01], 0.1
   else:
-    decay = 0.05 if which == "critic" else 0.0
+    decay = 0.05 if which == "critic" else 1e-4
     tx, lrs = train_state.make_critic_optimizer(cfg), [0.002] * 5
   rng = np.random.default_rng(0)
   params = {"w": rng.normal(size=(3, 2)), "b": rng.normal(size=(2,))}
