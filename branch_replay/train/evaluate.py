@@ -1,6 +1,6 @@
 """The greedy evaluation on held-out prompts: one completion per prompt (trees: one path, every
 turn greedy), rewarded by the task. One function for flat groups and trees; the mean is the
-run's `eval/greedy_reward`, the per-prompt rewards give `eval/n`, `eval/correct` and the
+run's `eval/greedy_reward` (the trainer takes it), the per-prompt rewards give `eval/n`, `eval/correct` and the
 Wilson interval (metrics.eval_record)."""
 
 from __future__ import annotations
@@ -54,8 +54,3 @@ def greedy_rewards(fns, params, task, examples, cfg: Config, tok) -> np.ndarray:
     r = task.leaf_rewards(got, jax.tree.map(lambda x: x[: len(got)], s), tok)  # the task's shape
     out.append(np.asarray(r).reshape(len(got), -1).mean(-1))
   return np.concatenate(out)
-
-
-def greedy_reward(fns, params, task, examples, cfg: Config, tok) -> float:
-  """The mean of `greedy_rewards` (the run's eval/greedy_reward)."""
-  return float(greedy_rewards(fns, params, task, examples, cfg, tok).mean())

@@ -41,8 +41,6 @@ from branch_replay.train import phases
 # pool(records) -> float pools the window's records itself (PPO's explained variance).
 Metric = str | tuple[str, Callable[[list], float]]
 
-EVAL_COUNTS = ("n", "correct", "ci95")
-
 
 def window(rows) -> int:
   """How many first and last steps a summary averages: a quarter of the run, 1 to 10."""

@@ -35,9 +35,6 @@ def _rewards(cfg, eval_batch, shared_prefix=False):
   params = train_state.init_state(cfg).params
   examples = evaluate.eval_examples(task, cfg)
   got = evaluate.greedy_rewards(fns, params, task, examples, cfg, TOKENIZER)
-  assert evaluate.greedy_reward(fns, params, task, examples, cfg, TOKENIZER) == pytest.approx(
-    float(got.mean())
-  )
   return got
 
 
