@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from branch_replay.config import Config
-from branch_replay.core import advantages, sampler, tree, trie
+from branch_replay.core import advantages, tree, trie
 from branch_replay.data import tasks
 from branch_replay.train import steps
 from branch_replay.train.runtime import Runtime
@@ -108,18 +108,10 @@ def _concat(xs):
 
 
 def path_lengths(samples) -> tuple[np.ndarray, int]:
-  """(the tokens on every leaf's path below the prompt [B, leaves], their budget): a tree's
-  valid tokens of its ancestors' turns and its own, against the turns' lengths summed; a flat
-  group's trunk (decoded whole, stop tokens do not end it) and branch, against
-  trunk_len + max_new_tokens."""
-  if isinstance(samples, sampler.TreeSamples):
-    valid = [np.asarray(v) for v in samples.valid]
-  else:  # the trunk as a level of one node above the R branches
-    trunk_BW = np.asarray(samples.trunk_BW)
-    valid = [
-      np.ones((trunk_BW.shape[0], 1, trunk_BW.shape[1]), bool),
-      np.asarray(samples.valid_BRT),
-    ]
+  """(the tokens on every leaf's path below the prompt [B, leaves], their budget): the valid
+  tokens of its ancestors' levels and its own (`path_valid`: a flat group's trunk is a level of
+  one node, decoded whole), against the levels' lengths summed."""
+  valid = samples.path_valid()
   leaves = valid[-1].shape[1]
   lengths_BR = sum(np.repeat(v.sum(-1), leaves // v.shape[1], axis=1) for v in valid)
   return lengths_BR, sum(v.shape[-1] for v in valid)
@@ -184,8 +176,8 @@ def rl_batch(fns, state: TrainState, task, rt: Runtime, step: int):
   adv = _advantages(rewards_BR, cfg)
   # Checked on the host copy the rewards were read from (the same tokens, masks and old
   # log-probs); the batch itself stays where the sampler left it: on the device.
-  tree.validate(_assemble(rows["host"], adv, cfg), cfg.model.vocab_size, cfg.replay.branch_chunk)
-  batch = rt.put(_assemble(rows["device"], adv, cfg), "batch")  # advantages: host -> device
+  tree.validate(_assemble(rows["host"], adv), cfg.model.vocab_size, cfg.replay.branch_chunk)
+  batch = rt.put(_assemble(rows["device"], adv), "batch")  # advantages: host -> device
   assemble_s = time.perf_counter() - t1  # the reference's forward below is ref_logp_s
   ref = reference(state, cfg)  # LoRA: the base, adapters off
   if ref is not None:  # k3 KL: reference log-probs of every node, one shared-prefix forward
@@ -273,12 +265,10 @@ def _advantages(rewards_BR, cfg: Config):
   return node_adv
 
 
-def _assemble(rows, adv, cfg: Config) -> tree.TreeBatch:
-  """The kept rows (host or device arrays) as one TreeBatch with these advantages."""
-  prompt_BP, valid_BP, samples = rows["prompt_BP"], rows["valid_BP"], rows["samples"]
-  if cfg.tree.fanouts:
-    return sampler.to_tree_batch(prompt_BP, valid_BP, samples, cfg.tree.fanout_tuple, adv)
-  return sampler.to_batch(prompt_BP, valid_BP, samples, adv[0])  # its one level
+def _assemble(rows, adv) -> tree.TreeBatch:
+  """The kept rows (host or device arrays) as one TreeBatch with these advantages (one array
+  per level): the samples' own layout (`Samples.batch`, `TreeSamples.batch`)."""
+  return rows["samples"].batch(rows["prompt_BP"], rows["valid_BP"], adv)
 
 
 def auto_tree(batch, cfg: Config, pad_id: int = 0):

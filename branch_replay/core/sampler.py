@@ -54,11 +54,27 @@ class SamplerConfig:
 
 
 class Samples(NamedTuple):
+  """A flat group: R branches of every prompt after an optional trunk decoded once (`sample`).
+  Shares its two methods with TreeSamples, so the rollout code never asks which it holds."""
+
   tokens_BRT: jax.Array  # int32, right-padded with 0 after a stop token
   valid_BRT: jax.Array  # bool: generated and not after a stop token (the stop token is valid)
   logp_BRT: jax.Array  # float32 policy log-probs of the tokens (0 where invalid)
   trunk_BW: jax.Array  # int32 shared trunk tokens ([B, 0] without a trunk)
   trunk_logp_BW: jax.Array  # float32
+
+  def path_valid(self) -> list:
+    """The valid masks below the prompt, one per level ([B, nodes, T_d], host numpy): the
+    trunk as a level of one node (all valid: stop tokens do not end it), then the branches."""
+    trunk_BW = np.asarray(self.trunk_BW)
+    trunk = np.ones((trunk_BW.shape[0], 1, trunk_BW.shape[1]), bool)
+    return [trunk, np.asarray(self.valid_BRT)]
+
+  def batch(self, prompt_BP, prompt_valid_BP, advantages) -> TreeBatch:
+    """The training batch (`to_batch`); advantages: one array per level, a flat group's one
+    ([B, R])."""
+    (advantages_BR,) = advantages
+    return to_batch(prompt_BP, prompt_valid_BP, self, advantages_BR)
 
 
 def filter_logits(logits_BV: jax.Array, cfg: SamplerConfig) -> jax.Array:
@@ -167,9 +183,26 @@ def _flat(x, d):
 
 
 class TreeSamples(NamedTuple):
+  """A tree of turns: R_d children of every node of level d-1 (`sample_tree`)."""
+
   tokens: tuple  # per level 1..depth: int32 [B, R_1*...*R_d, T_d], 0 after a stop token
   valid: tuple  # bool: generated up to and including the stop token
   logp: tuple  # float32 log-probs at the sampler's temperature (0 where invalid)
+
+  @property
+  def fanouts(self) -> tuple[int, ...]:
+    """R_1, ..., R_depth, read from the levels' node counts (static shapes)."""
+    nodes = [1] + [t.shape[1] for t in self.tokens]
+    return tuple(child // parent for parent, child in zip(nodes, nodes[1:]))
+
+  def path_valid(self) -> list:
+    """The valid masks below the prompt, one per level ([B, nodes, T_d], host numpy)."""
+    return [np.asarray(v) for v in self.valid]
+
+  def batch(self, prompt_BP, prompt_valid_BP, advantages) -> TreeBatch:
+    """The training batch (`to_tree_batch`); advantages: one array per level (None for an
+    inner level that takes its leaves')."""
+    return to_tree_batch(prompt_BP, prompt_valid_BP, self, self.fanouts, advantages)
 
 
 def _prefill(model, params, prompt_BP, prompt_valid_BP, header_H=None):

@@ -18,6 +18,7 @@ own `Options` dataclass, so a new task is one file.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import json
 import os
@@ -26,6 +27,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from branch_replay.core import sampler
 from branch_replay.sections import NamedSection, NoOptions
 from branch_replay.data.tokenizer import TOKENIZER
 
@@ -310,6 +312,36 @@ class Shape:
   fanouts: tuple
   turns: bool
   setting: str  # for messages: "train.n_branches=8", "tree.fanouts='4x2'"
+
+  def samplers(self, model_cfg, sampler_cfg, stop_tokens, turn_lengths: tuple = ()):
+    """(sample, greedy): the sampler of these rollouts with the run's sampler config, and the
+    greedy decoder (temperature 0, one path), not jitted. Turns: the task's turns level by
+    level (`sampler.sample_tree`; stop_tokens and turn_lengths one per turn). Flat: R branches
+    after the sampler's trunk (`sampler.sample`; stop_tokens the stop id or ids). Both take
+    (params, prompt_BP=, prompt_valid_BP=, key=) and return samples with `path_valid` and
+    `batch`."""
+    if self.turns:
+      sample = functools.partial(
+        sampler.sample_tree,
+        model_cfg=model_cfg,
+        fanouts=self.fanouts,
+        lengths=turn_lengths,
+        stop_tokens=stop_tokens,
+      )
+      greedy_cfg = sampler.SamplerConfig(temperature=0.0)
+      one_path = dict(fanouts=(1,) * len(self.fanouts))
+    else:
+      stops = (stop_tokens,) if isinstance(stop_tokens, int) else tuple(stop_tokens)
+      sample = functools.partial(sampler.sample, model_cfg=model_cfg, stop_tokens=stops)
+      greedy_cfg = sampler.SamplerConfig(
+        max_new_tokens=sampler_cfg.max_new_tokens, temperature=0.0, trunk_len=sampler_cfg.trunk_len
+      )
+      sample = functools.partial(sample, n_branches=self.fanouts[0])
+      one_path = dict(n_branches=1)
+    return (
+      functools.partial(sample, cfg=sampler_cfg),
+      functools.partial(sample, cfg=greedy_cfg, **one_path),
+    )
 
 
 def rollout_shape(cfg) -> Shape:

@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from branch_replay.core import engine, losses, sampler
+from branch_replay.core import engine, losses
 from branch_replay.config import Config
+from branch_replay.data import tasks
 from branch_replay.train.state import TrainState, check_mesh, make_optimizer
 from models import lora as lora_lib
 
@@ -139,32 +140,7 @@ def build_fns(cfg: Config, stop_tokens, turn_lengths: tuple = (), mesh=None) -> 
       functools.partial(engine.forward, model_cfg=cfg.model, temperature=cfg.sampler.temperature)
     ),
   )
-  if cfg.tree.fanouts:
-    sample = functools.partial(
-      sampler.sample_tree,
-      model_cfg=cfg.model,
-      fanouts=cfg.tree.fanout_tuple,
-      lengths=turn_lengths,
-      stop_tokens=stop_tokens,
-    )
-    return Fns(
-      **steps,
-      sample=jax.jit(functools.partial(sample, cfg=cfg.sampler)),
-      greedy=jax.jit(
-        functools.partial(
-          sample,
-          cfg=sampler.SamplerConfig(temperature=0.0),
-          fanouts=(1,) * len(cfg.tree.fanout_tuple),  # one greedy path
-        )
-      ),
-    )
-  stops = (stop_tokens,) if isinstance(stop_tokens, int) else tuple(stop_tokens)
-  greedy = sampler.SamplerConfig(
-    max_new_tokens=cfg.sampler.max_new_tokens, temperature=0.0, trunk_len=cfg.sampler.trunk_len
+  sample, greedy = tasks.rollout_shape(cfg).samplers(
+    cfg.model, cfg.sampler, stop_tokens, turn_lengths
   )
-  sample = functools.partial(sampler.sample, model_cfg=cfg.model, stop_tokens=stops)
-  return Fns(
-    **steps,
-    sample=jax.jit(functools.partial(sample, cfg=cfg.sampler, n_branches=cfg.train.n_branches)),
-    greedy=jax.jit(functools.partial(sample, cfg=greedy, n_branches=1)),
-  )
+  return Fns(**steps, sample=jax.jit(sample), greedy=jax.jit(greedy))

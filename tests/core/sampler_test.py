@@ -98,7 +98,8 @@ def test_sampling_logps_equal_training_forward(trunk_len):
   if W:
     np.testing.assert_allclose(logp[:, 0, :W], np.asarray(s.trunk_logp_BW), rtol=1e-5, atol=1e-5)
   # `score` (one shared-prefix forward, used for the reference policy) agrees too.
-  batch = sampler.to_batch(prompt, valid, s, jnp.zeros((B, R)))
+  batch = s.batch(prompt, valid, [jnp.zeros((B, R))])  # one level of advantages
+  assert batch.fanouts == (R,) and batch.trunk_len == W
   score_logp, score_trunk = jax.jit(sampler.score, static_argnums=1)(params, CFG, batch)
   np.testing.assert_allclose(np.asarray(score_logp), np.asarray(s.logp_BRT), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(

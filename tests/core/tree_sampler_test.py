@@ -72,7 +72,9 @@ def test_sampled_logps_equal_training_forward():
     assert v.shape == (2, int(np.prod(fanouts[: d + 1])), lengths[d])
     assert v[..., 0].all() and not v.all()  # ragged nodes, none empty
   leaf_adv = np.zeros(s.tokens[-1].shape[:2], np.float32)
-  batch = sampler.to_tree_batch(prompt, valid, s, fanouts, [None, None, leaf_adv])
+  assert s.fanouts == fanouts  # read from the levels' shapes
+  batch = s.batch(prompt, valid, [None, None, leaf_adv])  # the samples' own layout
+  assert batch.fanouts == fanouts and batch.levels[-1].advantages_BR is leaf_adv
   tree.validate(batch, CFG.vocab_size)
   want, _ = jax.jit(lambda p, b: engine.forward(p, b, CFG))(params, batch)
   for got, ref in zip(s.logp, want):

@@ -165,6 +165,32 @@ def test_algorithms_never_read_the_rollout_shape():
   assert not bad, bad
 
 
+def test_the_rollout_path_and_train_never_branch_on_the_shape():
+  """Flat group or tree of turns is the task's shape (`tasks.Shape`, data/): it picks the
+  sampler, and the samples lay themselves out (`Samples.batch`, `TreeSamples.batch`), so the
+  code of rollout.py and train/ reads no `.tree.fanouts`/`.fanout_tuple`, no `.turns`, and asks
+  no samples their type (docstrings may name them)."""
+  files = [os.path.join(ROOT, "branch_replay", "rollout.py")]
+  folder = os.path.join(ROOT, "branch_replay", "train")
+  files += [os.path.join(folder, f) for f in sorted(os.listdir(folder)) if f.endswith(".py")]
+  bad = []
+  for path in files:
+    for node in ast.walk(ast.parse(open(path).read())):
+      where = f"{os.path.relpath(path, ROOT)}:{getattr(node, 'lineno', 0)}"
+      if isinstance(node, ast.Attribute) and (
+        node.attr in ("turns", "fanout_tuple")
+        or (node.attr == "fanouts" and ast.unparse(node.value).endswith("tree"))
+      ):
+        bad.append(f"{where}: {ast.unparse(node)}")
+      if (
+        isinstance(node, ast.Call)
+        and ast.unparse(node.func) == "isinstance"
+        and "Samples" in ast.unparse(node)
+      ):
+        bad.append(f"{where}: {ast.unparse(node)}")
+  assert not bad, bad
+
+
 def test_the_trainer_asks_the_algorithm_nothing_optional():
   """Every member of the protocol has a default (algorithms/base.py): the loop calls them, it
   never probes the algorithm with getattr or hasattr."""
