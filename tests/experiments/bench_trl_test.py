@@ -1,6 +1,9 @@
 """experiments/bench_trl.py's settings: TRL's GRPOConfig is built from the recipe's config
 with the same R, T, temperature, learning rate, KL beta, clip, loss normalisation and LoRA
-rank (no model is loaded; skipped without trl, a peer dependency)."""
+rank (no model is loaded; skipped without trl, a peer dependency); TRL is given our prompts'
+tokens (as text that tokenizes back to them, checked) and scored by our task's reward."""
+
+import os
 
 import pytest
 
@@ -60,3 +63,78 @@ def test_no_message_when_every_peer_is_present(monkeypatch):
 
   monkeypatch.setattr(bench_trl.importlib.util, "find_spec", lambda name: object())
   bench_trl.require_peers()  # returns, raises nothing
+
+
+@pytest.fixture(scope="module")
+def smollm2_pair():
+  """Our tokenizer and transformers' of the packaged SmolLM2 GGUF (TRL's side reads the latter)."""
+  transformers = pytest.importorskip("transformers")
+  from branch_replay.data import tokenizer as tokenizer_lib
+  from models import gguf
+
+  try:
+    path = gguf.smollm2_path()
+  except FileNotFoundError as e:
+    pytest.skip(str(e))
+  ours = tokenizer_lib.from_model_dir(path, gguf.read_config(path))
+  folder, name = os.path.split(path)
+  return ours, transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+def test_trl_is_given_our_prompt_tokens(smollm2_pair):
+  """The needle task's prompts (chat template + the answer's opening) reach TRL as text that
+  tokenizes to our prompt_ids exactly; TRL's reward is our task's, found by the row's index."""
+  from branch_replay.data import tasks
+  from experiments import bench_trl
+
+  ours, hf = smollm2_pair
+  task = tasks.make(tasks.TaskConfig(name="needle", prompt_len=400, n_keys=4), ours)
+  examples = task.eval_examples(0, 3)
+  rows, path = bench_trl.trl_rows(examples, hf)
+  assert path == "text" and [r["index"] for r in rows] == [0, 1, 2]
+  for row, e in zip(rows, examples):
+    assert hf(text=row["prompt"])["input_ids"] == list(e.prompt_ids)
+    assert row["prompt"].endswith("is")  # the answer's opening, after the template
+  reward = bench_trl.task_reward(task, examples)
+  right, wrong = f" {examples[2].answer}.", " 1234."
+  assert reward([right, wrong, right], index=[2, 2, 1]) == [1.0, 0.0, 0.0]
+  # conversational completions (the chat path) score the same
+  assert reward([[{"role": "assistant", "content": right}]], index=[2]) == [1.0]
+
+
+def test_the_math_recipe_prompts_reach_trl_as_our_tokens(smollm2_pair):
+  """math_smollm2's k-shot prompts (our chat template, ending at the assistant's turn) too."""
+  import numpy as np
+
+  from branch_replay.data import tasks
+  from experiments import bench_trl
+  from experiments.configs import math_smollm2
+
+  ours, hf = smollm2_pair
+  task = tasks.make(math_smollm2.get_config().task, ours)
+  examples = [task.sample(np.random.default_rng(i)) for i in range(3)]
+  rows, path = bench_trl.trl_rows(examples, hf)
+  assert path == "text"
+  assert [hf(text=r["prompt"])["input_ids"] for r in rows] == [list(e.prompt_ids) for e in examples]
+  assert rows[0]["prompt"].endswith("<|im_start|>assistant\n")
+
+
+def test_a_prompt_that_would_tokenize_otherwise_is_refused(smollm2_pair):
+  """Ids that decode to text TRL would tokenize differently (a word spelled letter by letter)
+  stop the bench, naming the example and where the ids part."""
+  from branch_replay.data.tasks import Example
+  from experiments import bench_trl
+
+  ours, hf = smollm2_pair
+  whole = hf(text="The special number")["input_ids"]
+  spelled = [i for ch in "The special number" for i in hf(text=ch)["input_ids"]]
+  assert spelled != whole
+  good = Example("a", "1", prompt_ids=tuple(whole))
+  bad = Example("b", "1", prompt_ids=tuple(spelled))
+  with pytest.raises(ValueError, match=r"example 1: .* expected our \d+ prompt_ids"):
+    bench_trl.trl_rows([good, bad], hf)
+  # a task without its own ids: the user turn, for TRL's chat template
+  rows, path = bench_trl.trl_rows([Example("What is 2+2?", "4")], hf)
+  assert path == "chat" and rows == [
+    {"prompt": [{"role": "user", "content": "What is 2+2?"}], "index": 0}
+  ]
