@@ -76,6 +76,16 @@ def define_flags():
   flags.DEFINE_multi_string(
     "set", [], "more overrides of the recipe (e.g. task.prompt_len=1024), after the bench's own"
   )
+  flags.DEFINE_enum(
+    "side",
+    "both",
+    ["both", "ours", "trl"],
+    "both: the two alternate step by step in this process; ours / trl: one side alone in this "
+    "process (experiments/longctx_speed.py alternates processes), with its peak RSS",
+  )
+  flags.DEFINE_string(
+    "hf_folder", "", "an HF folder written by --export_only to read (default: export the GGUF)"
+  )
 
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -211,6 +221,14 @@ def peft_config(cfg):
   )
 
 
+def recipe_examples(cfg, task, n_steps: int) -> list:
+  """The prompts our sampler draws at steps 0..n_steps-1 (so TRL is given the same)."""
+  from branch_replay.train.state import sample_examples
+
+  t = cfg.train
+  return [e for s in range(n_steps) for e in sample_examples(task, t.seed, s, t.batch_size)]
+
+
 class Ours:
   """Our trainer's loop, one step at a time (trainer.run's body without checkpoints)."""
 
@@ -226,11 +244,7 @@ class Ours:
     self.step = 0
 
   def prompts(self, n_steps: int) -> list:
-    """The prompts our sampler draws at steps 0..n_steps-1 (so TRL is given the same)."""
-    from branch_replay.train.state import sample_examples
-
-    t = self.cfg.train
-    return [e for s in range(n_steps) for e in sample_examples(self.task, t.seed, s, t.batch_size)]
+    return recipe_examples(self.cfg, self.task, n_steps)
 
   def twin(self, batch) -> dict:
     """Replay and the naive twin on this step's batch, from the same adapters: loss and
@@ -292,7 +306,10 @@ class Ours:
     self.state, out = self.algo.update(self.state, batch, self.step)
     t2 = time.perf_counter()
     self.step += 1
+    B, R, T = batch.leaves.tokens_BRT.shape
+    P = batch.root_BP.shape[1]
     return {
+      "shape_BRPT": [B, R, P, T],
       "generate": sampled["time/generate_s"] + sampled["time/data_s"],
       "reward": sampled["time/reward_s"],
       "old_logp": sampled["time/old_logp_s"],
@@ -377,39 +394,9 @@ def require_peers() -> None:
     )
 
 
-def main(argv):
-  del argv
-  require_peers()
-  import numpy as np
-  import torch
-  from datasets import Dataset
-  from transformers import TrainerCallback
-  from trl import GRPOConfig, GRPOTrainer
-  from experiments.provenance import ResultsWriter
-
-  torch.set_num_threads(FLAGS.threads)
-  gguf = FLAGS.gguf or default_gguf()
-  model, tokenizer = load_torch(gguf)
-  if FLAGS.export_only:
-    print(export_hf_folder(model, tokenizer, FLAGS.export_only))
-    return
-  work = tempfile.mkdtemp(prefix="bench_trl_")
-  folder = export_hf_folder(model, tokenizer, os.path.join(work, "hf"))
-  # Trainer refuses a model flagged GGUF-quantized (no training support): both sides read
-  # the folder written from that load (the dequantized float32 weights, bit for bit).
-  from transformers import AutoModelForCausalLM
-
-  model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-  cfg, params, tok = recipe_config(folder, FLAGS.steps)
-  ours = Ours(cfg, params, tok)
-  examples = ours.prompts(FLAGS.steps)
-  # The same prompts (our ids as text, or the same user turns under the same chat template),
-  # in our order, scored by our task's reward.
-  dataset_rows, prompt_path = trl_rows(examples, tokenizer)
-  data = Dataset.from_list(dataset_rows)
-
-  writer = ResultsWriter(FLAGS.out, "bench_trl", argv=sys.argv, gguf=os.path.basename(gguf))
-  shape = dict(
+def shape_of(cfg, examples, prompt_path) -> dict:
+  """The conditions both sides ran under, recorded in every summary."""
+  return dict(
     experiment=FLAGS.experiment,
     overrides=list(FLAGS.set),
     prompt_path=prompt_path,  # text: our prompt ids, checked to tokenize back; chat: TRL templates
@@ -422,12 +409,112 @@ def main(argv):
     lr=cfg.train.learning_rate,
     temperature=cfg.sampler.temperature,
     remat=cfg.model.remat,  # ours; TRL: gradient_checkpointing = remat != "none"
+    replay_mode=cfg.replay.mode,  # ours: replay, or its naive twin (--set=replay.mode=naive)
   )
+
+
+def side_medians(rows: list, warmup: int) -> dict:
+  import numpy as np
+
+  timed = rows[warmup:] or rows[-1:]  # a single step: itself (said so by timed_steps)
+  out = {k: float(statistics.median(r[k] for r in timed)) for k in PHASES + ("reward_mean",)}
+  out["loadavg_1m_mean"] = float(np.mean([x for r in timed for x in r["loadavg_1m"]]))
+  out["reward_curve"] = [r["reward_mean"] for r in rows]
+  out["timed_steps"] = len(rows[warmup:])
+  return out
+
+
+def run_ours_alone(cfg, params, tok, writer) -> None:
+  """--side=ours: our steps alone in this process (no torch imported), peak RSS over them."""
+  from experiments import flops, measure
+
+  ours = Ours(cfg, params, tok)
+  del params
+  examples = ours.prompts(FLAGS.steps)
+  rows = []
+  with measure.PeakRSS(interval=0.05) as rss:
+    for i in range(FLAGS.steps):
+      load0 = os.getloadavg()[0]
+      row = ours.run_step(twin=False)
+      row["loadavg_1m"] = [load0, os.getloadavg()[0]]
+      rows.append(row)
+      writer.write_plain({"side": "ours", "index": i, **row})
+  B, R, P, T = rows[-1]["shape_BRPT"]
+  writer.write(
+    {
+      "summary": True,
+      "side": "ours",
+      "shape": shape_of(cfg, examples, None),
+      "steps": FLAGS.steps,
+      "warmup": FLAGS.warmup,
+      "median_s": {"ours": side_medians(rows, FLAGS.warmup)},
+      "peak_rss_mb": rss.peak / 2**20,
+      "useful_flop_ratio": flops.useful_flop_ratio(
+        cfg.model, flops.flat(B, R, P, T, "naive"), flops.flat(B, R, P, T, "replay")
+      ),
+    }
+  )
+
+
+def main(argv):
+  del argv
+  from experiments.provenance import ResultsWriter
+
+  side = FLAGS.side
+  if side != "ours":
+    require_peers()
+  gguf = FLAGS.gguf or default_gguf()
+  folder = FLAGS.hf_folder
+  work = tempfile.mkdtemp(prefix="bench_trl_")
+  if FLAGS.export_only or not folder:
+    require_peers()
+    import torch
+
+    torch.set_num_threads(FLAGS.threads)
+    model, tokenizer = load_torch(gguf)
+    if FLAGS.export_only:
+      print(export_hf_folder(model, tokenizer, FLAGS.export_only))
+      return
+    # Trainer refuses a model flagged GGUF-quantized (no training support): both sides read
+    # the folder written from that load (the dequantized float32 weights, bit for bit).
+    folder = export_hf_folder(model, tokenizer, os.path.join(work, "hf"))
+    del model, tokenizer
+  cfg, params, tok = recipe_config(folder, FLAGS.steps)
+  writer = ResultsWriter(FLAGS.out, "bench_trl", argv=sys.argv, gguf=os.path.basename(gguf))
+  if side == "ours":
+    run_ours_alone(cfg, params, tok, writer)
+    return
+
+  import gc
+
+  import torch
+  from datasets import Dataset
+  from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+  from trl import GRPOConfig, GRPOTrainer
+  from branch_replay.data import tasks
+  from experiments import measure
+
+  torch.set_num_threads(FLAGS.threads)
+  model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+  tokenizer = AutoTokenizer.from_pretrained(folder)
+  if side == "both":
+    ours = Ours(cfg, params, tok)
+    task = ours.task
+  else:  # TRL alone: our task for its prompts and reward, none of our model in memory
+    ours, task = None, tasks.make(cfg.task, tok)
+  del params
+  gc.collect()
+  examples = recipe_examples(cfg, task, FLAGS.steps)
+  # The same prompts (our ids as text, or the same user turns under the same chat template),
+  # in our order, scored by our task's reward.
+  dataset_rows, prompt_path = trl_rows(examples, tokenizer)
+  data = Dataset.from_list(dataset_rows)
+  shape = shape_of(cfg, examples, prompt_path)
   rows = {"ours": [], "trl": []}
   trl_phase, in_score = {}, [False]
 
   class Alternate(TrainerCallback):
-    """TRL's step timed from on_step_begin to on_step_end; then one of ours."""
+    """TRL's step timed from on_step_begin to on_step_end; then one of ours (--side=both)."""
 
     def on_step_begin(self, args, state, control, **kwargs):
       trl_phase.clear()
@@ -451,6 +538,8 @@ def main(argv):
       i = len(rows["trl"])
       rows["trl"].append(row)
       writer.write_plain({"side": "trl", "index": i, **row})
+      if ours is None:
+        return
       load0 = os.getloadavg()[0]
       mine = ours.run_step(twin=FLAGS.twin)
       mine["loadavg_1m"] = [load0, os.getloadavg()[0]]
@@ -459,7 +548,7 @@ def main(argv):
 
   trainer = GRPOTrainer(
     model=model,
-    reward_funcs=task_reward(ours.task, examples),
+    reward_funcs=task_reward(task, examples),
     args=GRPOConfig(**trl_args(cfg, os.path.join(work, "trl"), FLAGS.steps)),
     train_dataset=data,
     processing_class=tokenizer,
@@ -485,13 +574,27 @@ def main(argv):
       trl_phase["score"] = trl_phase.get("score", 0.0) + time.perf_counter() - t0
 
   trainer._generate_and_score_completions = score
-  trainer.train()
-  med = lambda side, k: float(statistics.median(r[k] for r in rows[side][FLAGS.warmup :]))
-  summary = {side: {k: med(side, k) for k in PHASES + ("reward_mean",)} for side in rows}
-  for side in rows:
-    loads = [x for r in rows[side][FLAGS.warmup :] for x in r["loadavg_1m"]]
-    summary[side]["loadavg_1m_mean"] = float(np.mean(loads))
-    summary[side]["reward_curve"] = [r["reward_mean"] for r in rows[side]]
+  with measure.PeakRSS(interval=0.05) as rss:
+    trainer.train()
+  if side == "trl":
+    writer.write(
+      {
+        "summary": True,
+        "side": "trl",
+        "shape": shape,
+        "steps": FLAGS.steps,
+        "warmup": FLAGS.warmup,
+        "median_s": {"trl": side_medians(rows["trl"], FLAGS.warmup)},
+        "peak_rss_mb": rss.peak / 2**20,
+        "trl_settings": {
+          "gradient_checkpointing": cfg.model.remat != "none",
+          "attn_implementation": getattr(model.config, "_attn_implementation", None),
+          "torch_threads": torch.get_num_threads(),
+        },
+      }
+    )
+    return
+  summary = {side: side_medians(rows[side], FLAGS.warmup) for side in rows}
   ratio = {
     k: summary["trl"][k] / max(summary["ours"][k], 1e-9) for k in PHASES if summary["ours"][k] > 0
   }
