@@ -37,6 +37,7 @@ PEER_BLOCKS = "peer_cpu_blocks_2026-12-06.jsonl"
 
 # bench_trl.py matched: remat full on ours, TRL's gradient checkpointing on; the in-run twin on
 TRL_MATCHED = "trl_cpu_matched_2026-12-06.jsonl"
+NEEDLE_RUN = "needle_smollm2_2026-12-07.jsonl"
 
 # experiments/verify_tolerance.py's summary lines
 _VERIFY_CELLS = (
@@ -202,6 +203,27 @@ TABLES = {
         ),
         ("summary=True",),
         1,
+      ),
+      Source(
+        NEEDLE_RUN,
+        (
+          "long context on the real model: the multi-key needle task at "
+          "{hdr[config][task][prompt_len]:,}-token prompts (16 keys hidden in filler), greedy "
+          "accuracy on {eval_before_n} held-out problems before -> after {phase_steps} GRPO steps "
+          "with LoRA r16 (`--experiment=needle_smollm2`, B=2 x R=8; 95% Wilson intervals)",
+          "{eval_before_correct}/{eval_before_n} = {eval_before:.2f} "
+          "[{eval_before_ci95[0]:.2f}, {eval_before_ci95[1]:.2f}] -> "
+          "{eval_after_correct}/{eval_after_n} = {eval_after:.2f} "
+          "[{eval_after_ci95[0]:.2f}, {eval_after_ci95[1]:.2f}]",
+          "SmolLM2-135M-Instruct (GGUF Q4_1), float32, temperature 0.6; replay computed "
+          "{phase_computed_tokens:,} token positions vs its naive twin's "
+          "{phase_naive_equiv_tokens:,}; median RL step {median_phase_step_s:.0f} s; 1 run; "
+          "load {_load}; {_tree}",
+          "`{_file}`",
+        ),
+        ("kind=summary",),
+        1,
+        joins=(("hdr", ("kind=header",)),),
       ),
       Source(
         "cpu_long_context_2026-12-05.jsonl",
@@ -429,6 +451,45 @@ TABLES = {
     "SmolLM2-135M-Instruct (GGUF Q4_1), the RL sampler (max_new_tokens 10), the task's held-out "
     "split; samples of one prompt are not independent, so the interval understates the "
     "uncertainty; s: wall seconds on a 2-core CPU shared with a test run",
+  ),
+  "needle_recipe": Table(
+    (
+      "run",
+      "prompt tokens (target)",
+      "B x R",
+      "RL steps",
+      "sampled reward: first -> last steps (mean)",
+      "greedy accuracy, held out: before [Wilson 95%]",
+      "after [Wilson 95%]",
+      "after's interval above before's",
+      "token positions: replay vs naive",
+      "RL step s (median)",
+    ),
+    (
+      Source(
+        NEEDLE_RUN,
+        (
+          "`--experiment=needle_smollm2`, 16 keys, LoRA r16, KL 0.02",
+          "{hdr[config][task][prompt_len]:,}",
+          "{hdr[config][train][batch_size]} x {hdr[config][train][n_branches]}",
+          "{phase_steps}",
+          "{first[reward/mean]:.3f} -> {last[reward/mean]:.3f} ({window} steps each)",
+          "{eval_before_correct}/{eval_before_n} = {eval_before:.2f} "
+          "[{eval_before_ci95[0]:.2f}, {eval_before_ci95[1]:.2f}]",
+          "{eval_after_correct}/{eval_after_n} = {eval_after:.2f} "
+          "[{eval_after_ci95[0]:.2f}, {eval_after_ci95[1]:.2f}]",
+          "{eval_after_interval_above_before}",
+          "{phase_computed_tokens:,} vs {phase_naive_equiv_tokens:,}",
+          "{median_phase_step_s:.0f}",
+        ),
+        ("kind=summary",),
+        1,
+        joins=(("hdr", ("kind=header",)),),
+      ),
+    ),
+    "SmolLM2-135M-Instruct (GGUF Q4_1, our importer), float32, temperature 0.6; the task's "
+    "held-out split (disjoint from training draws), greedy; one run, its RL steps on a quiet 2-core "
+    "CPU",
   ),
   "trl": Table(
     (
@@ -1328,6 +1389,7 @@ COMPANIONS = {
   "default_run_2026-12-04.png": "default run (plot)",
   "default_run_flat_2026-12-04.png": "default run (plot)",
   "math_smollm2_2026-12-04.png": "the 36-step recipe run (plot)",
+  "needle_smollm2_2026-12-07.png": "the long-context recipe's 16-step run (plot)",
   "gpu_h200_2026-11-30_env.txt": "H200 device check (environment)",
   "lora_memory_2026-12-01.md": "lora_memory (rendered)",
   "plan_8gpu_cpu_2026-12-02.md": "plan_8gpu (rendered)",
@@ -1354,6 +1416,8 @@ CLAIMS = {
   "by prompt length and difficulty",
   "longctx_sampled": "why the needle recipe's groups carry (or lack) a learning signal: sampled "
   "accuracy and reward variance by temperature at 4,096 tokens",
+  "needle_recipe": "long context on a real model: SmolLM2-135M-Instruct with LoRA on the "
+  "4,096-token multi-key needle task, greedy held-out accuracy before -> after RL",
   "recipe": "a real pretrained model (SmolLM2-135M-Instruct) trained with LoRA on k-shot math: "
   "greedy held-out accuracy before -> after RL",
   "lora_memory": "LoRA on the large preset: ~1% of the trainable state, replay's memory saving kept",
