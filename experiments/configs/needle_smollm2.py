@@ -18,7 +18,7 @@ reward variance to learn from. Temperature 0.6: sampled through the RL sampler a
 samples of 1.0 (a first probe at 1.0 drew 0/16 correct in its first step). The held-out problems
 (train.eval_size, scored greedily before and after RL with a Wilson 95% interval) are the
 task's held-out split, disjoint from the training draws. LoRA rank 16 on every projection,
-the frozen base as the KL reference. 16 steps: a step takes about 2.5 minutes on a quiet 2-core
+the frozen base as the KL reference. 16 steps: a step takes about 2.3 minutes on a quiet 2-core
 CPU (its update peaks near 18 GB resident) and each 100-problem greedy evaluation about 25
 minutes, so the whole run (97 minutes) fits one working session (a 30-step attempt was killed
 at step 26 by the machine's memory with a test run beside it, and its files were lost: nothing
