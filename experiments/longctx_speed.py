@@ -157,7 +157,7 @@ def read_lines(path: str) -> list:
   return out
 
 
-def run_side(cmd: list, out: str, timeout_s: float):
+def run_side(cmd: list, timeout_s: float):
   """(rc, timed_out, wall_s): the side's process, stopped past timeout_s."""
   t0 = time.perf_counter()
   proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -175,7 +175,12 @@ def run_side(cmd: list, out: str, timeout_s: float):
 
 def main(argv):
   del argv
+  from experiments import bench_trl
   from experiments.provenance import ResultsWriter
+
+  # every side reads the HF folder that torch + transformers export, and TRL's is trl's:
+  # named now (requirements-peer.txt), not as a child process's traceback
+  bench_trl.require_peers()
 
   opts = dict(
     experiment=FLAGS.experiment,
@@ -210,7 +215,7 @@ def main(argv):
         continue
       out = os.path.join(work, f"{side}_{P}.jsonl")
       cmd = side_command(side, P, hf, out, opts)
-      rc, timed_out, wall = run_side(cmd, out, FLAGS.timeout_s)
+      rc, timed_out, wall = run_side(cmd, FLAGS.timeout_s)
       points[side] = writer.write_plain(point_record(side, P, rc, timed_out, wall, read_lines(out)))
       if points[side]["status"] != "ok":
         failed[side] = (points[side]["status"], P)
