@@ -243,9 +243,6 @@ class Ours:
     self.state = self.algo.start(train_state.init_state(cfg, params))
     self.step = 0
 
-  def prompts(self, n_steps: int) -> list:
-    return recipe_examples(self.cfg, self.task, n_steps)
-
   def twin(self, batch) -> dict:
     """Replay and the naive twin on this step's batch, from the same adapters: loss and
     gradient (what the update computes; LoRA: the adapters'), each timed after its compile,
@@ -430,7 +427,7 @@ def run_ours_alone(cfg, params, tok, writer) -> None:
 
   ours = Ours(cfg, params, tok)
   del params
-  examples = ours.prompts(FLAGS.steps)
+  examples = recipe_examples(cfg, ours.task, FLAGS.steps)
   rows = []
   with measure.PeakRSS(interval=0.05) as rss:
     for i in range(FLAGS.steps):

@@ -35,9 +35,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "experiments", "bench_trl.py")
 SIDES = ("ours", "naive", "trl")
-PHASES = ("generate", "reward", "old_logp", "ref_logp", "update", "step")
 
 from absl import app, flags  # noqa: E402
+
+from experiments.bench_trl import PHASES  # noqa: E402  (the phases each side times)
 
 FLAGS = flags.FLAGS
 
