@@ -86,6 +86,12 @@ def define_flags():
   flags.DEFINE_string(
     "hf_folder", "", "an HF folder written by --export_only to read (default: export the GGUF)"
   )
+  flags.DEFINE_float(
+    "long_step_s",
+    0.0,
+    "--side=ours|trl: stop after the first timed step if it took longer than this (a single "
+    "timed step where one is long; the summary says so); 0: always --steps",
+  )
 
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -410,6 +416,12 @@ def shape_of(cfg, examples, prompt_path) -> dict:
   )
 
 
+def stop_early(rows: list, warmup: int, long_step_s: float) -> bool:
+  """After the first timed step (the one after the warm-up), whether it took so long that the
+  point keeps it alone (issue 47: a single step where one takes more than ~15 min)."""
+  return long_step_s > 0 and len(rows) == warmup + 1 and rows[-1]["step"] > long_step_s
+
+
 def side_medians(rows: list, warmup: int) -> dict:
   import numpy as np
 
@@ -436,6 +448,8 @@ def run_ours_alone(cfg, params, tok, writer) -> None:
       row["loadavg_1m"] = [load0, os.getloadavg()[0]]
       rows.append(row)
       writer.write_plain({"side": "ours", "index": i, **row})
+      if stop_early(rows, FLAGS.warmup, FLAGS.long_step_s):
+        break
   B, R, P, T = rows[-1]["shape_BRPT"]
   writer.write(
     {
@@ -443,6 +457,8 @@ def run_ours_alone(cfg, params, tok, writer) -> None:
       "side": "ours",
       "shape": shape_of(cfg, examples, None),
       "steps": FLAGS.steps,
+      "steps_run": len(rows),
+      "long_step_s": FLAGS.long_step_s,
       "warmup": FLAGS.warmup,
       "median_s": {"ours": side_medians(rows, FLAGS.warmup)},
       "peak_rss_mb": rss.peak / 2**20,
@@ -536,6 +552,8 @@ def main(argv):
       rows["trl"].append(row)
       writer.write_plain({"side": "trl", "index": i, **row})
       if ours is None:
+        if stop_early(rows["trl"], FLAGS.warmup, FLAGS.long_step_s):
+          control.should_training_stop = True
         return
       load0 = os.getloadavg()[0]
       mine = ours.run_step(twin=FLAGS.twin)
@@ -580,6 +598,8 @@ def main(argv):
         "side": "trl",
         "shape": shape,
         "steps": FLAGS.steps,
+        "steps_run": len(rows["trl"]),
+        "long_step_s": FLAGS.long_step_s,
         "warmup": FLAGS.warmup,
         "median_s": {"trl": side_medians(rows["trl"], FLAGS.warmup)},
         "peak_rss_mb": rss.peak / 2**20,

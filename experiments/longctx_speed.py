@@ -18,9 +18,13 @@ update, the whole step) over the steps after --warmup, and the process's peak RS
 line per prompt length: TRL / ours and naive / ours per phase, beside the useful-FLOP ratio
 (experiments/flops.py). A side that fails (killed: out of memory on this machine; an error) or
 runs past --timeout_s is recorded with the steps it reached, and not run at longer prompts.
+A side whose first timed step takes longer than --long_step_s (15 min) keeps that single timed
+step (its summary's steps_run says so). --plot draws every run appended to --out: seconds per
+step against P, and the speedups beside the useful-FLOP ratio; --plot_only redraws it.
 
   python experiments/longctx_speed.py --prompt_lens=1024,2048,4096,8192 --steps=4 \\
-      --out=experiments/results/longctx_speed_cpu.jsonl
+      --out=experiments/results/longctx_speed_cpu.jsonl \\
+      --plot=experiments/results/longctx_speed_cpu.png
 """
 
 from __future__ import annotations
@@ -55,8 +59,13 @@ def define_flags():
   flags.DEFINE_integer("branches", 0, "R completions per prompt (0: the recipe's)")
   flags.DEFINE_integer("max_new_tokens", 0, "T (0: the recipe's)")
   flags.DEFINE_multi_string("set", [], "more overrides of the recipe, on every side")
+  flags.DEFINE_float(
+    "long_step_s", 900.0, "a side keeps a single timed step where that step takes longer (0: off)"
+  )
   flags.DEFINE_integer("timeout_s", 3600, "a side's process is stopped past this (per point)")
   flags.DEFINE_string("out", "", "append the JSON lines to this file")
+  flags.DEFINE_string("plot", "", "draw the curve of --out's lines (all its runs) to this PNG")
+  flags.DEFINE_bool("plot_only", False, "only redraw --plot from --out, running nothing")
 
 
 def side_command(side: str, prompt_len: int, hf_folder: str, out: str, opts: dict) -> list:
@@ -72,6 +81,7 @@ def side_command(side: str, prompt_len: int, hf_folder: str, out: str, opts: dic
     f"--steps={opts['steps']}",
     f"--warmup={opts['warmup']}",
     f"--remat={opts['remat']}",
+    f"--long_step_s={opts.get('long_step_s', 0.0)}",
     f"--out={out}",
     f"--set=task.prompt_len={prompt_len}",
   ]
@@ -158,6 +168,63 @@ def read_lines(path: str) -> list:
   return out
 
 
+def curve_of(lines: list) -> dict:
+  """The figure's data from the results lines (one file, or several runs appended): per side,
+  prompt length -> median seconds per step and update (the last point line of each wins); per
+  prompt length the useful-FLOP ratio."""
+  out = {"step": {}, "update": {}, "flop": {}}
+  for r in lines:
+    if r.get("kind") != "point" or not r.get("median_s"):
+      continue
+    P, side = r["prompt_len"], r["side"]
+    for phase in ("step", "update"):
+      out[phase].setdefault(side, {})[P] = r["median_s"][phase]
+    if side == "ours" and r.get("useful_flop_ratio"):
+      out["flop"][P] = r["useful_flop_ratio"]
+  return out
+
+
+def plot(lines: list, path: str) -> dict:
+  """Seconds per step against P for each side (left); TRL / ours and naive / ours for the whole
+  step and the update against P beside the useful-FLOP ratio (right). Returns curve_of(lines)."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  c = curve_of(lines)
+  fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+  for side, pts in sorted(c["step"].items()):
+    Ps = sorted(pts)
+    left.plot(Ps, [pts[P] for P in Ps], marker="o", label=side)
+  left.set(xscale="log", yscale="log", xlabel="prompt tokens P", ylabel="seconds per GRPO step")
+  left.set_title("one step (median)")
+  left.legend()
+  ours = c["step"].get("ours", {})
+  for other, style in (("trl", "-"), ("naive", "--")):
+    for phase, marker in (("step", "o"), ("update", "s")):
+      mine, theirs = c[phase].get("ours", {}), c[phase].get(other, {})
+      Ps = sorted(P for P in theirs if P in mine)
+      if Ps:
+        right.plot(
+          Ps,
+          [theirs[P] / mine[P] for P in Ps],
+          style,
+          marker=marker,
+          label=f"{other} / ours, {phase}",
+        )
+  Ps = sorted(P for P in c["flop"] if P in ours)
+  if Ps:
+    right.plot(Ps, [c["flop"][P] for P in Ps], ":", color="k", label="useful-FLOP ratio")
+  right.set(xscale="log", xlabel="prompt tokens P", ylabel="times faster than ours' time")
+  right.set_title("speedup of branch replay")
+  right.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return c
+
+
 def run_side(cmd: list, timeout_s: float):
   """(rc, timed_out, wall_s): the side's process, stopped past timeout_s."""
   t0 = time.perf_counter()
@@ -179,6 +246,12 @@ def main(argv):
   from experiments import bench_trl
   from experiments.provenance import ResultsWriter
 
+  if FLAGS.plot_only:
+    if not (FLAGS.plot and FLAGS.out):
+      raise app.UsageError("--plot_only: give --out (the results to read) and --plot (the PNG)")
+    print(json.dumps(plot(read_lines(FLAGS.out), FLAGS.plot)))
+    return
+
   # every side reads the HF folder that torch + transformers export, and TRL's is trl's:
   # named now (requirements-peer.txt), not as a child process's traceback
   bench_trl.require_peers()
@@ -188,6 +261,7 @@ def main(argv):
     steps=FLAGS.steps,
     warmup=FLAGS.warmup,
     remat=FLAGS.remat,
+    long_step_s=FLAGS.long_step_s,
     batch=FLAGS.batch,
     branches=FLAGS.branches,
     max_new_tokens=FLAGS.max_new_tokens,
@@ -221,6 +295,8 @@ def main(argv):
       if points[side]["status"] != "ok":
         failed[side] = (points[side]["status"], P)
     writer.write(curve_record(P, points))
+    if FLAGS.plot and FLAGS.out:
+      plot(read_lines(FLAGS.out), FLAGS.plot)
 
 
 if __name__ == "__main__":

@@ -106,3 +106,37 @@ def test_side_medians_leave_out_the_warmup():
   assert m["step"] == 4.0 and m["timed_steps"] == 3 and m["reward_curve"] == [0.5] * 4
   one = bench_trl.side_medians(rows[:1], warmup=1)  # a single (slow) step: itself, said so
   assert one["step"] == 100.0 and one["timed_steps"] == 0
+
+
+def test_a_long_first_timed_step_stands_alone():
+  rows = [{"step": s} for s in (1200.0, 950.0)]
+  # the warm-up step alone never stops it; the first timed one does where it is long
+  assert not bench_trl.stop_early(rows[:1], warmup=1, long_step_s=900)
+  assert bench_trl.stop_early(rows, warmup=1, long_step_s=900)
+  assert not bench_trl.stop_early(rows, warmup=1, long_step_s=1000)
+  assert not bench_trl.stop_early(rows, warmup=1, long_step_s=0)  # off
+  # later steps are not judged again: a point that started short keeps its --steps
+  assert not bench_trl.stop_early(rows + [{"step": 5000.0}], warmup=1, long_step_s=900)
+  cmd = longctx_speed.side_command("trl", 8192, "/hf", "/o", {**OPTS, "long_step_s": 900.0})
+  assert "--long_step_s=900.0" in cmd
+
+
+def test_the_figure_reads_every_run_in_the_file(tmp_path):
+  def point(side, P, step_s, flop=None):
+    rec = longctx_speed.point_record(side, P, 0, False, 1, [summary(side, step_s, 100.0, flop)])
+    return json.loads(json.dumps(rec))
+
+  lines = [
+    {"kind": "header"},
+    point("ours", 1024, 2.0, 7.0),
+    point("trl", 1024, 12.0),
+    point("naive", 1024, 13.0),
+    {"kind": "header"},  # a second run appended: 2,048 tokens
+    point("ours", 2048, 3.0, 11.0),
+    point("naive", 2048, 30.0),
+    {"kind": "point", "side": "trl", "prompt_len": 2048, "status": "timeout", "step_s": [900.0]},
+  ]
+  c = longctx_speed.plot(lines, str(tmp_path / "curve.png"))
+  assert c["step"]["ours"] == {1024: 2.0, 2048: 3.0} and c["step"]["trl"] == {1024: 12.0}
+  assert c["flop"] == {1024: 7.0, 2048: 11.0} and c["update"]["naive"][2048] == 30.0
+  assert (tmp_path / "curve.png").stat().st_size > 10_000
