@@ -87,6 +87,20 @@ def define_flags():
     "hf_folder", "", "an HF folder written by --export_only to read (default: export the GGUF)"
   )
   flags.DEFINE_float(
+    "budget_s",
+    0.0,
+    "--side=ours|trl: stop after the step during which this much training wall time (from the "
+    "first step's start, compiles included) has passed (experiments/time_to_accuracy.py); 0: off",
+  )
+  flags.DEFINE_string(
+    "save_adapter",
+    "",
+    "--side=ours|trl: write the trained LoRA adapter (PEFT folder) to DIR/final at the end",
+  )
+  flags.DEFINE_integer(
+    "save_at", 0, "--side=ours with --save_adapter: also DIR/step_N after N steps"
+  )
+  flags.DEFINE_float(
     "long_step_s",
     0.0,
     "--side=ours|trl: stop after the first timed step if it took longer than this (a single "
@@ -422,6 +436,19 @@ def stop_early(rows: list, warmup: int, long_step_s: float) -> bool:
   return long_step_s > 0 and len(rows) == warmup + 1 and rows[-1]["step"] > long_step_s
 
 
+def over_budget(elapsed_s: float, budget_s: float) -> bool:
+  """--budget_s: whether the training wall time so far has reached the budget (0: never)."""
+  return budget_s > 0 and elapsed_s >= budget_s
+
+
+def save_ours(ours, folder: str) -> str:
+  """Our adapters as a PEFT folder (models/lora.save_peft), loadable by either side."""
+  from models import lora as lora_lib
+
+  lora_lib.save_peft(folder, ours.cfg.model, ours.cfg.lora, ours.state.params)
+  return folder
+
+
 def side_medians(rows: list, warmup: int) -> dict:
   import numpy as np
 
@@ -441,15 +468,23 @@ def run_ours_alone(cfg, params, tok, writer) -> None:
   del params
   examples = recipe_examples(cfg, ours.task, FLAGS.steps)
   rows = []
+  t_start = time.perf_counter()
   with measure.PeakRSS(interval=0.05) as rss:
     for i in range(FLAGS.steps):
       load0 = os.getloadavg()[0]
       row = ours.run_step(twin=False)
       row["loadavg_1m"] = [load0, os.getloadavg()[0]]
+      row["elapsed_s"] = time.perf_counter() - t_start
       rows.append(row)
       writer.write_plain({"side": "ours", "index": i, **row})
+      if FLAGS.save_adapter and FLAGS.save_at == i + 1:
+        save_ours(ours, os.path.join(FLAGS.save_adapter, f"step_{i + 1}"))
       if stop_early(rows, FLAGS.warmup, FLAGS.long_step_s):
         break
+      if over_budget(row["elapsed_s"], FLAGS.budget_s):
+        break
+  if FLAGS.save_adapter:
+    save_ours(ours, os.path.join(FLAGS.save_adapter, "final"))
   B, R, P, T = rows[-1]["shape_BRPT"]
   writer.write(
     {
@@ -459,6 +494,8 @@ def run_ours_alone(cfg, params, tok, writer) -> None:
       "steps": FLAGS.steps,
       "steps_run": len(rows),
       "long_step_s": FLAGS.long_step_s,
+      "budget_s": FLAGS.budget_s,
+      "train_wall_s": rows[-1]["elapsed_s"],
       "warmup": FLAGS.warmup,
       "median_s": {"ours": side_medians(rows, FLAGS.warmup)},
       "peak_rss_mb": rss.peak / 2**20,
@@ -529,6 +566,9 @@ def main(argv):
   class Alternate(TrainerCallback):
     """TRL's step timed from on_step_begin to on_step_end; then one of ours (--side=both)."""
 
+    def on_train_begin(self, args, state, control, **kwargs):
+      trl_phase["t_start"] = time.perf_counter()
+
     def on_step_begin(self, args, state, control, **kwargs):
       trl_phase.clear()
       trl_phase["t0"] = time.perf_counter()
@@ -547,12 +587,15 @@ def main(argv):
         "step": total,
         "reward_mean": float(r),
         "loadavg_1m": [trl_phase["load0"], os.getloadavg()[0]],
+        "elapsed_s": time.perf_counter() - trl_phase["t_start"],
       }
       i = len(rows["trl"])
       rows["trl"].append(row)
       writer.write_plain({"side": "trl", "index": i, **row})
       if ours is None:
-        if stop_early(rows["trl"], FLAGS.warmup, FLAGS.long_step_s):
+        if stop_early(rows["trl"], FLAGS.warmup, FLAGS.long_step_s) or over_budget(
+          row["elapsed_s"], FLAGS.budget_s
+        ):
           control.should_training_stop = True
         return
       load0 = os.getloadavg()[0]
@@ -591,6 +634,8 @@ def main(argv):
   trainer._generate_and_score_completions = score
   with measure.PeakRSS(interval=0.05) as rss:
     trainer.train()
+  if FLAGS.save_adapter and side == "trl":  # PEFT's folder: adapter_config + safetensors
+    trainer.save_model(os.path.join(FLAGS.save_adapter, "final"))
   if side == "trl":
     writer.write(
       {
@@ -600,6 +645,8 @@ def main(argv):
         "steps": FLAGS.steps,
         "steps_run": len(rows["trl"]),
         "long_step_s": FLAGS.long_step_s,
+        "budget_s": FLAGS.budget_s,
+        "train_wall_s": rows["trl"][-1]["elapsed_s"],
         "warmup": FLAGS.warmup,
         "median_s": {"trl": side_medians(rows["trl"], FLAGS.warmup)},
         "peak_rss_mb": rss.peak / 2**20,

@@ -51,6 +51,7 @@ KINDS = {
     "bench_reclaim": "our step with idle gaps: the host's page reclaim on a VM, per malloc setting",
     "bench_trl": "side by side with TRL's GRPOTrainer on SmolLM2-135M (the recipe's shape)",
     "longctx_speed": "ours, our naive twin and TRL on the needle recipe by prompt length",
+    "time_to_accuracy": "TRL and ours under one wall-clock budget, adapters scored alike",
     "profile_replay": "where replay's step goes: stages and top XLA ops",
     "profile_peer": "where PrefixGrouper's step goes: aten ops by class (bench_peer's inputs)",
     "lora_memory": "LoRA vs full fine-tuning: compiled memory and speed",
