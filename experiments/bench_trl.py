@@ -562,12 +562,13 @@ def main(argv):
   shape = shape_of(cfg, examples, prompt_path)
   rows = {"ours": [], "trl": []}
   trl_phase, in_score = {}, [False]
+  t_train = [0.0]  # TRL's training start (on_train_begin), apart from the per-step phases
 
   class Alternate(TrainerCallback):
     """TRL's step timed from on_step_begin to on_step_end; then one of ours (--side=both)."""
 
     def on_train_begin(self, args, state, control, **kwargs):
-      trl_phase["t_start"] = time.perf_counter()
+      t_train[0] = time.perf_counter()
 
     def on_step_begin(self, args, state, control, **kwargs):
       trl_phase.clear()
@@ -587,7 +588,7 @@ def main(argv):
         "step": total,
         "reward_mean": float(r),
         "loadavg_1m": [trl_phase["load0"], os.getloadavg()[0]],
-        "elapsed_s": time.perf_counter() - trl_phase["t_start"],
+        "elapsed_s": time.perf_counter() - t_train[0],
       }
       i = len(rows["trl"])
       rows["trl"].append(row)

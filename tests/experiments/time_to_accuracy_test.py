@@ -102,3 +102,48 @@ def test_a_fresh_adapter_scores_as_the_base(tmp_path):
   )
   with pytest.raises(ValueError, match="r=8 but lora.rank=16"):
     time_to_accuracy.evaluate_adapters(recipe, {"wrong": wrong})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("side", ["trl", "ours"])
+def test_a_budgeted_side_stops_and_saves_an_adapter_we_load(tmp_path, side):
+  """bench_trl.py --side=trl|ours with a budget spent by its first step: one step run (of
+  --steps=3), its adapter written as a PEFT folder (TRL: trainer.save_model; ours: save_peft,
+  also at --save_at) that load_peft reads onto the recipe's model."""
+  import subprocess
+  import sys
+
+  pytest.importorskip("trl")
+  from models import gguf
+  from models import lora as lora_lib
+
+  try:
+    path = gguf.smollm2_path()
+  except FileNotFoundError as e:
+    pytest.skip(str(e))
+  sets = ["task.prompt_len=256", "task.n_keys=2"]
+  out = tmp_path / "side.jsonl"
+  cmd = [
+    sys.executable,
+    bench_trl.__file__,
+    f"--side={side}",
+    "--experiment=needle_smollm2",
+    "--batch=1",
+    "--branches=2",
+    "--steps=3",
+    "--warmup=0",
+    "--budget_s=0.001",
+    f"--save_adapter={tmp_path / 'adapter'}",
+    f"--out={out}",
+  ] + [f"--set={s}" for s in sets]
+  if side == "ours":
+    cmd.append("--save_at=1")
+  subprocess.run(cmd, check=True, cwd=os.path.dirname(os.path.dirname(bench_trl.__file__)))
+  summary = time_to_accuracy.side_summary(str(out))
+  assert summary["steps_run"] == 1 and summary["budget_s"] == 0.001
+  assert summary["train_wall_s"] > 0
+  cfg = time_to_accuracy.load_recipe("needle_smollm2", path, 0, sets)[0]
+  folders = ["final"] + (["step_1"] if side == "ours" else [])
+  for name in folders:
+    found, adapters = lora_lib.load_peft(str(tmp_path / "adapter" / name), cfg.model, cfg.lora)
+    assert found.rank == cfg.lora.rank and len(adapters) == cfg.model.n_layers
