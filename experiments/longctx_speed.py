@@ -152,6 +152,10 @@ def curve_record(prompt_len: int, points: dict) -> dict:
           rec[f"peak_{other}_over_ours"] = theirs / mine
     rec["useful_flop_ratio"] = ok["ours"].get("useful_flop_ratio")
   rec["peak_rss_mb"] = {s: p.get("peak_rss_mb") for s, p in points.items()}
+  # each side's medians and how many steps they are of (the table reads this line alone)
+  for phase in ("step", "update", "generate", "ref_logp"):
+    rec[f"{phase}_s"] = {s: p["median_s"][phase] for s, p in ok.items()}
+  rec["timed_steps"] = {s: p["median_s"].get("timed_steps") for s, p in ok.items()}
   return rec
 
 
