@@ -38,6 +38,10 @@ PEER_BLOCKS = "peer_cpu_blocks_2026-12-06.jsonl"
 # bench_trl.py matched: remat full on ours, TRL's gradient checkpointing on; the in-run twin on
 TRL_MATCHED = "trl_cpu_matched_2026-12-06.jsonl"
 NEEDLE_RUN = "needle_smollm2_2026-12-07.jsonl"
+# longctx_speed.py: ours, the naive twin and TRL on the needle recipe by prompt length
+LONGCTX_SPEED = "longctx_speed_cpu_2026-12-07.jsonl"
+# the same script at the seed's shape scaled by 1/16: B=1 x R=16 at P=8,192, ours alone
+LONGCTX_16X8K = "longctx_16x8192_cpu_2026-12-07.jsonl"
 
 # experiments/verify_tolerance.py's summary lines
 _VERIFY_CELLS = (
@@ -75,6 +79,35 @@ _MB = (
   ("total_mb", "compiled_total_bytes", 2**20),
   ("temp_mb", "temp_bytes", 2**20),
 )
+
+
+def _longctx_point(P: int) -> Source:
+  """One prompt length of longctx_speed.py: its curve line (each side's medians, peaks and timed
+  steps; the ratios; with provenance) and ours' point line (the shape every side ran)."""
+  return Source(
+    LONGCTX_SPEED,
+    (
+      "{prompt_len:,}",
+      "B={o[shape][B]} x R={o[shape][R]}, T={o[shape][T]}, LoRA r{o[shape][lora_rank]}, KL "
+      "{o[shape][kl_beta]}, temperature {o[shape][temperature]}; ours: remat {o[shape][remat]}; "
+      "TRL: gradient checkpointing {t[trl_settings][gradient_checkpointing]}, "
+      "{t[trl_settings][attn_implementation]} attention, {t[trl_settings][torch_threads]} threads",
+      "{step_s[ours]:.1f} / {step_s[naive]:.1f} / {step_s[trl]:.1f}",
+      "{update_s[ours]:.1f} / {update_s[naive]:.1f} / {update_s[trl]:.1f}",
+      "{ratio_trl_over_ours[update]:.1f}x",
+      "{ratio_trl_over_ours[step]:.1f}x",
+      "{ratio_naive_over_ours[update]:.2f}x",
+      "{useful_flop_ratio:.2f}",
+      "{peak_rss_mb[ours]:,.0f} / {peak_rss_mb[naive]:,.0f} / {peak_rss_mb[trl]:,.0f}",
+      "{timed_steps[ours]} / {timed_steps[naive]} / {timed_steps[trl]}",
+    ),
+    ("kind=curve", f"prompt_len={P}"),
+    1,
+    joins=(
+      ("o", ("kind=point", "side=ours", f"prompt_len={P}")),
+      ("t", ("kind=point", "side=trl", f"prompt_len={P}")),
+    ),
+  )
 
 
 def _trl_phase(phase: str, label: str, digits: int) -> Source:
@@ -203,6 +236,47 @@ TABLES = {
         ),
         ("summary=True",),
         1,
+      ),
+      Source(
+        LONGCTX_SPEED,
+        (
+          "long prompts on the real model: one GRPO step of the needle task at P={prompt_len:,} "
+          "tokens, ours vs TRL's `GRPOTrainer` vs our naive twin, each in its own process "
+          "(`experiments/longctx_speed.py`; every length in docs/recipe.md)",
+          "whole step {step_s[ours]:.1f} vs {step_s[trl]:.1f} s "
+          "({ratio_trl_over_ours[step]:.1f}x); update {update_s[ours]:.1f} vs "
+          "{update_s[trl]:.1f} s ({ratio_trl_over_ours[update]:.1f}x); the naive twin's update "
+          "{ratio_naive_over_ours[update]:.2f}x ours (useful-FLOP ratio {useful_flop_ratio:.2f}); "
+          "peak RSS {peak_rss_mb[ours]:,.0f} vs {peak_rss_mb[trl]:,.0f} MB",
+          "SmolLM2-135M-Instruct, float32, B={o[shape][B]} x R={o[shape][R]}, T={o[shape][T]}, "
+          "LoRA r{o[shape][lora_rank]}, KL {o[shape][kl_beta]}; remat: ours {o[shape][remat]}, "
+          "TRL gradient checkpointing; {timed_steps[ours]} / {timed_steps[trl]} timed steps "
+          "(ours / TRL) after one warm-up; load {_load}; {_tree}",
+          "`{_file}`",
+        ),
+        ("kind=curve", "prompt_len=2048"),
+        1,
+        joins=(("o", ("kind=point", "side=ours", "prompt_len=2048")),),
+      ),
+      Source(
+        LONGCTX_16X8K,
+        (
+          "the seed's 16 x 131,072 scaled by 1/16 on this CPU: one GRPO step (LoRA, KL) of a "
+          "real model with R={o[shape][R]} branches of a {prompt_len:,}-token prompt, "
+          "{o[shape][R]} x {prompt_len:,} = 131,072 prompt positions for a naive trainer",
+          "whole step {step_s[ours]:.0f} s (sampling {generate_s[ours]:.0f}, reference "
+          "{ref_logp_s[ours]:.0f}, update {update_s[ours]:.0f}); peak RSS "
+          "{peak_rss_mb[ours]:,.0f} MB; the naive twin and TRL not run at this shape (their "
+          "longest prompt measured: the row above)",
+          "SmolLM2-135M-Instruct, float32, B={o[shape][B]} x R={o[shape][R]}, T={o[shape][T]}, "
+          "LoRA r{o[shape][lora_rank]}, KL {o[shape][kl_beta]}, remat {o[shape][remat]}; "
+          "{timed_steps[ours]} timed steps after one warm-up; useful-FLOP ratio "
+          "{useful_flop_ratio:.1f}; load {_load}; {_tree}",
+          "`{_file}`",
+        ),
+        ("kind=curve", "prompt_len=8192"),
+        1,
+        joins=(("o", ("kind=point", "side=ours", "prompt_len=8192")),),
       ),
       Source(
         NEEDLE_RUN,
@@ -490,6 +564,27 @@ TABLES = {
     "SmolLM2-135M-Instruct (GGUF Q4_1, our importer), float32, temperature 0.6; the task's "
     "held-out split (disjoint from training draws), greedy; one run, its RL steps on a quiet 2-core "
     "CPU",
+  ),
+  "longctx_speed": Table(
+    (
+      "prompt tokens P",
+      "shape (every side)",
+      "whole step s: ours / naive / TRL",
+      "update s: ours / naive / TRL",
+      "update: TRL / ours",
+      "whole step: TRL / ours",
+      "update: naive / ours",
+      "useful-FLOP ratio",
+      "peak RSS MB: ours / naive / TRL",
+      "timed steps: ours / naive / TRL",
+    ),
+    tuple(_longctx_point(P) for P in (1024, 2048)),
+    "SmolLM2-135M-Instruct (GGUF Q4_1 through our importer; TRL reads the same weights as an HF "
+    "folder), float32, the needle task (16 keys), medians of the steps after one warm-up; each "
+    "side a process of its own, the order rotating per length, on a quiet 2-core CPU. The naive "
+    "twin is ours with "
+    "replay.mode=naive: its update computes every branch as its own sequence, its sampling and "
+    "reference log-probs are ours",
   ),
   "trl": Table(
     (
@@ -1390,6 +1485,7 @@ COMPANIONS = {
   "default_run_flat_2026-12-04.png": "default run (plot)",
   "math_smollm2_2026-12-04.png": "the 36-step recipe run (plot)",
   "needle_smollm2_2026-12-07.png": "the long-context recipe's 16-step run (plot)",
+  "longctx_speed_cpu_2026-12-07.png": "longctx_speed: seconds per step and speedups by P (plot)",
   "gpu_h200_2026-11-30_env.txt": "H200 device check (environment)",
   "lora_memory_2026-12-01.md": "lora_memory (rendered)",
   "plan_8gpu_cpu_2026-12-02.md": "plan_8gpu (rendered)",
@@ -1416,6 +1512,8 @@ CLAIMS = {
   "by prompt length and difficulty",
   "longctx_sampled": "why the needle recipe's groups carry (or lack) a learning signal: sampled "
   "accuracy and reward variance by temperature at 4,096 tokens",
+  "longctx_speed": "long prompts on the real model: one GRPO step of ours, our naive twin and "
+  "TRL's GRPOTrainer by prompt length, each in its own process",
   "needle_recipe": "long context on a real model: SmolLM2-135M-Instruct with LoRA on the "
   "4,096-token multi-key needle task, greedy held-out accuracy before -> after RL",
   "recipe": "a real pretrained model (SmolLM2-135M-Instruct) trained with LoRA on k-shot math: "
@@ -1467,5 +1565,11 @@ FIGURES = {
     "the default run's reward and step time",
     "default_run_flat_2026-12-04.png",
     "default_run_flat_2026-12-04.jsonl",
+  ),
+  "longctx_speed_curve": (
+    "long prompts on the real model: seconds per GRPO step against P (ours, naive twin, TRL) "
+    "and the speedups beside the useful-FLOP ratio",
+    "longctx_speed_cpu_2026-12-07.png",
+    "longctx_speed_cpu_2026-12-07.jsonl",
   ),
 }
