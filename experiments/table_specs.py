@@ -262,7 +262,7 @@ TABLES = {
         LONGCTX_16X8K,
         (
           "the seed's 16 x 131,072 scaled by 1/16 on this CPU: one GRPO step (LoRA, KL) of a "
-          "real model with R={o[shape][R]} branches of a {prompt_len:,}-token prompt, "
+          "real model with R={o[shape][R]} branches of one {prompt_len:,}-token prompt, "
           "{o[shape][R]} x {prompt_len:,} = 131,072 prompt positions for a naive trainer",
           "whole step {step_s[ours]:.0f} s (sampling {generate_s[ours]:.0f}, reference "
           "{ref_logp_s[ours]:.0f}, update {update_s[ours]:.0f}); peak RSS "
