@@ -24,7 +24,6 @@ The summary line: accuracy at equal wall time (ours at the budget vs TRL) and at
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -75,9 +74,9 @@ def side_command(side: str, workdir: str, hf_folder: str, opts: dict, save_at: i
 
 def side_summary(path: str) -> dict:
   """The summary line a side's bench_trl.py wrote (steps_run, train_wall_s, medians)."""
-  with open(path) as f:
-    lines = [json.loads(x) for x in f if x.strip()]
-  found = [r for r in lines if r.get("summary")]
+  from experiments.longctx_speed import read_lines  # a line cut by a kill is dropped
+
+  found = [r for r in read_lines(path) if r.get("summary")]
   if not found:
     raise RuntimeError(f"{path}: no summary line (the side did not finish)")
   return found[-1]
