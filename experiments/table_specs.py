@@ -42,6 +42,8 @@ NEEDLE_RUN = "needle_smollm2_2026-12-07.jsonl"
 LONGCTX_SPEED = "longctx_speed_cpu_2026-12-07.jsonl"
 # the same script at the seed's shape scaled by 1/16: B=1 x R=16 at P=8,192, ours alone
 LONGCTX_16X8K = "longctx_16x8192_cpu_2026-12-07.jsonl"
+# time_to_accuracy.py: TRL and ours under the same wall-clock budget, every adapter scored by ours
+TIME_TO_ACC = "time_to_accuracy_cpu_2026-12-07.jsonl"
 
 # experiments/verify_tolerance.py's summary lines
 _VERIFY_CELLS = (
@@ -107,6 +109,25 @@ def _longctx_point(P: int) -> Source:
       ("o", ("kind=point", "side=ours", f"prompt_len={P}")),
       ("t", ("kind=point", "side=trl", f"prompt_len={P}")),
     ),
+  )
+
+
+_TTA_ACC = (
+  "{e[eval/correct]}/{e[eval/n]} = {e[eval/greedy_reward]:.3f} [{e[eval/ci95_low]:.3f}, "
+  "{e[eval/ci95_high]:.3f}]"
+)
+
+
+def _tta_row(who: str, label: str, steps: str, wall: str, step_s: str, versus: str) -> Source:
+  """One adapter of time_to_accuracy.py: the run's summary line (its provenance) joined with
+  the adapter's eval line (`e`) and its side's line (`s`)."""
+  side = "trl" if who == "trl" else "ours"
+  return Source(
+    TIME_TO_ACC,
+    (label, steps, wall, step_s, _TTA_ACC, versus),
+    ("kind=summary",),
+    1,
+    joins=(("e", ("kind=eval", f"who={who}")), ("s", ("kind=side", f"side={side}"))),
   )
 
 
@@ -236,6 +257,28 @@ TABLES = {
         ),
         ("summary=True",),
         1,
+      ),
+      Source(
+        TIME_TO_ACC,
+        (
+          "... against TRL's `GRPOTrainer` from the same start, each given the same wall-clock "
+          "budget: held-out greedy accuracy of each adapter, at equal time and at equal steps "
+          "(`experiments/time_to_accuracy.py`; the table in docs/recipe.md)",
+          "equal time: ours {equal_time[ours_equal_time][0]:.3f} "
+          "[{equal_time[ours_equal_time][1]:.3f}, {equal_time[ours_equal_time][2]:.3f}] after "
+          "{steps[ours]} steps vs TRL {equal_time[trl][0]:.3f} [{equal_time[trl][1]:.3f}, "
+          "{equal_time[trl][2]:.3f}] after {steps[trl]}; equal steps ({steps[trl]}): ours "
+          "{equal_steps[ours_equal_steps][0]:.3f} [{equal_steps[ours_equal_steps][1]:.3f}, "
+          "{equal_steps[ours_equal_steps][2]:.3f}]; the base {b[eval/greedy_reward]:.3f}",
+          "SmolLM2-135M-Instruct, B={s[shape][B]} x R={s[shape][R]}, T={s[shape][T]}, LoRA "
+          "r{s[shape][lora_rank]}; remat: ours {s[shape][remat]}, TRL gradient checkpointing; "
+          "{budget_s:,.0f} s of training a side (our compile inside it), TRL first, each in its "
+          "own process; {b[eval/n]} held-out problems, Wilson 95%; load {_load}; {_tree}",
+          "`{_file}`",
+        ),
+        ("kind=summary",),
+        1,
+        joins=(("s", ("kind=side", "side=ours")), ("b", ("kind=eval", "who=base"))),
       ),
       Source(
         LONGCTX_SPEED,
@@ -585,6 +628,50 @@ TABLES = {
     "twin is ours with "
     "replay.mode=naive: its update computes every branch as its own sequence, its sampling and "
     "reference log-probs are ours",
+  ),
+  "time_to_accuracy": Table(
+    (
+      "adapter",
+      "RL steps",
+      "training wall s (budget)",
+      "median step s (the first step's compile included)",
+      "greedy accuracy, held out [Wilson 95%]",
+      "minus TRL's accuracy; intervals overlap",
+    ),
+    (
+      _tta_row("base", "the base (no RL)", "0", "-", "-", "-"),
+      _tta_row(
+        "trl",
+        "TRL GRPOTrainer at the budget's end (gradient checkpointing "
+        "{s[trl_settings][gradient_checkpointing]}, {s[trl_settings][attn_implementation]}, "
+        "{s[trl_settings][torch_threads]} threads)",
+        "{s[steps_run]}",
+        "{s[train_wall_s]:,.0f} ({budget_s:,.0f})",
+        "{s[median_s][trl][step]:.1f}",
+        "-",
+      ),
+      _tta_row(
+        "ours_equal_steps",
+        "ours at TRL's step count (equal steps)",
+        "{steps[trl]}",
+        "-",
+        "{s[median_s][ours][step]:.1f}",
+        "{equal_steps[difference]:+.3f}; {equal_steps[intervals_overlap]}",
+      ),
+      _tta_row(
+        "ours_equal_time",
+        "ours at the budget's end (equal time; remat {s[shape][remat]})",
+        "{s[steps_run]}",
+        "{s[train_wall_s]:,.0f} ({budget_s:,.0f})",
+        "{s[median_s][ours][step]:.1f}",
+        "{equal_time[difference]:+.3f}; {equal_time[intervals_overlap]}",
+      ),
+    ),
+    "`--experiment=math_smollm2` (SmolLM2-135M-Instruct, GGUF Q4_1; TRL reads the same weights "
+    "as an HF folder), B=2 x R=8, T=40, LoRA r16 (B = 0 at the start, so both start from the "
+    "base's function; each framework draws its own A), KL 0.02, AdamW lr 3e-4; each side a process of its own, TRL "
+    "first, on a quiet 2-core CPU; every adapter (TRL's through models/lora.load_peft) scored by "
+    "our greedy evaluation on the recipe's held-out problems",
   ),
   "trl": Table(
     (
@@ -1506,6 +1593,8 @@ CLAIMS = {
   "jsonl_reverse": "your own prompts from a file: the warm-up fits them, RL keeps them",
   "trl": "our GRPO step against TRL's GRPOTrainer on the same model, prompts and settings, "
   "phase by phase",
+  "time_to_accuracy": "TRL's GRPOTrainer and ours given the same wall-clock budget from the same "
+  "start: held-out greedy accuracy at equal time and at equal steps",
   "trl_twin": "the same run's in-run twin: replay against its naive twin on our own batches "
   "(prefix sharing apart from the framework)",
   "longctx_accuracy": "SmolLM2-135M-Instruct's greedy accuracy on the needle and vartrack tasks "
