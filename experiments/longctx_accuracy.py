@@ -12,9 +12,16 @@ With --temperatures=1.0,0.5 (and --samples=R) it also samples R completions per 
 at each temperature through the RL sampler (kind=sampled lines): the per-sample accuracy, and
 the fraction of prompts whose R rewards differ, the groups GRPO learns from (all equal: zero
 advantages). A recipe's temperature needs both well above 0.
+
+A long greedy evaluation (100 problems at 8K tokens: most of an hour on 2 cores) prints its
+progress after every chunk, and with --progress=FILE appends the rewards so far to FILE; the
+same command run again after a kill resumes each point from its last line there (the same
+commit, model, task, options, seed, n and eval_batch), and its row says `resumed_from`.
 """
 
+import json
 import os
+import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -48,6 +55,9 @@ def define_flags():
   )
   flags.DEFINE_integer("samples", 8, "Completions per prompt at each --temperatures (R).")
   flags.DEFINE_bool("greedy", True, "Measure the greedy accuracy (false: the sampled rows only).")
+  flags.DEFINE_string(
+    "progress", "", "Append each greedy chunk's rewards so far here; a rerun resumes ('': off)."
+  )
 
 
 FLAGS = flags.FLAGS
@@ -61,6 +71,51 @@ def options(text: str) -> dict:
     low = value.lower()
     out[name] = low == "true" if low in ("true", "false") else int(value)
   return out
+
+
+def _same(a: dict, b: dict) -> bool:
+  return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+def resume_point(path: str, key: dict) -> tuple[list, float]:
+  """(rewards, seconds) of the last progress line of `path` for this point (`key`), ([], 0.0)
+  where there is none (no file, another point; a line cut by a kill is skipped)."""
+  if not path or not os.path.exists(path):
+    return [], 0.0
+  found = [], 0.0
+  with open(path) as f:
+    for line in f:
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError:
+        continue
+      if isinstance(row, dict) and _same(row.get("key", {}), key):
+        found = list(row["rewards"]), float(row["seconds"])
+  return found
+
+
+def progress_writer(path: str, key: dict, n: int, before_s: float):
+  """on_chunk for evaluate.greedy_rewards: a progress line on stderr, and (with a path) the
+  rewards so far appended and flushed to disk."""
+  t0 = time.perf_counter()
+
+  def on_chunk(rewards):
+    seconds = round(before_s + time.perf_counter() - t0, 1)
+    correct = int((rewards >= 1).sum())
+    print(
+      f"greedy P={key['prompt_len']} {key['options']}: {len(rewards)}/{n} done, {correct} "
+      f"correct, {seconds:.0f} s",
+      file=sys.stderr,
+      flush=True,
+    )
+    if path:
+      with open(path, "a") as f:
+        line = dict(key=key, done=len(rewards), seconds=seconds, rewards=rewards.tolist())
+        f.write(json.dumps(line) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+  return on_chunk
 
 
 def main(argv):
@@ -123,9 +178,26 @@ def main(argv):
       if not FLAGS.greedy:
         continue
       fns = rollout.compiled(runtime.Runtime(cfg, tok), task)
+      key = dict(
+        common,
+        git_commit=provenance.git_info()["git_commit"],
+        seed=FLAGS.seed,
+        n=len(examples),
+        eval_batch=FLAGS.eval_batch,
+      )
+      done, before_s = resume_point(FLAGS.progress, key)
       t = time.perf_counter()
-      rewards_N = evaluate.greedy_rewards(fns, params, task, examples, cfg, tok)
-      seconds = time.perf_counter() - t
+      rewards_N = evaluate.greedy_rewards(
+        fns,
+        params,
+        task,
+        examples,
+        cfg,
+        tok,
+        done=done,
+        on_chunk=progress_writer(FLAGS.progress, key, len(examples), before_s),
+      )
+      seconds = before_s + time.perf_counter() - t
       n = len(rewards_N)
       record = metrics.eval_record(rewards_N)  # 0/1 rewards: the correct count, Wilson 95%
       writer.write(
@@ -138,6 +210,7 @@ def main(argv):
           ci95_high=record.get("eval/ci95_high"),
           eval_batch=FLAGS.eval_batch,
           seconds=round(seconds, 1),
+          **({"resumed_from": len(done)} if done else {}),
         )
       )
 

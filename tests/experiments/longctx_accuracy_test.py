@@ -46,3 +46,23 @@ def test_sampled_counts_samples_and_groups(monkeypatch):
   assert row["prompts_with_any_correct"] == 2
   assert row["ci95_low"] < 0.5 < row["ci95_high"] and row["temperature"] == 0.7
   jax.clear_caches()
+
+
+def test_progress_lines_resume_their_own_point(tmp_path, capsys):
+  """progress_writer appends the rewards so far; resume_point finds the last line of the same
+  point (another point's lines and a line cut by a kill are passed over)."""
+  path = str(tmp_path / "progress.jsonl")
+  key = dict(task="needle", prompt_len=8192, options={"n_keys": 16}, seed=0, n=5, eval_batch=2)
+  other = dict(key, prompt_len=4096)
+  assert longctx_accuracy.resume_point(path, key) == ([], 0.0)  # no file yet
+  on_chunk = longctx_accuracy.progress_writer(path, key, 5, before_s=10.0)
+  on_chunk(np.array([1.0, 0.0]))
+  on_chunk(np.array([1.0, 0.0, 1.0, 1.0]))
+  longctx_accuracy.progress_writer(path, other, 5, before_s=0.0)(np.array([0.0, 0.0]))
+  with open(path, "a") as f:
+    f.write('{"key": {"task": "needle", "prompt_len": 8192, "opt')  # cut by a kill
+  assert "4/5 done, 3 correct" in capsys.readouterr().err
+  rewards, seconds = longctx_accuracy.resume_point(path, key)
+  assert rewards == [1.0, 0.0, 1.0, 1.0] and seconds >= 10.0
+  assert longctx_accuracy.resume_point(path, other)[0] == [0.0, 0.0]
+  assert longctx_accuracy.resume_point(path, dict(key, seed=1)) == ([], 0.0)
