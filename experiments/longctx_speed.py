@@ -139,6 +139,8 @@ def curve_record(prompt_len: int, points: dict) -> dict:
     "kind": "curve",
     "prompt_len": prompt_len,
     "status": {s: p["status"] for s, p in points.items()},
+    # flat, for a table's `where` (several runs of one length appended to one file)
+    "sides_ok": ",".join(sorted(ok)),
   }
   if "ours" in ok:
     base = ok["ours"]["median_s"]

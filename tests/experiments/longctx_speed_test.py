@@ -87,7 +87,7 @@ def test_the_curve_line_divides_by_ours():
   c = longctx_speed.curve_record(1024, points)
   assert c["ratio_naive_over_ours"]["step"] == 7.0 and c["peak_naive_over_ours"] == 3.0
   assert "ratio_trl_over_ours" not in c and c["status"]["trl"] == "killed"
-  assert c["useful_flop_ratio"] == 7.5
+  assert c["useful_flop_ratio"] == 7.5 and c["sides_ok"] == "naive,ours"
   assert c["step_s"] == {"ours": 2.0, "naive": 14.0} and c["update_s"]["naive"] == 14.0
 
 
