@@ -19,8 +19,9 @@ line per prompt length: TRL / ours and naive / ours per phase, beside the useful
 (experiments/flops.py). A side that fails (killed: out of memory on this machine; an error) or
 runs past --timeout_s is recorded with the steps it reached, and not run at longer prompts.
 A side whose first timed step takes longer than --long_step_s (15 min) keeps that single timed
-step (its summary's steps_run says so). --plot draws every run appended to --out: seconds per
-step against P, and the speedups beside the useful-FLOP ratio; --plot_only redraws it.
+step (its summary's steps_run says so). --plot draws every run appended to --out (and to the
+files of --plot_with, read first): seconds per step against P, and the speedups beside the
+useful-FLOP ratio; --plot_only redraws it.
 
   python experiments/longctx_speed.py --prompt_lens=1024,2048,4096,8192 --steps=4 \\
       --out=experiments/results/longctx_speed_cpu.jsonl \\
@@ -66,6 +67,9 @@ def define_flags():
   flags.DEFINE_string("out", "", "append the JSON lines to this file")
   flags.DEFINE_string("plot", "", "draw the curve of --out's lines (all its runs) to this PNG")
   flags.DEFINE_bool("plot_only", False, "only redraw --plot from --out, running nothing")
+  flags.DEFINE_list(
+    "plot_with", [], "earlier results files --plot also draws (--out's lines win at a length)"
+  )
 
 
 def side_command(side: str, prompt_len: int, hf_folder: str, out: str, opts: dict) -> list:
@@ -174,6 +178,11 @@ def read_lines(path: str) -> list:
   return out
 
 
+def read_runs(paths: list) -> list:
+  """The lines of several results files in order (a later file's point wins at a length)."""
+  return [line for path in paths for line in read_lines(path)]
+
+
 def curve_of(lines: list) -> dict:
   """The figure's data from the results lines (one file, or several runs appended): per side,
   prompt length -> median seconds per step and update (the last point line of each wins); per
@@ -255,7 +264,7 @@ def main(argv):
   if FLAGS.plot_only:
     if not (FLAGS.plot and FLAGS.out):
       raise app.UsageError("--plot_only: give --out (the results to read) and --plot (the PNG)")
-    print(json.dumps(plot(read_lines(FLAGS.out), FLAGS.plot)))
+    print(json.dumps(plot(read_runs([*FLAGS.plot_with, FLAGS.out]), FLAGS.plot)))
     return
 
   # every side reads the HF folder that torch + transformers export, and TRL's is trl's:
@@ -302,7 +311,7 @@ def main(argv):
         failed[side] = (points[side]["status"], P)
     writer.write(curve_record(P, points))
     if FLAGS.plot and FLAGS.out:
-      plot(read_lines(FLAGS.out), FLAGS.plot)
+      plot(read_runs([*FLAGS.plot_with, FLAGS.out]), FLAGS.plot)
 
 
 if __name__ == "__main__":

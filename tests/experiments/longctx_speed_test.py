@@ -141,3 +141,11 @@ def test_the_figure_reads_every_run_in_the_file(tmp_path):
   assert c["step"]["ours"] == {1024: 2.0, 2048: 3.0} and c["step"]["trl"] == {1024: 12.0}
   assert c["flop"] == {1024: 7.0, 2048: 11.0} and c["update"]["naive"][2048] == 30.0
   assert (tmp_path / "curve.png").stat().st_size > 10_000
+
+
+def test_the_figure_reads_several_files_in_order(tmp_path):
+  first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+  first.write_text(json.dumps({"kind": "point", "side": "ours", "prompt_len": 4096}) + "\n")
+  second.write_text(json.dumps({"kind": "point", "side": "trl", "prompt_len": 4096}) + "\n")
+  runs = longctx_speed.read_runs([str(first), str(second), str(tmp_path / "absent.jsonl")])
+  assert [r["side"] for r in runs] == ["ours", "trl"]
