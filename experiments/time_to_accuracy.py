@@ -28,6 +28,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "experiments", "bench_trl.py")
@@ -113,9 +114,11 @@ def load_recipe(experiment: str, model_dir: str, eval_size: int, sets) -> tuple:
   return run.config_from(fv)
 
 
-def evaluate_adapters(recipe: tuple, adapters: dict) -> dict:
+def evaluate_adapters(recipe: tuple, adapters: dict, on_done=None) -> dict:
   """{name: eval_record} of our greedy evaluation (the trainer's, on the recipe's held-out
-  problems) for each PEFT adapter folder (None: the base alone)."""
+  problems) for each PEFT adapter folder (None: the base alone), each record with its
+  per-problem `rewards` (two adapters compared problem by problem). on_done(name, record)
+  after each adapter: its line is written then, and a kill keeps the adapters done."""
   from branch_replay import algorithms
   from branch_replay.data import tasks
   from branch_replay.train import metrics
@@ -132,8 +135,23 @@ def evaluate_adapters(recipe: tuple, adapters: dict) -> dict:
     if folder is not None:
       _, init = lora_lib.load_peft(folder, cfg.model, cfg.lora)
     state = algo.start(train_state.init_state(cfg, params, init))
-    rec = metrics.eval_record(algo.evaluate(state, examples))
-    out[name] = {"adapter": folder, **rec}
+    t = time.perf_counter()
+    rewards = algo.evaluate(state, examples)
+    rec = metrics.eval_record(rewards)
+    out[name] = {
+      "adapter": folder,
+      **rec,
+      "rewards": [float(r) for r in rewards],
+      "seconds": round(time.perf_counter() - t, 1),
+    }
+    print(
+      f"evaluated {name}: {rec.get('eval/correct')}/{len(rewards)} correct, "
+      f"{out[name]['seconds']:.0f} s",
+      file=sys.stderr,
+      flush=True,
+    )
+    if on_done is not None:
+      on_done(name, out[name])
   return out
 
 
@@ -184,9 +202,9 @@ def main(argv):
   if ours["steps_run"] < k:  # ours reached fewer steps than TRL: no adapter at k
     del adapters["ours_equal_steps"]
   recipe = load_recipe(FLAGS.experiment, hf, FLAGS.eval_size, FLAGS.set)
-  evals = evaluate_adapters(recipe, adapters)
-  for name, rec in evals.items():
-    writer.write_plain({"kind": "eval", "who": name, **rec})
+  evals = evaluate_adapters(
+    recipe, adapters, lambda name, rec: writer.write_plain({"kind": "eval", "who": name, **rec})
+  )
   summary = {
     "kind": "summary",
     "budget_s": FLAGS.budget_s,

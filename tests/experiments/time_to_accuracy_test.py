@@ -90,9 +90,15 @@ def test_a_fresh_adapter_scores_as_the_base(tmp_path):
   fresh = lora_lib.init_adapters(cfg.model, cfg.lora, jax.random.key(1))
   folder = os.path.join(tmp_path, "fresh")
   lora_lib.save_peft(folder, cfg.model, cfg.lora, fresh)
-  got = time_to_accuracy.evaluate_adapters(recipe, {"base": None, "fresh": folder})
+  done = []
+  got = time_to_accuracy.evaluate_adapters(
+    recipe, {"base": None, "fresh": folder}, lambda name, rec: done.append((name, rec))
+  )
+  assert [name for name, _ in done] == ["base", "fresh"]  # a line as each adapter is scored
   assert got["base"]["eval/n"] == got["fresh"]["eval/n"] == 3
   assert got["fresh"]["eval/greedy_reward"] == got["base"]["eval/greedy_reward"]
+  assert got["fresh"]["rewards"] == got["base"]["rewards"] and len(got["base"]["rewards"]) == 3
+  assert sum(got["base"]["rewards"]) / 3 == pytest.approx(got["base"]["eval/greedy_reward"])
   assert got["fresh"]["adapter"] == folder and got["base"]["adapter"] is None
   # the folder goes through PEFT's import, which refuses an adapter the recipe does not run
   other = lora_lib.LoraConfig(rank=8, alpha=cfg.lora.alpha, targets=cfg.lora.targets)
