@@ -16,7 +16,10 @@ then every adapter scored by our greedy evaluation on the same held-out problems
      evaluation), with Wilson 95% intervals.
 
 The summary line: accuracy at equal wall time (ours at the budget vs TRL) and at equal steps
-(ours after k steps vs TRL), each with both intervals and whether they overlap.
+(ours after k steps vs TRL), each with both intervals and whether they overlap, and paired
+problem by problem (each eval line keeps its per-problem rewards): the problems only one side
+solved and the exact McNemar p-value. --rescore with the --workdir of an earlier run trains
+nothing and scores its adapters again (the greedy evaluation is deterministic: the same counts).
 
   python experiments/time_to_accuracy.py --experiment=math_smollm2 --budget_s=1800 \\
       --remat=full --out=experiments/results/time_to_accuracy_cpu_$(date +%F).jsonl
@@ -47,6 +50,9 @@ def define_flags():
   flags.DEFINE_multi_string("set", [], "more overrides of the recipe, on both sides")
   flags.DEFINE_string("workdir", "", "where the adapters go (default: a temporary folder)")
   flags.DEFINE_string("out", "", "append the JSON lines to this file")
+  flags.DEFINE_bool(
+    "rescore", False, "train nothing: score the adapters an earlier run left in --workdir again"
+  )
 
 
 def side_command(side: str, workdir: str, hf_folder: str, opts: dict, save_at: int = 0) -> list:
@@ -93,6 +99,30 @@ def compare(evals: dict, key_a: str, key_b: str) -> dict:
     key_b: [b["eval/greedy_reward"], lo_b, hi_b],
     "difference": a["eval/greedy_reward"] - b["eval/greedy_reward"],
     "intervals_overlap": not (lo_a > hi_b or lo_b > hi_a),
+  }
+
+
+def paired(evals: dict, key_a: str, key_b: str) -> dict:
+  """Two adapters problem by problem: how many each alone solved, and the exact two-sided
+  McNemar p-value (the discordant problems as fair coin flips under no difference)."""
+  import math
+
+  a, b = evals[key_a]["rewards"], evals[key_b]["rewards"]
+  if len(a) != len(b):
+    raise ValueError(f"paired: {key_a} has {len(a)} rewards, {key_b} {len(b)}: the same problems?")
+  both = sum(x >= 1 and y >= 1 for x, y in zip(a, b))
+  only_a = sum(x >= 1 > y for x, y in zip(a, b))
+  only_b = sum(y >= 1 > x for x, y in zip(a, b))
+  n = only_a + only_b
+  tail = sum(math.comb(n, i) for i in range(min(only_a, only_b) + 1)) / 2**n
+  return {
+    "a": key_a,
+    "b": key_b,
+    "both": both,
+    "only_a": only_a,
+    "only_b": only_b,
+    "neither": len(a) - both - only_a - only_b,
+    "mcnemar_p": min(1.0, 2 * tail),
   }
 
 
@@ -168,17 +198,22 @@ def main(argv):
     budget_s=FLAGS.budget_s,
     sets=FLAGS.set,
   )
+  if FLAGS.rescore and not FLAGS.workdir:
+    raise app.UsageError("--rescore: give --workdir, the folder of the run to score again")
   work = FLAGS.workdir or tempfile.mkdtemp(prefix="time_to_accuracy_")
   os.makedirs(work, exist_ok=True)
   writer = ResultsWriter(FLAGS.out, "time_to_accuracy", argv=sys.argv, with_jax=False)
   hf = os.path.join(work, "hf")
-  subprocess.run([sys.executable, BENCH, f"--export_only={hf}"], cwd=ROOT, check=True)
-  writer.write({"kind": "header", "opts": opts, "workdir": work})
+  if not FLAGS.rescore:
+    subprocess.run([sys.executable, BENCH, f"--export_only={hf}"], cwd=ROOT, check=True)
+  writer.write({"kind": "header", "opts": opts, "workdir": work, "rescore": FLAGS.rescore})
 
-  subprocess.run(side_command("trl", work, hf, opts), cwd=ROOT, check=True)
+  if not FLAGS.rescore:
+    subprocess.run(side_command("trl", work, hf, opts), cwd=ROOT, check=True)
   trl = side_summary(os.path.join(work, "trl.jsonl"))
   k = trl["steps_run"]
-  subprocess.run(side_command("ours", work, hf, opts, save_at=k), cwd=ROOT, check=True)
+  if not FLAGS.rescore:
+    subprocess.run(side_command("ours", work, hf, opts, save_at=k), cwd=ROOT, check=True)
   ours = side_summary(os.path.join(work, "ours.jsonl"))
   for name, s in (("trl", trl), ("ours", ours)):
     writer.write_plain(
@@ -210,9 +245,11 @@ def main(argv):
     "budget_s": FLAGS.budget_s,
     "steps": {"trl": k, "ours": ours["steps_run"]},
     "equal_time": compare(evals, "ours_equal_time", "trl"),
+    "paired_equal_time": paired(evals, "ours_equal_time", "trl"),
   }
   if "ours_equal_steps" in evals:
     summary["equal_steps"] = compare(evals, "ours_equal_steps", "trl")
+    summary["paired_equal_steps"] = paired(evals, "ours_equal_steps", "trl")
   writer.write(summary)
 
 

@@ -65,6 +65,20 @@ def test_two_evaluations_compared_with_their_intervals():
   assert time_to_accuracy.compare(evals, "c", "b")["intervals_overlap"]
 
 
+def test_paired_counts_the_problems_each_alone_solved():
+  evals = {
+    "ours": {"rewards": [1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1.0]},
+    "trl": {"rewards": [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]},
+  }
+  p = time_to_accuracy.paired(evals, "ours", "trl")
+  assert (p["both"], p["only_a"], p["only_b"], p["neither"]) == (2, 4, 0, 2)
+  assert p["mcnemar_p"] == pytest.approx(2 / 16)  # 4 discordant, all one way: 2 * 0.5**4
+  even = time_to_accuracy.paired({"a": {"rewards": [1, 0]}, "b": {"rewards": [0, 1]}}, "a", "b")
+  assert even["mcnemar_p"] == 1.0
+  with pytest.raises(ValueError, match="ours has 8 rewards, short 1"):
+    time_to_accuracy.paired({**evals, "short": {"rewards": [1.0]}}, "ours", "short")
+
+
 def test_the_budget_stop():
   assert not bench_trl.over_budget(1799.0, 1800.0)
   assert bench_trl.over_budget(1800.0, 1800.0) and bench_trl.over_budget(2400.0, 1800.0)
