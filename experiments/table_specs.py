@@ -44,6 +44,8 @@ LONGCTX_SPEED = "longctx_speed_cpu_2026-12-07.jsonl"
 LONGCTX_16X8K = "longctx_16x8192_cpu_2026-12-07.jsonl"
 # time_to_accuracy.py: TRL and ours under the same wall-clock budget, every adapter scored by ours
 TIME_TO_ACC = "time_to_accuracy_cpu_2026-12-07.jsonl"
+# the same run's adapters scored again (--rescore), each eval line with per-problem rewards
+TIME_TO_ACC_PAIRED = "time_to_accuracy_rescored_cpu_2026-12-08.jsonl"
 
 # experiments/verify_tolerance.py's summary lines
 _VERIFY_CELLS = (
@@ -672,6 +674,49 @@ TABLES = {
     "base's function; each framework draws its own A), KL 0.02, AdamW lr 3e-4; each side a process of its own, TRL "
     "first, on a quiet 2-core CPU; every adapter (TRL's through models/lora.load_peft) scored by "
     "our greedy evaluation on the recipe's held-out problems",
+  ),
+  "time_to_accuracy_paired": Table(
+    (
+      "comparison",
+      "accuracy: ours / TRL (rescored)",
+      "problems both solved",
+      "only ours",
+      "only TRL",
+      "neither",
+      "exact McNemar p (two-sided)",
+    ),
+    (
+      Source(
+        TIME_TO_ACC_PAIRED,
+        (
+          "equal time: ours at the budget's end ({steps[ours]} steps) vs TRL ({steps[trl]})",
+          "{equal_time[ours_equal_time][0]:.3f} / {equal_time[trl][0]:.3f}",
+          "{paired_equal_time[both]}",
+          "{paired_equal_time[only_a]}",
+          "{paired_equal_time[only_b]}",
+          "{paired_equal_time[neither]}",
+          "{paired_equal_time[mcnemar_p]:.2g}",
+        ),
+        ("kind=summary",),
+        1,
+      ),
+      Source(
+        TIME_TO_ACC_PAIRED,
+        (
+          "equal steps: ours after {steps[trl]} steps vs TRL",
+          "{equal_steps[ours_equal_steps][0]:.3f} / {equal_steps[trl][0]:.3f}",
+          "{paired_equal_steps[both]}",
+          "{paired_equal_steps[only_a]}",
+          "{paired_equal_steps[only_b]}",
+          "{paired_equal_steps[neither]}",
+          "{paired_equal_steps[mcnemar_p]:.2g}",
+        ),
+        ("kind=summary",),
+        1,
+      ),
+    ),
+    "time_to_accuracy's adapters (the run above, its --workdir) scored again by "
+    "`--rescore`, each problem's reward kept; the held-out problems as above",
   ),
   "trl": Table(
     (
@@ -1595,6 +1640,8 @@ CLAIMS = {
   "phase by phase",
   "time_to_accuracy": "TRL's GRPOTrainer and ours given the same wall-clock budget from the same "
   "start: held-out greedy accuracy at equal time and at equal steps",
+  "time_to_accuracy_paired": "the time-to-accuracy adapters problem by problem: which problems "
+  "only ours or only TRL solved, and the exact McNemar test",
   "trl_twin": "the same run's in-run twin: replay against its naive twin on our own batches "
   "(prefix sharing apart from the framework)",
   "longctx_accuracy": "SmolLM2-135M-Instruct's greedy accuracy on the needle and vartrack tasks "
