@@ -80,17 +80,12 @@ def _same(a: dict, b: dict) -> bool:
 def resume_point(path: str, key: dict) -> tuple[list, float]:
   """(rewards, seconds) of the last progress line of `path` for this point (`key`), ([], 0.0)
   where there is none (no file, another point; a line cut by a kill is skipped)."""
-  if not path or not os.path.exists(path):
-    return [], 0.0
+  from experiments.longctx_speed import read_lines  # a line cut by a kill is dropped
+
   found = [], 0.0
-  with open(path) as f:
-    for line in f:
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError:
-        continue
-      if isinstance(row, dict) and _same(row.get("key", {}), key):
-        found = list(row["rewards"]), float(row["seconds"])
+  for row in read_lines(path) if path else []:
+    if isinstance(row, dict) and _same(row.get("key", {}), key):
+      found = list(row["rewards"]), float(row["seconds"])
   return found
 
 
